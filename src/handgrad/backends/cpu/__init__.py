@@ -1,0 +1,33 @@
+"""CPU backend: NumPy for storage and BLAS matmuls, Numba kernels for everything else.
+
+Every op is a forward/backward pair with the same name and arguments in every backend.
+"""
+import numpy as np
+
+from .adamw import adamw_update, global_norm, make_chunks
+from .attention import attention_backward, attention_forward
+from .crossentropy import crossentropy_backward, crossentropy_forward
+from .encoder import encoder_backward, encoder_forward
+from .gelu import gelu_backward, gelu_forward
+from .layernorm import layernorm_backward, layernorm_forward
+from .layernorm_linear import layernorm_linear_backward, layernorm_linear_forward
+from .linear import linear_backward, linear_forward
+from .residual import residual_backward, residual_forward
+
+NAME = "cpu"
+
+
+def empty(shape, dtype=np.float32):
+    return np.empty(shape, dtype=dtype)
+
+
+def zeros(shape, dtype=np.float32):
+    return np.zeros(shape, dtype=dtype)
+
+
+def to_numpy(x):
+    return np.asarray(x)
+
+
+def from_numpy(a):
+    return np.ascontiguousarray(a)

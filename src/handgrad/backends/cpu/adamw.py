@@ -1,0 +1,68 @@
+"""AdamW over the flat parameter buffer, and the global gradient norm.
+
+Both run in one parallel pass over fixed chunks of the flat buffers. Chunks never straddle two
+tensors, so each carries its tensor's weight-decay flag, and the norm's partial sums are added in
+chunk order: the same result on any number of threads.
+"""
+import numpy as np
+from numba import prange
+
+from .common import kernel
+
+CHUNK = 1 << 16
+
+
+def make_chunks(segments):
+    """segments: [(start, end, decay)] of each tensor in the flat buffer -> int64 (n, 3) chunks."""
+    out = []
+    for start, end, decay in segments:
+        for s in range(start, end, CHUNK):
+            out.append((s, min(end, s + CHUNK), int(bool(decay))))
+    return np.array(out, dtype=np.int64).reshape(-1, 3)
+
+
+@kernel
+def _sumsq_kernel(partial, grads, chunks):
+    for k in prange(chunks.shape[0]):
+        acc = 0.0
+        for i in range(chunks[k, 0], chunks[k, 1]):
+            g = np.float64(grads[i])
+            acc += g * g
+        partial[k] = acc
+
+
+def global_norm(grads, chunks):
+    """sqrt(sum of squares) of the flat gradient buffer, accumulated in float64."""
+    partial = np.empty(chunks.shape[0], dtype=np.float64)
+    _sumsq_kernel(partial, grads, chunks)
+    return float(np.sqrt(partial.sum()))
+
+
+@kernel
+def _adamw_kernel(params, grads, m, v, chunks, lr, beta1, beta2, eps, weight_decay,
+                  bc1, bc2, grad_scale):
+    for k in prange(chunks.shape[0]):
+        wd = weight_decay if chunks[k, 2] else 0.0
+        for i in range(chunks[k, 0], chunks[k, 1]):
+            g = grads[i] * grad_scale
+            mi = beta1 * m[i] + (1.0 - beta1) * g
+            vi = beta2 * v[i] + (1.0 - beta2) * g * g
+            m[i] = mi
+            v[i] = vi
+            mhat = mi / bc1
+            vhat = vi / bc2
+            params[i] -= lr * (mhat / (np.sqrt(vhat) + eps) + wd * params[i])
+
+
+def adamw_update(params, grads, m, v, chunks, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                 weight_decay=0.0, grad_scale=1.0):
+    """One AdamW step (torch.optim.AdamW's semantics), step counting from 1:
+        g = grad * grad_scale;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+        p -= lr * (m / (1 - b1^step) / (sqrt(v / (1 - b2^step)) + eps) + wd * p)
+    wd applies only in chunks flagged for decay (tensors with 2+ dimensions). grad_scale folds
+    gradient clipping into the same pass. Overwrites params, m and v in place.
+    """
+    bc1 = 1.0 - beta1 ** step
+    bc2 = 1.0 - beta2 ** step
+    _adamw_kernel(params, grads, m, v, chunks, float(lr), float(beta1), float(beta2), float(eps),
+                  float(weight_decay), bc1, bc2, float(grad_scale))

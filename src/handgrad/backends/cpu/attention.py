@@ -1,0 +1,99 @@
+"""Causal multi-head self-attention on the fused qkv (B, T, 3C), NH heads of size hs = C / NH.
+
+Per head:  S = q k^T / sqrt(hs),  P = softmax(S with S[t, s] = -inf for s > t),  y = P v.
+The matrix products go through BLAS (numpy.matmul over (B, NH) on strided views, no copies);
+the scaled, masked softmax and its backward are Numba kernels, parallel over rows (b, h, t).
+"""
+import math
+
+import numpy as np
+from numba import prange
+
+from .common import kernel, workspace
+
+
+def _heads(x, B, T, NH, hs):
+    """(B, T, NH*hs) view -> (B, NH, T, hs) view."""
+    return x.reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
+
+
+def _split_qkv(qkv, NH):
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // NH
+    return [_heads(qkv[:, :, i * C:(i + 1) * C], B, T, NH, hs) for i in range(3)]
+
+
+@kernel
+def _softmax_causal_kernel(att, scale):
+    B, NH, T, _ = att.shape
+    for row in prange(B * NH * T):
+        b = row // (NH * T)
+        h = (row // T) % NH
+        t = row % T
+        mx = -np.inf
+        for s in range(t + 1):
+            v = att[b, h, t, s] * scale
+            if v > mx:
+                mx = v
+        total = 0.0
+        for s in range(t + 1):
+            e = np.exp(att[b, h, t, s] * scale - mx)
+            att[b, h, t, s] = e
+            total += e
+        inv = 1.0 / total
+        for s in range(t + 1):
+            att[b, h, t, s] *= inv
+        for s in range(t + 1, T):
+            att[b, h, t, s] = 0.0
+
+
+def attention_forward(out, att, qkv, n_head):
+    """out (B, T, C) = causal attention of qkv (B, T, 3C) with n_head heads.
+
+    Overwrites out and att (B, NH, T, T), the softmax probabilities kept for the backward.
+    """
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // n_head
+    q, k, v = _split_qkv(qkv, n_head)
+    np.matmul(q, k.transpose(0, 1, 3, 2), out=att)
+    _softmax_causal_kernel(att, 1.0 / math.sqrt(hs))
+    np.matmul(att, v, out=_heads(out, B, T, n_head, hs))
+
+
+@kernel
+def _softmax_causal_backward_kernel(datt, att, scale):
+    B, NH, T, _ = att.shape
+    for row in prange(B * NH * T):
+        b = row // (NH * T)
+        h = (row // T) % NH
+        t = row % T
+        dot = 0.0
+        for s in range(t + 1):
+            dot += att[b, h, t, s] * datt[b, h, t, s]
+        for s in range(t + 1):
+            datt[b, h, t, s] = att[b, h, t, s] * (datt[b, h, t, s] - dot) * scale
+        for s in range(t + 1, T):
+            datt[b, h, t, s] = 0.0
+
+
+def attention_backward(dqkv, dout, qkv, att, n_head):
+    """With y = P v, P = softmax(S), S = q k^T * scale (scale = 1/sqrt(hs)), per head:
+        dP = dy v^T,   dv = P^T dy,
+        dS = P * (dP - rowsum(P * dP)) * scale   (softmax backward; masked entries have P = 0),
+        dq = dS k,     dk = dS^T q.
+    Overwrites dqkv (B, T, 3C). dout is (B, T, C); att the probabilities saved by the forward.
+    """
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // n_head
+    q, k, v = _split_qkv(qkv, n_head)
+    dq, dk, dv = _split_qkv(dqkv, n_head)
+    dy = _heads(dout, B, T, n_head, hs)
+    datt = workspace("attention_datt", att.shape, att.dtype)
+    np.matmul(dy, v.transpose(0, 1, 3, 2), out=datt)
+    np.matmul(att.transpose(0, 1, 3, 2), dy, out=dv)
+    _softmax_causal_backward_kernel(datt, att, 1.0 / math.sqrt(hs))
+    np.matmul(datt, k, out=dq)
+    np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)

@@ -1,0 +1,66 @@
+"""Pieces shared by the CPU ops: the Numba decorator, a reusable workspace, column sums.
+
+Kernels never allocate; ops ask `workspace()` for scratch buffers, which are allocated once per
+(name, shape, dtype) and then reused from call to call, so the training loop allocates nothing.
+"""
+import numpy as np
+from numba import njit, prange
+
+kernel = njit(parallel=True, cache=True)
+serial_kernel = njit(cache=True)
+
+# Row blocks for reductions over rows (parameter gradients). The block size is fixed, not tied to
+# the thread count, so the order of every floating-point sum is the same on any machine.
+ROWS_PER_BLOCK = 32
+
+_workspace = {}
+
+
+def workspace(name, shape, dtype=np.float32):
+    """A scratch buffer reused across calls: contents are undefined on return."""
+    key = (name, tuple(shape), np.dtype(dtype))
+    buf = _workspace.get(key)
+    if buf is None:
+        buf = np.empty(shape, dtype=dtype)
+        _workspace[key] = buf
+    return buf
+
+
+def rows(x):
+    """View a (..., C) array as (N, C) without copying."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def n_blocks(N):
+    return (N + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
+
+
+@kernel
+def sum_blocks_into(dst, partial):
+    """dst (C,) += sum over blocks of partial (NB, C), in block order."""
+    NB, C = partial.shape
+    for c in prange(C):
+        acc = 0.0
+        for blk in range(NB):
+            acc += partial[blk, c]
+        dst[c] += acc
+
+
+@kernel
+def _colsum_blocks(partial, x):
+    N, C = x.shape
+    NB = partial.shape[0]
+    for blk in prange(NB):
+        for c in range(C):
+            partial[blk, c] = 0.0
+        for i in range(blk * ROWS_PER_BLOCK, min(N, (blk + 1) * ROWS_PER_BLOCK)):
+            for c in range(C):
+                partial[blk, c] += x[i, c]
+
+
+def colsum_accumulate(dst, x):
+    """dst (C,) += x (N, C).sum(0), deterministic and parallel over row blocks."""
+    x = rows(x)
+    partial = workspace("colsum", (n_blocks(x.shape[0]), x.shape[1]), x.dtype)
+    _colsum_blocks(partial, x)
+    sum_blocks_into(dst, partial)

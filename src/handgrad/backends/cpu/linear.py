@@ -1,0 +1,64 @@
+"""Linear layer in GPT-2's Conv1D layout: out = inp @ weight + bias, weight (C, OC)."""
+import numpy as np
+from numba import prange
+
+from .common import colsum_accumulate, kernel, rows, workspace
+
+
+@kernel
+def _add_bias_kernel(out, bias):
+    N, OC = out.shape
+    for i in prange(N):
+        for o in range(OC):
+            out[i, o] += bias[o]
+
+
+@kernel
+def _add_inplace_kernel(dst, src):
+    n = dst.shape[0]
+    for i in prange(n):
+        dst[i] += src[i]
+
+
+def add_inplace(dst, src):
+    """dst += src for contiguous arrays of one shape, in parallel."""
+    _add_inplace_kernel(dst.reshape(-1), src.reshape(-1))
+
+
+def matmul_accumulate(dst, a, b):
+    """dst (M, N) += a (M, K) @ b (K, N), through one BLAS sgemm into a reused scratch buffer."""
+    tmp = workspace("matmul_acc", dst.shape, dst.dtype)
+    np.matmul(a, b, out=tmp)
+    if dst.flags.c_contiguous:
+        add_inplace(dst, tmp)
+    else:
+        dst += tmp
+
+
+def linear_forward(out, inp, weight, bias=None):
+    """out (B, T, OC) = inp (B, T, C) @ weight (C, OC) [+ bias (OC)]. Overwrites out.
+
+    `weight` may be a transposed view (the tied lm_head passes wte.T); BLAS handles it directly.
+    """
+    out2 = rows(out)
+    np.matmul(rows(inp), weight, out=out2)
+    if bias is not None:
+        _add_bias_kernel(out2, bias)
+
+
+def linear_backward(dinp, dweight, dbias, dout, inp, weight):
+    """Gradients of out = inp @ W + b:  dinp = dout @ W^T,  dW = inp^T @ dout,  db = sum_rows(dout).
+
+    Overwrites dinp (a linear's input is never the residual stream here). Accumulates (+=) into
+    dweight and dbias (parameter gradients). dinp or dbias may be None to skip them; dweight may
+    be a transposed view, as for the tied lm_head (dwte.T).
+    """
+    dout2, inp2 = rows(dout), rows(inp)
+    if dinp is not None:
+        np.matmul(dout2, weight.T, out=rows(dinp))
+    if dweight.flags.c_contiguous:
+        matmul_accumulate(dweight, inp2.T, dout2)
+    else:  # a transposed view: accumulate the transpose, (dW^T) += dout^T @ inp, which is contiguous
+        matmul_accumulate(dweight.T, dout2.T, inp2)
+    if dbias is not None:
+        colsum_accumulate(dbias, dout2)

@@ -1,0 +1,273 @@
+"""GPT-2 over one flat parameter buffer. This file only orchestrates: the math lives in the ops.
+
+Shapes: B batch, T time, C n_embd, NH heads, V vocab, L layers.
+"""
+import numpy as np
+
+from .backends import get_backend
+from .config import GPTConfig
+
+
+def param_spec(config):
+    """The one ordered list of (name, shape) that lays out parameters, gradients, and checkpoints.
+
+    Names and layouts are Hugging Face GPT-2's (Conv1D weights are [in, out]); lm_head is wte.
+    """
+    C, V, L = config.n_embd, config.vocab_size, config.n_layer
+    spec = [("wte.weight", (V, C)), ("wpe.weight", (config.block_size, C))]
+    for i in range(L):
+        p = f"h.{i}."
+        spec += [
+            (p + "ln_1.weight", (C,)), (p + "ln_1.bias", (C,)),
+            (p + "attn.c_attn.weight", (C, 3 * C)), (p + "attn.c_attn.bias", (3 * C,)),
+            (p + "attn.c_proj.weight", (C, C)), (p + "attn.c_proj.bias", (C,)),
+            (p + "ln_2.weight", (C,)), (p + "ln_2.bias", (C,)),
+            (p + "mlp.c_fc.weight", (C, 4 * C)), (p + "mlp.c_fc.bias", (4 * C,)),
+            (p + "mlp.c_proj.weight", (4 * C, C)), (p + "mlp.c_proj.bias", (C,)),
+        ]
+    spec += [("ln_f.weight", (C,)), ("ln_f.bias", (C,))]
+    return spec
+
+
+def _layout(spec):
+    """name -> (offset, shape) in the flat buffer, and the total size."""
+    offsets, n = {}, 0
+    for name, shape in spec:
+        offsets[name] = (n, shape)
+        n += int(np.prod(shape))
+    return offsets, n
+
+
+def _views(flat, layout):
+    return {name: flat[o:o + int(np.prod(s))].reshape(s) for name, (o, s) in layout.items()}
+
+
+def flops_per_token(config, T):
+    """Training FLOPs per token (forward + backward = 3x forward): 6 N plus attention's 6 L T C
+    (q k^T and P v, counted over the full T x T as computed)."""
+    n_matmul = sum(int(np.prod(s)) for name, s in param_spec(config)
+                   if len(s) == 2 and name != "wpe.weight")
+    return 6 * n_matmul + 12 * config.n_layer * T * config.n_embd
+
+
+class Activations:
+    """Every buffer one forward/backward of shape (B, T) needs, allocated once and reused."""
+
+    def __init__(self, ops, config, B, T, dtype=np.float32):
+        C, L, NH, V = config.n_embd, config.n_layer, config.n_head, config.vocab_size
+        e = lambda *shape: ops.empty(shape, dtype)
+        self.B, self.T = B, T
+        self.idx = ops.empty((B, T), np.int32)
+        self.targets = ops.empty((B, T), np.int32)
+        self.encoded = e(B, T, C)          # residual stream entering block 0
+        self.ln1_mean, self.ln1_rstd = e(L, B, T), e(L, B, T)
+        self.qkv = e(L, B, T, 3 * C)
+        self.att = e(L, B, NH, T, T)       # softmax probabilities
+        self.atty = e(L, B, T, C)          # attention output before c_proj
+        self.res2 = e(L, B, T, C)          # residual after attention
+        self.ln2_mean, self.ln2_rstd = e(L, B, T), e(L, B, T)
+        self.fch = e(L, B, T, 4 * C)       # c_fc output + bias (GELU input)
+        self.fch_gelu = e(L, B, T, 4 * C)
+        self.res3 = e(L, B, T, C)          # residual after the MLP
+        self.lnf = e(B, T, C)
+        self.lnf_mean, self.lnf_rstd = e(B, T), e(B, T)
+        self.logits = e(B, T, V)           # overwritten in place by dlogits in the backward
+        self.lse, self.losses = e(B, T), e(B, T)
+        self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add
+        self.grads = None                  # gradient buffers, allocated on the first backward
+
+    def alloc_grads(self, ops, config, dtype=np.float32):
+        B, T, C = self.B, self.T, config.n_embd
+        e = lambda *shape: ops.empty(shape, dtype)
+        self.dres = e(B, T, C)             # gradient of the residual stream, carried down the blocks
+        self.dlnf = e(B, T, C)
+        self.datty = e(B, T, C)
+        self.dqkv = e(B, T, 3 * C)
+        self.dfch = e(B, T, 4 * C)
+        self.grads = True
+
+
+class GPT:
+    """GPT-2 with hand-written forward and backward passes.
+
+    >>> model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64))
+    >>> loss = model.forward(idx, targets); model.zero_grad(); model.backward()
+    """
+
+    def __init__(self, config, backend="cpu", seed=0):
+        if not isinstance(config, GPTConfig):
+            raise ValueError(f"config must be a handgrad.GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.ops = get_backend(backend)
+        self.backend = backend
+        self.spec = param_spec(config)
+        self.layout, self.num_params = _layout(self.spec)
+        self.params = self.ops.zeros((self.num_params,))
+        self.grad = self.ops.zeros((self.num_params,))
+        self.p = _views(self.params, self.layout)
+        self.g = _views(self.grad, self.layout)
+        self._acts = None
+        self._ready_for_backward = False
+        self._init_weights(seed)
+
+    # ----------------------------------------------------------------- parameters
+    def _init_weights(self, seed):
+        """GPT-2's initialisation: N(0, 0.02) for weights and embeddings, N(0, 0.02/sqrt(2L)) for
+        the projections into the residual stream, zero biases, unit layernorm gains."""
+        rng = np.random.default_rng(seed)
+        proj_std = 0.02 / np.sqrt(2 * self.config.n_layer)
+        host = np.zeros(self.num_params, dtype=np.float32)
+        for name, (o, shape) in self.layout.items():
+            n = int(np.prod(shape))
+            if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name == "ln_f.weight":
+                host[o:o + n] = 1.0
+            elif len(shape) == 2:
+                std = proj_std if name.endswith("c_proj.weight") else 0.02
+                host[o:o + n] = rng.standard_normal(n, dtype=np.float32) * np.float32(std)
+        self.params[:] = self.ops.from_numpy(host)
+
+    def decay_segments(self):
+        """(start, end, decay) per tensor: weight decay applies to tensors with 2+ dimensions."""
+        return [(o, o + int(np.prod(s)), len(s) >= 2) for _, (o, s) in self.layout.items()]
+
+    def state_dict(self):
+        """Copies of the weights under Hugging Face GPT-2 names and layouts (no lm_head)."""
+        return {name: self.ops.to_numpy(view).copy() for name, view in self.p.items()}
+
+    def grads(self):
+        """Copies of the gradients, under the same names and layouts as state_dict()."""
+        return {name: self.ops.to_numpy(view).copy() for name, view in self.g.items()}
+
+    def load_state_dict(self, state):
+        """Copy weights in from a dict of arrays; missing, extra or mis-shaped names are rejected."""
+        missing = [n for n in self.p if n not in state]
+        extra = [n for n in state if n not in self.p]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            if extra:
+                parts.append(f"unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+            raise ValueError("load_state_dict: " + "; ".join(parts))
+        for name, view in self.p.items():
+            arr = np.asarray(state[name])
+            if tuple(arr.shape) != tuple(view.shape):
+                raise ValueError(f"load_state_dict: {name} has shape {tuple(arr.shape)}, "
+                                 f"expected {tuple(view.shape)}")
+            if not np.issubdtype(arr.dtype, np.floating):
+                raise ValueError(f"load_state_dict: {name} has dtype {arr.dtype}, expected a float type")
+        for name, view in self.p.items():
+            view[...] = self.ops.from_numpy(np.asarray(state[name], dtype=np.float32))
+
+    def zero_grad(self):
+        self.grad[:] = 0
+
+    # ----------------------------------------------------------------- forward / backward
+    def _check_tokens(self, name, x, allow_ignore):
+        if not isinstance(x, np.ndarray):
+            x = np.asarray(x)
+        if not np.issubdtype(x.dtype, np.integer):
+            raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+        if x.ndim != 2:
+            raise ValueError(f"{name} must have shape (B, T), got shape {x.shape}")
+        B, T = x.shape
+        if B < 1 or T < 1:
+            raise ValueError(f"{name} must have B >= 1 and T >= 1, got shape {x.shape}")
+        if T > self.config.block_size:
+            raise ValueError(f"{name} has T = {T}, above block_size {self.config.block_size}; "
+                             f"use at most {self.config.block_size} positions")
+        V = self.config.vocab_size
+        lo = -1 if allow_ignore else 0
+        bad = (x < lo) | (x >= V)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            allowed = f"-1 (ignore) or [0, {V})" if allow_ignore else f"[0, {V})"
+            raise ValueError(f"{name}{list(where)} = {int(x[where])} is outside {allowed}")
+        return x
+
+    def _activations(self, B, T):
+        a = self._acts
+        if a is None or (a.B, a.T) != (B, T):
+            a = self._acts = None  # release the old set before allocating the new one
+            a = self._acts = Activations(self.ops, self.config, B, T)
+        return a
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) integer token ids. With targets (B, T) (-1 = ignore) returns the mean loss as
+        a float and keeps what backward() needs; without, returns logits (B, T, V) (a copy)."""
+        idx = self._check_tokens("idx", idx, allow_ignore=False)
+        if targets is not None:
+            targets = self._check_tokens("targets", targets, allow_ignore=True)
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets must have the shape of idx {idx.shape}, got {targets.shape}")
+        B, T = idx.shape
+        ops, p, a, NH = self.ops, self.p, self._activations(B, T), self.config.n_head
+        a.idx[...] = self.ops.from_numpy(idx.astype(np.int32, copy=False))
+
+        ops.encoder_forward(a.encoded, a.idx, p["wte.weight"], p["wpe.weight"])
+        x = a.encoded
+        for l in range(self.config.n_layer):
+            h = f"h.{l}."
+            ops.layernorm_linear_forward(a.qkv[l], a.ln1_mean[l], a.ln1_rstd[l], x,
+                                         p[h + "ln_1.weight"], p[h + "ln_1.bias"],
+                                         p[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"])
+            ops.attention_forward(a.atty[l], a.att[l], a.qkv[l], NH)
+            ops.linear_forward(a.proj, a.atty[l], p[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
+            ops.residual_forward(a.res2[l], x, a.proj)
+            ops.layernorm_linear_forward(a.fch[l], a.ln2_mean[l], a.ln2_rstd[l], a.res2[l],
+                                         p[h + "ln_2.weight"], p[h + "ln_2.bias"],
+                                         p[h + "mlp.c_fc.weight"], None)
+            ops.gelu_forward(a.fch_gelu[l], a.fch[l], p[h + "mlp.c_fc.bias"])
+            ops.linear_forward(a.proj, a.fch_gelu[l], p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
+            ops.residual_forward(a.res3[l], a.res2[l], a.proj)
+            x = a.res3[l]
+        ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p["ln_f.weight"], p["ln_f.bias"])
+        ops.linear_forward(a.logits, a.lnf, p["wte.weight"].T)
+
+        if targets is None:
+            self._ready_for_backward = False
+            return self.ops.to_numpy(a.logits).copy()
+        a.targets[...] = self.ops.from_numpy(targets.astype(np.int32, copy=False))
+        loss = ops.crossentropy_forward(a.losses, a.lse, a.logits, a.targets)
+        self._ready_for_backward = True
+        return loss
+
+    def backward(self):
+        """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss.
+
+        The logits buffer is overwritten by dlogits, so backward() runs once per forward.
+        """
+        if not self._ready_for_backward:
+            raise RuntimeError("backward() needs a forward(idx, targets) with targets first")
+        self._ready_for_backward = False
+        ops, p, g, a, NH = self.ops, self.p, self.g, self._acts, self.config.n_head
+        if a.grads is None:
+            a.alloc_grads(ops, self.config)
+        L = self.config.n_layer
+
+        ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # dlogits, in place
+        ops.linear_backward(a.dlnf, g["wte.weight"].T, None, a.logits, a.lnf, p["wte.weight"].T)
+        a.dres[...] = 0
+        x_last = a.res3[L - 1] if L else a.encoded
+        ops.layernorm_backward(a.dres, g["ln_f.weight"], g["ln_f.bias"], a.dlnf, x_last,
+                               p["ln_f.weight"], a.lnf_mean, a.lnf_rstd)
+        for l in reversed(range(L)):
+            h = f"h.{l}."
+            x = a.res3[l - 1] if l > 0 else a.encoded
+            # MLP: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2)))); dres holds d res3
+            ops.linear_backward(a.dfch, g[h + "mlp.c_proj.weight"], g[h + "mlp.c_proj.bias"], a.dres,
+                                a.fch_gelu[l], p[h + "mlp.c_proj.weight"])
+            ops.gelu_backward(a.dfch, g[h + "mlp.c_fc.bias"], a.dfch, a.fch[l])
+            ops.layernorm_linear_backward(a.dres, g[h + "ln_2.weight"], g[h + "ln_2.bias"],
+                                          g[h + "mlp.c_fc.weight"], None, a.dfch, a.res2[l],
+                                          p[h + "ln_2.weight"], p[h + "ln_2.bias"],
+                                          a.ln2_mean[l], a.ln2_rstd[l], p[h + "mlp.c_fc.weight"])
+            # attention: res2 = x + c_proj(attn(c_attn(ln_1(x)))); dres now holds d res2
+            ops.linear_backward(a.datty, g[h + "attn.c_proj.weight"], g[h + "attn.c_proj.bias"], a.dres,
+                                a.atty[l], p[h + "attn.c_proj.weight"])
+            ops.attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH)
+            ops.layernorm_linear_backward(a.dres, g[h + "ln_1.weight"], g[h + "ln_1.bias"],
+                                          g[h + "attn.c_attn.weight"], g[h + "attn.c_attn.bias"], a.dqkv,
+                                          x, p[h + "ln_1.weight"], p[h + "ln_1.bias"],
+                                          a.ln1_mean[l], a.ln1_rstd[l], p[h + "attn.c_attn.weight"])
+        ops.encoder_backward(g["wte.weight"], g["wpe.weight"], a.dres, a.idx)

@@ -1,0 +1,102 @@
+"""PyTorch references: each op as the plain torch expression, and a GPT-2 with the same weights.
+
+Used by `handgrad verify`, the tests and the benchmarks. Needs torch (the `test` extra).
+"""
+import math
+
+import numpy as np
+
+
+def require_torch():
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("PyTorch is needed for this; install it with: pip install 'handgrad[test]' "
+                         "(or pip install torch==2.13.0)") from None
+    return torch
+
+
+torch = require_torch()
+import torch.nn.functional as F  # noqa: E402
+
+
+# ---------------------------------------------------------------- ops, as torch expressions
+def encoder(inp, wte, wpe):
+    return wte[inp] + wpe[: inp.shape[1]]
+
+
+def layernorm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)
+
+
+def linear(x, w, b=None):
+    y = x @ w
+    return y + b if b is not None else y
+
+
+def gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def attention(qkv, n_head):
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = qkv.split(C, dim=2)
+    q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v))
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(C // n_head)
+    mask = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()
+    att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+
+def crossentropy(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-1)
+
+
+# ---------------------------------------------------------------- GPT-2
+class TorchGPT(torch.nn.Module):
+    """GPT-2 in PyTorch, parameters under the same HF names and layouts as handgrad's state_dict."""
+
+    def __init__(self, config, dtype=torch.float32):
+        super().__init__()
+        self.config = config
+        C, V, L = config.n_embd, config.vocab_size, config.n_layer
+        from .model import param_spec
+        self.names = [n for n, _ in param_spec(config)]
+        self.params = torch.nn.ParameterDict(
+            {n.replace(".", "__"): torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for n, s in param_spec(config)}
+        )
+
+    def __getitem__(self, name):
+        return self.params[name.replace(".", "__")]
+
+    def load_numpy(self, state):
+        with torch.no_grad():
+            for n in self.names:
+                self[n].copy_(torch.from_numpy(np.asarray(state[n])))
+        return self
+
+    def grads_numpy(self):
+        return {n: self[n].grad.detach().cpu().numpy() for n in self.names}
+
+    def forward(self, idx, targets=None):
+        x = encoder(idx, self["wte.weight"], self["wpe.weight"])
+        for i in range(self.config.n_layer):
+            h = lambda s: self[f"h.{i}.{s}"]
+            a = layernorm(x, h("ln_1.weight"), h("ln_1.bias"))
+            a = attention(linear(a, h("attn.c_attn.weight"), h("attn.c_attn.bias")), self.config.n_head)
+            x = x + linear(a, h("attn.c_proj.weight"), h("attn.c_proj.bias"))
+            m = layernorm(x, h("ln_2.weight"), h("ln_2.bias"))
+            m = gelu(linear(m, h("mlp.c_fc.weight"), h("mlp.c_fc.bias")))
+            x = x + linear(m, h("mlp.c_proj.weight"), h("mlp.c_proj.bias"))
+        x = layernorm(x, self["ln_f.weight"], self["ln_f.bias"])
+        logits = x @ self["wte.weight"].T
+        loss = crossentropy(logits, targets) if targets is not None else None
+        return logits, loss
+
+    def adamw(self, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8):
+        """torch.optim.AdamW with decay only on 2-D tensors, as handgrad's optimizer does."""
+        decay = [self[n] for n in self.names if self[n].dim() >= 2]
+        no_decay = [self[n] for n in self.names if self[n].dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
