@@ -72,7 +72,8 @@ class Activations:
         self.lnf = e(B, T, C)
         self.lnf_mean, self.lnf_rstd = e(B, T), e(B, T)
         self.logits = e(B, T, V)           # overwritten in place by dlogits in the backward
-        self.lse, self.losses = e(B, T), e(B, T)
+        self.losses = e(B, T)
+        self.lse = ops.empty((B, T), np.float64)  # float64: see crossentropy_forward
         self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add
         self.grads = None                  # gradient buffers, allocated on the first backward
 

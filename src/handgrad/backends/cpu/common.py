@@ -3,8 +3,18 @@
 Kernels never allocate; ops ask `workspace()` for scratch buffers, which are allocated once per
 (name, shape, dtype) and then reused from call to call, so the training loop allocates nothing.
 """
+import os
+
+import numba
 import numpy as np
 from numba import njit, prange
+
+# Numba's OpenMP layer keeps its threads spinning after each parallel region, fighting OpenBLAS's
+# own spinning threads for the same cores between a kernel and the next matmul (measured: an
+# attention block 25x slower). The workqueue layer parks its threads instead. A user's own
+# NUMBA_THREADING_LAYER still wins.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
 
 kernel = njit(parallel=True, cache=True)
 serial_kernel = njit(cache=True)

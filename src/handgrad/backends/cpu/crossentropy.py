@@ -29,9 +29,13 @@ def _crossentropy_forward_kernel(losses, lse, logits, targets):
 def crossentropy_forward(losses, lse, logits, targets):
     """losses (B, T) = logsumexp(logits[b, t]) - logits[b, t, targets[b, t]]; 0 where target is -1.
 
-    Overwrites losses and lse (B, T), the log-sum-exp the backward reuses. Returns the mean loss
-    over the non-ignored positions (a Python float; 0.0 when every target is ignored).
+    Overwrites losses and lse (B, T), the log-sum-exp the backward reuses. lse must be float64:
+    the backward forms exp(z - lse), so rounding lse to float32 (error ~eps * |lse|) would become a
+    relative error in every probability once logits grow large. Returns the mean loss over the
+    non-ignored positions (a Python float; 0.0 when every target is ignored).
     """
+    if lse.dtype != np.float64:
+        raise ValueError(f"lse must be a float64 array, got {lse.dtype}")
     t = targets.reshape(-1)
     _crossentropy_forward_kernel(losses.reshape(-1), lse.reshape(-1), rows(logits), t)
     count = int(np.count_nonzero(t != IGNORE_INDEX))

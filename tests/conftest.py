@@ -1,0 +1,22 @@
+import os
+
+# torch (its bundled libgomp) and numba (the system libgomp) each keep an OpenMP thread pool that
+# spin-waits after every parallel region; the tests alternate between the two hundreds of times,
+# and on a 2-core CI machine the spinning pools starve each other (`handgrad verify`: 28 s -> 8 s
+# with passive waiting). Set before torch or numba load their runtimes; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Deterministic property tests: the same examples on every run and machine (CI included).
+# HYPOTHESIS_PROFILE=explore switches to random search with 10x the examples (test_property.py
+# scales them), for local bug hunting.
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, print_blob=True, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "explore", deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,0 +1,70 @@
+"""The `handgrad` command, run as a user runs it: a subprocess of this Python."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+OPS = ["encoder", "layernorm", "linear", "layernorm_linear", "attention", "gelu", "residual",
+       "crossentropy", "adamw"]
+
+
+def handgrad(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "handgrad", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def verify_json():
+    return handgrad("verify", "--json")
+
+
+def test_verify_json(verify_json):
+    r = verify_json
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    assert result["ok"] is True
+    assert result["backend"] == "cpu"
+    rows = result["rows"]
+    ops = {row["op"] for row in rows}
+    assert set(OPS) | {"model"} <= ops, f"missing ops: {set(OPS) | {'model'} - ops}"
+    assert all(row["ok"] for row in rows)
+    for row in rows:
+        assert {"op", "quantity", "max_abs", "max_rel", "tol", "ok"} <= set(row)
+        assert row["max_rel"] <= row["tol"]
+    quantities = {(row["op"], row["quantity"]) for row in rows}
+    assert ("model", "loss") in quantities and ("model", "logits") in quantities
+    assert any(q.startswith("loss, AdamW step") for _, q in quantities)
+
+
+def test_verify_table():
+    r = handgrad("verify")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1].endswith("passed, 0 failed"), lines[-1]
+    n_passed = int(lines[-1].split()[0])
+    assert n_passed == sum("✅" in line for line in lines) > 0
+    assert "❌" not in r.stdout
+    for op in OPS + ["model"]:
+        assert any(line.startswith(op + " ") for line in lines), f"no row for {op}"
+
+
+def test_verify_without_torch_says_how_to_install_it():
+    """torch is an optional (test) dependency: without it, `handgrad verify` fails with one line
+    saying what to install, not a traceback."""
+    code = ("import sys; sys.modules['torch'] = None\n"  # makes `import torch` raise ImportError
+            "from handgrad.cli import main\n"
+            "sys.exit(main(['verify']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = (r.stdout + r.stderr).strip()
+    assert r.returncode != 0
+    assert "Traceback" not in out, out
+    assert len(out.splitlines()) == 1, out
+    assert "pip install" in out and "torch" in out, out
+
+
+def test_unknown_verb_and_bad_backend_are_usage_errors():
+    r = handgrad("nope")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = handgrad("verify", "--backend", "nope")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
