@@ -1,5 +1,5 @@
 """Typed configuration. GPTConfig describes the architecture; every field is checked at creation."""
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -34,3 +34,208 @@ MODEL_PRESETS = {
     "mid": GPTConfig(block_size=256, vocab_size=8192, n_layer=6, n_head=8, n_embd=512),
     "gpt2-124m": GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),
 }
+
+
+# ---------------------------------------------------------------- training runs
+@dataclass
+class ModelSection:
+    """The architecture a run trains; vocab_size comes from the prepared data."""
+
+    n_layer: int = 2  # transformer blocks
+    n_head: int = 2  # attention heads; must divide n_embd
+    n_embd: int = 64  # width of the residual stream
+    block_size: int = 64  # context length in tokens
+
+
+@dataclass
+class TrainSection:
+    """The optimisation loop. Steps count optimizer updates."""
+
+    batch_size: int = 8  # sequences per micro-batch
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    max_steps: int = 200  # optimizer steps in the run
+    lr: float = 1e-3  # peak learning rate, after warmup
+    min_lr: float = 1e-4  # floor of the cosine decay
+    warmup_steps: int = 10  # linear warmup from 0 to lr
+    weight_decay: float = 0.1  # decoupled, on 2-D tensors only
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.99  # AdamW second-moment decay
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    eval_interval: int = 50  # steps between validation losses; 0 disables
+    eval_steps: int = 10  # validation batches per evaluation
+    sample_interval: int = 100  # steps between text samples; 0 disables
+    sample_tokens: int = 200  # tokens per sample printed during training
+    checkpoint_interval: int = 100  # steps between checkpoints; the last step is always saved
+    keep_checkpoints: int = 3  # newest checkpoints kept on disk
+    log_interval: int = 1  # steps between log lines
+    seed: int = 1337  # seeds the weights, the batches and the samples
+
+
+SECTIONS = {"model": ModelSection, "train": TrainSection}
+
+
+@dataclass
+class RunConfig:
+    """A training run: `model.*` and `train.*` keys, as in config files and --section.key flags."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    def to_dict(self):
+        return asdict(self)
+
+    def gpt_config(self, vocab_size):
+        m = self.model
+        return GPTConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer,
+                         n_head=m.n_head, n_embd=m.n_embd)
+
+
+class ConfigError(ValueError):
+    """A bad key or value in a run config; the message names the key."""
+
+
+RUN_PRESETS = {
+    "tiny": {"model": dict(n_layer=2, n_head=2, n_embd=64, block_size=64),
+             "train": dict(batch_size=8, max_steps=200, lr=3e-3, min_lr=3e-4, warmup_steps=10,
+                           eval_interval=50, sample_interval=100, checkpoint_interval=100)},
+    # nanoGPT's config/train_shakespeare_char.py, sized for a CPU as nanoGPT's README suggests
+    "shakespeare-char": {"model": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
+                         "train": dict(batch_size=12, max_steps=2000, lr=1e-3, min_lr=1e-4,
+                                       warmup_steps=100, weight_decay=0.1, beta2=0.99, grad_clip=1.0,
+                                       eval_interval=250, eval_steps=20, sample_interval=500,
+                                       checkpoint_interval=500)},
+    "mid": {"model": dict(n_layer=6, n_head=8, n_embd=512, block_size=256),
+            "train": dict(batch_size=8, max_steps=1000, lr=6e-4, min_lr=6e-5, warmup_steps=50,
+                          eval_interval=100, sample_interval=500, checkpoint_interval=250)},
+    "gpt2-124m": {"model": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+                  "train": dict(batch_size=4, grad_accum_steps=8, max_steps=5000, lr=6e-4, min_lr=6e-5,
+                                warmup_steps=200, beta2=0.95, eval_interval=250, sample_interval=1000,
+                                checkpoint_interval=500)},
+}
+
+
+def _coerce(key, value, typ):
+    """A value from a file or the command line, as the field's type, or a ConfigError naming key."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value)
+            except ValueError:
+                f = None
+            if f is not None and f.is_integer():
+                return int(f)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if typ is str:
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {typ}")
+
+
+_FIELD_TYPES = {sec: {f.name: {"int": int, "float": float, "bool": bool, "str": str}.get(f.type, f.type)
+                      for f in fields(cls)} for sec, cls in SECTIONS.items()}
+
+
+def apply_overrides(config, overrides, source="override"):
+    """Set `section.key` values (a flat dict, or nested {section: {key: value}}) on a RunConfig."""
+    flat = {}
+    for k, v in overrides.items():
+        if isinstance(v, dict):
+            if k not in SECTIONS:
+                raise ConfigError(f"{k}: unknown section ({source}); sections are {', '.join(SECTIONS)}")
+            flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            flat[k] = v
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        if section not in SECTIONS or name not in _FIELD_TYPES[section]:
+            known = ", ".join(f"{s}.{n}" for s in SECTIONS for n in _FIELD_TYPES[s])
+            raise ConfigError(f"{key}: unknown config key ({source}); known keys: {known}")
+        setattr(getattr(config, section), name, _coerce(key, value, _FIELD_TYPES[section][name]))
+    return config
+
+
+def validate_run_config(config):
+    """Range checks, each failing with the key's name."""
+    m, t = config.model, config.train
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key}: must be positive, got {getattr(m, key)}")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+    for key in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "keep_checkpoints",
+                "log_interval"):
+        if getattr(t, key) <= 0:
+            raise ConfigError(f"train.{key}: must be positive, got {getattr(t, key)}")
+    for key in ("warmup_steps", "eval_interval", "sample_interval", "sample_tokens",
+                "checkpoint_interval", "seed", "lr", "min_lr", "weight_decay", "grad_clip"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}: must be in [0, 1), got {getattr(t, key)}")
+    return config
+
+
+def read_config_file(path):
+    """A TOML, JSON or YAML file of {section: {key: value}}."""
+    import json
+    import pathlib
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix == ".toml":
+            import tomllib
+            data = tomllib.loads(text)
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"{path}: config files must end in .toml, .json, .yaml or .yml")
+    except ConfigError:
+        raise
+    except Exception as e:  # each parser raises its own error type
+        raise ConfigError(f"{path}: cannot parse: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_run_config(preset=None, config_file=None, overrides=None, base=None):
+    """Defaults, then `base` (a saved run's config), the preset, the file, and command-line
+    overrides, each on top of the last; validated."""
+    config = RunConfig()
+    if base is not None:
+        apply_overrides(config, base, "saved config")
+    if preset is not None:
+        if preset not in RUN_PRESETS:
+            raise ConfigError(f"--preset {preset}: unknown preset; choose from {', '.join(RUN_PRESETS)}")
+        apply_overrides(config, RUN_PRESETS[preset], f"preset {preset}")
+    if config_file is not None:
+        apply_overrides(config, read_config_file(config_file), str(config_file))
+    if overrides:
+        apply_overrides(config, overrides, "command line")
+    return validate_run_config(config)

@@ -17,6 +17,14 @@ class AdamW:
         self.chunks = ops.make_chunks(model.decay_segments())
         self.t = 0  # optimizer steps taken
 
+    def state(self):
+        """The optimizer's scalars, for a checkpoint's JSON (the moments go to safetensors)."""
+        return {"t": self.t, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
+    def load_state(self, state):
+        self.t = int(state["t"])
+
     def step(self, lr=None, grad_scale=1.0):
         """Apply one update from model.grad; grad_scale multiplies the gradients first (clipping,
         averaging over accumulation steps)."""

@@ -6,6 +6,7 @@ import numpy as np
 
 from .adamw import adamw_update, global_norm, make_chunks
 from .attention import attention_backward, attention_forward
+from .attention import attention_decode_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward

@@ -97,3 +97,62 @@ def attention_backward(dqkv, dout, qkv, att, n_head):
     _softmax_causal_backward_kernel(datt, att, 1.0 / math.sqrt(hs))
     np.matmul(datt, k, out=dq)
     np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
+
+
+# ---------------------------------------------------------------- decoding (inference, forward only)
+@kernel
+def _attention_decode_kernel(out, qkv, k_cache, v_cache, scores, pos, scale):
+    B, NH, _, hs = k_cache.shape
+    C = NH * hs
+    for bh in prange(B * NH):
+        b = bh // NH
+        h = bh - b * NH
+        q0 = h * hs
+        k0 = C + h * hs
+        v0 = 2 * C + h * hs
+        for i in range(hs):  # append this position's key and value
+            k_cache[b, h, pos, i] = qkv[b, k0 + i]
+            v_cache[b, h, pos, i] = qkv[b, v0 + i]
+        mx = -np.inf
+        for s in range(pos + 1):  # scores of the one query against keys [0, pos]
+            dot = 0.0
+            for i in range(hs):
+                dot += qkv[b, q0 + i] * k_cache[b, h, s, i]
+            dot *= scale
+            scores[bh, s] = dot
+            if dot > mx:
+                mx = dot
+        total = 0.0
+        for s in range(pos + 1):
+            e = np.exp(scores[bh, s] - mx)
+            scores[bh, s] = e
+            total += e
+        inv = 1.0 / total
+        for i in range(hs):
+            acc = 0.0
+            for s in range(pos + 1):
+                acc += scores[bh, s] * v_cache[b, h, s, i]
+            out[b, q0 + i] = acc * inv
+
+
+def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head):
+    """One decoding step: the token at position `pos` attends over the cached keys and values.
+
+    qkv (B, 1, 3C) (or (B, 3C)) holds that token's fused projections. k_cache, v_cache
+    (B, NH, Tmax, hs) hold positions [0, pos); its k and v are written into slot pos, then per head
+        y = softmax(q K[:pos+1]^T / sqrt(hs)) V[:pos+1]
+    which is row pos of attention_forward on the whole sequence (no mask needed: the cache holds
+    only the past). Overwrites out (B, 1, C) (or (B, C), contiguous) and slot pos of both caches.
+    Inference only: nothing is saved for a backward. Parallel over (b, head); float64 accumulators.
+    """
+    B, NH, Tmax, hs = k_cache.shape
+    if NH != n_head or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be (B, {n_head}, Tmax, hs), "
+                         f"got {k_cache.shape} and {v_cache.shape}")
+    if not 0 <= pos < Tmax:
+        raise ValueError(f"pos must be in [0, {Tmax}) (the cache's length), got {pos}")
+    if not (out.flags.c_contiguous and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        raise ValueError("out, k_cache and v_cache must be C-contiguous (they are written in place)")
+    scores = workspace("attention_decode_scores", (B * NH, Tmax), np.float64)
+    _attention_decode_kernel(out.reshape(B, NH * hs), qkv.reshape(B, 3 * NH * hs), k_cache, v_cache,
+                             scores, pos, 1.0 / math.sqrt(hs))

@@ -1,0 +1,174 @@
+"""Checkpoints: RUN_DIR/ckpt/step_{N:08d}/ holding
+
+    model.safetensors   the weights, under model.state_dict()'s Hugging Face GPT-2 names
+    optim.safetensors   AdamW's moments: exp_avg.{name} and exp_avg_sq.{name}
+    state.json          step, config, optimizer scalars, every RNG state, the data position,
+                        and the SHA-256 of both tensor files (checked on load)
+
+Each is written into a temporary directory, fsynced, then renamed into place, so a checkpoint
+directory either is complete or does not exist. Nothing is ever pickled.
+"""
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+CKPT_DIR = "ckpt"
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A missing, incomplete or corrupt checkpoint; the message names the file."""
+
+
+def checkpoint_dir(run_dir, step):
+    return Path(run_dir) / CKPT_DIR / f"step_{step:08d}"
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _split(flat, model):
+    return {name: np.asarray(flat[o:o + int(np.prod(s))]).reshape(s) for name, (o, s) in model.layout.items()}
+
+
+def save_checkpoint(run_dir, step, model, optimizer, state, keep=None):
+    """Write checkpoint `step` atomically; keep only the newest `keep` (None keeps all).
+
+    `state` is a JSON-able dict (config, RNG states, data position); step and the optimizer's
+    scalars are added here. Returns the checkpoint's directory.
+    """
+    final = checkpoint_dir(run_dir, step)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp_{final.name}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_file(model.state_dict(), str(tmp / "model.safetensors"), metadata={"format": "handgrad"})
+        moments = {f"exp_avg.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.m), model).items()}
+        moments.update({f"exp_avg_sq.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.v), model).items()})
+        save_file(moments, str(tmp / "optim.safetensors"), metadata={"format": "handgrad"})
+        doc = dict(state, step=step, optimizer=optimizer.state(),
+                   sha256={f: _sha256(tmp / f) for f in ("model.safetensors", "optim.safetensors")})
+        (tmp / "state.json").write_text(json.dumps(doc, indent=1))
+        for f in tmp.iterdir():
+            _fsync(f)
+        _fsync(tmp)
+        if final.exists():  # re-saving a step (a resumed run that stopped at the same step)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep is not None:
+        for _, old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir):
+    """[(step, path)] of the complete checkpoints (those with a state.json), oldest first."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _NAME.match(d.name)
+        if m and (d / "state.json").is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def read_state(ckpt_dir):
+    """state.json of a checkpoint, after checking both tensor files against their SHA-256."""
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / "state.json"
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; {ckpt_dir} is not a complete checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt JSON ({e})") from None
+    for name, digest in state.get("sha256", {}).items():
+        f = ckpt_dir / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{f}: checksum mismatch (truncated or corrupted)")
+    return state
+
+
+def _load_tensors(path):
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors ({e})") from None
+
+
+def resolve(path):
+    """A run directory (its newest complete checkpoint) or a checkpoint directory -> the latter."""
+    path = Path(path)
+    if (path / "state.json").is_file():
+        return path
+    ckpts = list_checkpoints(path)
+    if not ckpts:
+        if not path.exists():
+            raise CheckpointError(f"{path}: no such run or checkpoint directory")
+        raise CheckpointError(f"{path}: no complete checkpoint in {path / CKPT_DIR}; train first")
+    return ckpts[-1][1]
+
+
+def load_model(path, backend="cpu"):
+    """A GPT with the weights of a checkpoint (or of a run directory's newest checkpoint)."""
+    from .config import GPTConfig
+    from .model import GPT
+    ckpt = resolve(path)
+    state = read_state(ckpt)
+    model = GPT(GPTConfig(**state["model_config"]), backend=backend)
+    try:
+        model.load_state_dict(_load_tensors(ckpt / "model.safetensors"))
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt / 'model.safetensors'}: {e}") from None
+    return model
+
+
+def restore(ckpt_dir, model, optimizer):
+    """Load a checkpoint's weights and AdamW state into `model` and `optimizer`; return state.json."""
+    ckpt_dir = Path(ckpt_dir)
+    state = read_state(ckpt_dir)
+    try:
+        model.load_state_dict(_load_tensors(ckpt_dir / "model.safetensors"))
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt_dir / 'model.safetensors'}: {e}") from None
+    moments = _load_tensors(ckpt_dir / "optim.safetensors")
+    for key, flat in (("exp_avg", optimizer.m), ("exp_avg_sq", optimizer.v)):
+        host = np.empty(model.num_params, dtype=np.float32)
+        for name, (o, shape) in model.layout.items():
+            arr = moments.get(f"{key}.{name}")
+            if arr is None or tuple(arr.shape) != tuple(shape):
+                raise CheckpointError(f"{ckpt_dir / 'optim.safetensors'}: {key}.{name} missing or mis-shaped")
+            host[o:o + arr.size] = arr.reshape(-1)
+        flat[:] = model.ops.from_numpy(host)
+    optimizer.load_state(state["optimizer"])
+    return state

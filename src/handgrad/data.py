@@ -1,0 +1,354 @@
+"""`handgrad prepare`: tokenize a corpus into llm.c token shards; `Dataset` reads them back for training.
+
+A prepared DATA_DIR holds:
+
+* `train_000000.bin`, `train_000001.bin`, ... and `val_000000.bin`, ...: token shards in llm.c's
+  format (dev/data/data_common.py): a header of 256 little-endian int32, [0] = 20240520 (magic),
+  [1] = 1 (version: uint16 tokens), [2] = the token count, the rest 0; then the tokens as
+  little-endian uint16. At most SHARD_TOKENS tokens per shard; an empty split has no shards.
+* `tokenizer.json`: the tokenizer (see tokenizer.py).
+* `meta.json`: the sources as given, the tokenizer, vocab_size, eot_id, token counts, the split
+  settings, the shard names, the format and the handgrad version.
+
+How the corpus becomes shards: the documents (see sources.py) are tokenized one by one, shuffled
+with the seed, and joined with the tokenizer's "<|endoftext|>" token (bpe, gpt2) or with "\\n\\n"
+(char, byte) between consecutive documents. The last `val_fraction` of that token stream (rounded
+down, at least one token when the fraction is above 0) is the val split, the rest the train split.
+The same sources, options and seed give a byte-identical DATA_DIR.
+
+Everything is written into a hidden temporary directory beside DATA_DIR, which is renamed into
+place only when complete, so a failure never leaves a DATA_DIR that looks valid. DATA_DIR must
+not exist yet, or be empty.
+"""
+import argparse
+import json
+import math
+import os
+import secrets
+import shutil
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .sources import DataError, Document, iter_documents, resolve_sources
+from .tokenizer import (DEFAULT_BPE_VOCAB, TOKENIZER_NAMES, BPETokenizer, ByteTokenizer, CharTokenizer,
+                        GPT2Tokenizer, Tokenizer)
+
+__all__ = ["DataError", "Dataset", "add_arguments", "load_meta", "main", "prepare", "read_shard", "write_shard"]
+
+MAGIC, VERSION = 20240520, 1  # llm.c's shard header: magic number, version 1 = uint16 tokens
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+SHARD_TOKENS = 100_000_000  # tokens per shard file (200 MB), as llm.c's fineweb.py
+MAX_VOCAB = 1 << 16  # token ids are stored as uint16
+META_FILE = "meta.json"
+FORMAT = "llm.c shard v1 (magic 20240520, uint16)"
+SPLITS = ("train", "val")
+ENCODE_BATCH = 64  # documents per encode_batch call (bpe and gpt2 encode a batch in parallel)
+CHECK_CHUNK = 1 << 24  # tokens per vectorised range check
+
+
+# ---------------------------------------------------------------- shards
+def write_shard(path, tokens: np.ndarray) -> None:
+    """Write `tokens` (1-D, ids in [0, 65535]) as an llm.c shard: header + uint16, fsync'd, via tmp+rename."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= MAX_VOCAB):
+        raise ValueError(f"token ids must lie in [0, {MAX_VOCAB}) to fit uint16")
+    if tokens.size >= 2**31:
+        raise ValueError(f"{tokens.size} tokens do not fit one shard's int32 count")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = MAGIC, VERSION, tokens.size
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        np.ascontiguousarray(tokens, dtype="<u2").tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_shard(path) -> np.ndarray:
+    """The tokens of an llm.c shard as a read-only uint16 memmap (no copy), after checking its header and size."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise DataError(f"{path}: shard file missing; re-run handgrad prepare") from None
+    if size < HEADER_BYTES:
+        raise DataError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
+                        f"not a handgrad/llm.c token shard")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise DataError(f"{path}: not a handgrad/llm.c token shard (magic {header[0]}, expected {MAGIC})")
+    if header[1] != VERSION:
+        raise DataError(f"{path}: shard version {header[1]} is not supported (expected {VERSION}, uint16 tokens); "
+                        f"re-run handgrad prepare")
+    count = int(header[2])
+    expected = HEADER_BYTES + 2 * count
+    if count < 0 or size != expected:
+        raise DataError(f"{path}: {size} bytes, but its header counts {count} tokens ({expected} bytes); "
+                        f"the file is truncated or corrupt; re-run handgrad prepare")
+    if count == 0:
+        return np.zeros(0, dtype=np.uint16)
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+# ---------------------------------------------------------------- reading a data dir
+def load_meta(data_dir) -> dict:
+    """The checked `meta.json` of a prepared data directory."""
+    path = Path(data_dir) / META_FILE
+    hint = "not a prepared data dir; run handgrad prepare"
+    if not path.is_file():
+        raise DataError(f"{data_dir}: no {META_FILE}, {hint}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: invalid JSON ({e}); {hint}") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: expected a JSON object; {hint}")
+    checks = {
+        "vocab_size": lambda v: type(v) is int and 0 < v <= MAX_VOCAB,
+        "train_tokens": lambda v: type(v) is int and v >= 0,
+        "val_tokens": lambda v: type(v) is int and v >= 0,
+        "shards": lambda v: isinstance(v, dict) and all(
+            isinstance(v.get(s), list) and all(isinstance(n, str) and n and Path(n).name == n for n in v[s])
+            for s in SPLITS),
+    }
+    for key, ok in checks.items():
+        if key not in meta or not ok(meta[key]):
+            raise DataError(f"{path}: missing or invalid {key!r}; {hint}")
+    return meta
+
+
+class Dataset:
+    """One split ("train" or "val") of a prepared data directory, memory-mapped shard by shard."""
+
+    def __init__(self, data_dir, split: str):
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        self.data_dir, self.split = Path(data_dir), split
+        self.meta: dict = load_meta(data_dir)
+        self.vocab_size: int = self.meta["vocab_size"]
+        self.shard_paths = [self.data_dir / name for name in self.meta["shards"][split]]
+        self.shards = [read_shard(p) for p in self.shard_paths]
+        self.lengths = np.array([len(s) for s in self.shards], dtype=np.int64)  # (n_shards,)
+        self.num_tokens: int = int(self.lengths.sum())
+        if self.num_tokens != self.meta[f"{split}_tokens"]:
+            raise DataError(f"{self.data_dir}: the {split} shards hold {self.num_tokens} tokens but {META_FILE} "
+                            f"says {self.meta[f'{split}_tokens']}; re-run handgrad prepare")
+
+    def check_tokens(self) -> None:
+        """DataError naming the shard and position of the first token id >= vocab_size, if any."""
+        for path, shard in zip(self.shard_paths, self.shards):
+            for start in range(0, len(shard), CHECK_CHUNK):
+                chunk = shard[start:start + CHECK_CHUNK]
+                if chunk.max() >= self.vocab_size:
+                    pos = start + int(np.argmax(chunk >= self.vocab_size))
+                    raise DataError(f"{path}: token {int(shard[pos])} at position {pos} is not below vocab_size "
+                                    f"{self.vocab_size}; the shards and {META_FILE} disagree, re-run "
+                                    f"handgrad prepare")
+
+    def get_batch(self, B: int, T: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """x, y (B, T) int32: B windows of T+1 consecutive tokens drawn uniformly (each inside one
+        shard) with `rng` only; y is x shifted left by one."""
+        if B < 1 or T < 1:
+            raise ValueError(f"B and T must be positive, got B={B}, T={T}")
+        starts_per_shard = np.maximum(self.lengths - T, 0)  # (n_shards,) windows that fit in each
+        total = int(starts_per_shard.sum())
+        if total == 0:
+            if self.num_tokens == 0:
+                raise DataError(f"{self.data_dir}: the {self.split} split is empty (prepared with "
+                                f"--val-fraction 0?); prepare the data again with a val fraction above 0")
+            raise DataError(f"{self.data_dir}: block_size {T} is too large for the {self.split} split: "
+                            f"longest shard has {int(self.lengths.max())} tokens (needs {T + 1}); use a smaller "
+                            f"block_size or more text")
+        ends = np.cumsum(starts_per_shard)  # (n_shards,)
+        g = rng.integers(0, total, size=B)  # (B,) global window index
+        shard_idx = np.searchsorted(ends, g, side="right")  # (B,)
+        starts = g - (ends[shard_idx] - starts_per_shard[shard_idx])  # (B,)
+        x = np.empty((B, T), dtype=np.int32)
+        y = np.empty((B, T), dtype=np.int32)
+        for b in range(B):
+            window = self.shards[shard_idx[b]][starts[b]:starts[b] + T + 1]  # (T+1,)
+            x[b], y[b] = window[:-1], window[1:]
+        return x, y
+
+
+# ---------------------------------------------------------------- preparing a data dir
+def _progress(items: Iterable, desc: str) -> Iterable:
+    """A tqdm bar on stderr, shown only on a terminal."""
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit=" docs", disable=None, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def _batched(items: Iterable, n: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _check_options(out: Path, tokenizer: str, vocab_size, val_fraction, seed) -> None:
+    if tokenizer not in TOKENIZER_NAMES:
+        raise DataError(f"--tokenizer {tokenizer}: unknown tokenizer; choose from {', '.join(TOKENIZER_NAMES)}")
+    if vocab_size is not None:
+        if tokenizer != "bpe":
+            raise DataError(f"--vocab-size applies only to --tokenizer bpe ({tokenizer}'s vocabulary is "
+                            f"fixed); drop it")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 257 <= vocab_size <= MAX_VOCAB:
+            raise DataError(f"--vocab-size {vocab_size}: must be an integer from 257 (256 bytes + <|endoftext|>) "
+                            f"to {MAX_VOCAB} (token ids are stored as uint16)")
+    if not isinstance(val_fraction, (int, float)) or not math.isfinite(val_fraction) or not 0 <= val_fraction < 1:
+        raise DataError(f"--val-fraction {val_fraction}: must be in [0, 1), e.g. 0.1")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise DataError(f"--seed {seed}: must be a non-negative integer")
+    if out.exists():
+        if not out.is_dir():
+            raise DataError(f"{out}: exists and is not a directory; choose another --out")
+        if any(out.iterdir()):
+            raise DataError(f"{out}: already exists and is not empty; choose another --out or delete it")
+    ancestor = out.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise DataError(f"{out}: cannot create it ({ancestor} is not a writable directory); choose another --out")
+
+
+def _build_tokenizer(name: str, documents, vocab_size) -> Tokenizer:
+    """The tokenizer; char and bpe read the corpus once to build their vocabulary."""
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    texts = (d.text for d in _progress(documents(), "reading" if name == "char" else "training bpe"))
+    if name == "char":
+        tok = CharTokenizer.from_texts(texts)
+        if tok.vocab_size > MAX_VOCAB:
+            raise DataError(f"the corpus has {tok.vocab_size} distinct characters, more than the {MAX_VOCAB} ids "
+                            f"a uint16 shard holds; use --tokenizer byte or bpe")
+        return tok
+    return BPETokenizer.train(texts, vocab_size or DEFAULT_BPE_VOCAB)
+
+
+def _token_stream(tok: Tokenizer, documents, seed: int, sources) -> tuple[np.ndarray, int]:
+    """(the shuffled, joined token stream as uint16, the number of documents)."""
+    arrays = []
+    for batch in _batched(_progress(documents(), "tokenizing"), ENCODE_BATCH):
+        arrays += [np.asarray(ids, dtype=np.uint16) for ids in tok.encode_batch([d.text for d in batch])]
+    if not arrays:
+        raise DataError(f"no text in {' '.join(map(str, sources))}: every file and document is empty; "
+                        f"check the SOURCE arguments")
+    sep = np.asarray([tok.eot_id] if tok.eot_id is not None else tok.encode("\n\n"), dtype=np.uint16)
+    parts = []
+    for i, k in enumerate(np.random.default_rng(seed).permutation(len(arrays))):
+        if i:
+            parts.append(sep)
+        parts.append(arrays[k])
+    return np.concatenate(parts), len(arrays)
+
+
+def _write_data_dir(out: Path, tok: Tokenizer, splits: dict, meta: dict, shard_tokens: int) -> dict:
+    """Write shards, tokenizer and meta.json into a temporary sibling of `out`, then rename it to `out`."""
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise DataError(f"{out}: cannot create the output directory ({e.strerror or e}); "
+                        f"choose another --out") from None
+    try:
+        shards = {}
+        for split, tokens in splits.items():
+            shards[split] = []
+            for i, start in enumerate(range(0, len(tokens), shard_tokens)):
+                name = f"{split}_{i:06d}.bin"
+                write_shard(tmp / name, tokens[start:start + shard_tokens])
+                shards[split].append(name)
+        meta = dict(meta, shards=shards)
+        tok.save(tmp)
+        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
+            f.write(json.dumps(meta, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if out.is_dir():
+            out.rmdir()  # empty (checked before): replaced by the complete directory
+        os.rename(tmp, out)
+    except OSError as e:
+        raise DataError(f"{out}: cannot write the data ({e.strerror or e}); "
+                        f"check free space and permissions") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def prepare(sources: Sequence[str], out, tokenizer: str = "char", vocab_size: int | None = None,
+            val_fraction: float = 0.1, seed: int = 1337, shard_tokens: int = SHARD_TOKENS) -> dict:
+    """Tokenize `sources` into a new data directory `out` (see the module docstring); returns its meta."""
+    from . import __version__
+    out = Path(out)
+    _check_options(out, tokenizer, vocab_size, val_fraction, seed)
+    resolved = resolve_sources(sources)
+
+    def documents() -> Iterator[Document]:
+        return iter_documents(resolved)
+
+    tok = _build_tokenizer(tokenizer, documents, vocab_size)
+    if tok.vocab_size > MAX_VOCAB:
+        raise DataError(f"--tokenizer {tokenizer}: {tok.vocab_size} ids do not fit uint16 shards "
+                        f"(at most {MAX_VOCAB})")
+    stream, n_docs = _token_stream(tok, documents, seed, sources)
+    n_val = int(len(stream) * val_fraction)
+    if val_fraction > 0 and n_val == 0:
+        raise DataError(f"the corpus has only {len(stream)} tokens: --val-fraction {val_fraction} leaves no "
+                        f"validation tokens; add text or raise --val-fraction")
+    splits = {"train": stream[:len(stream) - n_val], "val": stream[len(stream) - n_val:]}
+    meta = {"source": [str(s) for s in sources], "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id, "documents": n_docs, "train_tokens": len(splits["train"]),
+            "val_tokens": len(splits["val"]), "val_fraction": val_fraction, "seed": seed,
+            "format": FORMAT, "handgrad_version": __version__}
+    return _write_data_dir(out, tok, splits, meta, shard_tokens)
+
+
+# ---------------------------------------------------------------- the command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the arguments of `handgrad prepare`."""
+    parser.add_argument("source", nargs="+", metavar="SOURCE",
+                        help="text files, directories, globs, .jsonl files (a \"text\" field per line), MediaWiki "
+                             ".xml[.bz2] dumps, or a built-in corpus: shakespeare, pystdlib")
+    parser.add_argument("--out", required=True, metavar="DATA_DIR",
+                        help="directory to create for the shards, tokenizer.json and meta.json (must not exist, "
+                             "or be empty)")
+    parser.add_argument("--tokenizer", default="char", choices=TOKENIZER_NAMES,
+                        help="char: one token per character; byte: UTF-8 bytes (256); bpe: byte-level BPE trained "
+                             "on the corpus; gpt2: GPT-2's 50257 tokens via tiktoken (default char)")
+    parser.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                        help=f"bpe only: vocabulary size, <|endoftext|> included (default {DEFAULT_BPE_VOCAB})")
+    parser.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
+                        help="fraction of the tokens, taken from the end of the shuffled stream, kept for "
+                             "validation; in [0, 1) (default 0.1)")
+    parser.add_argument("--seed", type=int, default=1337, metavar="S",
+                        help="seed of the document shuffle (default 1337)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `handgrad prepare`; DataError propagates for the CLI to print. Returns the exit status."""
+    meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                   val_fraction=args.val_fraction, seed=args.seed)
+    if args.vocab_size is not None and meta["vocab_size"] < args.vocab_size:
+        print(f"note: the corpus supports only {meta['vocab_size']} BPE tokens (asked {args.vocab_size})",
+              file=sys.stderr)
+    n_train, n_val = len(meta["shards"]["train"]), len(meta["shards"]["val"])
+    print(f"{args.out}: {meta['documents']:,} documents -> {meta['train_tokens']:,} train tokens "
+          f"({n_train} shard{'s' * (n_train != 1)}), {meta['val_tokens']:,} val tokens "
+          f"({n_val} shard{'s' * (n_val != 1)}); tokenizer {meta['tokenizer']}, vocab_size {meta['vocab_size']:,}")
+    return 0

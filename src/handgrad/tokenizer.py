@@ -1,0 +1,249 @@
+"""Tokenizers: text <-> token ids, and their one file, `tokenizer.json`, in a data or run directory.
+
+Four kinds, each a `Tokenizer` with `name`, `vocab_size`, `eot_id`, `encode`, `decode`, `save`:
+
+* `char`: one id per character; the vocabulary is the sorted set of the corpus's characters plus
+  "\\n" (the document separator). File: {"type": "char", "chars": [...]}.
+* `byte`: one id per UTF-8 byte, 256 ids. File: {"type": "byte"}.
+* `bpe`: byte-level BPE trained on the corpus with Hugging Face `tokenizers` (GPT-2's
+  pre-tokenizer regex, all 256 bytes in the base alphabet, "<|endoftext|>" as id 0). File: the
+  Hugging Face `tokenizer.json` itself, so other tools can load it (it has no top-level "type").
+* `gpt2`: GPT-2's BPE through `tiktoken` (optional, imported only here); "<|endoftext|>" = 50256.
+  File: {"type": "gpt2"}.
+
+`save(dir)` writes `dir/tokenizer.json`; `load_tokenizer(dir)` reads it back; `copy_tokenizer`
+copies it from a data directory into a run directory. Text is always encoded as plain text: a
+literal "<|endoftext|>" in a document is not the separator token. `decode` never fails on ids
+that form invalid UTF-8 (it writes U+FFFD) but rejects ids outside [0, vocab_size).
+"""
+import json
+import shutil
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .sources import DataError
+
+TOKENIZER_FILE = "tokenizer.json"
+EOT_TEXT = "<|endoftext|>"
+TOKENIZER_NAMES = ("char", "byte", "bpe", "gpt2")
+DEFAULT_BPE_VOCAB = 4096
+
+
+class Tokenizer:
+    """The interface every tokenizer implements; `encode_batch` may be overridden for speed."""
+
+    name: str  # "char", "byte", "bpe" or "gpt2"
+    vocab_size: int  # ids lie in [0, vocab_size)
+    eot_id: int | None  # the document-separator token, or None (char, byte)
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def to_json(self) -> dict:
+        raise NotImplementedError
+
+    def save(self, data_dir) -> Path:
+        """Write `data_dir/tokenizer.json`; returns its path."""
+        path = Path(data_dir) / TOKENIZER_FILE
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+        return path
+
+    def _check_ids(self, ids) -> np.ndarray:
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            bad = arr[(arr < 0) | (arr >= self.vocab_size)][0]
+            raise ValueError(f"token id {bad} is outside [0, {self.vocab_size}) for the {self.name} tokenizer")
+        return arr
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.name} vocab_size={self.vocab_size} eot_id={self.eot_id}>"
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character: id i is `chars[i]`, chars sorted by code point."""
+
+    name, eot_id = "char", None
+
+    def __init__(self, chars: Sequence[str]):
+        chars = list(chars)
+        if any(not isinstance(c, str) or len(c) != 1 for c in chars) or len(set(chars)) != len(chars):
+            raise ValueError("chars must be distinct single characters")
+        self.chars = sorted(chars)
+        self.vocab_size = len(self.chars)
+        self._codepoints = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str]) -> "CharTokenizer":
+        """The sorted set of characters in `texts`, plus "\\n" (the separator between documents)."""
+        seen = {"\n"}
+        for text in texts:
+            seen.update(text)
+        return cls(seen)
+
+    def encode(self, text: str) -> list[int]:
+        cps = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype="<u4")
+        idx = np.searchsorted(self._codepoints, cps)
+        known = self._codepoints[np.minimum(idx, self.vocab_size - 1)] == cps
+        if not known.all():
+            ch = chr(int(cps[np.argmin(known)]))
+            raise DataError(f"character {ch!r} (U+{ord(ch):04X}) is not in this char tokenizer's vocabulary "
+                            f"of {self.vocab_size} characters; use only characters of its corpus, or prepare "
+                            f"the data with --tokenizer byte")
+        return idx.tolist()
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.chars[i] for i in self._check_ids(ids).tolist())
+
+    def to_json(self) -> dict:
+        return {"type": "char", "chars": self.chars}
+
+
+class ByteTokenizer(Tokenizer):
+    """One id per UTF-8 byte."""
+
+    name, vocab_size, eot_id = "byte", 256, None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", errors="surrogatepass"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._check_ids(ids).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def to_json(self) -> dict:
+        return {"type": "byte"}
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE over a Hugging Face `tokenizers.Tokenizer` with "<|endoftext|>" as a special token."""
+
+    name = "bpe"
+
+    def __init__(self, hf_tokenizer):
+        self._tok = hf_tokenizer
+        self._tok.encode_special_tokens = True  # a literal "<|endoftext|>" in text is plain text
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eot_id = self._tok.token_to_id(EOT_TEXT)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = DEFAULT_BPE_VOCAB) -> "BPETokenizer":
+        """Train on `texts` (any iterable, read once). Deterministic for the same texts in the same order."""
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT_TEXT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=sys.stderr.isatty())
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(self._check_ids(ids).tolist(), skip_special_tokens=False)
+
+    def to_json(self) -> dict:
+        return json.loads(self._tok.to_str())
+
+
+class GPT2Tokenizer(Tokenizer):
+    """GPT-2's tokenizer from `tiktoken` (50257 ids, "<|endoftext|>" = 50256)."""
+
+    name = "gpt2"
+
+    def __init__(self):
+        try:
+            import tiktoken
+            self._enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:  # ImportError, or whatever the download raised (requests, OSError, ...)
+            reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            raise DataError(f"the gpt2 tokenizer needs tiktoken and its gpt2 files ({reason}); run "
+                            f"`pip install tiktoken` with network access once, or set TIKTOKEN_CACHE_DIR to "
+                            f"a directory holding the cached gpt2 files") from None
+        self.vocab_size = self._enc.n_vocab
+        self.eot_id = self._enc.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(list(texts))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode(self._check_ids(ids).tolist(), errors="replace")
+
+    def to_json(self) -> dict:
+        return {"type": "gpt2"}
+
+
+def tokenizer_from_json(doc, where="tokenizer.json") -> Tokenizer:
+    """The tokenizer a `tokenizer.json` document describes; `where` names the file in errors."""
+    if not isinstance(doc, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(doc).__name__}; re-run handgrad prepare")
+    kind = doc.get("type")
+    if kind is None and "model" in doc:  # a Hugging Face tokenizers file: handgrad's bpe
+        from tokenizers import Tokenizer as HFTokenizer
+        try:
+            tok = BPETokenizer(HFTokenizer.from_str(json.dumps(doc)))
+        except Exception as e:  # tokenizers raises a plain Exception for a bad file
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"{where}: not a valid Hugging Face tokenizer file ({reason}); "
+                            f"re-run handgrad prepare") from None
+        if tok.eot_id is None:
+            raise DataError(f"{where}: this BPE tokenizer has no {EOT_TEXT} token; re-run handgrad prepare")
+        return tok
+    if kind == "char":
+        chars = doc.get("chars")
+        try:
+            return CharTokenizer(chars)
+        except (TypeError, ValueError):
+            raise DataError(f"{where}: \"chars\" must be a list of distinct single characters; "
+                            f"re-run handgrad prepare") from None
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    raise DataError(f"{where}: unknown tokenizer type {kind!r}; expected one of {', '.join(TOKENIZER_NAMES)}")
+
+
+def _tokenizer_path(path) -> Path:
+    path = Path(path)
+    return path / TOKENIZER_FILE if path.is_dir() else path
+
+
+def load_tokenizer(path) -> Tokenizer:
+    """The tokenizer saved in a data or run directory (or the `tokenizer.json` file itself)."""
+    file = _tokenizer_path(path)
+    if not file.is_file():
+        raise DataError(f"{file}: no tokenizer file; point at a directory made by handgrad prepare "
+                        f"(or a run directory trained on one)")
+    try:
+        doc = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{file}: not valid JSON ({e}); re-run handgrad prepare") from None
+    return tokenizer_from_json(doc, where=str(file))
+
+
+def copy_tokenizer(src_dir, dst_dir) -> Path:
+    """Copy the tokenizer file of `src_dir` into `dst_dir` (created if needed); returns the copy's path."""
+    src = _tokenizer_path(src_dir)
+    if not src.is_file():
+        raise DataError(f"{src}: no tokenizer file to copy; run handgrad prepare to make the data directory")
+    dst_dir = Path(dst_dir)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    dst = dst_dir / TOKENIZER_FILE
+    shutil.copyfile(src, dst)
+    return dst

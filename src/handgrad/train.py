@@ -1,0 +1,282 @@
+"""`handgrad train`: batches from memory-mapped shards, gradient accumulation, AdamW with warmup
+and cosine decay, clipping, periodic validation, samples and checkpoints, exact resume."""
+import json
+import math
+import signal
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import list_checkpoints, restore, save_checkpoint
+from .config import SECTIONS, ConfigError, load_run_config
+from .model import GPT, flops_per_token
+from .optim import AdamW, clip_scale, grad_norm
+
+
+class TrainError(ValueError):
+    """A problem with the run's inputs or outputs; the message names the path or key."""
+
+
+def add_arguments(parser):
+    parser.add_argument("--data", required=True, metavar="DATA_DIR", help="a directory made by `handgrad prepare`")
+    parser.add_argument("--out", required=True, metavar="RUN_DIR", help="where config, metrics, checkpoints go")
+    parser.add_argument("--preset", help="named preset: tiny, shakespeare-char, mid, gpt2-124m")
+    parser.add_argument("--config", metavar="FILE", help="a TOML, JSON or YAML file of model.* and train.* keys")
+    parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR's newest checkpoint")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section}.* overrides (win over the preset and the file)")
+        for f in fields(cls):
+            group.add_argument(f"--{section}.{f.name}", dest=f"override:{section}.{f.name}", metavar="V",
+                               help=f"default {f.default}")
+
+
+def lr_at(step, t):
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    if t.max_steps <= t.warmup_steps:
+        return t.lr
+    progress = min(1.0, (step - t.warmup_steps) / (t.max_steps - t.warmup_steps))
+    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+
+
+class _StopFlag:
+    """First Ctrl-C asks the loop to checkpoint and stop after the current step; a second aborts."""
+
+    def __enter__(self):
+        self.requested = False
+        self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupt: finishing this step, saving a checkpoint, then stopping "
+              "(Ctrl-C again to abort without saving)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._old)
+
+
+def _rng(state=None, seed=None):
+    rng = np.random.Generator(np.random.PCG64(seed))
+    if state is not None:
+        rng.bit_generator.state = state
+    return rng
+
+
+def resolve_config(run_dir, preset=None, config_file=None, overrides=None, resume=False):
+    """A fresh run's config (preset, file, overrides), or with resume the saved config with any
+    preset, file and overrides applied on top; the architecture cannot change on resume."""
+    saved = run_dir / "config.json"
+    if not resume:
+        if list_checkpoints(run_dir):
+            raise TrainError(f"{run_dir}: already holds checkpoints; pass --resume to continue, "
+                             f"or choose another --out")
+        return load_run_config(preset, config_file, overrides)
+    if not saved.is_file():
+        raise TrainError(f"{saved}: missing; nothing to resume in {run_dir} (drop --resume to start a run)")
+    doc = json.loads(saved.read_text())
+    config = load_run_config(preset, config_file, overrides, base={"model": doc["model"], "train": doc["train"]})
+    for key, old in doc["model"].items():
+        if getattr(config.model, key) != old:
+            raise ConfigError(f"model.{key}: cannot change on resume (saved {old}, asked {getattr(config.model, key)})")
+    return config
+
+
+class Trainer:
+    """One training run over a prepared data directory, writing into run_dir."""
+
+    def __init__(self, data_dir, run_dir, config, resume=False, log=print):
+        from .data import Dataset
+        self.data_dir, self.run_dir, self.config, self.log = Path(data_dir), Path(run_dir), config, log
+        self.train_data, self.val_data = Dataset(data_dir, "train"), Dataset(data_dir, "val")
+        t = config.train
+        self.gpt_config = config.gpt_config(self.train_data.vocab_size)
+        self.model = GPT(self.gpt_config, seed=t.seed)
+        self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        self.data_rng, self.sample_rng = _rng(seed=[t.seed, 1]), _rng(seed=[t.seed, 2])
+        self.step = 0
+        self._prepare_run_dir(resume)
+
+    # ------------------------------------------------------------ run directory
+    def _prepare_run_dir(self, resume):
+        from .tokenizer import copy_tokenizer
+        meta = self.train_data.meta
+        identity = {"tokenizer": meta.get("tokenizer"), "vocab_size": self.train_data.vocab_size}
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.run_dir / ".write_test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise TrainError(f"{self.run_dir}: cannot write there ({e.strerror}); choose another --out") from None
+        if resume:
+            ckpts = list_checkpoints(self.run_dir)
+            if not ckpts:
+                raise TrainError(f"{self.run_dir}: no complete checkpoint to resume from")
+            step, path = ckpts[-1]
+            state = restore(path, self.model, self.opt)
+            if state["data"]["identity"] != identity:
+                raise TrainError(f"{self.data_dir}: tokenizer/vocab {identity} differs from the run's "
+                                 f"{state['data']['identity']}; resume with the data the run was trained on")
+            self.step = step
+            self.data_rng = _rng(state["rng"]["data"])
+            self.sample_rng = _rng(state["rng"]["sample"])
+            self._truncate_metrics(step)
+            self.log(f"resumed from {path} at step {step}")
+        else:
+            copy_tokenizer(self.data_dir, self.run_dir)
+            (self.run_dir / "metrics.jsonl").write_text("")
+        doc = dict(self.config.to_dict(), data=str(self.data_dir.resolve()), vocab_size=self.train_data.vocab_size)
+        (self.run_dir / "config.json").write_text(json.dumps(doc, indent=1) + "\n")
+        self.identity = identity
+
+    def _truncate_metrics(self, step):
+        """Drop metric lines past the checkpoint we resume from: they will be produced again."""
+        path = self.run_dir / "metrics.jsonl"
+        if path.is_file():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+            path.write_text("".join(ln + "\n" for ln in keep))
+
+    def save(self):
+        t = self.config.train
+        state = {"config": self.config.to_dict(), "model_config": self.gpt_config.to_dict(),
+                 "rng": {"data": self.data_rng.bit_generator.state, "sample": self.sample_rng.bit_generator.state},
+                 "data": {"data_dir": str(self.data_dir.resolve()), "identity": self.identity,
+                          "batches_drawn": self.step * t.grad_accum_steps}}
+        return save_checkpoint(self.run_dir, self.step, self.model, self.opt, state, keep=t.keep_checkpoints)
+
+    # ------------------------------------------------------------ the loop
+    def evaluate(self):
+        """Mean loss over eval_steps validation batches, the same batches at every evaluation."""
+        t, T = self.config.train, self.config.model.block_size
+        rng = _rng(seed=[t.seed, 3])
+        losses = [self.model.forward(*self.val_data.get_batch(t.batch_size, T, rng)) for _ in range(t.eval_steps)]
+        return float(np.mean(losses))
+
+    def sample_text(self):
+        from .sample import generate
+        from .tokenizer import load_tokenizer
+        tok = load_tokenizer(self.run_dir)
+        start = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n")
+        ids = generate(self.model, np.array([start]), self.config.train.sample_tokens,
+                       temperature=1.0, top_k=None, rng=self.sample_rng)
+        return tok.decode(ids[0, len(start):].tolist())
+
+    def train_step(self):
+        """One optimizer step over grad_accum_steps micro-batches; returns (loss, grad_norm, lr)."""
+        t, T, model = self.config.train, self.config.model.block_size, self.model
+        model.zero_grad()
+        loss = 0.0
+        for _ in range(t.grad_accum_steps):
+            x, y = self.train_data.get_batch(t.batch_size, T, self.data_rng)
+            loss += model.forward(x, y) / t.grad_accum_steps
+            model.backward()
+        # the gradients are a sum over micro-batches of mean-loss gradients: scale to their mean
+        accum = 1.0 / t.grad_accum_steps
+        norm = grad_norm(model, self.opt.chunks) * accum
+        lr = lr_at(self.step, t)
+        self.opt.step(lr=lr, grad_scale=accum * clip_scale(norm, t.grad_clip))
+        self.step += 1
+        return loss, norm, lr
+
+    def run(self, peak_gflops=None):
+        t = self.config.train
+        tokens_per_step = t.batch_size * self.config.model.block_size * t.grad_accum_steps
+        flops_per_step = flops_per_token(self.gpt_config, self.config.model.block_size) * tokens_per_step
+        metrics = open(self.run_dir / "metrics.jsonl", "a")
+        bar = _progress(self.step, t.max_steps)
+        say = bar.write if bar is not None else self.log
+        self.log(f"model: {self.model.num_params:,} parameters; {tokens_per_step:,} tokens per step; "
+                 f"steps {self.step} -> {t.max_steps}")
+        try:
+            with _StopFlag() as stop:
+                while self.step < t.max_steps and not stop.requested:
+                    t0 = time.perf_counter()
+                    loss, norm, lr = self.train_step()
+                    dt = time.perf_counter() - t0
+                    rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
+                           "tok_per_s": tokens_per_step / dt, "ms": dt * 1e3}
+                    last = self.step == t.max_steps
+                    if t.eval_interval and self.val_data.num_tokens and (self.step % t.eval_interval == 0 or last):
+                        rec["val_loss"] = self.evaluate()
+                    if self.step % t.log_interval == 0 or last or "val_loss" in rec:
+                        say(_format(rec, flops_per_step / dt / 1e9, peak_gflops))
+                    metrics.write(json.dumps(rec) + "\n")
+                    metrics.flush()
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{loss:.4f}")
+                    if t.sample_interval and self.step % t.sample_interval == 0:
+                        say(f"--- sample at step {self.step} ---\n{self.sample_text()}\n---")
+                    if (t.checkpoint_interval and self.step % t.checkpoint_interval == 0) or last or stop.requested:
+                        path = self.save()
+                        say(f"checkpoint {path}")
+        finally:
+            metrics.close()
+            if bar is not None:
+                bar.close()
+        plot_losses(self.run_dir)
+        return self.step
+
+
+def _progress(start, total):
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+
+def _format(rec, gflops, peak):
+    line = (f"step {rec['step']:>6} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | norm {rec['grad_norm']:.4f} | "
+            f"{rec['ms']:7.1f} ms | {rec['tok_per_s']:8,.0f} tok/s | {gflops:6.1f} GFLOP/s")
+    if peak:
+        line += f" | MFU {100 * gflops / peak:4.1f}%"
+    if "val_loss" in rec:
+        line += f" | val {rec['val_loss']:.4f}"
+    return line
+
+
+def plot_losses(run_dir):
+    """RUN_DIR/loss.png: train loss per step and val loss at each evaluation."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    run_dir = Path(run_dir)
+    recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    if not recs:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], lw=0.8, label="train")
+    val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    if val:
+        ax.plot(*zip(*val), "o-", label="val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(run_dir.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = run_dir / "loss.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(args):
+    overrides = {k.split(":", 1)[1]: v for k, v in vars(args).items()
+                 if k.startswith("override:") and v is not None}
+    run_dir = Path(args.out)
+    config = resolve_config(run_dir, args.preset, args.config, overrides, args.resume)
+    trainer = Trainer(args.data, run_dir, config, resume=args.resume)
+    from .bench import sgemm_peak
+    peak = sgemm_peak()["median_gflops"]
+    print(f"sgemm peak (measured now): {peak:.0f} GFLOP/s")
+    trainer.run(peak_gflops=peak)
+    print(f"done: {trainer.step} steps; metrics {run_dir / 'metrics.jsonl'}; loss plot {run_dir / 'loss.png'}")
+    return 0

@@ -1,0 +1,385 @@
+"""Sampling: the KV-cache decode against the full forward, the window policy past block_size,
+greedy and seeded sampling, argument checks, that decoding is incremental, the UTF-8 safe text
+stream, and the `handgrad sample` command (with a stand-in checkpoint loader and tokenizer)."""
+import argparse
+import io
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from handgrad import GPT, GPTConfig
+from handgrad.backends.cpu import attention_decode_forward, attention_forward
+from handgrad.sample import (SEPARATOR, KVCache, SampleError, TextStream, add_arguments, generate,
+                             main, sample_logits)
+
+
+def random_model(config, seed=0, scale=0.3):
+    """A GPT whose weights are all N(0, scale^2): peaked attention and spread-out logits, so a
+    wrong key, position or row shows up (GPT-2's init makes attention nearly uniform)."""
+    model = GPT(config, seed=seed)
+    rng = np.random.default_rng(seed)
+    model.params[:] = rng.standard_normal(model.num_params, dtype=np.float32) * np.float32(scale)
+    return model
+
+
+def assert_close(got, ref, rtol=1e-5, what=""):
+    """max |got - ref| <= rtol * max |ref|, printing the worst entry."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    err = np.abs(got - ref)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    scale = np.abs(ref).max()
+    assert err.max() <= rtol * scale, (f"{what}: max abs err {err.max():.3g} at {worst} "
+                                       f"(got {got[worst]:.6g}, ref {ref[worst]:.6g}), "
+                                       f"tol {rtol * scale:.3g}")
+
+
+def window_lengths(T0, n_new, block_size):
+    """The context lengths the policy implies: logits for new token i come from the newest
+    lengths[i] tokens (the window grows to block_size, then restarts at block_size // 2)."""
+    keep, n, out = max(1, block_size // 2), T0, []
+    for _ in range(n_new):
+        out.append(n)
+        n = n + 1 if n < block_size else keep
+    return out
+
+
+def naive_greedy(model, prompt, n_new):
+    """model.forward on the whole window for every new token, argmax."""
+    ids = np.asarray(prompt)
+    for n in window_lengths(ids.shape[1], n_new, model.config.block_size):
+        nxt = model.forward(ids[:, -n:])[:, -1].argmax(-1)
+        ids = np.concatenate([ids, nxt[:, None]], axis=1)
+    return ids
+
+
+# ---------------------------------------------------------------- the decode attention op
+@pytest.mark.parametrize("B, T, NH, C", [(1, 1, 1, 8), (2, 17, 3, 96), (3, 6, 4, 20)],
+                         ids=["T1", "C96-NH3-T17", "hs5"])
+def test_attention_decode_forward_is_attention_forwards_last_row(B, T, NH, C):
+    rng = np.random.default_rng(0)
+    qkv = rng.standard_normal((B, T, 3 * C), dtype=np.float32)
+    hs, Tmax = C // NH, T + 3
+    out_full = np.empty((B, T, C), np.float32)
+    attention_forward(out_full, np.empty((B, NH, T, T), np.float32), qkv, NH)
+
+    heads = lambda x: x.reshape(B, T, NH, hs).transpose(0, 2, 1, 3)  # noqa: E731
+    k_cache = np.full((B, NH, Tmax, hs), np.nan, np.float32)  # NaN: slots past pos must not be read
+    v_cache = np.full((B, NH, Tmax, hs), np.nan, np.float32)
+    k_cache[:, :, :T - 1] = heads(qkv[:, :, C:2 * C])[:, :, :T - 1]
+    v_cache[:, :, :T - 1] = heads(qkv[:, :, 2 * C:])[:, :, :T - 1]
+    out = np.empty((B, 1, C), np.float32)
+    attention_decode_forward(out, np.ascontiguousarray(qkv[:, T - 1:]), k_cache, v_cache, T - 1, NH)
+
+    assert_close(out[:, 0], out_full[:, -1], 1e-5, "vs attention_forward")
+    # float64 reference: softmax(q K^T / sqrt(hs)) V for the last query
+    q, k, v = (heads(qkv[:, :, i * C:(i + 1) * C].astype(np.float64)) for i in range(3))
+    s = q[:, :, -1:] @ k.transpose(0, 1, 3, 2) / math.sqrt(hs)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    y = (p / p.sum(-1, keepdims=True)) @ v  # (B, NH, 1, hs)
+    assert_close(out[:, 0], y.transpose(0, 2, 1, 3).reshape(B, C), 1e-5, "vs float64")
+    # this token's k and v were appended at pos; later slots untouched
+    np.testing.assert_array_equal(k_cache[:, :, T - 1], heads(qkv[:, :, C:2 * C])[:, :, T - 1])
+    np.testing.assert_array_equal(v_cache[:, :, T - 1], heads(qkv[:, :, 2 * C:])[:, :, T - 1])
+    assert np.isnan(k_cache[:, :, T:]).all() and np.isnan(v_cache[:, :, T:]).all()
+
+
+def test_attention_decode_forward_rejects_pos_outside_the_cache():
+    k = np.zeros((1, 2, 4, 3), np.float32)
+    with pytest.raises(ValueError, match="pos"):
+        attention_decode_forward(np.zeros((1, 6), np.float32), np.zeros((1, 18), np.float32), k, k.copy(),
+                                 4, 2)
+
+
+# ---------------------------------------------------------------- the cache against the full forward
+@pytest.mark.parametrize("B, T0, block_size", [(1, 1, 8), (3, 5, 8), (2, 8, 8), (2, 1, 1), (1, 2, 5)],
+                         ids=["B1-T0=1", "B3", "T0=block_size", "block_size1", "odd-block_size"])
+def test_cache_logits_equal_full_recompute(B, T0, block_size):
+    """At every step, across several re-prefills, the cached logits equal model.forward on the
+    window the policy implies, and the cache holds exactly that window."""
+    config = GPTConfig(block_size=block_size, vocab_size=37, n_layer=2, n_head=2, n_embd=16)
+    model = random_model(config)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, config.vocab_size, (B, T0))
+    cache = KVCache(model, B)
+    logits = cache.prefill(ids).copy()
+    n_new = 3 * block_size + 2
+    lengths = window_lengths(T0, n_new, block_size)
+    for i in range(n_new):
+        assert cache.n == lengths[i]
+        assert_close(logits, model.forward(ids[:, -cache.n:])[:, -1], 1e-5, f"step {i}")
+        ids = np.concatenate([ids, rng.integers(0, config.vocab_size, (B, 1))], axis=1)
+        logits = cache.advance(ids).copy()
+    expected_prefills = 1 + sum(n == block_size for n in lengths)
+    assert cache.prefills == expected_prefills
+    assert cache.steps == n_new - (expected_prefills - 1)
+
+
+# ---------------------------------------------------------------- generate
+CONFIG = GPTConfig(block_size=16, vocab_size=41, n_layer=2, n_head=2, n_embd=16)
+
+
+@pytest.mark.parametrize("B, T0, n_new, block_size", [(1, 3, 10, 16), (2, 1, 40, 16), (2, 1, 5, 1)],
+                         ids=["short", "past-block_size", "block_size1"])
+def test_greedy_generate_equals_naive_loop(B, T0, n_new, block_size):
+    model = random_model(GPTConfig(**dict(CONFIG.to_dict(), block_size=block_size)))
+    prompt = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (B, T0))
+    got = generate(model, prompt, n_new, temperature=0)
+    assert got.shape == (B, T0 + n_new) and got.dtype == np.int64
+    np.testing.assert_array_equal(got, naive_greedy(model, prompt, n_new))
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    model = random_model(CONFIG)
+    prompt = [3, 1, 4]
+    greedy = generate(model, prompt, 20, temperature=0)
+    np.testing.assert_array_equal(generate(model, prompt, 20, temperature=1.5, top_k=1, rng=0), greedy)
+    np.testing.assert_array_equal(generate(model, prompt, 20, temperature=1.5, top_p=1e-9, rng=0), greedy)
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ():
+    model = random_model(CONFIG, scale=0.05)  # flat logits: samples vary
+    prompt = np.array([[5, 9], [2, 6]])
+    a = generate(model, prompt, 30, rng=np.random.default_rng(7))
+    b = generate(model, prompt, 30, rng=np.random.default_rng(7))
+    c = generate(model, prompt, 30, rng=np.random.default_rng(8))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    np.testing.assert_array_equal(a[:, :2], prompt)
+    assert not (a[0] == a[1]).all()  # the rows of one batch are independent samples
+
+
+def test_generate_max_new_tokens_0_and_on_token():
+    model = random_model(CONFIG)
+    np.testing.assert_array_equal(generate(model, [[1, 2]], 0), [[1, 2]])
+    seen = []
+    out = generate(model, [1, 2], 5, temperature=0,
+                   on_token=lambda step, ids: seen.append((step, ids.copy())))
+    assert [s for s, _ in seen] == list(range(5))
+    for step, ids in seen:
+        np.testing.assert_array_equal(ids, out[:, :3 + step])
+
+
+def test_decoding_is_incremental(monkeypatch):
+    """A generation shorter than block_size prefills once (one full-attention pass per layer); every
+    later token is one decode step per layer, at positions T0, T0 + 1, ...; model.forward is unused."""
+    model = random_model(CONFIG)
+    ops = model.ops
+    calls = {"prefill": 0, "decode": []}
+    full, decode = ops.attention_forward, ops.attention_decode_forward
+
+    def counting_full(out, att, qkv, n_head):
+        calls["prefill"] += 1
+        full(out, att, qkv, n_head)
+
+    def counting_decode(out, qkv, k_cache, v_cache, pos, n_head):
+        assert qkv.shape[:2] == (1, 1)  # one token's projections: no prefix recomputed
+        calls["decode"].append(pos)
+        decode(out, qkv, k_cache, v_cache, pos, n_head)
+
+    monkeypatch.setattr(ops, "attention_forward", counting_full)
+    monkeypatch.setattr(ops, "attention_decode_forward", counting_decode)
+    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("generate called model.forward"))
+    T0, n_new, L = 4, 10, CONFIG.n_layer
+    generate(model, [0] * T0, n_new, temperature=0)
+    assert calls["prefill"] == L
+    assert calls["decode"] == [pos for pos in range(T0, T0 + n_new - 1) for _ in range(L)]
+
+
+# ---------------------------------------------------------------- sample_logits
+def test_sample_logits_respects_top_k_top_p_and_temperature():
+    rng = np.random.default_rng(0)
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.tile(np.log(probs), (20000, 1))
+    counts = lambda ids: np.bincount(ids, minlength=4) / len(ids)  # noqa: E731
+    np.testing.assert_allclose(counts(sample_logits(logits, 1.0, rng=rng)), probs, atol=0.015)
+    assert set(sample_logits(logits, 1.0, top_k=2, rng=rng)) == {0, 1}
+    assert set(sample_logits(logits, 1.0, top_p=0.79, rng=rng)) == {0, 1}      # 0.5 + 0.3 >= 0.79
+    assert set(sample_logits(logits, 1.0, top_p=0.81, rng=rng)) == {0, 1, 2}
+    hot = probs ** 0.5 / (probs ** 0.5).sum()  # temperature 2 flattens: p^(1/2), renormalised
+    np.testing.assert_allclose(counts(sample_logits(logits, 2.0, rng=rng)), hot, atol=0.015)
+    kept = np.array([0.5, 0.3]) / 0.8  # top_k renormalises over what it keeps
+    np.testing.assert_allclose(counts(sample_logits(logits, 1.0, top_k=2, rng=rng))[:2], kept, atol=0.015)
+
+
+# ---------------------------------------------------------------- argument checks
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(max_new_tokens=-1), "max_new_tokens"), (dict(max_new_tokens=2.0), "max_new_tokens"),
+    (dict(prompt_ids=[]), "prompt_ids"), (dict(prompt_ids=[1, 41]), "prompt_ids"),
+    (dict(prompt_ids=[-1]), "prompt_ids"), (dict(prompt_ids=[0] * 17), "prompt_ids"),
+    (dict(prompt_ids=[0.5]), "prompt_ids"), (dict(rng="seed"), "rng"),
+])
+def test_generate_rejects_bad_arguments(kwargs, name):
+    args = dict(prompt_ids=[1, 2], max_new_tokens=3) | kwargs
+    with pytest.raises(SampleError, match=name) as e:
+        generate(GPT(CONFIG), **args)
+    assert isinstance(e.value, ValueError) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- streaming text
+def byte_decode(vocab):
+    return lambda ids: b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def stream_pieces(decode, ids):
+    out = io.StringIO()
+    stream, pieces = TextStream(decode, out), []
+    for n in range(1, len(ids) + 1):
+        before = out.tell()
+        stream.update(ids[:n])
+        pieces.append(out.getvalue()[before:])
+    stream.update(ids, final=True)
+    return out.getvalue(), pieces
+
+
+def test_text_stream_holds_back_split_utf8_characters():
+    text = "héllo €😀 ok"
+    data = text.encode()
+    vocab = [bytes([b]) for b in range(256)]  # one token per byte: characters split across tokens
+    printed, pieces = stream_pieces(byte_decode(vocab), list(data))
+    assert printed == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert pieces[1] == "" and pieces[2] == "é"  # 0xC3 waits for 0xA9
+
+
+@given(st.binary(max_size=40), st.lists(st.integers(1, 4), min_size=1, max_size=40))
+def test_text_stream_prints_what_decode_of_everything_gives(data, cuts):
+    """Any bytes (invalid UTF-8 included), cut into multi-byte tokens: the streamed text is the
+    decoded text of all the tokens."""
+    vocab, ids, i, c = [], [], 0, 0
+    while i < len(data):
+        n = cuts[c % len(cuts)]
+        vocab.append(data[i:i + n])
+        ids.append(len(vocab) - 1)
+        i, c = i + n, c + 1
+    decode = byte_decode(vocab)
+    printed, _ = stream_pieces(decode, ids)
+    assert printed == decode(ids)
+
+
+# ---------------------------------------------------------------- `handgrad sample`
+class ByteTokenizer:
+    """Bytes 0..255 plus an end-of-text token 256, like the data helpers' byte tokenizer."""
+
+    def __init__(self, eot=True):
+        self.eot_id = 256 if eot else None
+        self.vocab_size = 257
+
+    def encode(self, s):
+        return list(s.encode())
+
+    def decode(self, ids):
+        return b"".join(b"<|endoftext|>" if i == 256 else bytes([i]) for i in ids).decode("utf-8", "replace")
+
+
+CLI_CONFIG = GPTConfig(block_size=16, vocab_size=257, n_layer=2, n_head=2, n_embd=16)
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """Run main(argv) against stand-in handgrad.checkpoint / handgrad.tokenizer modules; returns
+    (stdout text, the loaded paths)."""
+    state = {"eot": True, "loaded": []}
+    model = random_model(CLI_CONFIG, scale=0.1)
+
+    def load_model(path, backend="cpu"):
+        state["loaded"].append(("model", str(path)))
+        return model
+
+    def load_tokenizer(run_dir):
+        state["loaded"].append(("tokenizer", str(run_dir)))
+        return ByteTokenizer(eot=state["eot"])
+
+    monkeypatch.setitem(sys.modules, "handgrad.checkpoint", types.SimpleNamespace(load_model=load_model))
+    monkeypatch.setitem(sys.modules, "handgrad.tokenizer",
+                        types.SimpleNamespace(load_tokenizer=load_tokenizer))
+
+    def run(*argv):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        out = io.StringIO()
+        assert main(parser.parse_args(list(argv)), file=out) == 0
+        return out.getvalue()
+
+    run.state, run.model = state, model
+    return run
+
+
+def test_cli_streams_prompt_and_samples_with_separators(cli):
+    out = cli("--run", "runs/x", "--prompt", "hé", "--max-new-tokens", "20", "--num-samples", "3",
+              "--seed", "5", "--top-k", "50")
+    samples = out.split(f"\n{SEPARATOR}\n")
+    assert len(samples) == 4 and samples[-1] == ""
+    tok = ByteTokenizer()
+    prompt = np.tile(tok.encode("hé"), (3, 1))
+    ids = generate(cli.model, prompt, 20, 0.8, 50, None, np.random.default_rng(5))
+    assert samples[:3] == [tok.decode(list(row)) for row in ids]
+    assert all(s.startswith("hé") for s in samples[:3])
+    assert cli.state["loaded"] == [("model", "runs/x"), ("tokenizer", "runs/x")]
+
+
+def test_cli_unconditional_starts_from_eot_or_newline(cli):
+    first = cli("--run", "r", "--max-new-tokens", "8", "--temperature", "0")
+    ids = generate(cli.model, [256], 8, temperature=0)
+    assert first == ByteTokenizer().decode(list(ids[0, 1:])) + f"\n{SEPARATOR}\n"  # start token not shown
+    cli.state["eot"] = False
+    second = cli("--run", "r", "--max-new-tokens", "8", "--temperature", "0")
+    ids = generate(cli.model, [10], 8, temperature=0)
+    assert second == ByteTokenizer().decode(list(ids[0, 1:])) + f"\n{SEPARATOR}\n"
+
+
+def test_cli_checkpoint_dir_loads_the_runs_tokenizer(cli):
+    cli("--run", "runs/x/ckpt/step_00000100", "--max-new-tokens", "1")
+    assert ("tokenizer", "runs/x") in cli.state["loaded"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--prompt", ""], "empty prompt: give some text or omit --prompt to sample unconditionally"),
+    (["--prompt", "x" * 17], "17 tokens.*block_size 16"),
+    (["--top-k", "0"], "--top-k"), (["--top-p", "2"], "--top-p"),
+    (["--temperature", "-1"], "--temperature"), (["--max-new-tokens", "-5"], "--max-new-tokens"),
+    (["--num-samples", "0"], "--num-samples"),
+])
+def test_cli_user_errors(cli, argv, match):
+    with pytest.raises(SampleError, match=match):
+        cli("--run", "r", *argv)
+
+
+# ---------------------------------------------------------------- a real run directory
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory written by the real checkpoint and tokenizer modules."""
+    checkpoint = pytest.importorskip("handgrad.checkpoint")
+    tokenizer = pytest.importorskip("handgrad.tokenizer")
+    if not all(hasattr(checkpoint, f) for f in ("save_checkpoint", "load_model")) \
+            or not hasattr(tokenizer, "ByteTokenizer"):
+        pytest.skip("handgrad.checkpoint / handgrad.tokenizer lack save_checkpoint, load_model or "
+                    "ByteTokenizer")
+    from handgrad.optim import AdamW
+    config = GPTConfig(block_size=16, vocab_size=256, n_layer=2, n_head=2, n_embd=16)
+    model = random_model(config, scale=0.1)
+    checkpoint.save_checkpoint(tmp_path, 3, model, AdamW(model), {"model_config": config.to_dict()})
+    tokenizer.ByteTokenizer().save(tmp_path)
+    return tmp_path, model
+
+
+def test_handgrad_sample_on_a_saved_run(run_dir, capsys):
+    from handgrad.cli import main as handgrad_main
+    path, model = run_dir
+    argv = ["sample", "--run", str(path), "--prompt", "ab", "--max-new-tokens", "30", "--temperature", "0",
+            "--num-samples", "2"]
+    assert handgrad_main(argv) == 0
+    text = bytes(generate(model, [97, 98], 30, temperature=0)[0].tolist()).decode("utf-8", "replace")
+    assert capsys.readouterr().out == 2 * f"{text}\n{SEPARATOR}\n"
+    ckpt = path / "ckpt" / "step_00000003"
+    assert handgrad_main(argv[:2] + [str(ckpt)] + argv[3:]) == 0  # one checkpoint directory
+    assert capsys.readouterr().out == 2 * f"{text}\n{SEPARATOR}\n"
+    assert handgrad_main(["sample", "--run", str(path), "--prompt", ""]) == 2
+    assert "empty prompt" in capsys.readouterr().err

@@ -1,0 +1,142 @@
+"""`handgrad train` end to end on a small corpus made here: the loop, checkpoints, exact resume,
+overrides on resume, Ctrl-C, metrics and the loss plot, and errors that name the problem."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from handgrad.checkpoint import CheckpointError, list_checkpoints, load_model, read_state
+from handgrad.cli import main as cli
+from handgrad.train import lr_at
+from handgrad.config import load_run_config
+
+TEXT = "".join(f"To be, or not to be, that is the question {i}.\nWhether 'tis nobler in the mind.\n"
+               for i in range(400))
+SMALL = ["--preset", "tiny", "--model.n_layer", "1", "--model.n_embd", "32", "--model.block_size", "16",
+         "--train.batch_size", "4", "--train.sample_interval", "0", "--train.eval_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from handgrad.data import prepare
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "text.txt").write_text(TEXT)
+    prepare([str(root / "text.txt")], root / "data", tokenizer="char", val_fraction=0.1, seed=1)
+    return root / "data"
+
+
+def train(data_dir, out, *extra):
+    return cli(["train", "--data", str(data_dir), "--out", str(out), *SMALL, *extra])
+
+
+def metrics(run):
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_run(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(data_dir, run, "--train.max_steps", "12", "--train.eval_interval", "5",
+                 "--train.checkpoint_interval", "5", "--train.keep_checkpoints", "2") == 0
+    out = capsys.readouterr().out
+    assert "tok/s" in out and "GFLOP/s" in out and "MFU" in out
+    recs = metrics(run)
+    assert [r["step"] for r in recs] == list(range(1, 13))
+    assert {"step", "loss", "lr", "grad_norm", "tok_per_s"} <= set(recs[0])
+    assert [r["step"] for r in recs if "val_loss" in r] == [5, 10, 12]
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    assert [s for s, _ in list_checkpoints(run)] == [10, 12]  # keep 2, the last step always saved
+    ck = run / "ckpt" / "step_00000012"
+    assert sorted(p.name for p in ck.iterdir()) == ["model.safetensors", "optim.safetensors", "state.json"]
+    state = read_state(ck)
+    assert state["step"] == 12 and "data" in state["rng"]
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["model"]["n_embd"] == 32 and cfg["vocab_size"] == load_model(run).config.vocab_size
+    assert (run / "loss.png").stat().st_size > 1000
+    assert not list((run / "ckpt").glob(".tmp*"))
+
+
+def test_resume_is_bitwise_exact(data_dir, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ("--train.eval_interval", "3", "--train.checkpoint_interval", "3", "--train.grad_accum_steps", "2")
+    assert train(data_dir, a, "--train.max_steps", "7", *common) == 0
+    assert train(data_dir, b, "--train.max_steps", "4", *common) == 0
+    assert train(data_dir, b, "--resume", "--train.max_steps", "7", *common) == 0  # override on resume
+    fa = (a / "ckpt/step_00000007/model.safetensors").read_bytes()
+    fb = (b / "ckpt/step_00000007/model.safetensors").read_bytes()
+    assert fa == fb
+    assert [r["loss"] for r in metrics(a)] == [r["loss"] for r in metrics(b)]
+
+
+def test_resume_rules(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(data_dir, run, "--resume") == 2  # nothing to resume
+    assert "nothing to resume" in capsys.readouterr().err
+    assert train(data_dir, run, "--train.max_steps", "2") == 0
+    assert train(data_dir, run, "--train.max_steps", "3") == 2  # would overwrite: needs --resume
+    assert "--resume" in capsys.readouterr().err
+    assert train(data_dir, run, "--resume", "--model.n_layer", "2") == 2
+    assert "model.n_layer: cannot change on resume" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint_is_named(data_dir, tmp_path):
+    run = tmp_path / "run"
+    assert train(data_dir, run, "--train.max_steps", "2") == 0
+    f = run / "ckpt/step_00000002/model.safetensors"
+    blob = bytearray(f.read_bytes())
+    blob[-5] ^= 0xFF
+    f.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match="model.safetensors: checksum mismatch"):
+        load_model(run)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--train.nope", "1"], None),  # argparse: unrecognized arguments
+    (["--train.lr", "fast"], "train.lr: expected a number"),
+    (["--model.n_head", "3"], "divisible by model.n_head"),
+    (["--model.block_size", "100000"], "block_size"),
+])
+def test_bad_train_input(data_dir, tmp_path, capsys, args, message):
+    run = tmp_path / "run"
+    try:
+        rc = train(data_dir, run, "--train.max_steps", "1", *args)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert (message or "unrecognized arguments: --train.nope") in err
+    assert not list_checkpoints(run)
+
+
+def test_missing_data_dir(tmp_path, capsys):
+    assert cli(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_lr_schedule():
+    t = load_run_config("tiny", overrides={"train.warmup_steps": 10, "train.max_steps": 110,
+                                           "train.lr": 1.0, "train.min_lr": 0.1}).train
+    lrs = [lr_at(s, t) for s in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[10] == pytest.approx(1.0) and lrs[60] == pytest.approx(0.55)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] >= 0.1
+
+
+@pytest.mark.skipif(os.name != "posix", reason="signals")
+def test_ctrl_c_saves_and_exits_cleanly(data_dir, tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "handgrad", "train", "--data", str(data_dir), "--out", str(run), *SMALL,
+           "--train.max_steps", "100000", "--train.checkpoint_interval", "0", "--train.eval_interval", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # wait until steps are running
+        if line.startswith("step"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    steps = [s for s, _ in list_checkpoints(run)]
+    assert len(steps) == 1 and steps[0] == metrics(run)[-1]["step"]
+    assert "saving a checkpoint" in err
