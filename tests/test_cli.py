@@ -68,3 +68,28 @@ def test_unknown_verb_and_bad_backend_are_usage_errors():
     assert r.returncode == 2 and "invalid choice" in r.stderr
     r = handgrad("verify", "--backend", "nope")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_info_json():
+    out = subprocess.run([sys.executable, "-m", "handgrad", "info", "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["cores"] >= 1 and info["sgemm_peak_gflops"] > 0
+    assert info["numba_threading_layer"] == "workqueue"
+    assert {"numpy", "numba", "numpy_blas", "cuda", "triton"} <= set(info)
+
+
+def test_bench_learn_tiny(tmp_path):
+    from handgrad.data import prepare
+    (tmp_path / "t.txt").write_text("abcdefgh ijklmnop\n" * 300)
+    prepare([str(tmp_path / "t.txt")], tmp_path / "data", tokenizer="char")
+    out = subprocess.run([sys.executable, "-m", "handgrad", "bench", "learn", "--preset", "tiny", "--steps", "3",
+                          "--data", str(tmp_path / "data"), "--out", str(tmp_path / "docs")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "docs" / "learn-tiny.json").read_text())["curves"]
+    h, p = result["handgrad"]["loss"], result["pytorch"]["loss"]
+    assert len(h) == len(p) == 3
+    assert max(abs(a - b) for a, b in zip(h, p)) < 1e-4  # same weights, same batches
+    assert (tmp_path / "docs" / "learn-tiny.png").stat().st_size > 1000

@@ -1,6 +1,28 @@
-"""The `handgrad` command: one entry point, one verb per job."""
+"""The `handgrad` command: one entry point, one verb per job.
+
+  prepare  corpus -> tokenizer -> token shards      train   a GPT on prepared data
+  sample   text from a trained run                  verify  every op and the model against PyTorch
+  bench    handgrad beside PyTorch on this machine  info    versions, cores, BLAS, threads, peak
+"""
 import argparse
 import sys
+
+
+def _user_errors():
+    """The exception types that mean 'the user asked for something wrong': one line, exit 2."""
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .data import DataError
+    from .sample import SampleError
+    from .train import TrainError
+    return (CheckpointError, ConfigError, DataError, SampleError, TrainError)
+
+
+def _cmd(module, fn="main"):
+    def run(args):
+        import importlib
+        return getattr(importlib.import_module(f"handgrad.{module}"), fn)(args)
+    return run
 
 
 def _cmd_verify(args):
@@ -8,24 +30,73 @@ def _cmd_verify(args):
     return verify_main(backend=args.backend, as_json=args.json)
 
 
-def _cmd_bench(args):
-    from .bench import main as bench_main
-    return bench_main(args)
+def _cmd_info(args):
+    import json
+    import os
+    import platform
+
+    import numba
+    import numpy as np
+
+    from . import __version__
+    from .backends import cpu  # noqa: F401  (sets Numba's threading layer, reported below)
+    from .bench import environment, sgemm_peak
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    env = environment(torch)
+    info = {"handgrad": __version__, "python": platform.python_version(), "numpy": np.__version__,
+            "numba": numba.__version__, "cores": os.cpu_count(), **env}
+    cuda = triton = "no"
+    if torch is not None:
+        info["torch"] = torch.__version__
+        cuda = f"yes ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "no (no CUDA device)"
+    try:
+        import triton as _triton
+        triton = f"yes ({_triton.__version__})"
+    except ImportError:
+        triton = "no (not installed)"
+    info.update(cuda=cuda, triton=triton)
+    info["sgemm_peak_gflops"] = round(sgemm_peak()["median_gflops"], 1)
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+    else:
+        for k, v in info.items():
+            print(f"{k:<18} {v}")
+    return 0
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="handgrad", description=__doc__)
+    parser = argparse.ArgumentParser(prog="handgrad", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    from . import bench, data, sample, train
+    p = sub.add_parser("prepare", help="turn a corpus into a tokenizer and token shards")
+    data.add_arguments(p)
+    p.set_defaults(func=_cmd("data"))
+
+    p = sub.add_parser("train", help="train a GPT on a prepared data directory")
+    train.add_arguments(p)
+    p.set_defaults(func=_cmd("train"))
+
+    p = sub.add_parser("sample", help="generate text from a trained run")
+    sample.add_arguments(p)
+    p.set_defaults(func=_cmd("sample"))
 
     p = sub.add_parser("verify", help="check every op and the whole model against PyTorch autograd")
     p.add_argument("--backend", default="cpu", choices=["cpu"], help="backend to verify (default cpu)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=_cmd_verify)
 
-    from .bench import add_arguments as add_bench_arguments
     p = sub.add_parser("bench", help="time handgrad beside PyTorch on this machine")
-    add_bench_arguments(p)
-    p.set_defaults(func=_cmd_bench)
+    bench.add_arguments(p)
+    p.set_defaults(func=_cmd("bench"))
+
+    p = sub.add_parser("info", help="versions, cores, BLAS, threads, the measured sgemm peak, CUDA/Triton")
+    p.add_argument("--json", action="store_true", help="print as JSON")
+    p.set_defaults(func=_cmd_info)
     return parser
 
 
@@ -33,6 +104,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
