@@ -16,8 +16,10 @@ from numba import njit, prange
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
 
-kernel = njit(parallel=True, cache=True)
-serial_kernel = njit(cache=True)
+# error_model="numpy": a float division by zero gives inf/nan as in NumPy instead of a Python
+# exception; without it every division carries a check that stops LLVM from vectorising the loop.
+kernel = njit(parallel=True, cache=True, error_model="numpy")
+serial_kernel = njit(cache=True, error_model="numpy")
 
 # Row blocks for reductions over rows (parameter gradients). The block size is fixed, not tied to
 # the thread count, so the order of every floating-point sum is the same on any machine.

@@ -1,13 +1,48 @@
 """GELU, tanh approximation (GPT-2's):  gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))),
-k = sqrt(2 / pi).  The bias of the preceding linear can be fused in (one pass instead of two)."""
+k = sqrt(2 / pi).  The bias of the preceding linear can be fused in (one pass instead of two).
+
+float32 arrays take a fast path: float32 arithmetic and a rational tanh (Eigen's, max error
+~3e-7, below float32 GELU's own rounding) that LLVM vectorises, where libm's scalar tanh in
+float64 does not (measured 12.8 ms -> 0.45 ms for a (256, 2048) forward). float64 arrays use the
+exact np.tanh, which the finite-difference tests rely on.
+"""
 import math
 
 import numpy as np
 from numba import prange
 
-from .common import kernel, n_blocks, rows, sum_blocks_into, workspace, ROWS_PER_BLOCK
+from .common import kernel, n_blocks, rows, serial_kernel, sum_blocks_into, workspace, ROWS_PER_BLOCK
 
 GELU_K = math.sqrt(2.0 / math.pi)
+K32, C32, C3_32 = np.float32(GELU_K), np.float32(0.044715), np.float32(3.0 * 0.044715)
+HALF32, ONE32 = np.float32(0.5), np.float32(1.0)
+
+# Eigen's generic_fast_tanh_float: tanh(x) ~ x p(x^2) / q(x^2) on [-7.9053, 7.9053].
+_CLAMP, _SAT, _XMAX = np.float32(7.90531110763549805), np.float32(9.0), np.float32(10.0)
+_A1, _A3, _A5, _A7 = (np.float32(4.89352455891786e-03), np.float32(6.37261928875436e-04),
+                      np.float32(1.48572235717979e-05), np.float32(5.12229709037114e-08))
+_A9, _A11, _A13 = np.float32(-8.60467152213735e-11), np.float32(2.00018790482477e-13), np.float32(-2.76076847742355e-16)
+_B0, _B2, _B4, _B6 = (np.float32(4.89352518554385e-03), np.float32(2.26843463243900e-03),
+                      np.float32(1.18534705686654e-04), np.float32(1.19825839466702e-06))
+
+
+@serial_kernel
+def tanh32(u):
+    """float32 tanh, rational approximation (vectorisable: min/max and selects only). Exactly
+    +-1 for |u| >= 9, where float32 tanh rounds to +-1 anyway, so gelu(-huge) is exactly 0."""
+    x = min(max(u, -_CLAMP), _CLAMP)
+    x2 = x * x
+    p = x2 * _A13 + _A11
+    p = x2 * p + _A9
+    p = x2 * p + _A7
+    p = x2 * p + _A5
+    p = x2 * p + _A3
+    p = x2 * p + _A1
+    q = x2 * _B6 + _B4
+    q = x2 * q + _B2
+    q = x2 * q + _B0
+    t = x * p / q
+    return ONE32 if u >= _SAT else (-ONE32 if u <= -_SAT else t)
 
 
 @kernel
@@ -22,6 +57,18 @@ def _gelu_forward_kernel(out, inp, bias, has_bias):
             out[i, c] = 0.5 * x * (1.0 + np.tanh(GELU_K * (x + 0.044715 * x * x * x)))
 
 
+@kernel
+def _gelu_forward_kernel32(out, inp, bias, has_bias):
+    N, C = inp.shape
+    for i in prange(N):
+        if has_bias:
+            for c in range(C):
+                inp[i, c] += bias[c]
+        for c in range(C):
+            x = inp[i, c]
+            out[i, c] = HALF32 * x * (ONE32 + tanh32(K32 * (x + C32 * x * x * x)))
+
+
 def gelu_forward(out, inp, bias=None):
     """out (B, T, C) = gelu(inp (B, T, C) [+ bias (C)]). Overwrites out.
 
@@ -30,7 +77,8 @@ def gelu_forward(out, inp, bias=None):
     """
     inp2 = rows(inp)
     b = bias if bias is not None else inp2[0]
-    _gelu_forward_kernel(rows(out), inp2, b, bias is not None)
+    fn = _gelu_forward_kernel32 if inp2.dtype == np.float32 else _gelu_forward_kernel
+    fn(rows(out), inp2, b, bias is not None)
 
 
 @kernel
@@ -54,6 +102,24 @@ def _gelu_backward_kernel(dinp, partial, dout, inp, has_bias):
                     partial[blk, c] += d
 
 
+@kernel
+def _gelu_backward_kernel32(dinp, partial, dout, inp):
+    N, C = inp.shape
+    NB = partial.shape[0]
+    for blk in prange(NB):
+        for c in range(C):
+            partial[blk, c] = 0.0
+        for i in range(blk * ROWS_PER_BLOCK, min(N, (blk + 1) * ROWS_PER_BLOCK)):
+            for c in range(C):
+                x = inp[i, c]
+                th = tanh32(K32 * (x + C32 * x * x * x))
+                xc = min(max(x, -_XMAX), _XMAX)  # where |x| > 10 the sech^2 factor is exactly 0: keep x^2 finite
+                g = HALF32 * (ONE32 + th) + HALF32 * xc * (ONE32 - th * th) * K32 * (ONE32 + C3_32 * xc * xc)
+                d = g * dout[i, c]
+                dinp[i, c] = d
+                partial[blk, c] += d  # cheap, and no branch in the loop; unused without a bias
+
+
 def gelu_backward(dinp, dbias, dout, inp):
     """With u = k (x + 0.044715 x^3):  gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) k (1 + 3 * 0.044715 x^2).
 
@@ -64,6 +130,9 @@ def gelu_backward(dinp, dbias, dout, inp):
     N, C = inp2.shape
     has_bias = dbias is not None
     partial = workspace("gelu_partial", (n_blocks(N), C), inp2.dtype)
-    _gelu_backward_kernel(rows(dinp), partial, rows(dout), inp2, has_bias)
+    if inp2.dtype == np.float32:
+        _gelu_backward_kernel32(rows(dinp), partial, rows(dout), inp2)
+    else:
+        _gelu_backward_kernel(rows(dinp), partial, rows(dout), inp2, has_bias)
     if has_bias:
         sum_blocks_into(dbias, partial)
