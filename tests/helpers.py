@@ -1,5 +1,8 @@
 """Shared test helpers (imported by the test modules; pytest puts tests/ on sys.path)."""
+import numpy as np
 import pytest
+
+from handgrad.backends import cpu as ops
 
 HEADER = f"{'op':<18} {'quantity':<28} {'max abs':>10} {'max rel':>10} {'tol':>8}"
 
@@ -18,3 +21,13 @@ def assert_rows(rows, context=""):
         head = f"{len(failed)} of {len(rows)} rows failed" + (f" ({context})" if context else "")
         pytest.fail(f"{head}:\n{format_rows(failed)}\n\nall rows:\n{format_rows(rows)}", pytrace=False)
 
+
+
+def run_crossentropy(logits, targets):
+    """handgrad's loss, per-row losses and in-place dlogits, called as the model calls them."""
+    B, T, _ = logits.shape
+    losses, lse = np.empty((B, T), logits.dtype), np.empty((B, T), np.float64)
+    buf = logits.copy()
+    loss = ops.crossentropy_forward(losses, lse, buf, targets)
+    ops.crossentropy_backward(buf, buf, lse, targets)
+    return loss, losses, lse, buf

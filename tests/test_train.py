@@ -111,6 +111,29 @@ def test_bad_train_input(data_dir, tmp_path, capsys, args, message):
     assert not list_checkpoints(run)
 
 
+def test_token_ids_above_vocab_are_named(data_dir, tmp_path, capsys):
+    import shutil
+    from handgrad.data import read_shard, write_shard
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    shard = bad / "train_000000.bin"
+    tokens = np.array(read_shard(shard))
+    tokens[7] = 60000
+    write_shard(shard, tokens)
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(bad), "--out", str(run), *SMALL, "--train.max_steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "train_000000.bin" in err and "60000" in err
+    assert not run.exists()  # nothing written that looks like a run
+
+
+def test_block_size_too_large_writes_nothing(data_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train(data_dir, run, "--model.block_size", "100000", "--train.max_steps", "1") == 2
+    assert "model.block_size 100000 is too large" in capsys.readouterr().err
+    assert not run.exists()
+
+
 def test_missing_data_dir(tmp_path, capsys):
     assert cli(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
     assert "nope" in capsys.readouterr().err

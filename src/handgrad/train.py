@@ -96,12 +96,24 @@ class Trainer:
         self.data_dir, self.run_dir, self.config, self.log = Path(data_dir), Path(run_dir), config, log
         self.train_data, self.val_data = Dataset(data_dir, "train"), Dataset(data_dir, "val")
         t = config.train
+        self._check_data(config.model.block_size)
         self.gpt_config = config.gpt_config(self.train_data.vocab_size)
         self.model = GPT(self.gpt_config, seed=t.seed)
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
         self.data_rng, self.sample_rng = _rng(seed=[t.seed, 1]), _rng(seed=[t.seed, 2])
         self.step = 0
         self._prepare_run_dir(resume)
+
+    def _check_data(self, T):
+        """Before anything is written: every token id < vocab_size, and windows of T + 1 tokens fit."""
+        for ds in (self.train_data, self.val_data):
+            ds.check_tokens()
+            longest = max(ds.lengths, default=0)
+            if ds.num_tokens and longest < T + 1:
+                raise TrainError(f"model.block_size {T} is too large for the {ds.split} split of {self.data_dir}: "
+                                 f"its longest shard has {longest} tokens; use at most {longest - 1}")
+        if not self.train_data.num_tokens:
+            raise TrainError(f"{self.data_dir}: the train split is empty; prepare more text")
 
     # ------------------------------------------------------------ run directory
     def _prepare_run_dir(self, resume):
