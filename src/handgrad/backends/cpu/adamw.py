@@ -7,7 +7,7 @@ chunk order: the same result on any number of threads.
 import numpy as np
 from numba import prange
 
-from .common import kernel
+from .common import HEAVY, kernel
 
 CHUNK = 1 << 16
 
@@ -38,7 +38,7 @@ def global_norm(grads, chunks):
     return float(np.sqrt(partial.sum()))
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _adamw_kernel(params, grads, m, v, chunks, lr, beta1, beta2, eps, weight_decay,
                   bc1, bc2, grad_scale):
     for k in prange(chunks.shape[0]):

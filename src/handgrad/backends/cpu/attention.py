@@ -9,7 +9,7 @@ import math
 import numpy as np
 from numba import prange
 
-from .common import kernel, workspace
+from .common import HEAVY, kernel, workspace
 
 
 def _heads(x, B, T, NH, hs):
@@ -24,7 +24,7 @@ def _split_qkv(qkv, NH):
     return [_heads(qkv[:, :, i * C:(i + 1) * C], B, T, NH, hs) for i in range(3)]
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _softmax_causal_kernel(att, scale):
     B, NH, T, _ = att.shape
     for row in prange(B * NH * T):
@@ -62,7 +62,7 @@ def attention_forward(out, att, qkv, n_head):
     np.matmul(att, v, out=_heads(out, B, T, n_head, hs))
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _softmax_causal_backward_kernel(datt, att, scale):
     B, NH, T, _ = att.shape
     for row in prange(B * NH * T):
@@ -100,7 +100,7 @@ def attention_backward(dqkv, dout, qkv, att, n_head):
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)
-@kernel
+@kernel(min_parallel=HEAVY)
 def _attention_decode_kernel(out, qkv, k_cache, v_cache, scores, pos, scale):
     B, NH, _, hs = k_cache.shape
     C = NH * hs

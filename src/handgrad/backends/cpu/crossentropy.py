@@ -5,12 +5,12 @@ The backward writes dlogits over the logits buffer in place, so only one (B*T, V
 import numpy as np
 from numba import prange
 
-from .common import kernel, rows
+from .common import HEAVY, kernel, rows
 
 IGNORE_INDEX = -1
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _crossentropy_forward_kernel(losses, lse, logits, targets):
     N, V = logits.shape
     for i in prange(N):
@@ -42,7 +42,7 @@ def crossentropy_forward(losses, lse, logits, targets):
     return float(losses.sum(dtype=np.float64) / count) if count else 0.0
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _crossentropy_backward_kernel(dlogits, logits, lse, targets, dloss):
     N, V = logits.shape
     for i in prange(N):

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import prange
 
-from .common import kernel, n_blocks, rows, serial_kernel, sum_blocks_into, workspace, ROWS_PER_BLOCK
+from .common import HEAVY, kernel, n_blocks, rows, serial_kernel, sum_blocks_into, workspace, ROWS_PER_BLOCK
 
 GELU_K = math.sqrt(2.0 / math.pi)
 K32, C32, C3_32 = np.float32(GELU_K), np.float32(0.044715), np.float32(3.0 * 0.044715)
@@ -45,7 +45,7 @@ def tanh32(u):
     return ONE32 if u >= _SAT else (-ONE32 if u <= -_SAT else t)
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _gelu_forward_kernel(out, inp, bias, has_bias):
     N, C = inp.shape
     for i in prange(N):
@@ -57,7 +57,7 @@ def _gelu_forward_kernel(out, inp, bias, has_bias):
             out[i, c] = 0.5 * x * (1.0 + np.tanh(GELU_K * (x + 0.044715 * x * x * x)))
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _gelu_forward_kernel32(out, inp, bias, has_bias):
     N, C = inp.shape
     for i in prange(N):
@@ -81,7 +81,7 @@ def gelu_forward(out, inp, bias=None):
     fn(rows(out), inp2, b, bias is not None)
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _gelu_backward_kernel(dinp, partial, dout, inp, has_bias):
     N, C = inp.shape
     NB = partial.shape[0]
@@ -102,7 +102,7 @@ def _gelu_backward_kernel(dinp, partial, dout, inp, has_bias):
                     partial[blk, c] += d
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _gelu_backward_kernel32(dinp, partial, dout, inp):
     N, C = inp.shape
     NB = partial.shape[0]

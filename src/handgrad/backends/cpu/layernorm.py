@@ -2,12 +2,12 @@
 import numpy as np
 from numba import prange
 
-from .common import kernel, n_blocks, rows, sum_blocks_into, workspace, ROWS_PER_BLOCK
+from .common import HEAVY, kernel, n_blocks, rows, sum_blocks_into, workspace, ROWS_PER_BLOCK
 
 EPS = 1e-5
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _layernorm_forward_kernel(out, mean, rstd, inp, weight, bias, eps):
     N, C = inp.shape
     for i in prange(N):
@@ -50,7 +50,7 @@ def layernorm_recompute(out, inp, mean, rstd, weight, bias):
     _layernorm_apply_kernel(rows(out), rows(inp), mean.reshape(-1), rstd.reshape(-1), weight, bias)
 
 
-@kernel
+@kernel(min_parallel=HEAVY)
 def _layernorm_backward_kernel(dinp, partial, dout, inp, weight, mean, rstd):
     N, C = inp.shape
     NB = partial.shape[0]
