@@ -163,3 +163,59 @@ def test_ctrl_c_saves_and_exits_cleanly(data_dir, tmp_path):
     steps = [s for s, _ in list_checkpoints(run)]
     assert len(steps) == 1 and steps[0] == metrics(run)[-1]["step"]
     assert "saving a checkpoint" in err
+
+
+def _poison_once(monkeypatch, at_call):
+    """Make the model's loss NaN on the at_call-th forward with targets (1-based)."""
+    from handgrad.model import GPT
+    real = GPT.forward
+    calls = {"n": 0}
+
+    def forward(self, idx, targets=None):
+        out = real(self, idx, targets)
+        if targets is not None:
+            calls["n"] += 1
+            if calls["n"] == at_call:
+                self.p["h.0.mlp.c_fc.bias"][0] = np.nan  # NaN flows into the loss and the gradients
+                out = real(self, idx, targets)
+        return out
+    monkeypatch.setattr(GPT, "forward", forward)
+
+
+def test_nan_stop_keeps_last_good_checkpoint(data_dir, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    _poison_once(monkeypatch, at_call=4)
+    rc = train(data_dir, run, "--train.max_steps", "6", "--train.checkpoint_interval", "2",
+               "--train.eval_interval", "0")
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "step 4: the loss is not finite" in err and "first non-finite gradient: " in err
+    assert "--train.on_nan skip" in err
+    assert [s for s, _ in list_checkpoints(run)] == [2]
+    assert np.isfinite(load_model(run).params).all()
+
+
+def test_nan_skip_leaves_weights_untouched(data_dir, tmp_path, capsys, monkeypatch):
+    from handgrad.train import Trainer
+    run = tmp_path / "run"
+    config = load_run_config("tiny", overrides={"model.n_layer": 1, "model.n_embd": 32, "model.block_size": 16,
+                                                "train.batch_size": 4, "train.on_nan": "skip",
+                                                "train.max_steps": 3, "train.eval_interval": 0,
+                                                "train.sample_interval": 0})
+    trainer = Trainer(data_dir, run, config)
+    trainer.train_step()
+    model = trainer.model
+    model.p["h.0.ln_1.weight"][0] = np.nan  # every later loss and gradient is NaN
+    before = model.params.copy()
+    m_before = trainer.opt.m.copy()
+    loss, norm, _ = trainer.train_step()
+    assert not np.isfinite(loss) and trainer.step == 2
+    np.testing.assert_array_equal(model.params, before)  # NaN positions compare equal here
+    np.testing.assert_array_equal(trainer.opt.m, m_before)
+    assert "batch skipped" in capsys.readouterr().out
+
+
+def test_on_nan_value_checked():
+    from handgrad.config import ConfigError
+    with pytest.raises(ConfigError, match="train.on_nan: must be skip or stop"):
+        load_run_config("tiny", overrides={"train.on_nan": "ignore"})

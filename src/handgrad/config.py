@@ -69,6 +69,7 @@ class TrainSection:
     keep_checkpoints: int = 3  # newest checkpoints kept on disk
     log_interval: int = 1  # steps between log lines
     seed: int = 1337  # seeds the weights, the batches and the samples
+    on_nan: str = "stop"  # a NaN/Inf loss or gradient: "stop" (last good checkpoint kept) or "skip" the batch
 
 
 SECTIONS = {"model": ModelSection, "train": TrainSection}
@@ -190,6 +191,8 @@ def validate_run_config(config):
             raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
+    if t.on_nan not in ("skip", "stop"):
+        raise ConfigError(f"train.on_nan: must be skip or stop, got {t.on_nan!r}")
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(t, key) < 1:
             raise ConfigError(f"train.{key}: must be in [0, 1), got {getattr(t, key)}")

@@ -193,9 +193,23 @@ class Trainer:
         accum = 1.0 / t.grad_accum_steps
         norm = grad_norm(model, self.opt.chunks) * accum
         lr = lr_at(self.step, t)
-        self.opt.step(lr=lr, grad_scale=accum * clip_scale(norm, t.grad_clip))
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self._numerical_fault(loss)  # raises on "stop"; on "skip" the weights stay untouched
+        else:
+            self.opt.step(lr=lr, grad_scale=accum * clip_scale(norm, t.grad_clip))
         self.step += 1
         return loss, norm, lr
+
+    def _numerical_fault(self, loss):
+        """Name the step and the first non-finite gradient tensor (in param_spec order)."""
+        where = "the loss" if not math.isfinite(loss) else "the gradients"
+        bad = next((name for name, g in self.model.g.items() if not np.isfinite(g).all()), None)
+        msg = (f"step {self.step + 1}: {where} {'is' if where == 'the loss' else 'are'} not finite"
+               f" (loss {loss}; first non-finite gradient: {bad or 'none'})")
+        if self.config.train.on_nan == "stop":
+            raise TrainError(msg + "; stopped before the optimizer touched the weights (the last checkpoint is "
+                             "intact); lower train.lr, or pass --train.on_nan skip to skip such batches")
+        self.log(msg + "; batch skipped (train.on_nan skip)")
 
     def run(self, peak_gflops=None):
         t = self.config.train
