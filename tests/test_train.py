@@ -87,10 +87,33 @@ def test_corrupt_checkpoint_is_named(data_dir, tmp_path):
     assert train(data_dir, run, "--train.max_steps", "2") == 0
     f = run / "ckpt/step_00000002/model.safetensors"
     blob = bytearray(f.read_bytes())
-    blob[-5] ^= 0xFF
+    blob[-5] ^= 0xFF  # the last tensor in the file: safetensors stores them by sorted name
     f.write_bytes(bytes(blob))
-    with pytest.raises(CheckpointError, match="model.safetensors: checksum mismatch"):
+    with pytest.raises(CheckpointError, match=r"model.safetensors: checksum mismatch .*: tensor wte.weight differs"):
         load_model(run)
+
+
+@pytest.mark.parametrize("damage", ["bitflip", "truncate"])
+def test_resume_falls_back_to_newest_intact(data_dir, tmp_path, capsys, damage):
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ("--train.checkpoint_interval", "2", "--train.eval_interval", "0", "--train.keep_checkpoints", "5")
+    assert train(data_dir, a, "--train.max_steps", "6", *common) == 0
+    assert train(data_dir, b, "--train.max_steps", "4", *common) == 0
+    f = b / "ckpt/step_00000004/optim.safetensors"
+    blob = bytearray(f.read_bytes())
+    if damage == "bitflip":
+        blob[len(blob) // 2] ^= 0x10
+    else:
+        blob = blob[: len(blob) // 3]
+    f.write_bytes(bytes(blob))
+    capsys.readouterr()
+    assert train(data_dir, b, "--resume", "--train.max_steps", "6", *common) == 0
+    out = capsys.readouterr().out
+    assert "step_00000004/optim.safetensors: checksum mismatch" in out and "falling back" in out
+    assert "resumed from" in out and "step_00000002" in out
+    # resumed from step 2, the run is still exact
+    assert (a / "ckpt/step_00000006/model.safetensors").read_bytes() == \
+        (b / "ckpt/step_00000006/model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("args, message", [

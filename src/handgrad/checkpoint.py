@@ -3,7 +3,8 @@
     model.safetensors   the weights, under model.state_dict()'s Hugging Face GPT-2 names
     optim.safetensors   AdamW's moments: exp_avg.{name} and exp_avg_sq.{name}
     state.json          step, config, optimizer scalars, every RNG state, the data position,
-                        and the SHA-256 of both tensor files (checked on load)
+                        the SHA-256 of both tensor files (checked on load) and a CRC-32 of every
+                        tensor (to name the damaged tensor when a file's SHA-256 does not match)
 
 Each is written into a temporary directory, fsynced, then renamed into place, so a checkpoint
 directory either is complete or does not exist. Nothing is ever pickled.
@@ -13,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,25 @@ def _sha256(path):
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _crc32(arr):
+    return zlib.crc32(np.ascontiguousarray(arr).data)
+
+
+def _damaged_tensor(path, crcs):
+    """The first tensor of a safetensors file whose CRC-32 differs from the saved one, or why none
+    can be named (a file too damaged to parse)."""
+    try:
+        tensors = load_file(str(path))
+    except Exception:  # noqa: BLE001 - any parse failure means the header or sizes are broken
+        return "the file is truncated or its header is damaged"
+    for name, crc in crcs.items():
+        if name not in tensors:
+            return f"tensor {name} is missing"
+        if _crc32(tensors[name]) != crc:
+            return f"tensor {name} differs from what was saved"
+    return "its bytes differ outside the tensors (header or padding)"
 
 
 def _fsync(path):
@@ -64,12 +85,15 @@ def save_checkpoint(run_dir, step, model, optimizer, state, keep=None):
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        save_file(model.state_dict(), str(tmp / "model.safetensors"), metadata={"format": "handgrad"})
+        weights = model.state_dict()
         moments = {f"exp_avg.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.m), model).items()}
         moments.update({f"exp_avg_sq.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.v), model).items()})
-        save_file(moments, str(tmp / "optim.safetensors"), metadata={"format": "handgrad"})
+        files = {"model.safetensors": weights, "optim.safetensors": moments}
+        for f, tensors in files.items():
+            save_file(tensors, str(tmp / f), metadata={"format": "handgrad"})
         doc = dict(state, step=step, optimizer=optimizer.state(),
-                   sha256={f: _sha256(tmp / f) for f in ("model.safetensors", "optim.safetensors")})
+                   sha256={f: _sha256(tmp / f) for f in files},
+                   crc32={f: {n: _crc32(a) for n, a in t.items()} for f, t in files.items()})
         (tmp / "state.json").write_text(json.dumps(doc, indent=1))
         for f in tmp.iterdir():
             _fsync(f)
@@ -115,7 +139,8 @@ def read_state(ckpt_dir):
         if not f.is_file():
             raise CheckpointError(f"{f}: missing")
         if _sha256(f) != digest:
-            raise CheckpointError(f"{f}: checksum mismatch (truncated or corrupted)")
+            detail = _damaged_tensor(f, state.get("crc32", {}).get(name, {}))
+            raise CheckpointError(f"{f}: checksum mismatch (truncated or corrupted): {detail}")
     return state
 
 

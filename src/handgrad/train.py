@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import list_checkpoints, restore, save_checkpoint
+from .checkpoint import CheckpointError, list_checkpoints, restore, save_checkpoint
 from .config import SECTIONS, ConfigError, load_run_config
 from .model import GPT, flops_per_token
 from .optim import AdamW, clip_scale, grad_norm
@@ -128,11 +128,7 @@ class Trainer:
         except OSError as e:
             raise TrainError(f"{self.run_dir}: cannot write there ({e.strerror}); choose another --out") from None
         if resume:
-            ckpts = list_checkpoints(self.run_dir)
-            if not ckpts:
-                raise TrainError(f"{self.run_dir}: no complete checkpoint to resume from")
-            step, path = ckpts[-1]
-            state = restore(path, self.model, self.opt)
+            step, path, state = self._restore_newest_intact()
             if state["data"]["identity"] != identity:
                 raise TrainError(f"{self.data_dir}: tokenizer/vocab {identity} differs from the run's "
                                  f"{state['data']['identity']}; resume with the data the run was trained on")
@@ -147,6 +143,18 @@ class Trainer:
         doc = dict(self.config.to_dict(), data=str(self.data_dir.resolve()), vocab_size=self.train_data.vocab_size)
         (self.run_dir / "config.json").write_text(json.dumps(doc, indent=1) + "\n")
         self.identity = identity
+
+    def _restore_newest_intact(self):
+        """Restore the newest checkpoint that passes its checksums, saying which ones were skipped."""
+        ckpts = list_checkpoints(self.run_dir)
+        if not ckpts:
+            raise TrainError(f"{self.run_dir}: no complete checkpoint to resume from")
+        for step, path in reversed(ckpts):
+            try:
+                return step, path, restore(path, self.model, self.opt)
+            except CheckpointError as e:
+                self.log(f"warning: {e}; falling back to an older checkpoint")
+        raise TrainError(f"{self.run_dir}: every checkpoint is damaged ({len(ckpts)} tried); start a new run")
 
     def _truncate_metrics(self, step):
         """Drop metric lines past the checkpoint we resume from: they will be produced again."""
