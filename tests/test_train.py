@@ -242,3 +242,41 @@ def test_on_nan_value_checked():
     from handgrad.config import ConfigError
     with pytest.raises(ConfigError, match="train.on_nan: must be skip or stop"):
         load_run_config("tiny", overrides={"train.on_nan": "ignore"})
+
+
+def test_disk_full_stops_cleanly_and_keeps_checkpoints(data_dir, tmp_path, capsys, monkeypatch):
+    import errno
+    import handgrad.checkpoint as ck
+    real = ck.save_file
+    calls = {"n": 0}
+
+    def save_file(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] > 2:  # the first checkpoint (two files) succeeds, the next hits a full disk
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(tensors, path, metadata=metadata)
+    monkeypatch.setattr(ck, "save_file", save_file)
+    run = tmp_path / "run"
+    assert train(data_dir, run, "--train.max_steps", "6", "--train.checkpoint_interval", "2",
+                 "--train.eval_interval", "0") == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "write failed at step 4" in err
+    assert "step_00000002" in err and "--resume" in err
+    assert [s for s, _ in list_checkpoints(run)] == [2]
+    assert not list((run / "ckpt").glob(".tmp*"))  # the half-written one is gone
+    load_model(run)  # and the good one still loads (checksums pass)
+
+
+def test_resume_with_other_tokenizer_refused(data_dir, tmp_path, capsys):
+    from handgrad.data import prepare
+    run = tmp_path / "run"
+    assert train(data_dir, run, "--train.max_steps", "2") == 0
+    (tmp_path / "t.txt").write_text(TEXT)
+    prepare([str(tmp_path / "t.txt")], tmp_path / "bytes", tokenizer="byte")
+    rc = cli(["train", "--data", str(tmp_path / "bytes"), "--out", str(run), "--resume", "--train.max_steps", "3"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "differs from the run's" in err
+    assert [s for s, _ in list_checkpoints(run)] == [2]

@@ -97,12 +97,23 @@ class Trainer:
         self.train_data, self.val_data = Dataset(data_dir, "train"), Dataset(data_dir, "val")
         t = config.train
         self._check_data(config.model.block_size)
+        if resume:
+            self._check_same_data()
         self.gpt_config = config.gpt_config(self.train_data.vocab_size)
         self.model = GPT(self.gpt_config, seed=t.seed)
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
         self.data_rng, self.sample_rng = _rng(seed=[t.seed, 1]), _rng(seed=[t.seed, 2])
         self.step = 0
         self._prepare_run_dir(resume)
+
+    def _check_same_data(self):
+        """A run resumes only on data with its tokenizer and vocabulary (checked before building)."""
+        saved = json.loads((self.run_dir / "config.json").read_text())
+        ours = {"tokenizer": self.train_data.meta.get("tokenizer"), "vocab_size": self.train_data.vocab_size}
+        theirs = {k: saved.get(k) for k in ours}
+        if theirs != ours:
+            raise TrainError(f"{self.data_dir}: tokenizer/vocab {ours} differs from the run's {theirs}; "
+                             f"resume with the data the run was trained on")
 
     def _check_data(self, T):
         """Before anything is written: every token id < vocab_size, and windows of T + 1 tokens fit."""
@@ -140,7 +151,8 @@ class Trainer:
         else:
             copy_tokenizer(self.data_dir, self.run_dir)
             (self.run_dir / "metrics.jsonl").write_text("")
-        doc = dict(self.config.to_dict(), data=str(self.data_dir.resolve()), vocab_size=self.train_data.vocab_size)
+        doc = dict(self.config.to_dict(), data=str(self.data_dir.resolve()), vocab_size=self.train_data.vocab_size,
+                   tokenizer=meta.get("tokenizer"))
         (self.run_dir / "config.json").write_text(json.dumps(doc, indent=1) + "\n")
         self.identity = identity
 
@@ -251,8 +263,17 @@ class Trainer:
                     if (t.checkpoint_interval and self.step % t.checkpoint_interval == 0) or last or stop.requested:
                         path = self.save()
                         say(f"checkpoint {path}")
+        except OSError as e:  # disk full, a directory that became unwritable, a vanished mount
+            what = f"{e.filename}: " if e.filename else ""
+            good = list_checkpoints(self.run_dir)
+            kept = f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was completed"
+            raise TrainError(f"{what}write failed at step {self.step} ({e.strerror or e}); stopped; {kept}; "
+                             f"free space or fix {self.run_dir}, then --resume") from None
         finally:
-            metrics.close()
+            try:
+                metrics.close()
+            except OSError:
+                pass
             if bar is not None:
                 bar.close()
         plot_losses(self.run_dir)
