@@ -280,3 +280,62 @@ def test_resume_with_other_tokenizer_refused(data_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "differs from the run's" in err
     assert [s for s, _ in list_checkpoints(run)] == [2]
+
+
+KILLER = """
+import os, signal, sys
+import handgrad.checkpoint as ck
+real, calls = ck.save_file, {"n": 0}
+def save_file(tensors, path, metadata=None):
+    calls["n"] += 1
+    if calls["n"] == int(os.environ["KILL_AT_SAVE"]):  # SIGKILL halfway through writing a checkpoint
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(tensors, path, metadata=metadata)
+ck.save_file = save_file
+from handgrad.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_anywhere_then_resume_is_bitwise_exact(data_dir, tmp_path):
+    """Killed with SIGKILL mid-checkpoint and at random moments, then resumed until done, a run
+    ends with exactly the weights of an uninterrupted one."""
+    common = [*SMALL, "--train.max_steps", "12", "--train.checkpoint_interval", "2", "--train.eval_interval", "4"]
+    ref = tmp_path / "ref"
+    assert train(data_dir, ref, *common[len(SMALL):]) == 0
+    run = tmp_path / "run"
+    base = [sys.executable, "-c", KILLER, "train", "--data", str(data_dir), "--out", str(run), *common]
+
+    def launch(kill_at_save=10**9):
+        resume = ["--resume"] if list_checkpoints(run) else []
+        return subprocess.Popen(base + resume, env=dict(os.environ, KILL_AT_SAVE=str(kill_at_save)),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    # 1) killed while writing its 2nd checkpoint (save_file call 3 = step 4's model file)
+    p = launch(kill_at_save=3)
+    p.wait(timeout=300)
+    assert p.returncode == -signal.SIGKILL
+    assert [s for s, _ in list_checkpoints(run)] == [2]
+    # 2) killed at random moments
+    rng = np.random.default_rng(0)
+    for delay in rng.uniform(1.0, 3.0, size=3):
+        p = launch()
+        try:
+            p.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    # 3) resumed until it finishes
+    for _ in range(5):
+        p = launch()
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        if list_checkpoints(run)[-1][0] == 12:
+            break
+    assert (run / "ckpt/step_00000012/model.safetensors").read_bytes() == \
+        (ref / "ckpt/step_00000012/model.safetensors").read_bytes()
+    assert [r["step"] for r in metrics(run)] == list(range(1, 13))
+    assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(ref)]
+    assert not list((run / "ckpt").glob(".tmp*"))

@@ -80,9 +80,9 @@ def save_checkpoint(run_dir, step, model, optimizer, state, keep=None):
     """
     final = checkpoint_dir(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(".tmp_step_*"):  # left by a process killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = final.parent / f".tmp_{final.name}_{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     try:
         weights = model.state_dict()

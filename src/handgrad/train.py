@@ -2,6 +2,7 @@
 and cosine decay, clipping, periodic validation, samples and checkpoints, exact resume."""
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -153,7 +154,7 @@ class Trainer:
             (self.run_dir / "metrics.jsonl").write_text("")
         doc = dict(self.config.to_dict(), data=str(self.data_dir.resolve()), vocab_size=self.train_data.vocab_size,
                    tokenizer=meta.get("tokenizer"))
-        (self.run_dir / "config.json").write_text(json.dumps(doc, indent=1) + "\n")
+        _write_atomic(self.run_dir / "config.json", json.dumps(doc, indent=1) + "\n")
         self.identity = identity
 
     def _restore_newest_intact(self):
@@ -172,8 +173,14 @@ class Trainer:
         """Drop metric lines past the checkpoint we resume from: they will be produced again."""
         path = self.run_dir / "metrics.jsonl"
         if path.is_file():
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-            path.write_text("".join(ln + "\n" for ln in keep))
+            keep = []
+            for ln in path.read_text().splitlines():
+                try:
+                    if json.loads(ln)["step"] <= step:
+                        keep.append(ln)
+                except (ValueError, KeyError, TypeError):
+                    pass  # a line torn by a kill mid-write
+            _write_atomic(path, "".join(ln + "\n" for ln in keep))
 
     def save(self):
         t = self.config.train
@@ -278,6 +285,13 @@ class Trainer:
                 bar.close()
         plot_losses(self.run_dir)
         return self.step
+
+
+def _write_atomic(path, text):
+    """Replace a file whole or not at all (a kill mid-write leaves the old one)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _progress(start, total):
