@@ -10,6 +10,9 @@ import numpy as np
 from numba import prange
 
 from .common import HEAVY, kernel, workspace
+from .mathfn import dot64, exp32, max32, sum64
+
+ZERO32 = np.float32(0.0)
 
 
 def _heads(x, B, T, NH, hs):
@@ -48,6 +51,26 @@ def _softmax_causal_kernel(att, scale):
             att[b, h, t, s] = 0.0
 
 
+@kernel(min_parallel=HEAVY)
+def _softmax_causal_kernel32(att, scale):
+    """float32 twin of _softmax_causal_kernel: float32 arithmetic, the vectorisable exp32, row
+    sums in float64. scale is a np.float32 (> 0)."""
+    B, NH, T, _ = att.shape
+    for row in prange(B * NH * T):
+        b = row // (NH * T)
+        h = (row // T) % NH
+        t = row % T
+        a = att[b, h, t]
+        n = t + 1
+        mx = max32(a, n) * scale  # scale > 0: max(a) * scale == max(a * scale), both rounded
+        for s in range(n):
+            a[s] = exp32(a[s] * scale - mx)
+        inv = np.float32(1.0 / sum64(a, n))
+        for s in range(n):
+            a[s] *= inv
+        a[n:] = ZERO32  # a slice, not a loop from n: that compiles to a scatter (n may be < 0 to Numba)
+
+
 def attention_forward(out, att, qkv, n_head):
     """out (B, T, C) = causal attention of qkv (B, T, 3C) with n_head heads.
 
@@ -58,7 +81,10 @@ def attention_forward(out, att, qkv, n_head):
     hs = C // n_head
     q, k, v = _split_qkv(qkv, n_head)
     np.matmul(q, k.transpose(0, 1, 3, 2), out=att)
-    _softmax_causal_kernel(att, 1.0 / math.sqrt(hs))
+    if att.dtype == np.float32:
+        _softmax_causal_kernel32(att, np.float32(1.0 / math.sqrt(hs)))
+    else:
+        _softmax_causal_kernel(att, 1.0 / math.sqrt(hs))
     np.matmul(att, v, out=_heads(out, B, T, n_head, hs))
 
 
@@ -78,6 +104,24 @@ def _softmax_causal_backward_kernel(datt, att, scale):
             datt[b, h, t, s] = 0.0
 
 
+@kernel(min_parallel=HEAVY)
+def _softmax_causal_backward_kernel32(datt, att, scale):
+    """float32 twin of _softmax_causal_backward_kernel: the row dot in float64, the rest in
+    float32. scale is a np.float32."""
+    B, NH, T, _ = att.shape
+    for row in prange(B * NH * T):
+        b = row // (NH * T)
+        h = (row // T) % NH
+        t = row % T
+        p = att[b, h, t]
+        d = datt[b, h, t]
+        n = t + 1
+        dot = np.float32(dot64(p, d, n))
+        for s in range(n):
+            d[s] = p[s] * (d[s] - dot) * scale
+        d[n:] = ZERO32
+
+
 def attention_backward(dqkv, dout, qkv, att, n_head):
     """With y = P v, P = softmax(S), S = q k^T * scale (scale = 1/sqrt(hs)), per head:
         dP = dy v^T,   dv = P^T dy,
@@ -94,7 +138,10 @@ def attention_backward(dqkv, dout, qkv, att, n_head):
     datt = workspace("attention_datt", att.shape, att.dtype)
     np.matmul(dy, v.transpose(0, 1, 3, 2), out=datt)
     np.matmul(att.transpose(0, 1, 3, 2), dy, out=dv)
-    _softmax_causal_backward_kernel(datt, att, 1.0 / math.sqrt(hs))
+    if att.dtype == np.float32:
+        _softmax_causal_backward_kernel32(datt, att, np.float32(1.0 / math.sqrt(hs)))
+    else:
+        _softmax_causal_backward_kernel(datt, att, 1.0 / math.sqrt(hs))
     np.matmul(datt, k, out=dq)
     np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
 

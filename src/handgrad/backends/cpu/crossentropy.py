@@ -5,7 +5,8 @@ The backward writes dlogits over the logits buffer in place, so only one (B*T, V
 import numpy as np
 from numba import prange
 
-from .common import HEAVY, kernel, rows
+from .common import HEAVY, ROWS_PER_BLOCK, kernel, n_blocks, rows, workspace
+from .mathfn import exp32, max32, sum64
 
 IGNORE_INDEX = -1
 
@@ -26,6 +27,33 @@ def _crossentropy_forward_kernel(losses, lse, logits, targets):
         losses[i] = lse[i] - logits[i, tgt] if tgt != -1 else 0.0
 
 
+CHUNK = 512  # exps of a row are formed CHUNK at a time in scratch, then summed
+
+
+@kernel(min_parallel=HEAVY)
+def _crossentropy_forward_kernel32(losses, lse, logits, targets, scratch):
+    """float32 twin of _crossentropy_forward_kernel: float32 max and exp32, sum and lse in float64.
+    The exps go through scratch (NB, CHUNK), one row per row block, so that the exp loop and the
+    float64 sum each vectorise at full width. Parallel over row blocks."""
+    N, V = logits.shape
+    NB = scratch.shape[0]
+    for blk in prange(NB):
+        buf = scratch[blk]
+        for i in range(blk * ROWS_PER_BLOCK, min(N, (blk + 1) * ROWS_PER_BLOCK)):
+            z = logits[i]
+            mx = max32(z, V)
+            total = 0.0
+            for c0 in range(0, V, CHUNK):
+                n = min(CHUNK, V - c0)
+                zc = z[c0:c0 + n]  # a view, indexed from 0: z[c0 + j] would compile to a gather
+                for j in range(n):
+                    buf[j] = exp32(zc[j] - mx)
+                total += sum64(buf, n)
+            lse[i] = np.float64(mx) + np.log(total)
+            tgt = targets[i]
+            losses[i] = lse[i] - np.float64(z[tgt]) if tgt != -1 else 0.0
+
+
 def crossentropy_forward(losses, lse, logits, targets):
     """losses (B, T) = logsumexp(logits[b, t]) - logits[b, t, targets[b, t]]; 0 where target is -1.
 
@@ -37,7 +65,12 @@ def crossentropy_forward(losses, lse, logits, targets):
     if lse.dtype != np.float64:
         raise ValueError(f"lse must be a float64 array, got {lse.dtype}")
     t = targets.reshape(-1)
-    _crossentropy_forward_kernel(losses.reshape(-1), lse.reshape(-1), rows(logits), t)
+    logits2 = rows(logits)
+    if logits2.dtype == np.float32:
+        scratch = workspace("crossentropy_exp", (n_blocks(logits2.shape[0]), CHUNK), np.float32)
+        _crossentropy_forward_kernel32(losses.reshape(-1), lse.reshape(-1), logits2, t, scratch)
+    else:
+        _crossentropy_forward_kernel(losses.reshape(-1), lse.reshape(-1), logits2, t)
     count = int(np.count_nonzero(t != IGNORE_INDEX))
     return float(losses.sum(dtype=np.float64) / count) if count else 0.0
 
@@ -57,6 +90,28 @@ def _crossentropy_backward_kernel(dlogits, logits, lse, targets, dloss):
         dlogits[i, tgt] -= dloss
 
 
+@kernel(min_parallel=HEAVY)
+def _crossentropy_backward_kernel32(dlogits, logits, lse, targets, dloss):
+    """float32 twin of _crossentropy_backward_kernel, all in float32 with exp32. lse must not be
+    rounded to float32 (see crossentropy_forward): it is split as hi + lo, hi = float32(lse),
+    lo = float32(lse - hi), and z - lse formed as (z - hi) - lo, as accurate as rounding the
+    float64 z - lse to float32 to within about an ulp. dloss is a np.float32."""
+    N, V = logits.shape
+    for i in prange(N):
+        tgt = targets[i]
+        d = dlogits[i]
+        if tgt == -1:
+            for j in range(V):
+                d[j] = np.float32(0.0)
+            continue
+        z = logits[i]
+        hi = np.float32(lse[i])
+        lo = np.float32(lse[i] - np.float64(hi))
+        for j in range(V):
+            d[j] = exp32((z[j] - hi) - lo) * dloss
+        d[tgt] -= dloss
+
+
 def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
     """For loss = mean_i (lse_i - z_i[y_i]) over the n non-ignored rows:
         dz_i = (softmax(z_i) - onehot(y_i)) * dloss,  dloss = 1/n (the mean);  0 on ignored rows.
@@ -66,4 +121,8 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
     if dloss is None:
         count = int(np.count_nonzero(t != IGNORE_INDEX))
         dloss = 1.0 / count if count else 0.0
-    _crossentropy_backward_kernel(rows(dlogits), rows(logits), lse.reshape(-1), t, dloss)
+    logits2 = rows(logits)
+    if logits2.dtype == np.float32:
+        _crossentropy_backward_kernel32(rows(dlogits), logits2, lse.reshape(-1), t, np.float32(dloss))
+    else:
+        _crossentropy_backward_kernel(rows(dlogits), logits2, lse.reshape(-1), t, dloss)
