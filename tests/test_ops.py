@@ -366,3 +366,20 @@ def test_gelu_backward_in_place(dtype):
     ops.gelu_backward(buf, db2, buf, pre)
     np.testing.assert_array_equal(buf, dx)
     np.testing.assert_array_equal(db2, db)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["dW", "dW-transposed-view"])
+def test_linear_backward_overwrite_mode(transposed):
+    """accumulate=False (the model's first backward after zero_grad) writes dW whatever it held,
+    and equals accumulating into zeros; dbias still accumulates."""
+    rng = np.random.default_rng(21)
+    x, dout = rng.standard_normal((2, 5, 6)).astype(F32), rng.standard_normal((2, 5, 4)).astype(F32)
+    w = rng.standard_normal((6, 4)).astype(F32)
+    shape = (4, 6) if transposed else (6, 4)
+    view = (lambda a: a.T) if transposed else (lambda a: a)
+    zeros, garbage = np.zeros(shape, F32), np.full(shape, np.nan, F32)
+    db0, db1 = np.ones(4, F32), np.ones(4, F32)
+    ops.linear_backward(np.empty_like(x), view(zeros), db0, dout, x, w)
+    ops.linear_backward(np.empty_like(x), view(garbage), db1, dout, x, w, accumulate=False)
+    np.testing.assert_array_equal(garbage, zeros)
+    np.testing.assert_array_equal(db1, db0)

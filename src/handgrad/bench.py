@@ -313,9 +313,9 @@ class AttentionBlock(_Block):
 
     def hg_backward(self):
         (_, wa, dwa), (_, _, dba), (_, wp, dwp), (_, _, dbp) = self.params
-        self.ops.linear_backward(self.da, dwp, dbp, self.dy, self.a, wp)
+        self.ops.linear_backward(self.da, dwp, dbp, self.dy, self.a, wp, accumulate=False)
         self.ops.attention_backward(self.dqkv, self.da, self.qkv, self.att, N_HEAD)
-        self.ops.linear_backward(self.dx, dwa, dba, self.dqkv, self.x, wa)
+        self.ops.linear_backward(self.dx, dwa, dba, self.dqkv, self.x, wa, accumulate=False)
 
     def torch_forward(self):
         from . import torch_ref
@@ -344,9 +344,9 @@ class MLPBlock(_Block):
 
     def hg_backward(self):
         (_, wf, dwf), (_, _, dbf), (_, wp, dwp), (_, _, dbp) = self.params
-        self.ops.linear_backward(self.dh, dwp, dbp, self.dy, self.g, wp)
+        self.ops.linear_backward(self.dh, dwp, dbp, self.dy, self.g, wp, accumulate=False)
         self.ops.gelu_backward(self.dh, dbf, self.dh, self.h)  # in place, as the model does
-        self.ops.linear_backward(self.dx, dwf, None, self.dh, self.x, wf)
+        self.ops.linear_backward(self.dx, dwf, None, self.dh, self.x, wf, accumulate=False)
 
     def torch_forward(self):
         import torch.nn.functional as F

@@ -109,6 +109,7 @@ class GPT:
         self.g = _views(self.grad, self.layout)
         self._acts = None
         self._ready_for_backward = False
+        self._grads_zero = True  # the gradient buffer starts at zero
         self._init_weights(seed)
 
     # ----------------------------------------------------------------- parameters
@@ -162,6 +163,7 @@ class GPT:
 
     def zero_grad(self):
         self.grad[:] = 0
+        self._grads_zero = True  # the next backward may write weight gradients instead of adding
 
     # ----------------------------------------------------------------- forward / backward
     def _check_tokens(self, name, x, allow_ignore):
@@ -242,12 +244,16 @@ class GPT:
             raise RuntimeError("backward() needs a forward(idx, targets) with targets first")
         self._ready_for_backward = False
         ops, p, g, a, NH = self.ops, self.p, self.g, self._acts, self.config.n_head
+        # right after zero_grad() each weight gradient below gets its first contribution, so it
+        # can be written by one GEMM; later backwards (gradient accumulation) add to it
+        acc = not self._grads_zero
+        self._grads_zero = False
         if a.grads is None:
             a.alloc_grads(ops, self.config)
         L = self.config.n_layer
 
         ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # dlogits, in place
-        ops.linear_backward(a.dlnf, g["wte.weight"].T, None, a.logits, a.lnf, p["wte.weight"].T)
+        ops.linear_backward(a.dlnf, g["wte.weight"].T, None, a.logits, a.lnf, p["wte.weight"].T, acc)
         a.dres[...] = 0
         x_last = a.res3[L - 1] if L else a.encoded
         ops.layernorm_backward(a.dres, g["ln_f.weight"], g["ln_f.bias"], a.dlnf, x_last,
@@ -257,18 +263,18 @@ class GPT:
             x = a.res3[l - 1] if l > 0 else a.encoded
             # MLP: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2)))); dres holds d res3
             ops.linear_backward(a.dfch, g[h + "mlp.c_proj.weight"], g[h + "mlp.c_proj.bias"], a.dres,
-                                a.fch_gelu[l], p[h + "mlp.c_proj.weight"])
+                                a.fch_gelu[l], p[h + "mlp.c_proj.weight"], acc)
             ops.gelu_backward(a.dfch, g[h + "mlp.c_fc.bias"], a.dfch, a.fch[l])
             ops.layernorm_linear_backward(a.dres, g[h + "ln_2.weight"], g[h + "ln_2.bias"],
                                           g[h + "mlp.c_fc.weight"], None, a.dfch, a.res2[l],
                                           p[h + "ln_2.weight"], p[h + "ln_2.bias"],
-                                          a.ln2_mean[l], a.ln2_rstd[l], p[h + "mlp.c_fc.weight"])
+                                          a.ln2_mean[l], a.ln2_rstd[l], p[h + "mlp.c_fc.weight"], acc)
             # attention: res2 = x + c_proj(attn(c_attn(ln_1(x)))); dres now holds d res2
             ops.linear_backward(a.datty, g[h + "attn.c_proj.weight"], g[h + "attn.c_proj.bias"], a.dres,
-                                a.atty[l], p[h + "attn.c_proj.weight"])
+                                a.atty[l], p[h + "attn.c_proj.weight"], acc)
             ops.attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH)
             ops.layernorm_linear_backward(a.dres, g[h + "ln_1.weight"], g[h + "ln_1.bias"],
                                           g[h + "attn.c_attn.weight"], g[h + "attn.c_attn.bias"], a.dqkv,
                                           x, p[h + "ln_1.weight"], p[h + "ln_1.bias"],
-                                          a.ln1_mean[l], a.ln1_rstd[l], p[h + "attn.c_attn.weight"])
+                                          a.ln1_mean[l], a.ln1_rstd[l], p[h + "attn.c_attn.weight"], acc)
         ops.encoder_backward(g["wte.weight"], g["wpe.weight"], a.dres, a.idx)

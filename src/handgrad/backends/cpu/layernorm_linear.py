@@ -19,15 +19,16 @@ def layernorm_linear_forward(out, mean, rstd, inp, ln_weight, ln_bias, weight, b
 
 
 def layernorm_linear_backward(dinp, dln_weight, dln_bias, dweight, dbias, dout, inp, ln_weight,
-                              ln_bias, mean, rstd, weight):
+                              ln_bias, mean, rstd, weight, accumulate=True):
     """Chain rule through the two ops: xn = layernorm(inp) is recomputed from mean and rstd,
     then  dW += xn^T @ dout,  db += sum_rows(dout),  dxn = dout @ W^T,  and the layernorm
     backward takes dxn to dinp, dln_weight, dln_bias.
-    Accumulates (+=) into dinp (the residual stream's gradient) and every parameter gradient.
+    Accumulates (+=) into dinp (the residual stream's gradient) and every parameter gradient;
+    with accumulate=False dweight is overwritten instead (see linear_backward).
     dbias may be None when the bias is fused into the next op (bias + GELU).
     """
     xn = workspace("ln_linear_xn", inp.shape, inp.dtype)
     dxn = workspace("ln_linear_dxn", inp.shape, inp.dtype)
     layernorm_recompute(xn, inp, mean, rstd, ln_weight, ln_bias)
-    linear_backward(dxn, dweight, dbias, dout, xn, weight)
+    linear_backward(dxn, dweight, dbias, dout, xn, weight, accumulate)
     layernorm_backward(dinp, dln_weight, dln_bias, dxn, inp, ln_weight, mean, rstd)

@@ -46,19 +46,23 @@ def linear_forward(out, inp, weight, bias=None):
         _add_bias_kernel(out2, bias)
 
 
-def linear_backward(dinp, dweight, dbias, dout, inp, weight):
+def linear_backward(dinp, dweight, dbias, dout, inp, weight, accumulate=True):
     """Gradients of out = inp @ W + b:  dinp = dout @ W^T,  dW = inp^T @ dout,  db = sum_rows(dout).
 
     Overwrites dinp (a linear's input is never the residual stream here). Accumulates (+=) into
-    dweight and dbias (parameter gradients). dinp or dbias may be None to skip them; dweight may
-    be a transposed view, as for the tied lm_head (dwte.T).
+    dweight and dbias (parameter gradients); with accumulate=False dweight is overwritten instead,
+    by one GEMM straight into it (no scratch buffer, no add pass): the model does this on the
+    first backward after zero_grad(). dinp or dbias may be None to skip them; dweight may be a
+    transposed view, as for the tied lm_head (dwte.T).
     """
     dout2, inp2 = rows(dout), rows(inp)
     if dinp is not None:
         np.matmul(dout2, weight.T, out=rows(dinp))
-    if dweight.flags.c_contiguous:
-        matmul_accumulate(dweight, inp2.T, dout2)
-    else:  # a transposed view: accumulate the transpose, (dW^T) += dout^T @ inp, which is contiguous
-        matmul_accumulate(dweight.T, dout2.T, inp2)
+    # a transposed dweight view: work on its transpose, dW^T = dout^T @ inp, which is contiguous
+    dst, a, b = (dweight, inp2.T, dout2) if dweight.flags.c_contiguous else (dweight.T, dout2.T, inp2)
+    if accumulate:
+        matmul_accumulate(dst, a, b)
+    else:
+        np.matmul(a, b, out=dst)
     if dbias is not None:
         colsum_accumulate(dbias, dout2)
