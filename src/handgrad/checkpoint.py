@@ -171,21 +171,25 @@ def load_model(path, backend="cpu"):
     ckpt = resolve(path)
     state = read_state(ckpt)
     model = GPT(GPTConfig(**state["model_config"]), backend=backend)
-    try:
-        model.load_state_dict(_load_tensors(ckpt / "model.safetensors"))
-    except ValueError as e:
-        raise CheckpointError(f"{ckpt / 'model.safetensors'}: {e}") from None
+    _load_weights(ckpt, model)
     return model
+
+
+def _load_weights(ckpt_dir, model):
+    path = Path(ckpt_dir) / "model.safetensors"
+    try:
+        model.load_state_dict(_load_tensors(path))
+    except CheckpointError:
+        raise
+    except ValueError as e:  # missing, extra or mis-shaped tensors
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def restore(ckpt_dir, model, optimizer):
     """Load a checkpoint's weights and AdamW state into `model` and `optimizer`; return state.json."""
     ckpt_dir = Path(ckpt_dir)
     state = read_state(ckpt_dir)
-    try:
-        model.load_state_dict(_load_tensors(ckpt_dir / "model.safetensors"))
-    except ValueError as e:
-        raise CheckpointError(f"{ckpt_dir / 'model.safetensors'}: {e}") from None
+    _load_weights(ckpt_dir, model)
     moments = _load_tensors(ckpt_dir / "optim.safetensors")
     for key, flat in (("exp_avg", optimizer.m), ("exp_avg_sq", optimizer.v)):
         host = np.empty(model.num_params, dtype=np.float32)

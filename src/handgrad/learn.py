@@ -13,8 +13,8 @@ import numpy as np
 
 from .config import load_run_config
 from .model import GPT
-from .optim import AdamW, clip_scale, grad_norm
-from .train import lr_at
+from .optim import AdamW
+from .train import accumulate_gradients, lr_at
 
 
 def _ensure_data(data_dir, source, tokenizer):
@@ -62,15 +62,9 @@ class _HandgradSide:
         return self.model.forward(x, y)
 
     def step(self, batches, lr, max_norm):
-        m = self.model
-        m.zero_grad()
-        total = 0.0
-        for x, y in batches:
-            total += m.forward(x, y) / len(batches)
-            m.backward()
-        scale = 1.0 / len(batches)
-        self.opt.step(lr=lr, grad_scale=scale * clip_scale(grad_norm(m, self.opt.chunks) * scale, max_norm))
-        return total
+        loss, _, grad_scale = accumulate_gradients(self.model, self.opt, batches, max_norm)
+        self.opt.step(lr=lr, grad_scale=grad_scale)
+        return loss
 
 
 def run_learn(preset="shakespeare-char", steps=None, data_dir=None, out_dir="docs", source="shakespeare",

@@ -255,8 +255,7 @@ class GPT:
         ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # dlogits, in place
         ops.linear_backward(a.dlnf, g["wte.weight"].T, None, a.logits, a.lnf, p["wte.weight"].T, acc)
         a.dres[...] = 0
-        x_last = a.res3[L - 1] if L else a.encoded
-        ops.layernorm_backward(a.dres, g["ln_f.weight"], g["ln_f.bias"], a.dlnf, x_last,
+        ops.layernorm_backward(a.dres, g["ln_f.weight"], g["ln_f.bias"], a.dlnf, a.res3[L - 1],
                                p["ln_f.weight"], a.lnf_mean, a.lnf_rstd)
         for l in reversed(range(L)):
             h = f"h.{l}."

@@ -44,6 +44,20 @@ def lr_at(step, t):
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 
+def accumulate_gradients(model, opt, batches, grad_clip):
+    """zero_grad, then forward + backward on each (x, y) micro-batch. The gradient buffer then
+    holds the sum of the micro-batches' mean-loss gradients. Returns (mean loss, norm of the mean
+    gradient, the grad_scale for opt.step that turns the buffer into the clipped mean gradient)."""
+    model.zero_grad()
+    loss = 0.0
+    for x, y in batches:
+        loss += model.forward(x, y) / len(batches)
+        model.backward()
+    accum = 1.0 / len(batches)
+    norm = grad_norm(model, opt.chunks) * accum
+    return loss, norm, accum * clip_scale(norm, grad_clip)
+
+
 class _StopFlag:
     """First Ctrl-C asks the loop to checkpoint and stop after the current step; a second aborts."""
 
@@ -209,21 +223,14 @@ class Trainer:
 
     def train_step(self):
         """One optimizer step over grad_accum_steps micro-batches; returns (loss, grad_norm, lr)."""
-        t, T, model = self.config.train, self.config.model.block_size, self.model
-        model.zero_grad()
-        loss = 0.0
-        for _ in range(t.grad_accum_steps):
-            x, y = self.train_data.get_batch(t.batch_size, T, self.data_rng)
-            loss += model.forward(x, y) / t.grad_accum_steps
-            model.backward()
-        # the gradients are a sum over micro-batches of mean-loss gradients: scale to their mean
-        accum = 1.0 / t.grad_accum_steps
-        norm = grad_norm(model, self.opt.chunks) * accum
+        t, T = self.config.train, self.config.model.block_size
+        batches = [self.train_data.get_batch(t.batch_size, T, self.data_rng) for _ in range(t.grad_accum_steps)]
+        loss, norm, grad_scale = accumulate_gradients(self.model, self.opt, batches, t.grad_clip)
         lr = lr_at(self.step, t)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self._numerical_fault(loss)  # raises on "stop"; on "skip" the weights stay untouched
         else:
-            self.opt.step(lr=lr, grad_scale=accum * clip_scale(norm, t.grad_clip))
+            self.opt.step(lr=lr, grad_scale=grad_scale)
         self.step += 1
         return loss, norm, lr
 

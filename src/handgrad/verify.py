@@ -238,6 +238,7 @@ def check_adamw(steps=3, dtype=np.float32, seed=0, backend="cpu", lr=1e-2, weigh
     """AdamW (decay on 2-D tensors only) and global-norm clipping against torch.optim.AdamW."""
     ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
     import torch
+    from .optim import clip_scale
     shapes = [(7, 5), (5,), (3, 4), (70000,)]  # the long 1-D tensor spans several chunks
     sizes = [int(np.prod(s)) for s in shapes]
     offs = np.cumsum([0] + sizes)
@@ -252,7 +253,6 @@ def check_adamw(steps=3, dtype=np.float32, seed=0, backend="cpu", lr=1e-2, weigh
     for step in range(1, steps + 1):
         grads = _randn(rng, offs[-1], dtype, 2.0)
         norm = ops.global_norm(grads, chunks)
-        from .optim import clip_scale
         ops.adamw_update(params, grads, m, v, chunks, step, lr, 0.9, 0.95, 1e-8, weight_decay,
                          clip_scale(norm, max_norm))
         for i, p in enumerate(tparams):
