@@ -36,17 +36,24 @@ BUSY_CORES = 0.2  # background load (cores) above which a row is flagged
 
 def add_arguments(parser):
     """Add `handgrad bench` arguments: what to benchmark, then its options."""
-    parser.add_argument("what", choices=["ops", "learn"],
+    parser.add_argument("what", choices=["ops", "train", "learn"],
                         help="ops: matmul, attention block and MLP block, handgrad beside PyTorch; "
+                             "train: whole training steps (tok/s, GFLOP/s, MFU, peak memory) beside PyTorch; "
                              "learn: train handgrad and PyTorch side by side and compare loss curves")
     parser.add_argument("--backend", default="cpu", choices=["cpu"], help="backend to time (default cpu)")
     parser.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
                         help=f"timed repeats per row and side (default: as many as fit in about "
                              f"{ROW_BUDGET_S:g} s, {MIN_REPEAT} to {MAX_REPEAT})")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--preset", default=None,
+                        help="train: shape(s) to time, comma-separated, from tiny, shakespeare-char, mid, gpt2-124m "
+                             "(default tiny,mid,gpt2-124m); learn: the run preset (default shakespeare-char)")
+    parser.add_argument("--steps", type=_positive_int, default=None,
+                        help="train: timed steps per side (default: as many as fit in about 12 s); "
+                             "learn: override the preset's train.max_steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="train: add handgrad's per-op time breakdown (forward, backward, optimizer)")
     learn = parser.add_argument_group("learn")
-    learn.add_argument("--preset", default="shakespeare-char", help="run preset for `learn` (default shakespeare-char)")
-    learn.add_argument("--steps", type=_positive_int, default=None, help="override the preset's train.max_steps")
     learn.add_argument("--data", default=None, metavar="DATA_DIR",
                        help="prepared data for `learn` (default: prepare shakespeare, char, into ~/.cache/handgrad)")
     learn.add_argument("--out", default="docs", metavar="DIR", help="where `learn` writes its JSON and plot")
@@ -66,9 +73,12 @@ def main(args):
     """Run `handgrad bench <what>`; returns the exit status."""
     if args.what == "ops":
         return bench_ops(args.backend, args.repeat, args.json)
+    if args.what == "train":
+        from .bench_train import main as bench_train_main
+        return bench_train_main(args)
     if args.what == "learn":
         from .learn import run_learn
-        result = run_learn(args.preset, args.steps, args.data, args.out)
+        result = run_learn(args.preset or "shakespeare-char", args.steps, args.data, args.out)
         if args.json:
             print(json.dumps(result))
         return 0

@@ -42,6 +42,24 @@ def _views(flat, layout):
     return {name: flat[o:o + int(np.prod(s))].reshape(s) for name, (o, s) in layout.items()}
 
 
+def init_params(config, seed):
+    """GPT-2's initialisation as one flat float32 array laid out by param_spec: N(0, 0.02) for weights
+    and embeddings, N(0, 0.02/sqrt(2L)) for the projections into the residual stream, zero biases,
+    unit layernorm gains. NumPy only, so a PyTorch process can start from the same weights."""
+    layout, num_params = _layout(param_spec(config))
+    rng = np.random.default_rng(seed)
+    proj_std = 0.02 / np.sqrt(2 * config.n_layer)
+    host = np.zeros(num_params, dtype=np.float32)
+    for name, (o, shape) in layout.items():
+        n = int(np.prod(shape))
+        if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name == "ln_f.weight":
+            host[o:o + n] = 1.0
+        elif len(shape) == 2:
+            std = proj_std if name.endswith("c_proj.weight") else 0.02
+            host[o:o + n] = rng.standard_normal(n, dtype=np.float32) * np.float32(std)
+    return host
+
+
 def flops_per_token(config, T):
     """Training FLOPs per token (forward + backward = 3x forward): 6 N plus attention's 6 L T C
     (q k^T and P v, counted over the full T x T as computed)."""
@@ -114,19 +132,7 @@ class GPT:
 
     # ----------------------------------------------------------------- parameters
     def _init_weights(self, seed):
-        """GPT-2's initialisation: N(0, 0.02) for weights and embeddings, N(0, 0.02/sqrt(2L)) for
-        the projections into the residual stream, zero biases, unit layernorm gains."""
-        rng = np.random.default_rng(seed)
-        proj_std = 0.02 / np.sqrt(2 * self.config.n_layer)
-        host = np.zeros(self.num_params, dtype=np.float32)
-        for name, (o, shape) in self.layout.items():
-            n = int(np.prod(shape))
-            if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name == "ln_f.weight":
-                host[o:o + n] = 1.0
-            elif len(shape) == 2:
-                std = proj_std if name.endswith("c_proj.weight") else 0.02
-                host[o:o + n] = rng.standard_normal(n, dtype=np.float32) * np.float32(std)
-        self.params[:] = self.ops.from_numpy(host)
+        self.params[:] = self.ops.from_numpy(init_params(self.config, seed))
 
     def decay_segments(self):
         """(start, end, decay) per tensor: weight decay applies to tensors with 2+ dimensions."""

@@ -54,13 +54,32 @@ def crossentropy(logits, targets):
 
 
 # ---------------------------------------------------------------- GPT-2
-class TorchGPT(torch.nn.Module):
-    """GPT-2 in PyTorch, parameters under the same HF names and layouts as handgrad's state_dict."""
+def attention_sdpa(qkv, n_head):
+    """attention() through torch's fused scaled_dot_product_attention (what nanoGPT runs)."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in qkv.split(C, dim=2))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
 
-    def __init__(self, config, dtype=torch.float32):
+
+def linear_addmm(x, w, b):
+    """linear() as one torch.addmm over (B*T, C_in) rows, as nn.Linear runs it."""
+    return torch.addmm(b, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[1])
+
+
+class TorchGPT(torch.nn.Module):
+    """GPT-2 in PyTorch, parameters under the same HF names and layouts as handgrad's state_dict.
+
+    fast=False spells every op as the plain expression above (the reference for `verify` and the
+    tests); fast=True runs the fused torch ops a nanoGPT user gets (addmm, scaled_dot_product_attention),
+    the PyTorch side of `handgrad bench train`.
+    """
+
+    def __init__(self, config, dtype=torch.float32, fast=False):
         super().__init__()
         self.config = config
-        C, V, L = config.n_embd, config.vocab_size, config.n_layer
+        self._attention = attention_sdpa if fast else attention
+        self._linear = linear_addmm if fast else linear
         from .model import param_spec
         self.names = [n for n, _ in param_spec(config)]
         self.params = torch.nn.ParameterDict(
@@ -84,11 +103,12 @@ class TorchGPT(torch.nn.Module):
         for i in range(self.config.n_layer):
             h = lambda s: self[f"h.{i}.{s}"]
             a = layernorm(x, h("ln_1.weight"), h("ln_1.bias"))
-            a = attention(linear(a, h("attn.c_attn.weight"), h("attn.c_attn.bias")), self.config.n_head)
-            x = x + linear(a, h("attn.c_proj.weight"), h("attn.c_proj.bias"))
+            a = self._attention(self._linear(a, h("attn.c_attn.weight"), h("attn.c_attn.bias")),
+                                self.config.n_head)
+            x = x + self._linear(a, h("attn.c_proj.weight"), h("attn.c_proj.bias"))
             m = layernorm(x, h("ln_2.weight"), h("ln_2.bias"))
-            m = gelu(linear(m, h("mlp.c_fc.weight"), h("mlp.c_fc.bias")))
-            x = x + linear(m, h("mlp.c_proj.weight"), h("mlp.c_proj.bias"))
+            m = gelu(self._linear(m, h("mlp.c_fc.weight"), h("mlp.c_fc.bias")))
+            x = x + self._linear(m, h("mlp.c_proj.weight"), h("mlp.c_proj.bias"))
         x = layernorm(x, self["ln_f.weight"], self["ln_f.bias"])
         logits = x @ self["wte.weight"].T
         loss = crossentropy(logits, targets) if targets is not None else None

@@ -1,0 +1,389 @@
+"""`handgrad bench train`: whole training steps, handgrad beside PyTorch eager, in one run.
+
+A step is what `handgrad train` does per optimizer step with one micro-batch: zero the gradients,
+forward, backward, global gradient norm and clipping, AdamW. The PyTorch side is the same GPT-2
+(same weights, same batches, fp32) as a nanoGPT user runs it: torch.addmm linears,
+scaled_dot_product_attention, F.layer_norm, F.gelu, F.cross_entropy, clip_grad_norm_, and
+torch.optim.AdamW with its default (foreach) implementation.
+
+Each side runs in its own worker process, so each one's peak resident memory is its own and the
+handgrad process never imports torch (training on CPU does not need it). The parent measures the
+sgemm peak, starts both workers, warms both up, then alternates chunks of timed steps between them
+(only one works at a time), and finally compares the two loss sequences step by step: a benchmark
+whose two sides do not compute the same thing exits non-zero before it reports a time.
+
+Workers speak JSON lines over their stdin/stdout; nothing is pickled.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict
+
+import numpy as np
+
+# name -> the run preset whose model and optimizer settings are used, and the benchmark's shape
+SHAPES = {
+    "tiny": dict(preset="tiny", vocab_size=65, batch_size=8, T=64),
+    "shakespeare-char": dict(preset="shakespeare-char", vocab_size=65, batch_size=12, T=64),
+    "mid": dict(preset="mid", vocab_size=8192, batch_size=8, T=256),
+    "gpt2-124m": dict(preset="gpt2-124m", vocab_size=50257, batch_size=4, T=64),
+}
+DEFAULT_SHAPES = ("tiny", "mid", "gpt2-124m")  # the shapes issue 4 reports
+SIDES = ("handgrad", "pytorch")
+N_BATCHES = 4  # distinct random batches, cycled
+WARMUP_STEPS = 3
+BUDGET_S = 12.0  # with --steps unset: timed seconds per side
+MIN_STEPS, MAX_STEPS, CHUNKS = 5, 200, 4
+LOSS_RTOL = 1e-3  # every step's loss must agree this closely between the two sides
+
+
+# ---------------------------------------------------------------- the worker (one per side)
+def _memory():
+    """Resident set now and its high-water mark, in MiB (Linux /proc; else None)."""
+    out = {"rss_mib": None, "hwm_mib": None}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out["rss_mib" if key == "VmRSS" else "hwm_mib"] = int(value.split()[0]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+class _Profiler:
+    """Wraps a backend module: every op call is timed, by op name. model.ops = _Profiler(ops)."""
+
+    PLAIN = ("empty", "zeros", "to_numpy", "from_numpy", "make_chunks")
+
+    def __init__(self, ops):
+        self._ops = ops
+        self.seconds = defaultdict(float)
+        self.calls = defaultdict(int)
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+        if name in self.PLAIN or not callable(fn):
+            return fn
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.seconds[name] += time.perf_counter() - t0
+            self.calls[name] += 1
+            return out
+        return timed
+
+
+class _HandgradWorker:
+    def __init__(self, config, t, flat):
+        from .model import GPT
+        from .optim import AdamW
+        self.model = GPT(config, seed=0)
+        self.model.params[:] = flat
+        self.opt = AdamW(self.model, lr=t["lr"], betas=(t["beta1"], t["beta2"]), weight_decay=t["weight_decay"])
+        self.grad_clip = t["grad_clip"]
+
+    def prepare(self, x, y):
+        return x, y
+
+    def step(self, batch):
+        from .train import accumulate_gradients
+        loss, _, grad_scale = accumulate_gradients(self.model, self.opt, [batch], self.grad_clip)
+        self.opt.step(grad_scale=grad_scale)
+        return loss
+
+    def profile(self, batches):
+        """Run the steps with every op timed; seconds per step by op name, plus the step's total."""
+        ops = self.model.ops
+        prof = self.model.ops = _Profiler(ops)
+        t0 = time.perf_counter()
+        try:
+            for b in batches:
+                self.step(b)
+        finally:
+            self.model.ops = ops
+        n = len(batches)
+        return {"step_s": (time.perf_counter() - t0) / n,
+                "ops": {k: {"s": v / n, "calls": prof.calls[k] / n} for k, v in prof.seconds.items()}}
+
+
+class _TorchWorker:
+    def __init__(self, config, t, flat):
+        from .model import _layout, param_spec
+        from .torch_ref import TorchGPT, torch
+        self.torch = torch
+        layout, _ = _layout(param_spec(config))
+        state = {n: flat[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in layout.items()}
+        self.model = TorchGPT(config, torch.float32, fast=True).load_numpy(state)
+        self.opt = self.model.adamw(lr=t["lr"], weight_decay=t["weight_decay"], betas=(t["beta1"], t["beta2"]))
+        self.grad_clip = t["grad_clip"]
+
+    def prepare(self, x, y):
+        return self.torch.from_numpy(x).long(), self.torch.from_numpy(y).long()
+
+    def step(self, batch):
+        self.opt.zero_grad(set_to_none=True)
+        _, loss = self.model(*batch)
+        loss.backward()
+        if self.grad_clip > 0:
+            self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.opt.step()
+        return loss.item()
+
+
+def worker(side, spec):
+    """Build one side from spec, then answer commands read from stdin, one JSON object per line."""
+    from .config import GPTConfig
+    from .model import init_params
+    if side == "handgrad":
+        from . import backends, optim, train  # noqa: F401
+        backends.get_backend("cpu")
+    else:
+        from . import torch_ref  # noqa: F401
+    before = _memory()
+    config = GPTConfig(**spec["model"])
+    flat = init_params(config, spec["seed"])
+    rng = np.random.default_rng(spec["seed"])
+    B, T = spec["batch_size"], spec["T"]
+    tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
+    cls = _HandgradWorker if side == "handgrad" else _TorchWorker
+    w = cls(config, spec["train"], flat)
+    batches = [w.prepare(tok[:, :-1].astype(np.int32), tok[:, 1:].astype(np.int32)) for tok in tokens]
+    del flat
+    step_no = 0
+
+    def send(obj):
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    send({"ready": True, "baseline": before})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "run":
+            times, losses = [], []
+            for _ in range(cmd["n"]):
+                t0 = time.perf_counter()
+                losses.append(w.step(batches[step_no % N_BATCHES]))
+                times.append(time.perf_counter() - t0)
+                step_no += 1
+            send({"times": times, "losses": losses})
+        elif cmd["cmd"] == "profile":
+            send(w.profile([batches[(step_no + i) % N_BATCHES] for i in range(cmd["n"])]))
+        elif cmd["cmd"] == "exit":
+            send({"memory": _memory()})
+            return 0
+    return 1
+
+
+# ---------------------------------------------------------------- the parent
+class _Side:
+    """A worker process for one side, and everything it has reported."""
+
+    def __init__(self, name, spec):
+        self.name = name
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "handgrad.bench_train", name, json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.baseline = self._read()["baseline"]
+        self.times, self.losses = [], []
+
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            raise SystemExit(f"bench train: the {self.name} worker exited with status {code} (its error is above)")
+        return json.loads(line)
+
+    def ask(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def run(self, n, keep=True):
+        out = self.ask(cmd="run", n=n)
+        self.losses += out["losses"]
+        if keep:
+            self.times += out["times"]
+        return out["times"]
+
+    def close(self):
+        memory = self.ask(cmd="exit")["memory"]
+        self.proc.wait()
+        return memory
+
+
+def _spec(name):
+    from .config import load_run_config
+    shape = SHAPES[name]
+    rc = load_run_config(shape["preset"])
+    t = rc.train
+    return {"model": asdict(rc.gpt_config(shape["vocab_size"])),
+            "batch_size": shape["batch_size"], "T": shape["T"], "seed": t.seed,
+            "train": {"lr": t.lr, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
+                      "grad_clip": t.grad_clip}}
+
+
+def _check_losses(name, a, b):
+    """Step-by-step loss agreement between the two sides, else exit 1 (nothing is reported)."""
+    a, b = np.asarray(a), np.asarray(b)
+    rel = np.abs(a - b) / np.maximum(np.abs(b), 1e-12)
+    if not (np.all(np.isfinite(a)) and rel.max() <= LOSS_RTOL):
+        i = int(np.nanargmax(np.where(np.isfinite(rel), rel, np.inf)))
+        raise SystemExit(f"bench train: CHECK FAILED for {name}: step {i + 1} loss handgrad {a[i]:.6g} vs "
+                         f"pytorch {b[i]:.6g} (relative tolerance {LOSS_RTOL:g})")
+    return float(rel.max())
+
+
+def bench_shape(name, steps, profile):
+    """Warm up, then alternate timed chunks of the two sides; one result dict."""
+    from .bench import BackgroundLoad, SETTLE_S
+    from .config import GPTConfig
+    from .model import flops_per_token
+    spec = _spec(name)
+    config = GPTConfig(**spec["model"])
+    tokens_per_step = spec["batch_size"] * spec["T"]
+    sides = [_Side(s, spec) for s in SIDES]
+    try:
+        warm = {s.name: s.run(WARMUP_STEPS, keep=False) for s in sides}
+        if steps is None:
+            per_step = max(min(warm[s.name][1:]) for s in sides)
+            steps = int(min(MAX_STEPS, max(MIN_STEPS, BUDGET_S / max(per_step, 1e-9))))
+        chunk = -(-steps // CHUNKS)
+        with BackgroundLoad() as load:
+            done = 0
+            while done < steps:
+                n = min(chunk, steps - done)
+                for s in sides:
+                    time.sleep(SETTLE_S)  # let the other side's BLAS threads stop spinning
+                    s.run(n)
+                done += n
+        hg, pt = sides
+        err = _check_losses(name, hg.losses, pt.losses)
+        prof = hg.ask(cmd="profile", n=min(steps, 10)) if profile else None
+    finally:
+        memory = {}
+        for s in sides:
+            try:
+                memory[s.name] = s.close()
+            except (SystemExit, BrokenPipeError, OSError):
+                s.proc.kill()
+    flops = flops_per_token(config, spec["T"])
+    result = {"name": name, "config": spec, "tokens_per_step": tokens_per_step, "flops_per_token": flops,
+              "steps": steps, "loss_max_rel_diff": err, "first_loss": [hg.losses[0], pt.losses[0]],
+              "background_cores": load.cores, "sides": {}}
+    for s in sides:
+        step_s = float(np.median(s.times))
+        m = memory.get(s.name, {})
+        result["sides"][s.name] = {
+            "step_ms": step_s * 1e3, "tok_s": tokens_per_step / step_s,
+            "gflops": flops * tokens_per_step / step_s / 1e9,
+            "peak_rss_mib": m.get("hwm_mib"), "baseline_rss_mib": s.baseline.get("rss_mib"),
+        }
+    h, p = result["sides"]["handgrad"], result["sides"]["pytorch"]
+    result["ratio_tok_s"] = h["tok_s"] / p["tok_s"]
+    if h["peak_rss_mib"] and p["peak_rss_mib"]:
+        result["ratio_peak_rss"] = h["peak_rss_mib"] / p["peak_rss_mib"]
+    if prof:
+        result["profile"] = prof
+    return result
+
+
+def main(args):
+    """`handgrad bench train`; returns the exit status."""
+    from .bench import environment, sgemm_peak
+    from .torch_ref import require_torch
+    torch = require_torch()
+    names = [n.strip() for n in args.preset.split(",")] if args.preset else list(DEFAULT_SHAPES)
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise SystemExit(f"bench train: unknown preset {unknown[0]!r}; choose from {', '.join(SHAPES)}")
+    t_start = time.perf_counter()
+    peak = sgemm_peak()
+    rows = []
+    for name in names:
+        r = bench_shape(name, args.steps, args.profile)
+        for side in r["sides"].values():
+            side["mfu"] = side["gflops"] / peak["median_gflops"]
+        rows.append(r)
+        if not args.json:
+            print(format_row(r), flush=True)
+    result = {"environment": environment(torch), "sgemm_peak": peak, "sgemm_peak_end": sgemm_peak(),
+              "rows": rows, "seconds": time.perf_counter() - t_start}
+    if args.json:
+        print(json.dumps(result, indent=2, default=float))
+    else:
+        print(format_footer(result))
+    return 0
+
+
+def format_row(r):
+    c = r["config"]
+    m = c["model"]
+    lines = [f"\n{r['name']}: n_layer {m['n_layer']}, n_head {m['n_head']}, n_embd {m['n_embd']}, "
+             f"vocab {m['vocab_size']}, B {c['batch_size']}, T {c['T']}; {r['flops_per_token'] / 1e6:.1f} "
+             f"MFLOP/token; {r['steps']} timed steps per side",
+             f"  {'':<9} {'tok/s':>9} {'ms/step':>9} {'GFLOP/s':>8} {'MFU':>6} {'peak RSS':>10} {'(imports)':>10}"]
+    for name, s in r["sides"].items():
+        mfu = f"{100 * s['mfu']:.1f}%" if "mfu" in s else "?"
+        lines.append(f"  {name:<9} {s['tok_s']:>9.1f} {s['step_ms']:>9.1f} {s['gflops']:>8.1f} {mfu:>6} "
+                     f"{_mib(s['peak_rss_mib']):>10} {_mib(s['baseline_rss_mib']):>10}")
+    mem = f"{r['ratio_peak_rss']:.2f}x" if "ratio_peak_rss" in r else "?"
+    bg = "?" if r["background_cores"] is None else f"{r['background_cores']:.2f}"
+    lines.append(f"  handgrad/pytorch: tok/s {r['ratio_tok_s']:.2f}x, peak RSS {mem}; losses agree to "
+                 f"{r['loss_max_rel_diff']:.1e} (first {r['first_loss'][0]:.5f} vs {r['first_loss'][1]:.5f}); "
+                 f"background load {bg} cores")
+    if "profile" in r:
+        lines += format_profile(r["profile"])
+    return "\n".join(lines)
+
+
+def _family(op):
+    if op in ("adamw_update", "global_norm"):
+        return "optimizer", "step"
+    for phase in ("forward", "backward"):
+        if op.endswith("_" + phase):
+            return op[: -len(phase) - 1], phase
+    return op, "-"
+
+
+def format_profile(prof):
+    total = prof["step_s"]
+    fam = defaultdict(float)
+    for op, v in prof["ops"].items():
+        fam[_family(op)] += v["s"]
+    lines = [f"  handgrad profile ({1e3 * total:.1f} ms per step, op calls timed):",
+             f"    {'op family':<20} {'phase':<8} {'ms/step':>8} {'share':>6}"]
+    for (name, phase), s in sorted(fam.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {name:<20} {phase:<8} {1e3 * s:>8.2f} {100 * s / total:>5.1f}%")
+    rest = total - sum(fam.values())
+    lines.append(f"    {'outside the ops':<20} {'':<8} {1e3 * rest:>8.2f} {100 * rest / total:>5.1f}%")
+    return lines
+
+
+def format_footer(result):
+    e, p0, p1 = result["environment"], result["sgemm_peak"], result["sgemm_peak_end"]
+    return "\n".join([
+        "",
+        f"machine {e['cpu']}, {e['cpus']} CPUs; numpy {e['numpy']} ({e['numpy_blas']}), numba {e['numba']}, "
+        f"torch {e['torch']} ({e['torch_threads']} threads)",
+        f"sgemm peak (numpy float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
+        f"{p1['median_gflops']:.1f} at end; MFU = GFLOP/s / the start peak",
+        "tok/s from the median step; peak RSS = the worker process's high-water mark (VmHWM), "
+        "(imports) = its resident set after imports, before the model",
+        f"total {result['seconds']:.0f} s",
+    ])
+
+
+def _mib(x):
+    return "?" if x is None else f"{x:.0f} MiB"
+
+
+if __name__ == "__main__":  # a worker: python -m handgrad.bench_train SIDE SPEC_JSON
+    if len(sys.argv) != 3 or sys.argv[1] not in SIDES:
+        raise SystemExit("usage: python -m handgrad.bench_train {handgrad|pytorch} SPEC_JSON (started by bench train)")
+    sys.exit(worker(sys.argv[1], json.loads(sys.argv[2])))

@@ -1,0 +1,62 @@
+"""`handgrad bench train`: runs both sides, checks them against each other, reports what it says."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from handgrad import bench_train
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, "-m", "handgrad", "bench", "train", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_train_tiny_json_with_profile():
+    out = _bench("--preset", "tiny", "--steps", "2", "--profile", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    (row,) = result["rows"]
+    assert row["name"] == "tiny" and row["steps"] == 2
+    assert row["loss_max_rel_diff"] <= bench_train.LOSS_RTOL
+    assert row["tokens_per_step"] == 8 * 64
+    for side in ("handgrad", "pytorch"):
+        s = row["sides"][side]
+        assert s["tok_s"] > 0 and s["gflops"] > 0 and 0 < s["mfu"] < 2
+        assert s["peak_rss_mib"] >= s["baseline_rss_mib"] > 0
+        # tok/s and GFLOP/s are the same measurement in two units
+        assert s["gflops"] == pytest.approx(s["tok_s"] * row["flops_per_token"] / 1e9, rel=1e-9)
+    assert row["ratio_tok_s"] == pytest.approx(row["sides"]["handgrad"]["tok_s"] / row["sides"]["pytorch"]["tok_s"])
+    ops = row["profile"]["ops"]
+    assert {"attention_forward", "attention_backward", "adamw_update", "global_norm"} <= set(ops)
+    assert ops["attention_forward"]["calls"] == 2  # once per layer per step
+    assert sum(v["s"] for v in ops.values()) <= row["profile"]["step_s"] * 1.01
+    table = bench_train.format_row(row) + bench_train.format_footer(result)  # what the table prints
+    assert "handgrad/pytorch: tok/s" in table and "outside the ops" in table and "sgemm peak" in table
+
+
+def test_bench_train_unknown_preset():
+    bad = _bench("--preset", "huge")
+    assert bad.returncode != 0 and "unknown preset 'huge'" in bad.stderr
+
+
+def test_check_losses_refuses_a_mismatch():
+    assert bench_train._check_losses("x", [2.0, 1.5], [2.0, 1.5 * (1 + 1e-5)]) < 1e-4
+    with pytest.raises(SystemExit, match="step 2 loss"):
+        bench_train._check_losses("x", [2.0, 1.6], [2.0, 1.5])
+    with pytest.raises(SystemExit, match="CHECK FAILED"):
+        bench_train._check_losses("x", [2.0, np.nan], [2.0, 1.5])
+
+
+def test_profiler_times_ops_and_passes_the_rest_through():
+    from handgrad.backends import cpu
+    prof = bench_train._Profiler(cpu)
+    x = prof.zeros((4, 8))
+    assert isinstance(x, np.ndarray) and not prof.calls  # storage helpers are not timed
+    out = prof.empty((4, 8))
+    prof.residual_forward(out, x, x)
+    assert prof.calls == {"residual_forward": 1} and prof.seconds["residual_forward"] > 0
+    assert bench_train._family("adamw_update") == ("optimizer", "step")
+    assert bench_train._family("layernorm_linear_backward") == ("layernorm_linear", "backward")
