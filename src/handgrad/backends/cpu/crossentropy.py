@@ -75,54 +75,60 @@ def crossentropy_forward(losses, lse, logits, targets):
     return float(losses.sum(dtype=np.float64) / count) if count else 0.0
 
 
+# The backward kernels work in place on one (N, V) array: the logits in, dlogits out. A kernel
+# that read z and wrote a distinct-looking d would, when the two are the same buffer (as in the
+# model), fail LLVM's runtime overlap check and run its scalar loop: measured 58 ms against 9 ms
+# for (2048, 8192). So an out-of-place call copies the logits into dlogits first.
 @kernel(min_parallel=HEAVY)
-def _crossentropy_backward_kernel(dlogits, logits, lse, targets, dloss):
-    N, V = logits.shape
+def _crossentropy_backward_kernel(zd, lse, targets, dloss):
+    N, V = zd.shape
     for i in prange(N):
         tgt = targets[i]
         if tgt == -1:
             for j in range(V):
-                dlogits[i, j] = 0.0
+                zd[i, j] = 0.0
             continue
         m = lse[i]
         for j in range(V):
-            dlogits[i, j] = np.exp(logits[i, j] - m) * dloss
-        dlogits[i, tgt] -= dloss
+            zd[i, j] = np.exp(zd[i, j] - m) * dloss
+        zd[i, tgt] -= dloss
 
 
 @kernel(min_parallel=HEAVY)
-def _crossentropy_backward_kernel32(dlogits, logits, lse, targets, dloss):
+def _crossentropy_backward_kernel32(zd, lse, targets, dloss):
     """float32 twin of _crossentropy_backward_kernel, all in float32 with exp32. lse must not be
     rounded to float32 (see crossentropy_forward): it is split as hi + lo, hi = float32(lse),
     lo = float32(lse - hi), and z - lse formed as (z - hi) - lo, as accurate as rounding the
     float64 z - lse to float32 to within about an ulp. dloss is a np.float32."""
-    N, V = logits.shape
+    N, V = zd.shape
     for i in prange(N):
         tgt = targets[i]
-        d = dlogits[i]
+        z = zd[i]
         if tgt == -1:
             for j in range(V):
-                d[j] = np.float32(0.0)
+                z[j] = np.float32(0.0)
             continue
-        z = logits[i]
         hi = np.float32(lse[i])
         lo = np.float32(lse[i] - np.float64(hi))
         for j in range(V):
-            d[j] = exp32((z[j] - hi) - lo) * dloss
-        d[tgt] -= dloss
+            z[j] = exp32((z[j] - hi) - lo) * dloss
+        z[tgt] -= dloss
 
 
 def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
     """For loss = mean_i (lse_i - z_i[y_i]) over the n non-ignored rows:
         dz_i = (softmax(z_i) - onehot(y_i)) * dloss,  dloss = 1/n (the mean);  0 on ignored rows.
-    Overwrites dlogits, which may be the logits buffer itself (in place). dloss defaults to 1/n.
+    Overwrites dlogits, which may be the logits buffer itself (in place, the fast path).
+    dloss defaults to 1/n.
     """
     t = targets.reshape(-1)
     if dloss is None:
         count = int(np.count_nonzero(t != IGNORE_INDEX))
         dloss = 1.0 / count if count else 0.0
-    logits2 = rows(logits)
-    if logits2.dtype == np.float32:
-        _crossentropy_backward_kernel32(rows(dlogits), logits2, lse.reshape(-1), t, np.float32(dloss))
+    zd = rows(dlogits)
+    if dlogits is not logits:
+        zd[...] = rows(logits)
+    if zd.dtype == np.float32:
+        _crossentropy_backward_kernel32(zd, lse.reshape(-1), t, np.float32(dloss))
     else:
-        _crossentropy_backward_kernel(rows(dlogits), logits2, lse.reshape(-1), t, dloss)
+        _crossentropy_backward_kernel(zd, lse.reshape(-1), t, dloss)
