@@ -182,7 +182,8 @@ def _load_weights(ckpt_dir, model):
     except CheckpointError:
         raise
     except ValueError as e:  # missing, extra or mis-shaped tensors
-        raise CheckpointError(f"{path}: {e}") from None
+        raise CheckpointError(f"{path}: {e}; the weights do not fit the model_config in state.json (files mixed "
+                              f"up or edited); use an intact checkpoint") from None
 
 
 def restore(ckpt_dir, model, optimizer):

@@ -67,9 +67,16 @@ def _cmd_info(args):
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes print one line, `error: ...`, and exit 2, like every other user error."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(prog="handgrad", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="handgrad", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     from . import bench, data, sample, train

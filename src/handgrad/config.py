@@ -1,4 +1,5 @@
 """Typed configuration. GPTConfig describes the architecture; every field is checked at creation."""
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 
@@ -142,9 +143,12 @@ def _coerce(key, value, typ):
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):  # nan or inf would surface only later, as a NaN loss
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if typ is str:
         return str(value)
     raise ConfigError(f"{key}: unsupported type {typ}")
@@ -180,7 +184,8 @@ def validate_run_config(config):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key}: must be positive, got {getattr(m, key)}")
     if m.n_embd % m.n_head:
-        raise ConfigError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head})")
+        raise ConfigError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}); "
+                          f"pick n_head from the divisors of n_embd")
     for key in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "keep_checkpoints",
                 "log_interval"):
         if getattr(t, key) <= 0:
@@ -206,7 +211,13 @@ def read_config_file(path):
     p = pathlib.Path(path)
     if not p.is_file():
         raise ConfigError(f"{path}: config file not found")
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          f"save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
     try:
         if p.suffix == ".toml":
             import tomllib

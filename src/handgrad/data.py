@@ -77,14 +77,19 @@ def read_shard(path) -> np.ndarray:
     path = Path(path)
     try:
         size = path.stat().st_size
+        if not path.is_file():
+            raise DataError(f"{path}: not a regular file, so not a token shard; re-run handgrad prepare")
+        if size < HEADER_BYTES:
+            raise DataError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
+                            f"not a handgrad/llm.c token shard; re-run handgrad prepare")
+        header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     except FileNotFoundError:
         raise DataError(f"{path}: shard file missing; re-run handgrad prepare") from None
-    if size < HEADER_BYTES:
-        raise DataError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
-                        f"not a handgrad/llm.c token shard")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    except OSError as e:  # unreadable (permissions, I/O error)
+        raise DataError(f"{path}: cannot read the shard ({e.strerror or e}); check the file") from None
     if header[0] != MAGIC:
-        raise DataError(f"{path}: not a handgrad/llm.c token shard (magic {header[0]}, expected {MAGIC})")
+        raise DataError(f"{path}: not a handgrad/llm.c token shard (magic {header[0]}, expected {MAGIC}); "
+                        f"re-run handgrad prepare")
     if header[1] != VERSION:
         raise DataError(f"{path}: shard version {header[1]} is not supported (expected {VERSION}, uint16 tokens); "
                         f"re-run handgrad prepare")

@@ -12,7 +12,8 @@ one more must be fed, the cache keeps the newest `keep = block_size // 2` tokens
 re-prefills them at positions [0, keep); decoding then goes on incrementally. That is one prefill
 of `keep` tokens per `block_size - keep` new tokens, and every token is predicted from between
 `keep` and block_size tokens of context. (nanoGPT's sliding window recomputes block_size tokens for
-every new token instead.)
+every new token instead.) A prompt longer than block_size is cropped to its newest block_size
+tokens for the prefill, as nanoGPT's generate crops its context; the output keeps the whole prompt.
 
 Shapes: B batch (samples), T time, C n_embd, NH heads, hs = C / NH, L layers, V vocab.
 """
@@ -225,9 +226,6 @@ def _check_prompt(prompt_ids, config):
     B, T0 = idx.shape
     if B < 1 or T0 < 1:
         raise SampleError(f"prompt_ids is empty (shape {idx.shape}): give at least one token per row")
-    if T0 > config.block_size:
-        raise SampleError(f"prompt_ids has {T0} tokens, more than the model's block_size "
-                          f"{config.block_size}")
     V = config.vocab_size
     bad = (idx < 0) | (idx >= V)
     if bad.any():
@@ -252,8 +250,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     sample_logits; rng is a numpy Generator, an int seed, or None (fresh entropy).
     on_token(step, ids_so_far) is called after each new token (step 0, 1, ...; ids_so_far a
     (B, T0 + step + 1) view: copy it to keep it). Bad arguments raise SampleError (a ValueError).
-    The prompt is prefilled once; past block_size tokens the window policy of the module docstring
-    applies.
+    The prompt (its newest block_size tokens, if it is longer) is prefilled once; past block_size
+    tokens the window policy of the module docstring applies.
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     idx = _check_prompt(prompt_ids, model.config)
@@ -264,7 +262,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     if max_new_tokens == 0:
         return out
     cache = KVCache(model, B, length=min(model.config.block_size, T0 + max_new_tokens - 1))
-    logits = cache.prefill(idx)
+    logits = cache.prefill(idx[:, -model.config.block_size:])
     for step in range(max_new_tokens):
         t = T0 + step
         out[:, t] = sample_logits(logits, temperature, top_k, top_p, rng)
@@ -338,10 +336,17 @@ def _prompt_ids(prompt, tokenizer, block_size):
         return list(tokenizer.encode("\n")), False
     if prompt == "":
         raise SampleError("empty prompt: give some text or omit --prompt to sample unconditionally")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        c = ord(prompt[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"unpaired surrogate U+{c:04X}"
+        raise SampleError(f"--prompt is not valid UTF-8 ({what} at character {e.start}); pass UTF-8 text, "
+                          f"e.g. convert it with `iconv -t utf-8`") from None
     ids = list(tokenizer.encode(prompt))
     if len(ids) > block_size:
-        raise SampleError(f"--prompt is {len(ids)} tokens, longer than the model's block_size "
-                          f"{block_size}; shorten it")
+        print(f"note: the prompt is {len(ids)} tokens; the model sees only its last {block_size} "
+              f"(block_size)", file=sys.stderr)
     return ids, True
 
 
@@ -360,6 +365,9 @@ def main(args, file=None):
         tokenizer = load_tokenizer(_tokenizer_dir(args.run))
     except FileNotFoundError as e:
         raise SampleError(f"--run {args.run}: {e}") from None
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise SampleError(f"--run {args.run}: its tokenizer.json has {tokenizer.vocab_size} tokens but the model "
+                          f"{model.config.vocab_size}; put back the tokenizer.json of the data it was trained on")
     ids, show_prompt = _prompt_ids(args.prompt, tokenizer, model.config.block_size)
     T0 = len(ids)
     prompt = np.tile(np.asarray(ids, dtype=np.int64), (args.num_samples, 1))

@@ -148,6 +148,12 @@ class JsonlFile(Source):
                         raise DataError(f"{self.name}:{lineno}: not valid JSON ({e.msg}); {fix}") from None
                     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                         raise DataError(f'{self.name}:{lineno}: no string "text" field; {fix}')
+                    try:
+                        obj["text"].encode("utf-8")
+                    except UnicodeEncodeError as e:  # a \ud800-\udfff escape with no partner
+                        raise DataError(f'{self.name}:{lineno}: "text" holds an unpaired surrogate '
+                                        f'(U+{ord(obj["text"][e.start]):04X} at character {e.start}), which is not '
+                                        f'valid Unicode; fix the \\u escape or drop the line') from None
                     yield Document(f"{self.name}:{lineno}", normalize_newlines(obj["text"]))
         except (OSError, EOFError) as e:
             raise DataError(f"{self.name}: cannot read it ({e}); check that the file is complete") from None

@@ -95,11 +95,18 @@ def resolve_config(run_dir, preset=None, config_file=None, overrides=None, resum
         return load_run_config(preset, config_file, overrides)
     if not saved.is_file():
         raise TrainError(f"{saved}: missing; nothing to resume in {run_dir} (drop --resume to start a run)")
-    doc = json.loads(saved.read_text())
-    config = load_run_config(preset, config_file, overrides, base={"model": doc["model"], "train": doc["train"]})
-    for key, old in doc["model"].items():
-        if getattr(config.model, key) != old:
-            raise ConfigError(f"model.{key}: cannot change on resume (saved {old}, asked {getattr(config.model, key)})")
+    try:
+        doc = json.loads(saved.read_text(encoding="utf-8"))
+        base = {"model": dict(doc["model"]), "train": dict(doc["train"])}
+    except (ValueError, KeyError, TypeError) as e:  # bad JSON or UTF-8, or not a run's config
+        raise TrainError(f"{saved}: not a readable run config ({type(e).__name__}: {e}); "
+                         f"nothing can be resumed from {run_dir}, start a new run with another --out") from None
+    config = load_run_config(preset, config_file, overrides, base=base)
+    for key, old in base["model"].items():
+        new = getattr(config.model, key)
+        if new != old:
+            raise ConfigError(f"model.{key}: cannot change on resume (saved {old}, asked {new}); "
+                              f"drop --model.{key}, or start a new run with another --out")
     return config
 
 
@@ -122,16 +129,24 @@ class Trainer:
         self._prepare_run_dir(resume)
 
     def _check_same_data(self):
-        """A run resumes only on data with its tokenizer and vocabulary (checked before building)."""
+        """A run resumes only on data with its tokenizer and vocabulary (checked before building):
+        the same kind and vocab_size, and the same tokenizer.json as the run's copy (two char
+        vocabularies of one size can still map ids to different characters)."""
+        from .tokenizer import TOKENIZER_FILE
         saved = json.loads((self.run_dir / "config.json").read_text())
         ours = {"tokenizer": self.train_data.meta.get("tokenizer"), "vocab_size": self.train_data.vocab_size}
         theirs = {k: saved.get(k) for k in ours}
         if theirs != ours:
             raise TrainError(f"{self.data_dir}: tokenizer/vocab {ours} differs from the run's {theirs}; "
                              f"resume with the data the run was trained on")
+        run_tok, data_tok = self.run_dir / TOKENIZER_FILE, self.data_dir / TOKENIZER_FILE
+        if run_tok.is_file() and _read_json(run_tok) != _read_json(data_tok):
+            raise TrainError(f"{data_tok} differs from the run's copy {run_tok} (same kind and vocab_size, other "
+                             f"tokens); resume with the data the run was trained on")
 
     def _check_data(self, T):
-        """Before anything is written: every token id < vocab_size, and windows of T + 1 tokens fit."""
+        """Before anything is written: every token id < vocab_size, windows of T + 1 tokens fit, and
+        tokenizer.json has meta.json's vocab_size (samples are decoded with it)."""
         for ds in (self.train_data, self.val_data):
             ds.check_tokens()
             longest = max(ds.lengths, default=0)
@@ -140,6 +155,11 @@ class Trainer:
                                  f"its longest shard has {longest} tokens; use at most {longest - 1}")
         if not self.train_data.num_tokens:
             raise TrainError(f"{self.data_dir}: the train split is empty; prepare more text")
+        from .tokenizer import load_tokenizer
+        n = load_tokenizer(self.data_dir).vocab_size
+        if n != self.train_data.vocab_size:
+            raise TrainError(f"{self.data_dir}: meta.json says vocab_size {self.train_data.vocab_size} but "
+                             f"tokenizer.json has {n} tokens; re-run handgrad prepare")
 
     # ------------------------------------------------------------ run directory
     def _prepare_run_dir(self, resume):
@@ -292,6 +312,14 @@ class Trainer:
                 bar.close()
         plot_losses(self.run_dir)
         return self.step
+
+
+def _read_json(path):
+    """A JSON file's contents, or None where it is not valid JSON."""
+    try:
+        return json.loads(path.read_bytes())
+    except ValueError:
+        return None
 
 
 def _write_atomic(path, text):
