@@ -72,27 +72,18 @@ def _split(flat, model):
     return {name: np.asarray(flat[o:o + int(np.prod(s))]).reshape(s) for name, (o, s) in model.layout.items()}
 
 
-def save_checkpoint(run_dir, step, model, optimizer, state, keep=None):
-    """Write checkpoint `step` atomically; keep only the newest `keep` (None keeps all).
-
-    `state` is a JSON-able dict (config, RNG states, data position); step and the optimizer's
-    scalars are added here. Returns the checkpoint's directory.
-    """
-    final = checkpoint_dir(run_dir, step)
+def _write_checkpoint(final, files, doc):
+    """Write files ({name: {tensor name: array}}) and state.json (doc, plus both checksums) into a
+    temporary directory beside `final`, fsync, then rename it to `final`."""
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(".tmp_step_*"):  # left by a process killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
     tmp = final.parent / f".tmp_{final.name}_{os.getpid()}"
     tmp.mkdir()
     try:
-        weights = model.state_dict()
-        moments = {f"exp_avg.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.m), model).items()}
-        moments.update({f"exp_avg_sq.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.v), model).items()})
-        files = {"model.safetensors": weights, "optim.safetensors": moments}
         for f, tensors in files.items():
             save_file(tensors, str(tmp / f), metadata={"format": "handgrad"})
-        doc = dict(state, step=step, optimizer=optimizer.state(),
-                   sha256={f: _sha256(tmp / f) for f in files},
+        doc = dict(doc, sha256={f: _sha256(tmp / f) for f in files},
                    crc32={f: {n: _crc32(a) for n, a in t.items()} for f, t in files.items()})
         (tmp / "state.json").write_text(json.dumps(doc, indent=1))
         for f in tmp.iterdir():
@@ -105,10 +96,35 @@ def save_checkpoint(run_dir, step, model, optimizer, state, keep=None):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return final
+
+
+def save_checkpoint(run_dir, step, model, optimizer, state, keep=None):
+    """Write checkpoint `step` atomically; keep only the newest `keep` (None keeps all).
+
+    `state` is a JSON-able dict (config, RNG states, data position); step and the optimizer's
+    scalars are added here. Returns the checkpoint's directory.
+    """
+    weights = model.state_dict()
+    moments = {f"exp_avg.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.m), model).items()}
+    moments.update({f"exp_avg_sq.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.v), model).items()})
+    final = _write_checkpoint(checkpoint_dir(run_dir, step),
+                              {"model.safetensors": weights, "optim.safetensors": moments},
+                              dict(state, step=step, optimizer=optimizer.state()))
     if keep is not None:
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_weights(run_dir, step, config, weights, info=None):
+    """A weights-only checkpoint (no optimizer state): what `handgrad convert` writes. It loads
+    with load_model (sample, --init-from) but cannot be --resume'd."""
+    from dataclasses import asdict
+    doc = dict(info or {}, step=step, model_config=asdict(config), weights_only=True)
+    return _write_checkpoint(checkpoint_dir(run_dir, step),
+                             {"model.safetensors": {k: np.ascontiguousarray(v, dtype=np.float32)
+                                                    for k, v in weights.items()}}, doc)
 
 
 def list_checkpoints(run_dir):
@@ -175,10 +191,15 @@ def load_model(path, backend="cpu"):
     return model
 
 
+def load_weights(ckpt_dir):
+    """The weights of a checkpoint (checked by read_state first) as {name: array}."""
+    return _load_tensors(Path(ckpt_dir) / "model.safetensors")
+
+
 def _load_weights(ckpt_dir, model):
     path = Path(ckpt_dir) / "model.safetensors"
     try:
-        model.load_state_dict(_load_tensors(path))
+        model.load_state_dict(load_weights(ckpt_dir))
     except CheckpointError:
         raise
     except ValueError as e:  # missing, extra or mis-shaped tensors
@@ -190,6 +211,9 @@ def restore(ckpt_dir, model, optimizer):
     """Load a checkpoint's weights and AdamW state into `model` and `optimizer`; return state.json."""
     ckpt_dir = Path(ckpt_dir)
     state = read_state(ckpt_dir)
+    if state.get("weights_only"):
+        raise CheckpointError(f"{ckpt_dir}: a weights-only checkpoint (made by handgrad convert) has no optimizer "
+                              f"state to resume; start a new run with --init-from {ckpt_dir.parent.parent}")
     _load_weights(ckpt_dir, model)
     moments = _load_tensors(ckpt_dir / "optim.safetensors")
     for key, flat in (("exp_avg", optimizer.m), ("exp_avg_sq", optimizer.v)):

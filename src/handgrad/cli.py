@@ -3,6 +3,7 @@
   prepare  corpus -> tokenizer -> token shards      train   a GPT on prepared data
   sample   text from a trained run                  verify  every op and the model against PyTorch
   bench    handgrad beside PyTorch on this machine  info    versions, cores, BLAS, threads, peak
+  convert  models between handgrad, Hugging Face GPT-2 and llm.c formats
 """
 import argparse
 import sys
@@ -12,10 +13,11 @@ def _user_errors():
     """The exception types that mean 'the user asked for something wrong': one line, exit 2."""
     from .checkpoint import CheckpointError
     from .config import ConfigError
+    from .convert import ConvertError
     from .data import DataError
     from .sample import SampleError
     from .train import TrainError
-    return (CheckpointError, ConfigError, DataError, SampleError, TrainError)
+    return (CheckpointError, ConfigError, ConvertError, DataError, SampleError, TrainError)
 
 
 def _cmd(module, fn="main"):
@@ -79,7 +81,7 @@ def build_parser():
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    from . import bench, data, sample, train
+    from . import bench, convert, data, sample, train
     p = sub.add_parser("prepare", help="turn a corpus into a tokenizer and token shards")
     data.add_arguments(p)
     p.set_defaults(func=_cmd("data"))
@@ -100,6 +102,10 @@ def build_parser():
     p = sub.add_parser("bench", help="time handgrad beside PyTorch on this machine")
     bench.add_arguments(p)
     p.set_defaults(func=_cmd("bench"))
+
+    p = sub.add_parser("convert", help="convert a model between handgrad, Hugging Face GPT-2 and llm.c formats")
+    convert.add_arguments(p)
+    p.set_defaults(func=_cmd("convert"))
 
     p = sub.add_parser("info", help="versions, cores, BLAS, threads, the measured sgemm peak, CUDA/Triton")
     p.add_argument("--json", action="store_true", help="print as JSON")

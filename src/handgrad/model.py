@@ -130,6 +130,16 @@ class GPT:
         self._grads_zero = True  # the gradient buffer starts at zero
         self._init_weights(seed)
 
+    @classmethod
+    def from_pretrained(cls, path, backend="cpu"):
+        """A GPT with the weights at `path`: a Hugging Face GPT-2 directory, an llm.c model file, or a
+        handgrad run or checkpoint directory (detected; see handgrad.convert)."""
+        from .convert import load_pretrained
+        config, weights, _ = load_pretrained(path)
+        model = cls(config, backend=backend)
+        model.load_state_dict(weights)
+        return model
+
     # ----------------------------------------------------------------- parameters
     def _init_weights(self, seed):
         self.params[:] = self.ops.from_numpy(init_params(self.config, seed))
