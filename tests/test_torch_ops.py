@@ -1,0 +1,405 @@
+"""handgrad.torch: the ops as autograd Functions and modules, against torch.
+
+1. torch.autograd.gradcheck in float64 on every Function, over tiny awkward shapes (T = 1, C = 6 with
+   3 heads, V = 37, ignored targets).
+2. Each module in float32 against the torch module it replaces, holding the same Parameter values:
+   the output and every input and parameter gradient under one random upstream gradient.
+3. A tiny nanoGPT-style model assembled from handgrad.torch modules trains with torch.optim.AdamW
+   step for step like its twin built from torch modules.
+4. Errors: devices without a backend, dtypes, targets, unsupported module options.
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import handgrad.torch as H
+from handgrad.backends import cpu as cpu_backend
+from handgrad.torch_ref import attention_sdpa
+from handgrad.verify import TOL32, compare
+
+from helpers import assert_rows
+
+F64 = torch.float64
+
+
+def randn(*shape, seed=0, dtype=torch.float32, scale=1.0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(dtype).requires_grad_(requires_grad)
+
+
+def targets_for(shape, V, seed=0, ignored=(0, 3)):
+    """Integer targets in [0, V) with -1 at the given flat positions (those that exist)."""
+    t = torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
+    for i in ignored:
+        if i < t.numel():
+            t.view(-1)[i] = -1
+    return t
+
+
+# ---------------------------------------------------------------- 1. gradcheck, float64
+def _gc_layernorm(shape):
+    C = shape[-1]
+    return H.layernorm, (randn(*shape, dtype=F64, scale=2.0, requires_grad=True),
+                         randn(C, seed=1, dtype=F64, requires_grad=True), randn(C, seed=2, dtype=F64, requires_grad=True))
+
+
+def _gc_linear(shape, OC, bias=True):
+    C = shape[-1]
+    b = randn(OC, seed=2, dtype=F64, requires_grad=True) if bias else None
+    return H.linear, (randn(*shape, dtype=F64, requires_grad=True), randn(OC, C, seed=1, dtype=F64, requires_grad=True), b)
+
+
+def _gc_layernorm_linear(shape, OC, bias=True):
+    C = shape[-1]
+    b = randn(OC, seed=4, dtype=F64, requires_grad=True) if bias else None
+    return H.layernorm_linear, (randn(*shape, dtype=F64, scale=2.0, requires_grad=True),
+                                randn(C, seed=1, dtype=F64, requires_grad=True), randn(C, seed=2, dtype=F64, requires_grad=True),
+                                randn(OC, C, seed=3, dtype=F64, requires_grad=True), b)
+
+
+def _gc_gelu(shape):
+    return H.gelu, (randn(*shape, dtype=F64, scale=3.0, requires_grad=True),)
+
+
+def _gc_attention(B, T, C, NH):
+    return (lambda qkv: H.causal_attention(qkv, NH)), (randn(B, T, 3 * C, dtype=F64, requires_grad=True),)
+
+
+def _gc_cross_entropy(shape, V, ignored=(0, 3)):
+    t = targets_for(shape, V, seed=1, ignored=ignored)
+    # the factor 2.5 reaches the backward as grad_output: checks that dloss is scaled by it
+    return (lambda z: 2.5 * H.cross_entropy(z, t)), (randn(*shape, V, dtype=F64, scale=3.0, requires_grad=True),)
+
+
+GRADCHECK = {
+    "layernorm-BTC-T1-C6": lambda: _gc_layernorm((2, 1, 6)),
+    "layernorm-NC-C7": lambda: _gc_layernorm((5, 7)),
+    "linear-BTC-OC5": lambda: _gc_linear((2, 3, 6), 5),
+    "linear-nobias-T1": lambda: _gc_linear((2, 1, 6), 5, bias=False),
+    "linear-OC1": lambda: _gc_linear((4, 3), 1),
+    "layernorm_linear-T1-V37": lambda: _gc_layernorm_linear((2, 1, 6), 37),
+    "layernorm_linear-nobias-NC": lambda: _gc_layernorm_linear((5, 6), 7, bias=False),
+    "gelu-BTC-C7": lambda: _gc_gelu((2, 3, 7)),
+    "gelu-NC": lambda: _gc_gelu((5, 4)),
+    "attention-C6-NH3": lambda: _gc_attention(2, 3, 6, 3),
+    "attention-T1": lambda: _gc_attention(2, 1, 6, 3),
+    "attention-NH1-T5": lambda: _gc_attention(1, 5, 4, 1),
+    "cross_entropy-NV-V37": lambda: _gc_cross_entropy((7,), 37),
+    "cross_entropy-BTV": lambda: _gc_cross_entropy((2, 3), 37, ignored=(4,)),
+    "cross_entropy-all-ignored": lambda: _gc_cross_entropy((3,), 5, ignored=(0, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(GRADCHECK))
+def test_gradcheck_float64(case):
+    fn, inputs = GRADCHECK[case]()
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- 2. fp32 modules against torch's
+class TorchCausalSelfAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention (model.py) with dropout 0: the module CausalSelfAttention replaces."""
+
+    def __init__(self, n_embd, n_head, bias=True):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def torch_twin(m):
+    """Turn m (a handgrad.torch module, or a model holding some) into the torch modules they
+    replace, in place, reusing m's own Parameter objects: apply it to a deepcopy, and ties survive."""
+    if isinstance(m, H.LayerNorm):
+        t = nn.LayerNorm(m.normalized_shape, eps=1e-5)
+        t.weight, t.bias = m.weight, m.bias
+        return t
+    if isinstance(m, (H.Linear, H.LayerNormLinear)):
+        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        lin.weight, lin.bias = m.weight, m.bias
+        if isinstance(m, H.Linear):
+            return lin
+        ln = nn.LayerNorm(m.in_features, eps=1e-5)
+        ln.weight, ln.bias = m.ln_weight, m.ln_bias
+        return nn.Sequential(ln, lin)
+    if isinstance(m, H.GELU):
+        return nn.GELU(approximate="tanh")
+    if isinstance(m, H.CausalSelfAttention):
+        t = TorchCausalSelfAttention(m.n_embd, m.n_head)
+        t.c_attn, t.c_proj = torch_twin(m.c_attn), torch_twin(m.c_proj)
+        return t
+    if isinstance(m, H.CrossEntropyLoss):
+        return nn.CrossEntropyLoss(ignore_index=-1)
+    for name, child in m.named_children():
+        setattr(m, name, torch_twin(child))
+    return m
+
+
+def twin_of(model):
+    """(torch twin, [(name, handgrad parameter, twin parameter)]): the twin starts with equal values."""
+    memo = {}
+    twin = torch_twin(copy.deepcopy(model, memo))
+    return twin, [(name, p, memo[id(p)]) for name, p in model.named_parameters()]
+
+
+def randomize(model, seed=0):
+    """Random values in every parameter (LayerNorm's ones and zeros would hide mistakes)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
+def module_rows(op, model, *args, tol=TOL32, seed=5):
+    """Run model and its torch twin on the same inputs; backward the same random upstream gradient
+    (for a scalar, 1.7); compare the output, every float input's gradient and every parameter's."""
+    twin, pairs = twin_of(randomize(model))
+    ins = [[a.clone().requires_grad_(a.is_floating_point()) for a in args] for _ in range(2)]
+    out, ref = model(*ins[0]), twin(*ins[1])
+    dout = randn(*out.shape, seed=seed) if out.dim() else torch.tensor(1.7)
+    out.backward(dout)
+    ref.backward(dout)
+    rows = [compare(op, "out", out.detach().numpy(), ref.detach().numpy(), tol)]
+    rows += [compare(op, f"d(input {i})", a.grad.numpy(), b.grad.numpy(), tol)
+             for i, (a, b) in enumerate(zip(*ins)) if a.is_floating_point()]
+    rows += [compare(op, f"d{name}", p.grad.numpy(), q.grad.numpy(), tol) for name, p, q in pairs]
+    return rows
+
+
+MODULES = {
+    "LayerNorm-T1-C6": lambda: ("LayerNorm", H.LayerNorm(6), randn(2, 1, 6, scale=3.0)),
+    "LayerNorm-NC-BT67": lambda: ("LayerNorm", H.LayerNorm(24), randn(67, 24, scale=3.0) + 2.0),
+    "LayerNorm-C96": lambda: ("LayerNorm", H.LayerNorm(96), randn(2, 17, 96)),
+    "Linear-C6-OC37": lambda: ("Linear", H.Linear(6, 37), randn(2, 5, 6)),
+    "Linear-nobias-NC": lambda: ("Linear", H.Linear(24, 37, bias=False), randn(67, 24)),
+    "LayerNormLinear-T1-V37": lambda: ("LayerNormLinear", H.LayerNormLinear(6, 37), randn(2, 1, 6, scale=2.0)),
+    "LayerNormLinear-nobias-NC": lambda: ("LayerNormLinear", H.LayerNormLinear(24, 40, bias=False), randn(67, 24)),
+    "LayerNormLinear-C96-qkv": lambda: ("LayerNormLinear", H.LayerNormLinear(96, 288), randn(2, 17, 96)),
+    "GELU-C7": lambda: ("GELU", H.GELU(), randn(2, 5, 7, scale=3.0)),
+    "GELU-NC-BT67": lambda: ("GELU", H.GELU(), randn(67, 20, scale=3.0)),
+    "CausalSelfAttention-C6-NH3-T1": lambda: ("CausalSelfAttention", H.CausalSelfAttention(6, 3), randn(2, 1, 6)),
+    "CausalSelfAttention-C6-NH3-T5": lambda: ("CausalSelfAttention", H.CausalSelfAttention(6, 3), randn(2, 5, 6)),
+    "CausalSelfAttention-C96-NH3-T17": lambda: ("CausalSelfAttention", H.CausalSelfAttention(96, 3), randn(2, 17, 96)),
+    "CrossEntropyLoss-V37": lambda: ("CrossEntropyLoss", H.CrossEntropyLoss(), randn(7, 37, scale=3.0), targets_for((7,), 37)),
+    "CrossEntropyLoss-BT34-V1000": lambda: ("CrossEntropyLoss", H.CrossEntropyLoss(), randn(34, 1000, scale=3.0),
+                                            targets_for((34,), 1000)),
+}
+
+
+@pytest.mark.parametrize("case", list(MODULES))
+def test_module_float32_matches_torch(case):
+    op, model, *args = MODULES[case]()
+    assert_rows(module_rows(op, model, *args), case)
+
+
+@pytest.mark.parametrize("B, T, C, NH", [(2, 1, 6, 3), (2, 5, 6, 3), (1, 13, 12, 4)])
+def test_causal_attention_float32_matches_sdpa(B, T, C, NH):
+    """The bare op (no projections) against F.scaled_dot_product_attention(is_causal=True)."""
+    qkv = randn(B, T, 3 * C, scale=2.0)
+    a, b = qkv.clone().requires_grad_(), qkv.clone().requires_grad_()
+    out, ref = H.causal_attention(a, NH), attention_sdpa(b, NH)
+    dout = randn(B, T, C, seed=1)
+    out.backward(dout)
+    ref.backward(dout)
+    assert_rows([compare("causal_attention", "out", out.detach().numpy(), ref.detach().numpy(), TOL32),
+                 compare("causal_attention", "dqkv", a.grad.numpy(), b.grad.numpy(), TOL32)])
+
+
+def test_cross_entropy_BTV_matches_flattened_torch():
+    logits, t = randn(2, 3, 37, scale=3.0, requires_grad=True), targets_for((2, 3), 37)
+    ref_logits = logits.detach().clone().requires_grad_()
+    (3.0 * H.cross_entropy(logits, t)).backward()
+    (3.0 * F.cross_entropy(ref_logits.view(-1, 37), t.view(-1), ignore_index=-1)).backward()
+    assert_rows([compare("cross_entropy", "dlogits", logits.grad.numpy(), ref_logits.grad.numpy(), TOL32)])
+
+
+def test_cross_entropy_keeps_logits_and_all_ignored_gives_zero():
+    logits = randn(4, 37, scale=3.0, requires_grad=True)
+    before = logits.detach().clone()
+    H.cross_entropy(logits, targets_for((4,), 37)).backward()
+    assert torch.equal(logits.detach(), before), "the backward wrote over the user's logits"
+    logits.grad = None
+    loss = H.cross_entropy(logits, torch.full((4,), -1))  # torch: nan; handgrad: 0 and no gradient
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(logits.grad) == 0
+
+
+def test_noncontiguous_inputs_and_upstream_gradients():
+    """A transposed input and the stride-0 upstream gradient of .sum() go through .contiguous()."""
+    x = randn(6, 2, 5).transpose(0, 1)  # (2, 6, 5) view, not contiguous
+    ln = randomize(H.LayerNorm(5))
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ln(a).sum().backward()
+    F.layer_norm(b, (5,), ln.weight.detach(), ln.bias.detach(), 1e-5).sum().backward()
+    assert_rows([compare("layernorm", "dx", a.grad.numpy(), b.grad.numpy(), TOL32)])
+    qkv = randn(9, 1, 2).transpose(0, 2).requires_grad_()  # (2, 1, 9)
+    H.causal_attention(qkv, 3).sum().backward()
+    assert qkv.grad.shape == qkv.shape
+
+
+@pytest.mark.parametrize("fn", [H.gelu, lambda x: H.layernorm(x, torch.ones(6), torch.zeros(6)),
+                                lambda x: H.linear(x, torch.ones(3, 6))], ids=["gelu", "layernorm", "linear"])
+def test_empty_batch(fn):
+    x = torch.zeros(0, 6, requires_grad=True)
+    fn(x).sum().backward()
+    assert x.grad.shape == (0, 6)
+
+
+def test_modules_initialise_and_load_like_torch():
+    torch.manual_seed(0)
+    ref = nn.Linear(6, 5)
+    torch.manual_seed(0)
+    assert all(torch.equal(p, q) for p, q in zip(H.Linear(6, 5).parameters(), ref.parameters()))
+    mine = H.Linear(6, 5)
+    mine.load_state_dict(ref.state_dict())  # same names, same [out, in] layout
+    x = randn(3, 6)
+    assert torch.allclose(mine(x), ref(x), rtol=1e-6, atol=1e-6)
+    ln = randomize(nn.LayerNorm(6))
+    fused = H.LayerNormLinear.from_torch(ln, ref)
+    assert torch.allclose(fused(x), ref(ln(x)), rtol=1e-5, atol=1e-5)
+    attn = TorchCausalSelfAttention(6, 3)
+    H.CausalSelfAttention(6, 3).load_state_dict(attn.state_dict())
+
+
+# ---------------------------------------------------------------- 3. a tiny GPT trains like torch's
+class Block(nn.Module):
+    def __init__(self, C, NH):
+        super().__init__()
+        self.ln_1 = H.LayerNorm(C)
+        self.attn = H.CausalSelfAttention(C, NH)
+        self.ln_2_c_fc = H.LayerNormLinear(C, 4 * C)  # ln_2 and mlp.c_fc, fused
+        self.gelu = H.GELU()
+        self.c_proj = H.Linear(4 * C, C)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(self.gelu(self.ln_2_c_fc(x)))
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT's GPT from handgrad.torch modules: ln_f fused into the lm_head, tied to wte."""
+
+    def __init__(self, V=37, block_size=8, n_layer=2, n_head=3, n_embd=6):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, n_embd), nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f_lm_head = H.LayerNormLinear(n_embd, V, bias=False)
+        self.ln_f_lm_head.weight = self.wte.weight
+        self.loss = H.CrossEntropyLoss()
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        logits = self.ln_f_lm_head(x)
+        return logits, self.loss(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def test_tiny_gpt_trains_like_torch():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    twin, pairs = twin_of(model)
+    assert not any(isinstance(m, (H.LayerNorm, H.Linear, H.LayerNormLinear, H.GELU, H.CausalSelfAttention,
+                                  H.CrossEntropyLoss)) for m in twin.modules())
+    assert twin.ln_f_lm_head[1].weight is twin.wte.weight
+    opts = [torch.optim.AdamW([p for _, p, _ in pairs], lr=1e-2, weight_decay=0.1),
+            torch.optim.AdamW([q for _, _, q in pairs], lr=1e-2, weight_decay=0.1)]
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for step in range(5):
+        idx = torch.randint(0, 37, (3, 8), generator=g)
+        targets = torch.roll(idx, -1, dims=1)
+        targets[:, -1] = -1
+        for m, opt in zip((model, twin), opts):
+            opt.zero_grad()
+            m.loss_value = m(idx, targets)[1]
+            m.loss_value.backward()
+        rows.append(compare("tiny gpt", f"loss, step {step}", model.loss_value.item(), twin.loss_value.item(), 1e-5))
+        if step == 0:
+            rows += [compare("tiny gpt", f"grad {n}", p.grad.numpy(), q.grad.numpy(), 1e-4) for n, p, q in pairs]
+        for opt in opts:
+            opt.step()
+    C = model.wte.weight.shape[1]
+    for n, p, q in pairs:
+        p, q = p.detach().numpy(), q.detach().numpy()
+        if n.endswith("attn.c_attn.bias"):
+            # The key bias's gradient is exactly 0 (it shifts a whole softmax row), so both engines
+            # hand AdamW rounding noise (~1e-9), which it normalises into steps of up to lr either
+            # way. Compare q and v strictly; k only within the 5 steps' reach.
+            rows.append(compare("tiny gpt", f"{n}[k] after 5 steps", p[C:2 * C], q[C:2 * C], 1.0))
+            assert np.abs(p[C:2 * C] - q[C:2 * C]).max() <= 2 * 5 * 1e-2
+            p, q = np.delete(p, np.s_[C:2 * C]), np.delete(q, np.s_[C:2 * C])
+        rows.append(compare("tiny gpt", f"{n} after 5 steps", p, q, 1e-4))
+    assert_rows(rows)
+
+
+# ---------------------------------------------------------------- 4. errors
+def test_backend_dispatch_by_device():
+    assert H.backend_for("cpu") is cpu_backend
+    assert H.backend_for(torch.device("cpu")) is cpu_backend
+    with pytest.raises(NotImplementedError, match="'cuda' backend, which does not exist"):
+        H.backend_for("cuda:0")
+
+
+def test_tensor_on_device_without_backend_raises():
+    """A meta tensor stands in for a CUDA one: no handgrad backend for its device."""
+    x = torch.empty(2, 3, 6, device="meta")
+    with pytest.raises(NotImplementedError, match="'meta' backend"):
+        H.LayerNorm(6, device="meta")(x)
+    with pytest.raises(NotImplementedError, match="'meta' backend"):
+        H.causal_attention(torch.empty(2, 3, 18, device="meta"), 3)
+    with pytest.raises(ValueError, match="one device"):
+        H.layernorm(torch.zeros(2, 6), torch.ones(6, device="meta"), torch.zeros(6))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_tensor_raises():
+    with pytest.raises(NotImplementedError, match="'cuda' backend"):
+        H.gelu(torch.randn(4, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64])
+def test_unsupported_dtype_raises(dtype):
+    with pytest.raises(TypeError, match=str(dtype)):
+        H.gelu(torch.zeros(2, 3, dtype=dtype))
+
+
+def test_bad_arguments_raise():
+    x = torch.zeros(2, 6)
+    with pytest.raises(TypeError, match="one dtype"):
+        H.linear(x, torch.zeros(5, 6, dtype=F64))
+    with pytest.raises(ValueError, match=r"\(out_features, 6\)"):
+        H.linear(x, torch.zeros(6, 5))
+    with pytest.raises(ValueError, match="divisible by n_head=4"):
+        H.causal_attention(torch.zeros(1, 2, 18), 4)
+    logits = torch.zeros(3, 37)
+    with pytest.raises(TypeError, match="integer"):
+        H.cross_entropy(logits, torch.zeros(3))
+    for bad in (37, -100):
+        with pytest.raises(ValueError, match=r"\[0, 37\) or -1"):
+            H.cross_entropy(logits, torch.tensor([0, bad, 1]))
+    with pytest.raises(ValueError, match="targets must have shape"):
+        H.cross_entropy(logits, torch.zeros(4, dtype=torch.long))
+    for make in (lambda: H.LayerNorm(6, eps=1e-6), lambda: H.GELU(approximate="none"),
+                 lambda: H.CrossEntropyLoss(ignore_index=-100), lambda: H.CausalSelfAttention(6, 4)):
+        with pytest.raises(ValueError):
+            make()
+
+
+def test_float64_ops_exist_in_the_backend():
+    """Each Function runs its float64 path (gradcheck relies on it): outputs come back float64."""
+    x = randn(2, 3, 6, dtype=F64)
+    assert H.gelu(x).dtype == F64 and H.causal_attention(randn(1, 2, 6, dtype=F64), 1).dtype == F64
+    assert np.isfinite(H.cross_entropy(x.view(6, 6), torch.arange(6)).item())
