@@ -193,7 +193,7 @@ def prep(*names_and_bytes, tokenizer="char"):
 
 
 def prepare_a_shard(w, tmp):
-    """A token shard given to prepare as if it were text."""
+    """A lone token shard given to prepare: read as an llm.c import, which needs a val shard too."""
     return ["prepare", str(w.A / "train_000000.bin"), "--out", str(tmp / "out")], [tmp / "out"]
 
 
@@ -328,7 +328,8 @@ CASES = [
          ("d.jsonl: not UTF-8 text", "iconv")),
     Case("prepare-jsonl-lone-surrogate", prep(("d.jsonl", HIDDEN_SURROGATE.encode() * 20), tokenizer="bpe"),
          ("d.jsonl:1", "unpaired surrogate (U+DCFF", "fix the \\u escape")),
-    Case("prepare-a-token-shard", prepare_a_shard, ("train_000000.bin: not UTF-8 text", "leave it out")),
+    # a lone llm.c shard is taken as an llm.c import, which needs both splits
+    Case("prepare-a-token-shard", prepare_a_shard, ("no val shard among the llm.c shards", "pass both splits")),
     Case("prepare-random-bytes", prep(("blob", RANDOM)), ("blob: not UTF-8 text", "leave it out")),
     Case("prepare-empty-corpus", prep(("empty.txt", b"")), ("no text in", "check the SOURCE arguments")),
     Case("prepare-missing-source", lambda w, tmp: (["prepare", str(tmp / "nope.txt"), "--out", str(tmp / "out")],

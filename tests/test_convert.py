@@ -260,3 +260,100 @@ def test_hf_export_carries_a_bpe_tokenizer(hf_model, tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok.encode("a quick dog") == bpe.encode("a quick dog")
     assert tok.eos_token == "<|endoftext|>"
+
+
+# ---------------------------------------------------------------- llm.c shards, fine-tuning, sampling
+def _llmc_shard(path, tokens):
+    """llm.c's write_datafile: 256 x int32 header (magic 20240520, version 1, count), then uint16."""
+    header = np.zeros(256, np.int32)
+    header[:3] = 20240520, 1, len(tokens)
+    path.write_bytes(header.tobytes() + np.asarray(tokens, np.uint16).tobytes())
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab_run(tmp_path_factory):
+    """llm.c shards of GPT-2 tokens imported by prepare, and a 50257-token llm.c model file."""
+    tmp = tmp_path_factory.mktemp("llmc")
+    rng = np.random.default_rng(7)
+    text = rng.integers(0, 50257, 3000)
+    train = _llmc_shard(tmp / "tiny_train.bin", text[:2500])
+    val = _llmc_shard(tmp / "tiny_val.bin", text[2500:])
+    assert cli(["prepare", str(tmp / "tiny_*.bin"), "--out", str(tmp / "data")]) == 0
+    cfg = transformers.GPT2Config(vocab_size=50257, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(1)
+    model_file = _llmc_write_generic(tmp / "gpt2.bin", transformers.GPT2LMHeadModel(cfg))
+    return tmp, train, val, model_file
+
+
+def _llmc_write_generic(path, hf):
+    c = hf.config
+    global V, T, C, L, NH
+    saved = V, T, C, L, NH
+    V, T, C, L, NH = c.vocab_size, c.n_positions, c.n_embd, c.n_layer, c.n_head
+    try:
+        return _llmc_write(path, hf, Vp=(V + 127) // 128 * 128)
+    finally:
+        V, T, C, L, NH = saved
+
+
+def test_llmc_shards_import_byte_for_byte(gpt2_vocab_run):
+    tmp, train, val, _ = gpt2_vocab_run
+    meta = json.loads((tmp / "data" / "meta.json").read_text())
+    assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257
+    assert (meta["train_tokens"], meta["val_tokens"]) == (2500, 500)
+    assert filecmp.cmp(train, tmp / "data" / "train_000000.bin", shallow=False)
+    assert filecmp.cmp(val, tmp / "data" / "val_000000.bin", shallow=False)
+
+
+def test_finetune_from_an_llmc_model_on_llmc_shards(gpt2_vocab_run, capsys):
+    tmp, _, _, model_file = gpt2_vocab_run
+    args = ["train", "--data", str(tmp / "data"), "--out", str(tmp / "run"), "--init-from", str(model_file),
+            "--model.block_size", "16", "--train.max_steps", "3", "--train.batch_size", "2",
+            "--train.eval_interval", "0", "--train.sample_interval", "0", "--train.checkpoint_interval", "3"]
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    assert "initialised from" in out and "n_layer 1, n_head 2, n_embd 16, block_size 16" in out
+    first = json.loads((tmp / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    src = handgrad.GPT.from_pretrained(model_file)  # step 1's loss is the imported model's loss
+    rng = np.random.Generator(np.random.PCG64([1337, 1]))
+    from handgrad.data import Dataset
+    x, y = Dataset(tmp / "data", "train").get_batch(2, 16, rng)
+    assert first["loss"] == pytest.approx(src.forward(x, y), rel=1e-6)
+    run = handgrad.GPT.from_pretrained(tmp / "run")
+    assert run.config.block_size == 16 and run.config.vocab_size == 50257
+    assert not np.array_equal(run.state_dict()["wte.weight"], src.state_dict()["wte.weight"])  # it trained
+
+
+def test_init_from_refuses_a_vocab_mismatch_and_resume(gpt2_vocab_run, hf_dir, capsys):
+    tmp = gpt2_vocab_run[0]
+    base = ["train", "--data", str(tmp / "data"), "--train.max_steps", "1", "--train.sample_interval", "0"]
+    assert cli(base + ["--out", str(tmp / "bad1"), "--init-from", str(hf_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "the model has 37 tokens" in err and "vocab_size 50257" in err
+    assert not (tmp / "bad1" / "ckpt").exists()
+    assert cli(base + ["--out", str(tmp / "bad2"), "--init-from", str(hf_dir), "--resume"]) == 2
+    assert "pass only one of them" in capsys.readouterr().err
+    assert cli(base + ["--out", str(tmp / "bad3"), "--init-from", str(hf_dir), "--model.n_layer", "5"]) == 2
+    assert "differs from the --init-from model's 2" in capsys.readouterr().err
+
+
+def test_sample_from_hf_and_llmc_models(hf_model, tmp_path, capsys):
+    from handgrad.convert import write_hf
+    from handgrad.tokenizer import BPETokenizer
+    bpe = BPETokenizer.train(["a lazy dog and a quick fox\n"] * 40, vocab_size=300)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(bpe.to_json()))
+    cfg = transformers.GPT2Config(vocab_size=bpe.vocab_size, n_positions=T, n_embd=C, n_layer=L, n_head=NH)
+    torch.manual_seed(2)
+    m = transformers.GPT2LMHeadModel(cfg)
+    model_file = _llmc_write_generic(tmp_path / "m.bin", m)
+    hg = handgrad.GPT.from_pretrained(model_file)
+    write_hf(tmp_path / "hf", hg.config, hg.state_dict(), tokenizer=tmp_path / "tokenizer.json")
+    common = ["--prompt", "a lazy", "--max-new-tokens", "5", "--temperature", "0"]
+    assert cli(["sample", "--run", str(tmp_path / "hf"), *common]) == 0
+    from_hf = capsys.readouterr().out
+    assert from_hf.startswith("a lazy")
+    assert cli(["sample", "--run", str(model_file), *common]) == 2  # an llm.c file carries no tokenizer
+    assert "pass --tokenizer" in capsys.readouterr().err
+    assert cli(["sample", "--run", str(model_file), "--tokenizer", str(tmp_path / "tokenizer.json"), *common]) == 0
+    assert capsys.readouterr().out == from_hf  # same weights, greedy: the same text

@@ -430,7 +430,7 @@ def parse(*argv):
 def test_arguments_and_defaults():
     args = parse("a.txt", "b", "--out", "d")
     assert (args.source, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.seed) == \
-        (["a.txt", "b"], "d", "char", None, 0.1, 1337)
+        (["a.txt", "b"], "d", None, None, 0.1, 1337)  # None: char for text, gpt2 for llm.c shards
     args = parse("x", "--out", "d", "--tokenizer", "bpe", "--vocab-size", "512", "--val-fraction", "0.05",
                  "--seed", "9")
     assert (args.tokenizer, args.vocab_size, args.val_fraction, args.seed) == ("bpe", 512, 0.05, 9)

@@ -53,12 +53,28 @@ def detect_format(path):
             return "llmc"
         raise ConvertError(f"{path}: not an llm.c model file (magic {head[0]}, expected {LLMC_MAGIC}); "
                            f"pass an llm.c .bin model, a Hugging Face GPT-2 directory or a handgrad run")
-    if (path / "config.json").is_file() and not (path / "state.json").is_file():
-        return "hf"
     if (path / "state.json").is_file() or (path / "ckpt").is_dir():
         return "handgrad"
+    if (path / "config.json").is_file():
+        try:
+            doc = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = None
+        if isinstance(doc, dict) and "train" in doc and "model" in doc and "model_type" not in doc:
+            return "handgrad"  # a run directory without a checkpoint yet
+        return "hf"
     raise ConvertError(f"{path}: neither a Hugging Face GPT-2 directory (no config.json) nor a handgrad run "
                        f"(no ckpt/ or state.json)")
+
+
+def foreign_format(path):
+    """'hf' or 'llmc' where path is plainly one of those, else None (no error): lets a command that
+    takes handgrad runs also take the other formats, keeping its own errors for everything else."""
+    try:
+        fmt = detect_format(path)
+    except ConvertError:
+        return None
+    return fmt if fmt != "handgrad" else None
 
 
 def load_pretrained(path):
@@ -438,6 +454,21 @@ def write_handgrad(dst, config, weights, tokenizer=None, source=None):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def model_tokenizer_path(src, info, config):
+    """Where the tokenizer of a pretrained model lies, for load_tokenizer: a tokenizer.json beside
+    it, GPT-2's vocab.json + merges.txt beside it, or "gpt2" (tiktoken) for a 50257-token llm.c
+    model (llm.c trains on GPT-2's tokens)."""
+    if info.get("tokenizer"):
+        return info["tokenizer"]
+    d = Path(src)
+    if d.is_dir() and (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+        return d
+    if info.get("format") == "llmc" and config.vocab_size == 50257:
+        return "gpt2"
+    raise ConvertError(f"{src}: no tokenizer beside the model (no tokenizer.json, no vocab.json + merges.txt); "
+                       f"pass --tokenizer PATH")
 
 
 # ---------------------------------------------------------------- the verb

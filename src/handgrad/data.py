@@ -21,6 +21,7 @@ place only when complete, so a failure never leaves a DATA_DIR that looks valid.
 not exist yet, or be empty.
 """
 import argparse
+import glob
 import json
 import math
 import os
@@ -296,11 +297,84 @@ def _write_data_dir(out: Path, tok: Tokenizer, splits: dict, meta: dict, shard_t
     return meta
 
 
-def prepare(sources: Sequence[str], out, tokenizer: str = "char", vocab_size: int | None = None,
+def _llmc_shard_files(specs: Sequence[str]) -> list[Path] | None:
+    """The files SOURCE arguments name when every one is an llm.c token shard (by its magic), else None."""
+    files = []
+    for spec in specs:
+        spec = str(spec)
+        paths = [Path(m) for m in sorted(glob.glob(os.path.expanduser(spec)))] if glob.has_magic(spec) \
+            else [Path(spec).expanduser()]
+        for p in paths:
+            try:
+                with open(p, "rb") as f:
+                    head = f.read(4)
+            except OSError:
+                return None
+            if len(head) < 4 or int.from_bytes(head, "little", signed=True) != MAGIC:
+                return None
+            files.append(p)
+    return files or None
+
+
+def import_llmc_shards(files: Sequence[Path], out: Path, tokenizer: str | None) -> dict:
+    """llm.c token shards (GPT-2 tokens) as a data directory: each shard copied byte for byte, those
+    with "val" in their name as the val split, the rest as train; tokenizer gpt2, no tokenizing."""
+    from . import __version__
+    from .tokenizer import GPT2Tokenizer
+    if tokenizer not in (None, "gpt2"):
+        raise DataError(f"--tokenizer {tokenizer}: llm.c shards hold GPT-2 tokens; drop --tokenizer or pass gpt2")
+    splits = {"train": [f for f in files if "val" not in f.name], "val": [f for f in files if "val" in f.name]}
+    for split, names in splits.items():
+        if not names:
+            raise DataError(f"no {split} shard among the llm.c shards given (val shards have \"val\" in their "
+                            f"name, as llm.c writes them); pass both splits")
+    counts = {}
+    for split, names in splits.items():
+        counts[split] = 0
+        for f in names:
+            tokens = read_shard(f)
+            if tokens.size and int(tokens.max()) >= GPT2Tokenizer.VOCAB_SIZE:
+                raise DataError(f"{f}: token id {int(tokens.max())} is outside GPT-2's vocabulary "
+                                f"[0, {GPT2Tokenizer.VOCAB_SIZE}); not GPT-2 tokens")
+            counts[split] += int(tokens.size)
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        shards = {split: [] for split in splits}
+        for split, names in splits.items():
+            for i, f in enumerate(names):
+                name = f"{split}_{i:06d}.bin"
+                shutil.copyfile(f, tmp / name)
+                shards[split].append(name)
+        (tmp / "tokenizer.json").write_text(json.dumps({"type": "gpt2"}) + "\n")
+        meta = {"source": [str(f) for f in files], "tokenizer": "gpt2", "vocab_size": GPT2Tokenizer.VOCAB_SIZE,
+                "eot_id": GPT2Tokenizer.VOCAB_SIZE - 1, "documents": None, "train_tokens": counts["train"],
+                "val_tokens": counts["val"], "imported_from": "llm.c shards", "format": FORMAT,
+                "handgrad_version": __version__, "shards": shards}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if out.is_dir():
+            out.rmdir()
+        os.rename(tmp, out)
+    except OSError as e:
+        raise DataError(f"{out}: cannot write the data ({e.strerror or e}); check free space and permissions") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def prepare(sources: Sequence[str], out, tokenizer: str | None = None, vocab_size: int | None = None,
             val_fraction: float = 0.1, seed: int = 1337, shard_tokens: int = SHARD_TOKENS) -> dict:
-    """Tokenize `sources` into a new data directory `out` (see the module docstring); returns its meta."""
+    """Tokenize `sources` into a new data directory `out` (see the module docstring); returns its meta.
+    Sources that are all llm.c token shards are imported as they are (import_llmc_shards)."""
     from . import __version__
     out = Path(out)
+    shard_files = _llmc_shard_files(sources)
+    if shard_files is not None:
+        _check_options(out, tokenizer or "gpt2", vocab_size, val_fraction, seed)
+        return import_llmc_shards(shard_files, out, tokenizer)
+    tokenizer = tokenizer or "char"
     _check_options(out, tokenizer, vocab_size, val_fraction, seed)
     resolved = resolve_sources(sources)
 
@@ -333,9 +407,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DATA_DIR",
                         help="directory to create for the shards, tokenizer.json and meta.json (must not exist, "
                              "or be empty)")
-    parser.add_argument("--tokenizer", default="char", choices=TOKENIZER_NAMES,
+    parser.add_argument("--tokenizer", default=None, choices=TOKENIZER_NAMES,
                         help="char: one token per character; byte: UTF-8 bytes (256); bpe: byte-level BPE trained "
-                             "on the corpus; gpt2: GPT-2's 50257 tokens via tiktoken (default char)")
+                             "on the corpus; gpt2: GPT-2's 50257 tokens via tiktoken (default char; llm.c token "
+                             "shards given as SOURCE are imported as they are, as gpt2)")
     parser.add_argument("--vocab-size", type=int, default=None, metavar="N",
                         help=f"bpe only: vocabulary size, <|endoftext|> included (default {DEFAULT_BPE_VOCAB})")
     parser.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
@@ -353,7 +428,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: the corpus supports only {meta['vocab_size']} BPE tokens (asked {args.vocab_size})",
               file=sys.stderr)
     n_train, n_val = len(meta["shards"]["train"]), len(meta["shards"]["val"])
-    print(f"{args.out}: {meta['documents']:,} documents -> {meta['train_tokens']:,} train tokens "
+    docs = "llm.c shards" if meta["documents"] is None else f"{meta['documents']:,} documents"
+    print(f"{args.out}: {docs} -> {meta['train_tokens']:,} train tokens "
           f"({n_train} shard{'s' * (n_train != 1)}), {meta['val_tokens']:,} val tokens "
           f"({n_val} shard{'s' * (n_val != 1)}); tokenizer {meta['tokenizer']}, vocab_size {meta['vocab_size']:,}")
     return 0

@@ -304,8 +304,12 @@ class TextStream:
 # ---------------------------------------------------------------- the `handgrad sample` command
 def add_arguments(parser):
     parser.add_argument("--run", required=True, metavar="RUN_DIR",
-                        help="a run directory (its newest complete checkpoint) or one checkpoint "
-                             "directory, RUN_DIR/ckpt/step_NNNNNNNN")
+                        help="a run directory (its newest complete checkpoint), one checkpoint "
+                             "directory (RUN_DIR/ckpt/step_NNNNNNNN), a Hugging Face GPT-2 directory or an "
+                             "llm.c model file")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="the tokenizer, where --run has none beside it: a tokenizer.json, a directory "
+                             "holding one (or GPT-2's vocab.json + merges.txt), or `gpt2` (tiktoken)")
     parser.add_argument("--prompt", default=None,
                         help="text to continue (default: sample unconditionally, from the "
                              "end-of-text token)")
@@ -354,6 +358,8 @@ def main(args, file=None):
     """`handgrad sample`: load a run, stream sample 0 as it is generated, then print the others,
     each followed by a separator line. Returns the exit code; user errors raise SampleError."""
     from .checkpoint import load_model
+    from .convert import foreign_format, load_pretrained, model_tokenizer_path
+    from .model import GPT
     from .tokenizer import load_tokenizer
 
     file = file if file is not None else sys.stdout
@@ -361,13 +367,21 @@ def main(args, file=None):
     if args.num_samples < 1:
         raise SampleError(f"--num-samples must be >= 1, got {args.num_samples}")
     try:
-        model = load_model(args.run)
-        tokenizer = load_tokenizer(_tokenizer_dir(args.run))
+        if foreign_format(args.run) is None:
+            model = load_model(args.run)
+            tok_path = args.tokenizer or _tokenizer_dir(args.run)
+        else:
+            config, weights, info = load_pretrained(args.run)
+            model = GPT(config)
+            model.load_state_dict(weights)
+            tok_path = args.tokenizer or model_tokenizer_path(args.run, info, config)
+        tokenizer = load_tokenizer(tok_path)
     except FileNotFoundError as e:
         raise SampleError(f"--run {args.run}: {e}") from None
     if tokenizer.vocab_size != model.config.vocab_size:
         raise SampleError(f"--run {args.run}: its tokenizer.json has {tokenizer.vocab_size} tokens but the model "
-                          f"{model.config.vocab_size}; put back the tokenizer.json of the data it was trained on")
+                          f"{model.config.vocab_size}; put back the tokenizer.json of the data it was trained on "
+                          f"(or pass --tokenizer)")
     ids, show_prompt = _prompt_ids(args.prompt, tokenizer, model.config.block_size)
     T0 = len(ids)
     prompt = np.tile(np.asarray(ids, dtype=np.int64), (args.num_samples, 1))

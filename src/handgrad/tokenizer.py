@@ -163,6 +163,7 @@ class GPT2Tokenizer(Tokenizer):
     """GPT-2's tokenizer from `tiktoken` (50257 ids, "<|endoftext|>" = 50256)."""
 
     name = "gpt2"
+    VOCAB_SIZE = 50257
 
     def __init__(self):
         try:
@@ -224,8 +225,31 @@ def _tokenizer_path(path) -> Path:
     return path / TOKENIZER_FILE if path.is_dir() else path
 
 
+def load_gpt2_files(vocab_file, merges_file) -> "BPETokenizer":
+    """GPT-2's own Hugging Face files (vocab.json + merges.txt, as in a GPT-2 model directory) as a
+    byte-level BPE tokenizer."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    try:
+        tok = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merges_file)))
+    except Exception as e:  # tokenizers raises a plain Exception for a bad file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{vocab_file}, {merges_file}: not GPT-2 vocab/merges files ({reason})") from None
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    if tok.token_to_id(EOT_TEXT) is not None:
+        tok.add_special_tokens([EOT_TEXT])
+    return BPETokenizer(tok)
+
+
 def load_tokenizer(path) -> Tokenizer:
-    """The tokenizer saved in a data or run directory (or the `tokenizer.json` file itself)."""
+    """The tokenizer saved in a data or run directory (or the `tokenizer.json` file itself); also
+    GPT-2's vocab.json + merges.txt in a directory, and "gpt2" for GPT-2's through tiktoken."""
+    if str(path) == "gpt2":
+        return GPT2Tokenizer()
+    d = Path(path)
+    if d.is_dir() and not (d / TOKENIZER_FILE).is_file() and (d / "vocab.json").is_file() \
+            and (d / "merges.txt").is_file():
+        return load_gpt2_files(d / "vocab.json", d / "merges.txt")
     file = _tokenizer_path(path)
     if not file.is_file():
         raise DataError(f"{file}: no tokenizer file; point at a directory made by handgrad prepare "

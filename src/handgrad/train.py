@@ -14,6 +14,7 @@ import numpy as np
 from .checkpoint import CheckpointError, list_checkpoints, restore, save_checkpoint
 from .config import SECTIONS, ConfigError, load_run_config
 from .model import GPT, flops_per_token
+from .sources import DataError
 from .optim import AdamW, clip_scale, grad_norm
 
 
@@ -27,6 +28,10 @@ def add_arguments(parser):
     parser.add_argument("--preset", help="named preset: tiny, shakespeare-char, mid, gpt2-124m")
     parser.add_argument("--config", metavar="FILE", help="a TOML, JSON or YAML file of model.* and train.* keys")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR's newest checkpoint")
+    parser.add_argument("--init-from", metavar="PATH", default=None,
+                        help="start a new run from pretrained weights (fine-tuning): a Hugging Face GPT-2 "
+                             "directory, an llm.c model file, or a handgrad run; the architecture is the "
+                             "model's, model.block_size may crop its positions")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section}.* overrides (win over the preset and the file)")
         for f in fields(cls):
@@ -110,10 +115,30 @@ def resolve_config(run_dir, preset=None, config_file=None, overrides=None, resum
     return config
 
 
+def pretrained_config(path, config, overrides):
+    """The run config with the pretrained model's architecture; its weights. model.n_layer, n_head
+    and n_embd come from the model (an override that disagrees is an error); model.block_size may
+    be smaller than the model's, never larger."""
+    from .convert import load_pretrained
+    pre, weights, _ = load_pretrained(path)
+    for key in ("n_layer", "n_head", "n_embd"):
+        asked = (overrides or {}).get(f"model.{key}")
+        if asked is not None and int(asked) != getattr(pre, key):
+            raise ConfigError(f"model.{key}: {asked} differs from the --init-from model's {getattr(pre, key)}; "
+                              f"drop --model.{key}")
+        setattr(config.model, key, getattr(pre, key))
+    if config.model.block_size > pre.block_size:
+        if (overrides or {}).get("model.block_size") is not None:
+            raise ConfigError(f"model.block_size: {config.model.block_size} is above the --init-from model's "
+                              f"{pre.block_size}; use at most {pre.block_size}")
+        config.model.block_size = pre.block_size
+    return config, weights
+
+
 class Trainer:
     """One training run over a prepared data directory, writing into run_dir."""
 
-    def __init__(self, data_dir, run_dir, config, resume=False, log=print):
+    def __init__(self, data_dir, run_dir, config, resume=False, log=print, init_from=None):
         from .data import Dataset
         self.data_dir, self.run_dir, self.config, self.log = Path(data_dir), Path(run_dir), config, log
         self.train_data, self.val_data = Dataset(data_dir, "train"), Dataset(data_dir, "val")
@@ -123,10 +148,25 @@ class Trainer:
             self._check_same_data()
         self.gpt_config = config.gpt_config(self.train_data.vocab_size)
         self.model = GPT(self.gpt_config, seed=t.seed)
+        if init_from is not None:
+            self._load_pretrained(*init_from)
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
         self.data_rng, self.sample_rng = _rng(seed=[t.seed, 1]), _rng(seed=[t.seed, 2])
         self.step = 0
         self._prepare_run_dir(resume)
+
+    def _load_pretrained(self, path, weights):
+        """Pretrained weights (from pretrained_config) into the fresh model; wpe keeps its first
+        block_size rows (nanoGPT's crop_block_size)."""
+        if self.gpt_config.vocab_size != weights["wte.weight"].shape[0]:
+            raise TrainError(f"--init-from {path}: the model has {weights['wte.weight'].shape[0]} tokens but "
+                             f"{self.data_dir} has vocab_size {self.gpt_config.vocab_size}; prepare the data "
+                             f"with the model's tokenizer")
+        weights = dict(weights, **{"wpe.weight": weights["wpe.weight"][:self.gpt_config.block_size]})
+        self.model.load_state_dict(weights)
+        c = self.gpt_config
+        self.log(f"initialised from {path}: n_layer {c.n_layer}, n_head {c.n_head}, n_embd {c.n_embd}, "
+                 f"block_size {c.block_size}")
 
     def _check_same_data(self):
         """A run resumes only on data with its tokenizer and vocabulary (checked before building):
@@ -155,8 +195,19 @@ class Trainer:
                                  f"its longest shard has {longest} tokens; use at most {longest - 1}")
         if not self.train_data.num_tokens:
             raise TrainError(f"{self.data_dir}: the train split is empty; prepare more text")
-        from .tokenizer import load_tokenizer
-        n = load_tokenizer(self.data_dir).vocab_size
+        from .tokenizer import GPT2Tokenizer, load_tokenizer
+        tok_file = self.data_dir / "tokenizer.json"
+        doc = _read_json(tok_file) if tok_file.is_file() else None
+        gpt2 = isinstance(doc, dict) and doc.get("type") == "gpt2"
+        if gpt2 and not self.config.train.sample_interval:
+            n = GPT2Tokenizer.VOCAB_SIZE  # training on GPT-2 tokens (llm.c shards) needs no tiktoken
+        else:
+            try:
+                n = load_tokenizer(self.data_dir).vocab_size
+            except DataError as e:
+                if not gpt2:
+                    raise
+                raise TrainError(f"{e}; or train without samples: --train.sample_interval 0") from None
         if n != self.train_data.vocab_size:
             raise TrainError(f"{self.data_dir}: meta.json says vocab_size {self.train_data.vocab_size} but "
                              f"tokenizer.json has {n} tokens; re-run handgrad prepare")
@@ -376,8 +427,15 @@ def main(args):
     overrides = {k.split(":", 1)[1]: v for k, v in vars(args).items()
                  if k.startswith("override:") and v is not None}
     run_dir = Path(args.out)
+    if args.init_from is not None and args.resume:
+        raise TrainError("--init-from starts a new run from pretrained weights; --resume continues one: "
+                         "pass only one of them")
     config = resolve_config(run_dir, args.preset, args.config, overrides, args.resume)
-    trainer = Trainer(args.data, run_dir, config, resume=args.resume)
+    init_from = None
+    if args.init_from is not None:
+        config, weights = pretrained_config(args.init_from, config, overrides)
+        init_from = (args.init_from, weights)
+    trainer = Trainer(args.data, run_dir, config, resume=args.resume, init_from=init_from)
     from .bench import sgemm_peak
     peak = sgemm_peak()["median_gflops"]
     print(f"sgemm peak (measured now): {peak:.0f} GFLOP/s")
