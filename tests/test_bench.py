@@ -43,11 +43,16 @@ def test_bench_train_unknown_preset():
 
 
 def test_check_losses_refuses_a_mismatch():
+    n = bench_train.LOSS_CHECK_STEPS
     assert bench_train._check_losses("x", [2.0, 1.5], [2.0, 1.5 * (1 + 1e-5)]) < 1e-4
     with pytest.raises(SystemExit, match="step 2 loss"):
         bench_train._check_losses("x", [2.0, 1.6], [2.0, 1.5])
-    with pytest.raises(SystemExit, match="CHECK FAILED"):
+    with pytest.raises(SystemExit, match="CHECK FAILED.*step 2 handgrad loss is nan"):
         bench_train._check_losses("x", [2.0, np.nan], [2.0, 1.5])
+    # past the checked steps the two float32 trajectories may drift apart, but must stay finite
+    assert bench_train._check_losses("x", [2.0] * n + [1.0], [2.0] * n + [1.5]) == 0.0
+    with pytest.raises(SystemExit, match=f"step {n + 2} handgrad loss is inf"):
+        bench_train._check_losses("x", [2.0] * n + [1.0, np.inf], [2.0] * (n + 2))
 
 
 def test_profiler_times_ops_and_passes_the_rest_through():

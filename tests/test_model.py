@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from handgrad import GPT, GPTConfig
+from handgrad.model import WRITTEN_FIRST
 from handgrad.optim import AdamW, clip_scale, grad_norm
 from handgrad.verify import check_model_adamw, check_model_step
 
@@ -323,8 +324,23 @@ def test_backward_accumulates():
     model.forward(idx, targets)
     model.backward()  # no zero_grad
     np.testing.assert_allclose(model.grad, 2 * once, rtol=1e-5, atol=1e-6 * np.abs(once).max())
+    model.zero_grad()  # the weight matrices' gradients are left for the next backward to overwrite
+    assert not any(g.any() for g in model.grads().values())
+    model.forward(idx, targets)
     model.zero_grad()
-    assert not model.grad.any()
+    model.backward()
+    np.testing.assert_array_equal(model.grad, once)  # nothing stale survives
+
+
+def test_zero_grad_clears_only_what_backward_adds_into():
+    """zero_grad() memsets the biases, gains and wpe; the next backward overwrites the rest."""
+    model = GPT(TINY)
+    model.grad[:] = 7.0
+    model.zero_grad()
+    for name, (o, shape) in model.layout.items():
+        n = int(np.prod(shape))
+        cleared = not model.grad[o:o + n].any()
+        assert cleared == (not name.endswith(WRITTEN_FIRST)), name
 
 
 def test_all_targets_ignored():

@@ -169,13 +169,18 @@ class BackgroundLoad:
     2-thread parallel region waits for a scheduler time slice, and timings jump by 10-100x.
     """
 
-    @staticmethod
-    def _ticks():
+    def __init__(self, pids=()):
+        self.pids = ["self", *pids]  # ours: this process and the given children (bench train's workers)
+
+    def _ticks(self):
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:9]]  # user .. steal (guest is inside user)
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
-        return sum(v) - v[3] - v[4] - int(own[11]) - int(own[12])  # busy - idle - iowait - ours
+        ours = 0
+        for pid in self.pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ours += int(fields[11]) + int(fields[12])  # utime + stime
+        return sum(v) - v[3] - v[4] - ours  # busy - idle - iowait - ours
 
     def __enter__(self):
         self.cores = None

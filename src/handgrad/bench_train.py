@@ -33,11 +33,14 @@ SHAPES = {
 }
 DEFAULT_SHAPES = ("tiny", "mid", "gpt2-124m")  # the shapes issue 4 reports
 SIDES = ("handgrad", "pytorch")
-N_BATCHES = 4  # distinct random batches, cycled
+N_BATCHES = 16  # distinct random batches, cycled
 WARMUP_STEPS = 3
 BUDGET_S = 12.0  # with --steps unset: timed seconds per side
 MIN_STEPS, MAX_STEPS, CHUNKS = 5, 200, 4
-LOSS_RTOL = 1e-3  # every step's loss must agree this closely between the two sides
+# The first LOSS_CHECK_STEPS losses must agree to LOSS_RTOL (same weights, same batches: the same
+# computation, up to float32 rounding); later steps only need to be finite, since two float32
+# trajectories drift apart over hundreds of steps (measured: 20% apart after 200 tiny steps).
+LOSS_CHECK_STEPS, LOSS_RTOL = 5, 1e-4
 
 
 # ---------------------------------------------------------------- the worker (one per side)
@@ -229,10 +232,15 @@ def _spec(name):
 
 
 def _check_losses(name, a, b):
-    """Step-by-step loss agreement between the two sides, else exit 1 (nothing is reported)."""
+    """The first LOSS_CHECK_STEPS losses agree and every loss is finite, else exit 1 (nothing is
+    reported). Returns the largest relative difference over the checked steps."""
     a, b = np.asarray(a), np.asarray(b)
+    if not np.all(np.isfinite(a)):
+        i = int(np.flatnonzero(~np.isfinite(a))[0])
+        raise SystemExit(f"bench train: CHECK FAILED for {name}: step {i + 1} handgrad loss is {a[i]}")
+    a, b = a[:LOSS_CHECK_STEPS], b[:LOSS_CHECK_STEPS]
     rel = np.abs(a - b) / np.maximum(np.abs(b), 1e-12)
-    if not (np.all(np.isfinite(a)) and rel.max() <= LOSS_RTOL):
+    if not rel.max() <= LOSS_RTOL:
         i = int(np.nanargmax(np.where(np.isfinite(rel), rel, np.inf)))
         raise SystemExit(f"bench train: CHECK FAILED for {name}: step {i + 1} loss handgrad {a[i]:.6g} vs "
                          f"pytorch {b[i]:.6g} (relative tolerance {LOSS_RTOL:g})")
@@ -254,7 +262,7 @@ def bench_shape(name, steps, profile):
             per_step = max(min(warm[s.name][1:]) for s in sides)
             steps = int(min(MAX_STEPS, max(MIN_STEPS, BUDGET_S / max(per_step, 1e-9))))
         chunk = -(-steps // CHUNKS)
-        with BackgroundLoad() as load:
+        with BackgroundLoad(pids=[s.proc.pid for s in sides]) as load:
             done = 0
             while done < steps:
                 n = min(chunk, steps - done)
@@ -335,7 +343,7 @@ def format_row(r):
     mem = f"{r['ratio_peak_rss']:.2f}x" if "ratio_peak_rss" in r else "?"
     bg = "?" if r["background_cores"] is None else f"{r['background_cores']:.2f}"
     lines.append(f"  handgrad/pytorch: tok/s {r['ratio_tok_s']:.2f}x, peak RSS {mem}; losses agree to "
-                 f"{r['loss_max_rel_diff']:.1e} (first {r['first_loss'][0]:.5f} vs {r['first_loss'][1]:.5f}); "
+                 f"{r['loss_max_rel_diff']:.1e} over {LOSS_CHECK_STEPS} steps (first {r['first_loss'][0]:.5f} vs {r['first_loss'][1]:.5f}); "
                  f"background load {bg} cores")
     if "profile" in r:
         lines += format_profile(r["profile"])

@@ -29,6 +29,12 @@ def param_spec(config):
     return spec
 
 
+# Gradients the first backward after zero_grad() overwrites by one GEMM (linear_backward with
+# accumulate=False); wte's is the tied lm_head's, which the encoder's backward then adds to.
+WRITTEN_FIRST = ("wte.weight", "attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                 "mlp.c_proj.weight")
+
+
 def _layout(spec):
     """name -> (offset, shape) in the flat buffer, and the total size."""
     offsets, n = {}, 0
@@ -128,6 +134,10 @@ class GPT:
         self._acts = None
         self._ready_for_backward = False
         self._grads_zero = True  # the gradient buffer starts at zero
+        # the gradients that backward adds into even on its first pass after zero_grad(); the weight
+        # matrices listed in WRITTEN_FIRST are overwritten by it instead (see zero_grad)
+        self._accumulated_segments = [(o, int(np.prod(s))) for name, (o, s) in self.layout.items()
+                                      if not name.endswith(WRITTEN_FIRST)]
         self._init_weights(seed)
 
     @classmethod
@@ -154,6 +164,8 @@ class GPT:
 
     def grads(self):
         """Copies of the gradients, under the same names and layouts as state_dict()."""
+        if self._grads_zero:
+            self.grad[:] = 0  # zero_grad() left the written-first gradients for the next backward
         return {name: self.ops.to_numpy(view).copy() for name, view in self.g.items()}
 
     def load_state_dict(self, state):
@@ -178,8 +190,18 @@ class GPT:
             view[...] = self.ops.from_numpy(np.asarray(state[name], dtype=np.float32))
 
     def zero_grad(self):
-        self.grad[:] = 0
-        self._grads_zero = True  # the next backward may write weight gradients instead of adding
+        """Start the next backward from zero gradients.
+
+        The weight matrices' gradients (wte and every block's four matmul weights, 97-99% of the
+        buffer) are not cleared here: the next backward writes each of them by one GEMM instead of
+        adding (accumulate=False). Only the rest (biases, layernorm gains, wpe) is zeroed now. That
+        saves a pass over the whole buffer: for GPT-2 124M a 500 MB memset, ~55 ms of a ~1.2 s
+        step. Until that backward runs, `model.grad` holds stale values in those matrices, as
+        torch's default zero_grad(set_to_none=True) leaves no gradient; grads() returns zeros.
+        """
+        for o, n in self._accumulated_segments:
+            self.grad[o:o + n] = 0
+        self._grads_zero = True
 
     # ----------------------------------------------------------------- forward / backward
     def _check_tokens(self, name, x, allow_ignore):

@@ -8,6 +8,7 @@ import numpy as np
 from numba import prange
 
 from .common import HEAVY, kernel
+from .mathfn import dot64
 
 CHUNK = 1 << 16
 
@@ -24,11 +25,10 @@ def make_chunks(segments):
 @kernel
 def _sumsq_kernel(partial, grads, chunks):
     for k in prange(chunks.shape[0]):
-        acc = 0.0
-        for i in range(chunks[k, 0], chunks[k, 1]):
-            g = np.float64(grads[i])
-            acc += g * g
-        partial[k] = acc
+        g = grads[chunks[k, 0]:chunks[k, 1]]
+        # dot64 vectorises the float64 sum (reassociated within a chunk, in a fixed order for a given
+        # CPU): 124M gradients 47 -> 25 ms; a plain `acc += g * g` loop runs scalar
+        partial[k] = dot64(g, g, g.shape[0])
 
 
 def global_norm(grads, chunks):
