@@ -116,6 +116,8 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(hf_model, hf_dir, 
 def _llmc_write(path, hf_model, version=3, Vp=64):
     """llm.c's train_gpt2.py write_model, restated: header, then wte padded to Vp rows, wpe, and
     each per-layer tensor stacked over layers in llm.c's order, nn.Linear [out, in] layout."""
+    c = hf_model.config
+    V, T, C, L, NH = c.vocab_size, c.n_positions, c.n_embd, c.n_layer, c.n_head
     sd = {k.removeprefix("transformer."): v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
     header = np.zeros(256, np.int32)
     header[:8] = LLMC_MAGIC, version, T, V, L, NH, C, Vp
@@ -282,19 +284,8 @@ def gpt2_vocab_run(tmp_path_factory):
     assert cli(["prepare", str(tmp / "tiny_*.bin"), "--out", str(tmp / "data")]) == 0
     cfg = transformers.GPT2Config(vocab_size=50257, n_positions=32, n_embd=16, n_layer=1, n_head=2)
     torch.manual_seed(1)
-    model_file = _llmc_write_generic(tmp / "gpt2.bin", transformers.GPT2LMHeadModel(cfg))
+    model_file = _llmc_write(tmp / "gpt2.bin", transformers.GPT2LMHeadModel(cfg), Vp=50304)
     return tmp, train, val, model_file
-
-
-def _llmc_write_generic(path, hf):
-    c = hf.config
-    global V, T, C, L, NH
-    saved = V, T, C, L, NH
-    V, T, C, L, NH = c.vocab_size, c.n_positions, c.n_embd, c.n_layer, c.n_head
-    try:
-        return _llmc_write(path, hf, Vp=(V + 127) // 128 * 128)
-    finally:
-        V, T, C, L, NH = saved
 
 
 def test_llmc_shards_import_byte_for_byte(gpt2_vocab_run):
@@ -346,7 +337,7 @@ def test_sample_from_hf_and_llmc_models(hf_model, tmp_path, capsys):
     cfg = transformers.GPT2Config(vocab_size=bpe.vocab_size, n_positions=T, n_embd=C, n_layer=L, n_head=NH)
     torch.manual_seed(2)
     m = transformers.GPT2LMHeadModel(cfg)
-    model_file = _llmc_write_generic(tmp_path / "m.bin", m)
+    model_file = _llmc_write(tmp_path / "m.bin", m, Vp=(bpe.vocab_size + 127) // 128 * 128)
     hg = handgrad.GPT.from_pretrained(model_file)
     write_hf(tmp_path / "hf", hg.config, hg.state_dict(), tokenizer=tmp_path / "tokenizer.json")
     common = ["--prompt", "a lazy", "--max-new-tokens", "5", "--temperature", "0"]

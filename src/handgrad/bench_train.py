@@ -86,6 +86,8 @@ class _HandgradWorker:
     def __init__(self, config, t, flat):
         from .model import GPT
         from .optim import AdamW
+        from .train import accumulate_gradients
+        self.accumulate = accumulate_gradients  # what the trainer runs per step
         self.model = GPT(config, seed=0)
         self.model.params[:] = flat
         self.opt = AdamW(self.model, lr=t["lr"], betas=(t["beta1"], t["beta2"]), weight_decay=t["weight_decay"])
@@ -95,8 +97,7 @@ class _HandgradWorker:
         return x, y
 
     def step(self, batch):
-        from .train import accumulate_gradients
-        loss, _, grad_scale = accumulate_gradients(self.model, self.opt, [batch], self.grad_clip)
+        loss, _, grad_scale = self.accumulate(self.model, self.opt, [batch], self.grad_clip)
         self.opt.step(grad_scale=grad_scale)
         return loss
 

@@ -484,10 +484,8 @@ def add_arguments(parser):
 def main(args):
     config, weights, info = load_pretrained(args.src)
     info["path"] = str(args.src)
-    if args.llmc_dtype:
+    if args.llmc_dtype:  # else an llm.c source keeps its version, and anything else gets 3 (float32)
         info["llmc_version"] = 3 if args.llmc_dtype == "float32" else 5
-    elif info["format"] != "llmc":
-        info["llmc_version"] = 3
     dst = save_pretrained(args.dst, config, weights, args.format, info.get("tokenizer"), info)
     from .model import param_spec
     n = sum(int(np.prod(s)) for _, s in param_spec(config))

@@ -262,8 +262,10 @@ def _token_stream(tok: Tokenizer, documents, seed: int, sources) -> tuple[np.nda
     return np.concatenate(parts), len(arrays)
 
 
-def _write_data_dir(out: Path, tok: Tokenizer, splits: dict, meta: dict, shard_tokens: int) -> dict:
-    """Write shards, tokenizer and meta.json into a temporary sibling of `out`, then rename it to `out`."""
+def _write_data_dir(out: Path, meta: dict, write_contents) -> dict:
+    """Build a data directory in a temporary sibling of `out`, then rename it to `out`:
+    write_contents(tmp) writes the shards and tokenizer.json and returns {split: [shard names]};
+    meta.json (meta plus those names) is written last. Returns the meta written."""
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -272,15 +274,7 @@ def _write_data_dir(out: Path, tok: Tokenizer, splits: dict, meta: dict, shard_t
         raise DataError(f"{out}: cannot create the output directory ({e.strerror or e}); "
                         f"choose another --out") from None
     try:
-        shards = {}
-        for split, tokens in splits.items():
-            shards[split] = []
-            for i, start in enumerate(range(0, len(tokens), shard_tokens)):
-                name = f"{split}_{i:06d}.bin"
-                write_shard(tmp / name, tokens[start:start + shard_tokens])
-                shards[split].append(name)
-        meta = dict(meta, shards=shards)
-        tok.save(tmp)
+        meta = dict(meta, shards=write_contents(tmp))
         with open(tmp / META_FILE, "w", encoding="utf-8") as f:
             f.write(json.dumps(meta, indent=2) + "\n")
             f.flush()
@@ -337,10 +331,8 @@ def import_llmc_shards(files: Sequence[Path], out: Path, tokenizer: str | None) 
                 raise DataError(f"{f}: token id {int(tokens.max())} is outside GPT-2's vocabulary "
                                 f"[0, {GPT2Tokenizer.VOCAB_SIZE}); not GPT-2 tokens")
             counts[split] += int(tokens.size)
-    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+
+    def copy_shards(tmp: Path) -> dict:
         shards = {split: [] for split in splits}
         for split, names in splits.items():
             for i, f in enumerate(names):
@@ -348,20 +340,13 @@ def import_llmc_shards(files: Sequence[Path], out: Path, tokenizer: str | None) 
                 shutil.copyfile(f, tmp / name)
                 shards[split].append(name)
         (tmp / "tokenizer.json").write_text(json.dumps({"type": "gpt2"}) + "\n")
-        meta = {"source": [str(f) for f in files], "tokenizer": "gpt2", "vocab_size": GPT2Tokenizer.VOCAB_SIZE,
-                "eot_id": GPT2Tokenizer.VOCAB_SIZE - 1, "documents": None, "train_tokens": counts["train"],
-                "val_tokens": counts["val"], "imported_from": "llm.c shards", "format": FORMAT,
-                "handgrad_version": __version__, "shards": shards}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.is_dir():
-            out.rmdir()
-        os.rename(tmp, out)
-    except OSError as e:
-        raise DataError(f"{out}: cannot write the data ({e.strerror or e}); check free space and permissions") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return meta
+        return shards
+
+    meta = {"source": [str(f) for f in files], "tokenizer": "gpt2", "vocab_size": GPT2Tokenizer.VOCAB_SIZE,
+            "eot_id": GPT2Tokenizer.VOCAB_SIZE - 1, "documents": None, "train_tokens": counts["train"],
+            "val_tokens": counts["val"], "imported_from": "llm.c shards", "format": FORMAT,
+            "handgrad_version": __version__}
+    return _write_data_dir(out, meta, copy_shards)
 
 
 def prepare(sources: Sequence[str], out, tokenizer: str | None = None, vocab_size: int | None = None,
@@ -395,7 +380,19 @@ def prepare(sources: Sequence[str], out, tokenizer: str | None = None, vocab_siz
             "eot_id": tok.eot_id, "documents": n_docs, "train_tokens": len(splits["train"]),
             "val_tokens": len(splits["val"]), "val_fraction": val_fraction, "seed": seed,
             "format": FORMAT, "handgrad_version": __version__}
-    return _write_data_dir(out, tok, splits, meta, shard_tokens)
+
+    def write_shards(tmp: Path) -> dict:
+        shards = {}
+        for split, tokens in splits.items():
+            shards[split] = []
+            for i, start in enumerate(range(0, len(tokens), shard_tokens)):
+                name = f"{split}_{i:06d}.bin"
+                write_shard(tmp / name, tokens[start:start + shard_tokens])
+                shards[split].append(name)
+        tok.save(tmp)
+        return shards
+
+    return _write_data_dir(out, meta, write_shards)
 
 
 # ---------------------------------------------------------------- the command
