@@ -6,6 +6,7 @@
   convert  models between handgrad, Hugging Face GPT-2 and llm.c formats
 """
 import argparse
+import os
 import sys
 
 
@@ -15,9 +16,10 @@ def _user_errors():
     from .config import ConfigError
     from .convert import ConvertError
     from .data import DataError
+    from .distributed import DistributedError
     from .sample import SampleError
     from .train import TrainError
-    return (CheckpointError, ConfigError, ConvertError, DataError, SampleError, TrainError)
+    return (CheckpointError, ConfigError, ConvertError, DataError, DistributedError, SampleError, TrainError)
 
 
 def _cmd(module, fn="main"):
@@ -118,7 +120,12 @@ def main(argv=None):
     try:
         return args.func(args) or 0
     except _user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
+        rank = os.environ.get("RANK")
+        ranked = rank and os.environ.get("WORLD_SIZE", "1") != "1" and not str(e).startswith("rank ")
+        where = f"[rank {rank}] " if ranked else ""
+        print(f"error: {where}{e}", file=sys.stderr)
+        from .distributed import exit_if_lost
+        exit_if_lost(2)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

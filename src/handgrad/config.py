@@ -71,6 +71,9 @@ class TrainSection:
     log_interval: int = 1  # steps between log lines
     seed: int = 1337  # seeds the weights, the batches and the samples
     on_nan: str = "stop"  # a NaN/Inf loss or gradient: "stop" (last good checkpoint kept) or "skip" the batch
+    zero_stage: int = 0  # under torchrun: 1 shards the AdamW moments across ranks (ZeRO stage 1)
+    threads: int = 0  # BLAS and Numba threads per process; 0: this machine's cores / processes on it
+    dist_timeout: float = 300.0  # seconds a rank waits on the others before giving up (torchrun runs)
 
 
 SECTIONS = {"model": ModelSection, "train": TrainSection}
@@ -196,6 +199,13 @@ def validate_run_config(config):
             raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
+    if t.zero_stage not in (0, 1):
+        raise ConfigError(f"train.zero_stage: must be 0 (plain data parallel) or 1 (sharded AdamW moments), "
+                          f"got {t.zero_stage}")
+    if t.threads < 0:
+        raise ConfigError(f"train.threads: must be >= 0 (0 = automatic), got {t.threads}")
+    if not t.dist_timeout > 0:
+        raise ConfigError(f"train.dist_timeout: must be a positive number of seconds, got {t.dist_timeout}")
     if t.on_nan not in ("skip", "stop"):
         raise ConfigError(f"train.on_nan: must be skip or stop, got {t.on_nan!r}")
     for key in ("beta1", "beta2"):

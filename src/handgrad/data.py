@@ -159,9 +159,12 @@ class Dataset:
                                     f"{self.vocab_size}; the shards and {META_FILE} disagree, re-run "
                                     f"handgrad prepare")
 
-    def get_batch(self, B: int, T: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def get_batch(self, B: int, T: int, rng: np.random.Generator,
+                  rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
         """x, y (B, T) int32: B windows of T+1 consecutive tokens drawn uniformly (each inside one
-        shard) with `rng` only; y is x shifted left by one."""
+        shard) with `rng` only; y is x shifted left by one. With `rows`, only those rows of the B
+        are read and returned, and rng advances as for all B: each data-parallel rank reads its own
+        part of one global batch."""
         if B < 1 or T < 1:
             raise ValueError(f"B and T must be positive, got B={B}, T={T}")
         starts_per_shard = np.maximum(self.lengths - T, 0)  # (n_shards,) windows that fit in each
@@ -177,6 +180,9 @@ class Dataset:
         g = rng.integers(0, total, size=B)  # (B,) global window index
         shard_idx = np.searchsorted(ends, g, side="right")  # (B,)
         starts = g - (ends[shard_idx] - starts_per_shard[shard_idx])  # (B,)
+        if rows is not None:
+            shard_idx, starts = shard_idx[rows], starts[rows]
+            B = len(starts)
         x = np.empty((B, T), dtype=np.int32)
         y = np.empty((B, T), dtype=np.int32)
         for b in range(B):

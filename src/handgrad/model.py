@@ -119,7 +119,10 @@ class GPT:
     >>> loss = model.forward(idx, targets); model.zero_grad(); model.backward()
     """
 
-    def __init__(self, config, backend="cpu", seed=0):
+    def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1):
+        """buffer_multiple: the flat buffers (`flat_params`, `flat_grad`) are allocated zero-padded
+        to a multiple of it, so data-parallel ranks can split them into equal shards; `params` and
+        `grad` are their first num_params elements."""
         if not isinstance(config, GPTConfig):
             raise ValueError(f"config must be a handgrad.GPTConfig, got {type(config).__name__}")
         self.config = config
@@ -127,8 +130,10 @@ class GPT:
         self.backend = backend
         self.spec = param_spec(config)
         self.layout, self.num_params = _layout(self.spec)
-        self.params = self.ops.zeros((self.num_params,))
-        self.grad = self.ops.zeros((self.num_params,))
+        padded = -(-self.num_params // buffer_multiple) * buffer_multiple
+        self.flat_params = self.ops.zeros((padded,))
+        self.flat_grad = self.ops.zeros((padded,))
+        self.params, self.grad = self.flat_params[:self.num_params], self.flat_grad[:self.num_params]
         self.p = _views(self.params, self.layout)
         self.g = _views(self.grad, self.layout)
         self._acts = None
@@ -138,6 +143,14 @@ class GPT:
         # matrices listed in WRITTEN_FIRST are overwritten by it instead (see zero_grad)
         self._accumulated_segments = [(o, int(np.prod(s))) for name, (o, s) in self.layout.items()
                                       if not name.endswith(WRITTEN_FIRST)]
+        # gradient ranges in the order backward() finishes them: ln_f, blocks L-1 .. 0, embeddings
+        first = lambda name: self.layout[name][0]
+        end = lambda name: first(name) + int(np.prod(self.layout[name][1]))
+        L = config.n_layer
+        self.grad_buckets = ([(first("ln_f.weight"), end("ln_f.bias"))]
+                             + [(first(f"h.{l}.ln_1.weight"), end(f"h.{l}.mlp.c_proj.bias"))
+                                for l in reversed(range(L))]
+                             + [(0, end("wpe.weight"))])
         self._init_weights(seed)
 
     @classmethod
@@ -273,11 +286,16 @@ class GPT:
         self._ready_for_backward = True
         return loss
 
-    def backward(self):
+    def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss.
 
         The logits buffer is overwritten by dlogits, so backward() runs once per forward.
+        grads_ready(lo, hi), if given, is called as each range of `grad_buckets` is final (ln_f,
+        each block from the last, then the embeddings), so a data-parallel run can start reducing
+        a block's gradients while the backward goes on to the next.
         """
+        ready = grads_ready or (lambda lo, hi: None)
+        buckets = iter(self.grad_buckets)
         if not self._ready_for_backward:
             raise RuntimeError("backward() needs a forward(idx, targets) with targets first")
         self._ready_for_backward = False
@@ -295,6 +313,7 @@ class GPT:
         a.dres[...] = 0
         ops.layernorm_backward(a.dres, g["ln_f.weight"], g["ln_f.bias"], a.dlnf, a.res3[L - 1],
                                p["ln_f.weight"], a.lnf_mean, a.lnf_rstd)
+        ready(*next(buckets))
         for l in reversed(range(L)):
             h = f"h.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
@@ -314,4 +333,6 @@ class GPT:
                                           g[h + "attn.c_attn.weight"], g[h + "attn.c_attn.bias"], a.dqkv,
                                           x, p[h + "ln_1.weight"], p[h + "ln_1.bias"],
                                           a.ln1_mean[l], a.ln1_rstd[l], p[h + "attn.c_attn.weight"], acc)
+            ready(*next(buckets))
         ops.encoder_backward(g["wte.weight"], g["wpe.weight"], a.dres, a.idx)
+        ready(*next(buckets))

@@ -5,16 +5,23 @@ import numpy as np
 class AdamW:
     """torch.optim.AdamW semantics; weight decay only on tensors with 2+ dimensions.
 
-    State is two flat buffers the size of the parameters (m, v) and the step count.
+    State is two flat buffers (m, v) and the step count. They cover the parameters [lo, hi) of
+    the model's flat buffer: all of them, or with `shard=(lo, hi)` one data-parallel rank's slice
+    (ZeRO stage 1: each rank keeps and updates only its slice's moments).
     """
 
-    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, shard=None):
         self.model = model
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.lo, self.hi = shard if shard is not None else (0, model.num_params)
         ops = model.ops
-        self.m = ops.zeros((model.num_params,))
-        self.v = ops.zeros((model.num_params,))
-        self.chunks = ops.make_chunks(model.decay_segments())
+        self.m = ops.zeros((self.hi - self.lo,))
+        self.v = ops.zeros((self.hi - self.lo,))
+        # each tensor's part inside [lo, hi), in offsets relative to lo (padding past num_params
+        # belongs to no tensor and is never updated)
+        segments = [(max(a, self.lo) - self.lo, min(b, self.hi) - self.lo, decay)
+                    for a, b, decay in model.decay_segments() if a < self.hi and b > self.lo]
+        self.chunks = ops.make_chunks(segments)
         self.t = 0  # optimizer steps taken
 
     def state(self):
@@ -26,18 +33,19 @@ class AdamW:
         self.t = int(state["t"])
 
     def step(self, lr=None, grad_scale=1.0):
-        """Apply one update from model.grad; grad_scale multiplies the gradients first (clipping,
-        averaging over accumulation steps)."""
+        """Apply one update from model.grad to the parameters [lo, hi); grad_scale multiplies the
+        gradients first (clipping, averaging over accumulation steps and ranks)."""
         self.t += 1
         b1, b2 = self.betas
-        self.model.ops.adamw_update(self.model.params, self.model.grad, self.m, self.v, self.chunks,
-                                    self.t, self.lr if lr is None else lr, b1, b2, self.eps,
-                                    self.weight_decay, grad_scale)
+        model = self.model
+        self.model.ops.adamw_update(model.flat_params[self.lo:self.hi], model.flat_grad[self.lo:self.hi],
+                                    self.m, self.v, self.chunks, self.t, self.lr if lr is None else lr,
+                                    b1, b2, self.eps, self.weight_decay, grad_scale)
 
 
-def grad_norm(model, chunks):
-    """Global L2 norm of all gradients (float64 accumulation)."""
-    return model.ops.global_norm(model.grad, chunks)
+def grad_norm(model, chunks, lo=0):
+    """Global L2 norm of the gradients in `chunks` (offsets relative to lo), float64 accumulation."""
+    return model.ops.global_norm(model.flat_grad[lo:], chunks)
 
 
 def clip_scale(norm, max_norm):

@@ -49,18 +49,32 @@ def lr_at(step, t):
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 
-def accumulate_gradients(model, opt, batches, grad_clip):
+def accumulate_gradients(model, opt, batches, grad_clip, dp=None, zero_stage=0):
     """zero_grad, then forward + backward on each (x, y) micro-batch. The gradient buffer then
-    holds the sum of the micro-batches' mean-loss gradients. Returns (mean loss, norm of the mean
-    gradient, the grad_scale for opt.step that turns the buffer into the clipped mean gradient)."""
+    holds the sum of the micro-batches' mean-loss gradients; with dp (data-parallel ranks, see
+    handgrad.distributed) also summed over the ranks, all of it or (zero_stage 1) this rank's
+    slice. Returns (mean loss, norm of the mean gradient, the grad_scale for opt.step that turns
+    the buffer into the clipped mean gradient), the same on every rank."""
     model.zero_grad()
+    hook = dp.grads_ready(model) if dp is not None and zero_stage == 0 else None
     loss = 0.0
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
         loss += model.forward(x, y) / len(batches)
-        model.backward()
-    accum = 1.0 / len(batches)
-    norm = grad_norm(model, opt.chunks) * accum
-    return loss, norm, accum * clip_scale(norm, grad_clip)
+        model.backward(grads_ready=hook if i == len(batches) - 1 else None)
+    ranks = 1 if dp is None else dp.world_size
+    if dp is not None:
+        dp.finish_gradients(model, zero_stage)
+    norm = grad_norm(model, opt.chunks, opt.lo)
+    if ranks > 1:
+        # a sharded optimizer holds only its slice of the summed gradient: add the squares up
+        sharded = (opt.lo, opt.hi) != (0, model.num_params)
+        loss_sum, sumsq = dp.sum([loss, norm * norm if sharded else 0.0])
+        loss = float(loss_sum) / ranks
+        if sharded:
+            norm = math.sqrt(sumsq)
+    mean = 1.0 / (len(batches) * ranks)  # SUM over micro-batches and ranks, then scale
+    norm *= mean
+    return loss, norm, mean * clip_scale(norm, grad_clip)
 
 
 class _StopFlag:
@@ -138,22 +152,36 @@ def pretrained_config(path, config, overrides):
 class Trainer:
     """One training run over a prepared data directory, writing into run_dir."""
 
-    def __init__(self, data_dir, run_dir, config, resume=False, log=print, init_from=None):
+    def __init__(self, data_dir, run_dir, config, resume=False, log=print, init_from=None, dp=None):
+        """dp: this process's handgrad.distributed.DataParallel (several ranks under torchrun);
+        only rank 0 logs and writes into run_dir."""
         from .data import Dataset
-        self.data_dir, self.run_dir, self.config, self.log = Path(data_dir), Path(run_dir), config, log
+        from .distributed import DataParallel
+        self.dp = dp if dp is not None else DataParallel()
+        self.data_dir, self.run_dir, self.config = Path(data_dir), Path(run_dir), config
+        self.log = log if self.dp.is_main else (lambda *a, **k: None)
         self.train_data, self.val_data = Dataset(data_dir, "train"), Dataset(data_dir, "val")
         t = config.train
         self._check_data(config.model.block_size)
         if resume:
             self._check_same_data()
         self.gpt_config = config.gpt_config(self.train_data.vocab_size)
-        self.model = GPT(self.gpt_config, seed=t.seed)
+        self.model = GPT(self.gpt_config, seed=t.seed, buffer_multiple=self.dp.world_size)
         if init_from is not None:
             self._load_pretrained(*init_from)
-        self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        # ZeRO stage 1: this rank keeps AdamW moments for its slice of the flat buffer only
+        self.sharded = t.zero_stage == 1 and self.dp.world_size > 1
+        shard = self.dp.shard(len(self.model.flat_params)) if self.sharded else None
+        self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, shard=shard)
         self.data_rng, self.sample_rng = _rng(seed=[t.seed, 1]), _rng(seed=[t.seed, 2])
         self.step = 0
         self._prepare_run_dir(resume)
+        # every rank starts from rank 0's weights (resumed ones are equal already: checked above)
+        self.dp.broadcast(self.model.flat_params)
+        if self.sharded:
+            full, ours = 8 * self.model.num_params, 8 * (shard[1] - shard[0])
+            self.log(f"zero_stage 1: AdamW moments sharded over {self.dp.world_size} ranks: {ours / 2**20:,.1f} MiB "
+                     f"per rank instead of {full / 2**20:,.1f} MiB (saves {(full - ours) / 2**20:,.1f} MiB per rank)")
 
     def _load_pretrained(self, path, weights):
         """Pretrained weights (from pretrained_config) into the fresh model; wpe keeps its first
@@ -217,6 +245,12 @@ class Trainer:
         from .tokenizer import copy_tokenizer
         meta = self.train_data.meta
         identity = {"tokenizer": meta.get("tokenizer"), "vocab_size": self.train_data.vocab_size}
+        self.identity = identity
+        main = self.dp.is_main
+        if resume:  # every rank restores the checkpoint itself (the run dir is shared, as the data is)
+            self._resume(identity)
+        if not main:
+            return
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             probe = self.run_dir / ".write_test"
@@ -225,22 +259,34 @@ class Trainer:
         except OSError as e:
             raise TrainError(f"{self.run_dir}: cannot write there ({e.strerror}); choose another --out") from None
         if resume:
-            step, path, state = self._restore_newest_intact()
-            if state["data"]["identity"] != identity:
-                raise TrainError(f"{self.data_dir}: tokenizer/vocab {identity} differs from the run's "
-                                 f"{state['data']['identity']}; resume with the data the run was trained on")
-            self.step = step
-            self.data_rng = _rng(state["rng"]["data"])
-            self.sample_rng = _rng(state["rng"]["sample"])
-            self._truncate_metrics(step)
-            self.log(f"resumed from {path} at step {step}")
+            self._truncate_metrics(self.step)
         else:
             copy_tokenizer(self.data_dir, self.run_dir)
             (self.run_dir / "metrics.jsonl").write_text("")
         doc = dict(self.config.to_dict(), data=str(self.data_dir.resolve()), vocab_size=self.train_data.vocab_size,
-                   tokenizer=meta.get("tokenizer"))
+                   tokenizer=meta.get("tokenizer"), world_size=self.dp.world_size)
         _write_atomic(self.run_dir / "config.json", json.dumps(doc, indent=1) + "\n")
-        self.identity = identity
+
+    def _resume(self, identity):
+        step, path, state = self._restore_newest_intact()
+        if state["data"]["identity"] != identity:
+            raise TrainError(f"{self.data_dir}: tokenizer/vocab {identity} differs from the run's "
+                             f"{state['data']['identity']}; resume with the data the run was trained on")
+        self.step = step
+        self.data_rng = _rng(state["rng"]["data"])
+        self.sample_rng = _rng(state["rng"]["sample"])
+        self.dp.agree(step, "the checkpoint step resumed from")
+        self.log(f"resumed from {path} at step {step}")
+
+    def _full_optimizer(self):
+        """What a checkpoint holds of AdamW: the optimizer itself, or under ZeRO-1 a stand-in with
+        full-size moments (filled by save's all-gather or by restore, then sliced)."""
+        if not self.sharded:
+            return self.opt
+        from types import SimpleNamespace
+        n = len(self.model.flat_params)
+        return SimpleNamespace(m=np.zeros(n, np.float32), v=np.zeros(n, np.float32), state=self.opt.state,
+                               load_state=self.opt.load_state)
 
     def _restore_newest_intact(self):
         """Restore the newest checkpoint that passes its checksums, saying which ones were skipped."""
@@ -249,7 +295,11 @@ class Trainer:
             raise TrainError(f"{self.run_dir}: no complete checkpoint to resume from")
         for step, path in reversed(ckpts):
             try:
-                return step, path, restore(path, self.model, self.opt)
+                full = self._full_optimizer()
+                state = restore(path, self.model, full)
+                if full is not self.opt:
+                    self.opt.m[:], self.opt.v[:] = full.m[self.opt.lo:self.opt.hi], full.v[self.opt.lo:self.opt.hi]
+                return step, path, state
             except CheckpointError as e:
                 self.log(f"warning: {e}; falling back to an older checkpoint")
         raise TrainError(f"{self.run_dir}: every checkpoint is damaged ({len(ckpts)} tried); start a new run")
@@ -268,20 +318,32 @@ class Trainer:
             _write_atomic(path, "".join(ln + "\n" for ln in keep))
 
     def save(self):
+        """Write a checkpoint (rank 0; under ZeRO-1 every rank first all-gathers the moments).
+        Returns its path, None on other ranks."""
         t = self.config.train
+        opt = self._full_optimizer()
+        if opt is not self.opt:
+            self.dp.gather(self.opt.m, opt.m)
+            self.dp.gather(self.opt.v, opt.v)
+        if not self.dp.is_main:
+            return None
         state = {"config": self.config.to_dict(), "model_config": self.gpt_config.to_dict(),
                  "rng": {"data": self.data_rng.bit_generator.state, "sample": self.sample_rng.bit_generator.state},
                  "data": {"data_dir": str(self.data_dir.resolve()), "identity": self.identity,
-                          "batches_drawn": self.step * t.grad_accum_steps}}
-        return save_checkpoint(self.run_dir, self.step, self.model, self.opt, state, keep=t.keep_checkpoints)
+                          "batches_drawn": self.step * t.grad_accum_steps},
+                 "world_size": self.dp.world_size}
+        return save_checkpoint(self.run_dir, self.step, self.model, opt, state, keep=t.keep_checkpoints)
 
     # ------------------------------------------------------------ the loop
     def evaluate(self):
-        """Mean loss over eval_steps validation batches, the same batches at every evaluation."""
-        t, T = self.config.train, self.config.model.block_size
+        """Mean loss over eval_steps validation batches, the same batches at every evaluation (each
+        rank takes its rows of every global batch, as in training)."""
+        t, T, dp = self.config.train, self.config.model.block_size, self.dp
         rng = _rng(seed=[t.seed, 3])
-        losses = [self.model.forward(*self.val_data.get_batch(t.batch_size, T, rng)) for _ in range(t.eval_steps)]
-        return float(np.mean(losses))
+        losses = [self.model.forward(*self.val_data.get_batch(t.batch_size * dp.world_size, T, rng,
+                                                              rows=dp.rows(t.batch_size)))
+                  for _ in range(t.eval_steps)]
+        return float(dp.sum([np.mean(losses)])[0]) / dp.world_size
 
     def sample_text(self):
         from .sample import generate
@@ -294,14 +356,19 @@ class Trainer:
 
     def train_step(self):
         """One optimizer step over grad_accum_steps micro-batches; returns (loss, grad_norm, lr)."""
-        t, T = self.config.train, self.config.model.block_size
-        batches = [self.train_data.get_batch(t.batch_size, T, self.data_rng) for _ in range(t.grad_accum_steps)]
-        loss, norm, grad_scale = accumulate_gradients(self.model, self.opt, batches, t.grad_clip)
+        t, T, dp = self.config.train, self.config.model.block_size, self.dp
+        # one global batch of world_size * batch_size rows per micro-step; this rank reads its rows
+        batches = [self.train_data.get_batch(t.batch_size * dp.world_size, T, self.data_rng,
+                                             rows=dp.rows(t.batch_size))
+                   for _ in range(t.grad_accum_steps)]
+        loss, norm, grad_scale = accumulate_gradients(self.model, self.opt, batches, t.grad_clip, dp, t.zero_stage)
         lr = lr_at(self.step, t)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self._numerical_fault(loss)  # raises on "stop"; on "skip" the weights stay untouched
         else:
             self.opt.step(lr=lr, grad_scale=grad_scale)
+            if self.sharded:
+                dp.gather_params(self.model)
         self.step += 1
         return loss, norm, lr
 
@@ -317,20 +384,25 @@ class Trainer:
         self.log(msg + "; batch skipped (train.on_nan skip)")
 
     def run(self, peak_gflops=None):
-        t = self.config.train
-        tokens_per_step = t.batch_size * self.config.model.block_size * t.grad_accum_steps
+        """Train to max_steps. peak_gflops (the sgemm peak of all ranks together) adds MFU to the log."""
+        from .distributed import DistributedError
+        t, dp = self.config.train, self.dp
+        tokens_per_step = t.batch_size * self.config.model.block_size * t.grad_accum_steps * dp.world_size
         flops_per_step = flops_per_token(self.gpt_config, self.config.model.block_size) * tokens_per_step
-        metrics = open(self.run_dir / "metrics.jsonl", "a")
-        bar = _progress(self.step, t.max_steps)
+        metrics = open(self.run_dir / "metrics.jsonl", "a") if dp.is_main else None
+        bar = _progress(self.step, t.max_steps) if dp.is_main else None
         say = bar.write if bar is not None else self.log
-        self.log(f"model: {self.model.num_params:,} parameters; {tokens_per_step:,} tokens per step; "
-                 f"steps {self.step} -> {t.max_steps}")
+        self.log(f"model: {self.model.num_params:,} parameters; {tokens_per_step:,} tokens per step"
+                 f"{f' over {dp.world_size} ranks' if dp.world_size > 1 else ''}; steps {self.step} -> {t.max_steps}")
         try:
             with _StopFlag() as stop:
-                while self.step < t.max_steps and not stop.requested:
+                stopping = False
+                while self.step < t.max_steps and not stopping:
                     t0 = time.perf_counter()
                     loss, norm, lr = self.train_step()
                     dt = time.perf_counter() - t0
+                    # every rank stops after the same step, if any of them was asked to
+                    stopping = stop.requested if dp.world_size == 1 else dp.sum([stop.requested])[0] > 0
                     rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
                            "tok_per_s": tokens_per_step / dt, "ms": dt * 1e3}
                     last = self.step == t.max_steps
@@ -338,31 +410,39 @@ class Trainer:
                         rec["val_loss"] = self.evaluate()
                     if self.step % t.log_interval == 0 or last or "val_loss" in rec:
                         say(_format(rec, flops_per_step / dt / 1e9, peak_gflops))
-                    metrics.write(json.dumps(rec) + "\n")
-                    metrics.flush()
+                    if metrics is not None:
+                        metrics.write(json.dumps(rec) + "\n")
+                        metrics.flush()
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(loss=f"{loss:.4f}")
-                    if t.sample_interval and self.step % t.sample_interval == 0:
+                    if t.sample_interval and self.step % t.sample_interval == 0 and dp.is_main:
                         say(f"--- sample at step {self.step} ---\n{self.sample_text()}\n---")
-                    if (t.checkpoint_interval and self.step % t.checkpoint_interval == 0) or last or stop.requested:
+                    if (t.checkpoint_interval and self.step % t.checkpoint_interval == 0) or last or stopping:
                         path = self.save()
                         say(f"checkpoint {path}")
         except OSError as e:  # disk full, a directory that became unwritable, a vanished mount
             what = f"{e.filename}: " if e.filename else ""
-            good = list_checkpoints(self.run_dir)
-            kept = f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was completed"
-            raise TrainError(f"{what}write failed at step {self.step} ({e.strerror or e}); stopped; {kept}; "
-                             f"free space or fix {self.run_dir}, then --resume") from None
+            raise TrainError(f"{what}write failed at step {self.step} ({e.strerror or e}); stopped; "
+                             f"{self._last_good()}; free space or fix {self.run_dir}, then --resume") from None
+        except DistributedError as e:
+            raise TrainError(f"{e}; stopped at step {self.step}; {self._last_good()}; fix the cause, then start "
+                             f"every rank again with --resume") from None
         finally:
             try:
-                metrics.close()
+                if metrics is not None:
+                    metrics.close()
             except OSError:
                 pass
             if bar is not None:
                 bar.close()
-        plot_losses(self.run_dir)
+        if dp.is_main:
+            plot_losses(self.run_dir)
         return self.step
+
+    def _last_good(self):
+        good = list_checkpoints(self.run_dir)
+        return f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was completed"
 
 
 def _read_json(path):
@@ -435,10 +515,20 @@ def main(args):
     if args.init_from is not None:
         config, weights = pretrained_config(args.init_from, config, overrides)
         init_from = (args.init_from, weights)
-    trainer = Trainer(args.data, run_dir, config, resume=args.resume, init_from=init_from)
+    from .backends.cpu import set_threads
     from .bench import sgemm_peak
-    peak = sgemm_peak()["median_gflops"]
-    print(f"sgemm peak (measured now): {peak:.0f} GFLOP/s")
+    from .distributed import DataParallel, cores_available
+    dp = DataParallel("cpu", config.train.dist_timeout)
+    threads = config.train.threads or (max(1, cores_available() // dp.local_world_size) if dp.world_size > 1 else 0)
+    if threads:
+        set_threads(threads)
+    trainer = Trainer(args.data, run_dir, config, resume=args.resume, init_from=init_from, dp=dp)
+    peak = float(dp.sum([sgemm_peak()["median_gflops"]])[0])  # every rank measures at once: their sum
+    if dp.is_main:
+        where = f" over {dp.world_size} ranks (gloo), {threads} threads each" if dp.world_size > 1 else ""
+        print(f"sgemm peak (measured now){where}: {peak:.0f} GFLOP/s")
     trainer.run(peak_gflops=peak)
-    print(f"done: {trainer.step} steps; metrics {run_dir / 'metrics.jsonl'}; loss plot {run_dir / 'loss.png'}")
+    dp.close()
+    if dp.is_main:
+        print(f"done: {trainer.step} steps; metrics {run_dir / 'metrics.jsonl'}; loss plot {run_dir / 'loss.png'}")
     return 0

@@ -32,3 +32,12 @@ def to_numpy(x):
 
 def from_numpy(a):
     return np.ascontiguousarray(a)
+
+
+def set_threads(n):
+    """Run this process's Numba kernels and BLAS matmuls on n threads, so several processes on
+    one machine (torchrun --nproc_per_node) share its cores instead of oversubscribing them."""
+    import numba
+    from threadpoolctl import threadpool_limits
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    threadpool_limits(limits=n, user_api="blas")
