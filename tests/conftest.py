@@ -6,6 +6,20 @@ import os
 # with passive waiting). Set before torch or numba load their runtimes; subprocesses inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+def _cuda_available():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# Without a GPU the gpu backend's Triton kernels run in Triton's interpreter on CPU tensors. It is
+# read when a kernel is decorated, so it is set before any test module imports the backend.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Deterministic property tests: the same examples on every run and machine (CI included).
