@@ -16,12 +16,12 @@ import time
 
 import numpy as np
 import pytest
+from helpers import prepared_char_data
 
 from handgrad.checkpoint import read_state
-from handgrad.config import ConfigError, load_run_config
+from handgrad.config import ConfigError, GPTConfig, load_run_config
 from handgrad.data import Dataset
 from handgrad.model import GPT
-from handgrad.config import GPTConfig
 from handgrad.optim import AdamW
 
 pytest.importorskip("torch.distributed")
@@ -35,11 +35,7 @@ B = 4  # per-rank micro-batch; the single process takes 2 * B
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from handgrad.data import prepare
-    root = tmp_path_factory.mktemp("dp_corpus")
-    (root / "text.txt").write_text(TEXT)
-    prepare([str(root / "text.txt")], root / "data", tokenizer="char", val_fraction=0.1, seed=1)
-    return root / "data"
+    return prepared_char_data(tmp_path_factory.mktemp("dp_corpus"), TEXT)
 
 
 def _env():

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import prepared_char_data
 
 from handgrad.checkpoint import CheckpointError, list_checkpoints, load_model, read_state
 from handgrad.cli import main as cli
@@ -22,11 +23,7 @@ SMALL = ["--preset", "tiny", "--model.n_layer", "1", "--model.n_embd", "32", "--
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from handgrad.data import prepare
-    root = tmp_path_factory.mktemp("corpus")
-    (root / "text.txt").write_text(TEXT)
-    prepare([str(root / "text.txt")], root / "data", tokenizer="char", val_fraction=0.1, seed=1)
-    return root / "data"
+    return prepared_char_data(tmp_path_factory.mktemp("corpus"), TEXT)
 
 
 def train(data_dir, out, *extra):
