@@ -86,7 +86,7 @@ class Activations:
         self.encoded = e(B, T, C)          # residual stream entering block 0
         self.ln1_mean, self.ln1_rstd = e(L, B, T), e(L, B, T)
         self.qkv = e(L, B, T, 3 * C)
-        self.att = e(L, B, NH, T, T)       # softmax probabilities
+        self.att = ops.empty((L, *ops.attention_state_shape(B, NH, T)), dtype)  # cpu: probabilities; gpu: logsumexp
         self.atty = e(L, B, T, C)          # attention output before c_proj
         self.res2 = e(L, B, T, C)          # residual after attention
         self.ln2_mean, self.ln2_rstd = e(L, B, T), e(L, B, T)
@@ -97,7 +97,7 @@ class Activations:
         self.lnf_mean, self.lnf_rstd = e(B, T), e(B, T)
         self.logits = e(B, T, V)           # overwritten in place by dlogits in the backward
         self.losses = e(B, T)
-        self.lse = ops.empty((B, T), np.float64)  # float64: see crossentropy_forward
+        self.lse = ops.empty((B, T), ops.LSE_DTYPE)  # cpu float64: see crossentropy_forward
         self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add
         self.grads = None                  # gradient buffers, allocated on the first backward
 
@@ -284,7 +284,7 @@ class GPT:
         a.targets[...] = self.ops.from_numpy(targets.astype(np.int32, copy=False))
         loss = ops.crossentropy_forward(a.losses, a.lse, a.logits, a.targets)
         self._ready_for_backward = True
-        return loss
+        return float(loss)  # the gpu backend returns a device scalar: reading it waits for the GPU
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss.
@@ -328,7 +328,7 @@ class GPT:
             # attention: res2 = x + c_proj(attn(c_attn(ln_1(x)))); dres now holds d res2
             ops.linear_backward(a.datty, g[h + "attn.c_proj.weight"], g[h + "attn.c_proj.bias"], a.dres,
                                 a.atty[l], p[h + "attn.c_proj.weight"], acc)
-            ops.attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH)
+            ops.attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, out=a.atty[l])
             ops.layernorm_linear_backward(a.dres, g[h + "ln_1.weight"], g[h + "ln_1.bias"],
                                           g[h + "attn.c_attn.weight"], g[h + "attn.c_attn.bias"], a.dqkv,
                                           x, p[h + "ln_1.weight"], p[h + "ln_1.bias"],

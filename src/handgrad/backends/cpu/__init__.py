@@ -5,7 +5,7 @@ Every op is a forward/backward pair with the same name and arguments in every ba
 import numpy as np
 
 from .adamw import adamw_update, global_norm, make_chunks
-from .attention import attention_backward, attention_forward
+from .attention import attention_backward, attention_forward, attention_state_shape
 from .attention import attention_decode_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward
 from .encoder import encoder_backward, encoder_forward
@@ -16,6 +16,7 @@ from .linear import linear_backward, linear_forward
 from .residual import residual_backward, residual_forward
 
 NAME = "cpu"
+LSE_DTYPE = np.float64  # the cross-entropy's saved logsumexp (see crossentropy_forward)
 
 
 def empty(shape, dtype=np.float32):

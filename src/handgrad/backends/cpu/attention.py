@@ -71,6 +71,12 @@ def _softmax_causal_kernel32(att, scale):
         a[n:] = ZERO32  # a slice, not a loop from n: that compiles to a scatter (n may be < 0 to Numba)
 
 
+def attention_state_shape(B, n_head, T):
+    """The shape of what attention_forward keeps for the backward: here the probabilities (the
+    gpu backend keeps a logsumexp per row instead and recomputes them)."""
+    return (B, n_head, T, T)
+
+
 def attention_forward(out, att, qkv, n_head):
     """out (B, T, C) = causal attention of qkv (B, T, 3C) with n_head heads.
 
@@ -122,12 +128,13 @@ def _softmax_causal_backward_kernel32(datt, att, scale):
         d[n:] = ZERO32
 
 
-def attention_backward(dqkv, dout, qkv, att, n_head):
+def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
     """With y = P v, P = softmax(S), S = q k^T * scale (scale = 1/sqrt(hs)), per head:
         dP = dy v^T,   dv = P^T dy,
         dS = P * (dP - rowsum(P * dP)) * scale   (softmax backward; masked entries have P = 0),
         dq = dS k,     dk = dS^T q.
     Overwrites dqkv (B, T, 3C). dout is (B, T, C); att the probabilities saved by the forward.
+    out (the forward's output) is not needed here; the gpu backend's flash backward needs it.
     """
     B, T, C3 = qkv.shape
     C = C3 // 3
