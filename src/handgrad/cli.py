@@ -19,7 +19,9 @@ def _user_errors():
     from .distributed import DistributedError
     from .sample import SampleError
     from .train import TrainError
-    return (CheckpointError, ConfigError, ConvertError, DataError, DistributedError, SampleError, TrainError)
+    errors = (CheckpointError, ConfigError, ConvertError, DataError, DistributedError, SampleError, TrainError)
+    gpu = sys.modules.get("handgrad.backends.gpu.common")  # loaded (with torch) only if the gpu was asked for
+    return errors + (gpu.GPUUnavailable,) if gpu is not None else errors
 
 
 def _cmd(module, fn="main"):
@@ -97,7 +99,8 @@ def build_parser():
     p.set_defaults(func=_cmd("sample"))
 
     p = sub.add_parser("verify", help="check every op and the whole model against PyTorch autograd")
-    p.add_argument("--backend", default="cpu", choices=["cpu"], help="backend to verify (default cpu)")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
+                   help="backend to verify (default cpu); gpu on a CPU runs under TRITON_INTERPRET=1")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=_cmd_verify)
 

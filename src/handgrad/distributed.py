@@ -83,7 +83,13 @@ class DataParallel:
         if not dist.is_available():
             raise DistributedError(f"this PyTorch build ({torch.__version__}) has no torch.distributed; "
                                    f"install one that has")
-        backend = "nccl" if device == "gpu" else "gloo"
+        backend = "gloo"
+        if device == "gpu":
+            from .backends.gpu.common import interpreting
+            if not interpreting():  # (under Triton's interpreter the gpu backend's tensors are on the CPU)
+                backend = "nccl"
+                torch.cuda.set_device(self.local_rank)  # one GPU per local rank
+
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             if not os.environ.get(var):
                 raise DistributedError(f"WORLD_SIZE is {self.world_size} but {var} is not set; launch with "

@@ -28,6 +28,8 @@ def add_arguments(parser):
     parser.add_argument("--preset", help="named preset: tiny, shakespeare-char, mid, gpt2-124m")
     parser.add_argument("--config", metavar="FILE", help="a TOML, JSON or YAML file of model.* and train.* keys")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR's newest checkpoint")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="cpu: NumPy + Numba (default); gpu: Triton kernels and cuBLAS on an NVIDIA GPU")
     parser.add_argument("--init-from", metavar="PATH", default=None,
                         help="start a new run from pretrained weights (fine-tuning): a Hugging Face GPT-2 "
                              "directory, an llm.c model file, or a handgrad run; the architecture is the "
@@ -64,7 +66,7 @@ def accumulate_gradients(model, opt, batches, grad_clip, dp=None, zero_stage=0):
     ranks = 1 if dp is None else dp.world_size
     if dp is not None:
         dp.finish_gradients(model, zero_stage)
-    norm = grad_norm(model, opt.chunks, opt.lo)
+    norm = float(grad_norm(model, opt.chunks, opt.lo))  # a device scalar on the gpu: this waits for it
     if ranks > 1:
         # a sharded optimizer holds only its slice of the summed gradient: add the squares up
         sharded = (opt.lo, opt.hi) != (0, model.num_params)
@@ -152,9 +154,9 @@ def pretrained_config(path, config, overrides):
 class Trainer:
     """One training run over a prepared data directory, writing into run_dir."""
 
-    def __init__(self, data_dir, run_dir, config, resume=False, log=print, init_from=None, dp=None):
+    def __init__(self, data_dir, run_dir, config, resume=False, log=print, init_from=None, dp=None, backend="cpu"):
         """dp: this process's handgrad.distributed.DataParallel (several ranks under torchrun);
-        only rank 0 logs and writes into run_dir."""
+        only rank 0 logs and writes into run_dir. backend: "cpu" or "gpu"."""
         from .data import Dataset
         from .distributed import DataParallel
         self.dp = dp if dp is not None else DataParallel()
@@ -166,7 +168,7 @@ class Trainer:
         if resume:
             self._check_same_data()
         self.gpt_config = config.gpt_config(self.train_data.vocab_size)
-        self.model = GPT(self.gpt_config, seed=t.seed, buffer_multiple=self.dp.world_size)
+        self.model = GPT(self.gpt_config, backend=backend, seed=t.seed, buffer_multiple=self.dp.world_size)
         if init_from is not None:
             self._load_pretrained(*init_from)
         # ZeRO stage 1: this rank keeps AdamW moments for its slice of the flat buffer only
@@ -284,8 +286,8 @@ class Trainer:
         if not self.sharded:
             return self.opt
         from types import SimpleNamespace
-        n = len(self.model.flat_params)
-        return SimpleNamespace(m=np.zeros(n, np.float32), v=np.zeros(n, np.float32), state=self.opt.state,
+        n, ops = len(self.model.flat_params), self.model.ops
+        return SimpleNamespace(m=ops.zeros((n,)), v=ops.zeros((n,)), state=self.opt.state,
                                load_state=self.opt.load_state)
 
     def _restore_newest_intact(self):
@@ -350,7 +352,11 @@ class Trainer:
         from .tokenizer import load_tokenizer
         tok = load_tokenizer(self.run_dir)
         start = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n")
-        ids = generate(self.model, np.array([start]), self.config.train.sample_tokens,
+        model = self.model
+        if model.backend != "cpu":  # KV-cache decoding is a cpu op: sample from a host copy of the weights
+            model = GPT(self.gpt_config, backend="cpu")
+            model.load_state_dict(self.model.state_dict())
+        ids = generate(model, np.array([start]), self.config.train.sample_tokens,
                        temperature=1.0, top_k=None, rng=self.sample_rng)
         return tok.decode(ids[0, len(start):].tolist())
 
@@ -375,7 +381,8 @@ class Trainer:
     def _numerical_fault(self, loss):
         """Name the step and the first non-finite gradient tensor (in param_spec order)."""
         where = "the loss" if not math.isfinite(loss) else "the gradients"
-        bad = next((name for name, g in self.model.g.items() if not np.isfinite(g).all()), None)
+        bad = next((name for name, g in self.model.g.items() if not np.isfinite(self.model.ops.to_numpy(g)).all()),
+                   None)
         msg = (f"step {self.step + 1}: {where} {'is' if where == 'the loss' else 'are'} not finite"
                f" (loss {loss}; first non-finite gradient: {bad or 'none'})")
         if self.config.train.on_nan == "stop":
@@ -518,15 +525,17 @@ def main(args):
     from .backends.cpu import set_threads
     from .bench import sgemm_peak
     from .distributed import DataParallel, cores_available
-    dp = DataParallel("cpu", config.train.dist_timeout)
+    dp = DataParallel(args.device, config.train.dist_timeout)
     threads = config.train.threads or (max(1, cores_available() // dp.local_world_size) if dp.world_size > 1 else 0)
-    if threads:
+    if threads and args.device == "cpu":
         set_threads(threads)
-    trainer = Trainer(args.data, run_dir, config, resume=args.resume, init_from=init_from, dp=dp)
-    peak = float(dp.sum([sgemm_peak()["median_gflops"]])[0])  # every rank measures at once: their sum
-    if dp.is_main:
-        where = f" over {dp.world_size} ranks (gloo), {threads} threads each" if dp.world_size > 1 else ""
-        print(f"sgemm peak (measured now){where}: {peak:.0f} GFLOP/s")
+    trainer = Trainer(args.data, run_dir, config, resume=args.resume, init_from=init_from, dp=dp, backend=args.device)
+    peak = None
+    if args.device == "cpu":
+        peak = float(dp.sum([sgemm_peak()["median_gflops"]])[0])  # every rank measures at once: their sum
+        if dp.is_main:
+            where = f" over {dp.world_size} ranks (gloo), {threads} threads each" if dp.world_size > 1 else ""
+            print(f"sgemm peak (measured now){where}: {peak:.0f} GFLOP/s")
     trainer.run(peak_gflops=peak)
     dp.close()
     if dp.is_main:

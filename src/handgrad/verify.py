@@ -69,7 +69,42 @@ def _t(x, requires_grad=False):
 
 def _ops(backend):
     from .backends import get_backend
-    return get_backend(backend)
+    ops = get_backend(backend)
+    return ops if backend == "cpu" else _HostArrays(ops)
+
+
+class _HostArrays:
+    """A device backend's ops called with NumPy arrays, so one check serves every backend: each
+    array argument goes to the device (one tensor per array, so in-place calls stay in place),
+    the op runs, every array argument is copied back (the ops write their outputs in place), and
+    a 0-dim tensor result comes back as a float."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+        if not callable(fn) or name in ("empty", "zeros", "to_numpy", "from_numpy"):
+            return fn
+
+        def call(*args, **kwargs):
+            import torch
+            sent = {}
+
+            def send(a):
+                if not isinstance(a, np.ndarray):
+                    return a
+                if id(a) not in sent:
+                    sent[id(a)] = (a, self._ops.from_numpy(a))
+                return sent[id(a)][1]
+            result = fn(*map(send, args), **{k: send(v) for k, v in kwargs.items()})
+            for host, dev in sent.values():
+                if host.flags.writeable:
+                    host[...] = self._ops.to_numpy(dev)
+            if isinstance(result, torch.Tensor) and result.dim() == 0:
+                return float(result)
+            return result
+        return call
 
 
 def _tol(dtype):
@@ -167,10 +202,10 @@ def check_attention(B=2, T=5, C=24, NH=3, dtype=np.float32, seed=0, backend="cpu
     ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
     from . import torch_ref as R
     qkv, dout = _randn(rng, (B, T, 3 * C), dtype), _randn(rng, (B, T, C), dtype)
-    out, att = np.empty((B, T, C), dtype), np.empty((B, NH, T, T), dtype)
+    out, att = np.empty((B, T, C), dtype), np.empty(ops.attention_state_shape(B, NH, T), dtype)
     ops.attention_forward(out, att, qkv, NH)
     dqkv = np.empty_like(qkv)
-    ops.attention_backward(dqkv, dout, qkv, att, NH)
+    ops.attention_backward(dqkv, dout, qkv, att, NH, out=out)
     tq = _t(qkv, True)
     ref = R.attention(tq, NH)
     ref.backward(_t(dout))
@@ -223,7 +258,7 @@ def check_crossentropy(B=2, T=5, V=50, dtype=np.float32, seed=0, backend="cpu", 
     targets = rng.integers(0, V, (B, T)).astype(np.int32)
     if ignore and targets.size > 1:
         targets.flat[1] = -1
-    losses, lse = np.empty((B, T), dtype), np.empty((B, T), np.float64)
+    losses, lse = np.empty((B, T), dtype), np.empty((B, T), ops.LSE_DTYPE)
     buf = logits.copy()
     loss = ops.crossentropy_forward(losses, lse, buf, targets)
     ops.crossentropy_backward(buf, buf, lse, targets)  # in place, as the model does
@@ -379,6 +414,9 @@ def main(backend="cpu", as_json=False):
     # The reference runs on tiny tensors: one thread is as fast, and keeps torch's OpenMP pool from
     # spin-waiting against handgrad's threads between calls (measured: 16.6 s -> 3.6 s on 2 cores).
     torch.set_num_threads(1)
+    if backend == "gpu":
+        from .backends.gpu.common import device
+        device()  # no CUDA and no interpreter: one line saying what to do
     rows = run_all(backend)
     failed = [r for r in rows if not r.ok]
     if as_json:

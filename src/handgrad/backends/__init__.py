@@ -1,7 +1,7 @@
 """Backends: the same ops under the same names. `get_backend(name)` returns the module."""
 import importlib
 
-BACKENDS = ("cpu",)
+BACKENDS = ("cpu", "gpu")
 
 
 def get_backend(name):

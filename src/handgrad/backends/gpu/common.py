@@ -20,7 +20,7 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-class GPUUnavailable(RuntimeError):
+class GPUUnavailable(ValueError):
     """The gpu backend was asked for on a machine without CUDA and without the interpreter."""
 
 
