@@ -1,0 +1,196 @@
+"""Fused softmax + cross-entropy over the vocabulary, mean over the targets that are not -1 (Triton).
+
+One program per row of the (B*T, V) logits, looping over V in chunks of BLOCK_V (an online max and
+sum in the forward), so any V works and no (B*T, V) temporary exists. The backward writes dlogits
+over the logits buffer in place, as on the CPU.
+
+Nothing here syncs with the host: the mean loss comes back as a 0-dim device tensor, and the
+backward counts the non-ignored rows on the device.
+
+Reference (what the tests compare against, in float64):
+    losses = F.cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1, reduction="none")
+    lse = torch.logsumexp(logits, -1)
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .common import next_pow2
+
+IGNORE_INDEX = -1
+
+MAX_BLOCK_V = 4096   # a row is read BLOCK_V = min(next_pow2(V), MAX_BLOCK_V) logits at a time
+REDUCE_BLOCK = 1024  # rows per step of the one-program mean / count reductions
+
+
+@triton.jit
+def _crossentropy_forward_kernel(losses_ptr, lse_ptr, logits_ptr, targets_ptr, V,
+                                 BLOCK_V: tl.constexpr, LSE64: tl.constexpr):
+    """Row i: m = max_j z_j, s = sum_j exp(z_j - m) (online over chunks: when a chunk raises the
+    max from m to m', s becomes s * exp(m - m') + sum exp(z_chunk - m')); lse = m + log s and
+    loss = (m - z_y) + log s, formed so without the rounding of lse (large when |z| is large)."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = logits_ptr + row * V
+    cols = tl.arange(0, BLOCK_V)
+    # the first chunk outside the loop, so m and s enter it as float32 tensors (V >= 1)
+    z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(z, 0)
+    s = tl.sum(tl.exp(z - m), 0)
+    for start in range(BLOCK_V, V, BLOCK_V):
+        z = tl.load(z_row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+    log_s = tl.log(s)
+    if LSE64:
+        tl.store(lse_ptr + row, m.to(tl.float64) + log_s.to(tl.float64))
+    else:
+        tl.store(lse_ptr + row, m + log_s)
+    tgt = tl.load(targets_ptr + row)
+    valid = tgt != -1
+    z_tgt = tl.load(z_row + tl.where(valid, tgt, 0)).to(tl.float32)
+    tl.store(losses_ptr + row, tl.where(valid, (m - z_tgt) + log_s, 0.0))
+
+
+@triton.jit
+def _mean_loss_kernel(mean_ptr, losses_ptr, targets_ptr, N, BLOCK: tl.constexpr):
+    """One program: mean = sum(losses) / count(targets != -1), 0 when there is none. Fixed order
+    (each lane sums its rows, then one tree sum), so the same on every run."""
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], tl.float32)
+    count = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, N, BLOCK):
+        mask = start + offs < N
+        tgt = tl.load(targets_ptr + start + offs, mask=mask, other=-1)
+        total += tl.load(losses_ptr + start + offs, mask=mask, other=0.0)
+        count += (tgt != -1).to(tl.int32)
+    n = tl.sum(count, 0)
+    tl.store(mean_ptr, tl.where(n > 0, tl.sum(total, 0) / tl.maximum(n, 1).to(tl.float32), 0.0))
+
+
+def _check(logits, targets):
+    if logits.dim() != 3 or not logits.is_contiguous():
+        raise ValueError(f"logits must be a contiguous (B, T, V) tensor, got shape {tuple(logits.shape)}")
+    if tuple(targets.shape) != tuple(logits.shape[:2]) or not targets.is_contiguous():
+        raise ValueError(f"targets must be a contiguous {tuple(logits.shape[:2])} tensor, "
+                         f"got {tuple(targets.shape)}")
+
+
+def _block_v(V):
+    block = min(next_pow2(V), MAX_BLOCK_V)
+    return block, (8 if block >= 2048 else 4)
+
+
+def crossentropy_forward(losses, lse, logits, targets):
+    """losses (B, T) = logsumexp(logits[b, t]) - logits[b, t, targets[b, t]]; 0 where target is -1.
+
+    logits (B, T, V) float32 or bfloat16 (read as float32), targets (B, T) int32.
+    Overwrites losses (float32) and lse (B, T), the log-sum-exp the backward reuses. lse is float32
+    on the GPU (the backward's probabilities then carry a relative error up to ~eps32 * |lse|,
+    ~5e-4 at logits of 1e4, harmless at a language model's logit scale); a float64 lse, as the
+    CPU keeps, is also accepted, and the backward then forms z - lse exactly as the CPU does.
+    Returns the mean loss over the non-ignored positions as a 0-dim float32 tensor on the device
+    (not a Python float: that would sync with the GPU every step; float() it when needed), summed
+    in float32 by one program in a fixed order (deterministic). It is 0.0 when every target is
+    ignored, as on the CPU.
+    """
+    _check(logits, targets)
+    B, T, V = logits.shape
+    N = B * T
+    if lse.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"lse must be float32 or float64, got {lse.dtype}")
+    mean = torch.empty((), dtype=torch.float32, device=logits.device)
+    if N == 0:
+        mean.zero_()
+        return mean
+    BLOCK_V, num_warps = _block_v(V)
+    _crossentropy_forward_kernel[(N,)](losses, lse, logits, targets, V, BLOCK_V=BLOCK_V,
+                                       LSE64=lse.dtype == torch.float64, num_warps=num_warps)
+    _mean_loss_kernel[(1,)](mean, losses, targets, N, BLOCK=REDUCE_BLOCK)
+    return mean
+
+
+# Backward. For loss = mean_i (lse_i - z_i[y_i]) over the n non-ignored rows,
+#     d loss / d z_ij = (exp(z_ij - lse_i) - [j == y_i]) * dloss_i,   dloss_i = 1/n,
+# and 0 on ignored rows. Each program reads a chunk of its row and writes the same chunk back,
+# so dlogits may be the logits buffer itself.
+@triton.jit
+def _count_valid_kernel(count_ptr, targets_ptr, N, BLOCK: tl.constexpr):
+    """One program: count_ptr[0] = number of targets != -1 (int32), in a fixed order."""
+    offs = tl.arange(0, BLOCK)
+    count = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, N, BLOCK):
+        tgt = tl.load(targets_ptr + start + offs, mask=start + offs < N, other=-1)
+        count += (tgt != -1).to(tl.int32)
+    tl.store(count_ptr, tl.sum(count, 0))
+
+
+@triton.jit
+def _crossentropy_backward_kernel(dlogits_ptr, logits_ptr, lse_ptr, targets_ptr, scale_ptr, scale_stride, V,
+                                  BLOCK_V: tl.constexpr, LSE64: tl.constexpr, SCALE_IS_COUNT: tl.constexpr):
+    """dz_ij = (exp(z_ij - lse_i) - [j == y_i]) * dloss_i. dloss_i is scale_ptr[i * scale_stride],
+    or with SCALE_IS_COUNT 1 / scale_ptr[0] (the count of valid rows; 0 if there is none).
+    A float64 lse is split as hi + lo (hi = float32(lse), lo = float32(lse - hi)) and z - lse
+    formed as (z - hi) - lo, as the CPU's float32 kernel does."""
+    row = tl.program_id(0).to(tl.int64)
+    tgt = tl.load(targets_ptr + row)
+    if SCALE_IS_COUNT:
+        n = tl.load(scale_ptr)
+        dloss = tl.where(n > 0, 1.0 / tl.maximum(n, 1).to(tl.float32), 0.0)
+    else:
+        dloss = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+    dloss = tl.where(tgt != -1, dloss, 0.0)
+    if LSE64:
+        lse = tl.load(lse_ptr + row)
+        hi = lse.to(tl.float32)
+        lo = (lse - hi.to(tl.float64)).to(tl.float32)
+    else:
+        hi = tl.load(lse_ptr + row)
+        lo = 0.0
+    z_row = logits_ptr + row * V
+    d_row = dlogits_ptr + row * V
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        mask = start + cols < V
+        z = tl.load(z_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp((z - hi) - lo)
+        d = (p - tl.where(start + cols == tgt, 1.0, 0.0)) * dloss
+        d = tl.where(dloss != 0.0, d, 0.0)  # ignored rows: exact zeros whatever z and lse hold
+        tl.store(d_row + start + cols, d.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
+    """For loss = mean_i (lse_i - z_i[y_i]) over the n non-ignored rows:
+        dz_i = (softmax(z_i) - onehot(y_i)) * dloss,  dloss = 1/n (the mean);  0 on ignored rows.
+    Overwrites dlogits, which may be the logits buffer itself (in place, the model's path: each
+    program reads a chunk of its row before writing it, so no second (B*T, V) buffer exists).
+    dloss defaults to 1/n, with n counted on the device by a one-program reduction over targets
+    (no host sync; it costs a read of B*T ints); 0 when every target is ignored. dloss may also be
+    a Python float, a 1-element device tensor, or a (B, T) device tensor (dloss per row: the
+    gradient of each row's loss).
+    """
+    _check(logits, targets)
+    B, T, V = logits.shape
+    N = B * T
+    if tuple(dlogits.shape) != (B, T, V) or not dlogits.is_contiguous():
+        raise ValueError(f"dlogits must be a contiguous {(B, T, V)} tensor, got {tuple(dlogits.shape)}")
+    if N == 0:
+        return
+    scale_is_count, stride = False, 0
+    if dloss is None:
+        scale = torch.empty(1, dtype=torch.int32, device=logits.device)
+        _count_valid_kernel[(1,)](scale, targets, N, BLOCK=REDUCE_BLOCK)
+        scale_is_count = True
+    elif isinstance(dloss, torch.Tensor):
+        scale = dloss.to(device=logits.device, dtype=torch.float32).contiguous()
+        if scale.numel() == N and N > 1:
+            stride = 1
+        elif scale.numel() != 1:
+            raise ValueError(f"dloss must be a number, a 1-element tensor or a {(B, T)} tensor, "
+                             f"got shape {tuple(dloss.shape)}")
+    else:
+        scale = torch.full((1,), float(dloss), dtype=torch.float32, device=logits.device)
+    BLOCK_V, num_warps = _block_v(V)
+    _crossentropy_backward_kernel[(N,)](dlogits, logits, lse, targets, scale, stride, V, BLOCK_V=BLOCK_V,
+                                        LSE64=lse.dtype == torch.float64, SCALE_IS_COUNT=scale_is_count,
+                                        num_warps=num_warps)
