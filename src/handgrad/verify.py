@@ -84,7 +84,7 @@ class _HostArrays:
 
     def __getattr__(self, name):
         fn = getattr(self._ops, name)
-        if not callable(fn) or name in ("empty", "zeros", "to_numpy", "from_numpy"):
+        if not callable(fn) or isinstance(fn, type) or name in ("empty", "zeros", "to_numpy", "from_numpy"):
             return fn
 
         def call(*args, **kwargs):

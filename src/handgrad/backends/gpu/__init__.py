@@ -6,9 +6,19 @@ the arrays are torch tensors on `common.device()` (CUDA, or the CPU under TRITON
 import numpy as np
 import torch
 
+from .adamw import adamw_update, global_norm, make_chunks
+from .attention import attention_backward, attention_forward, attention_state_shape
 from .common import device, torch_dtype
+from .crossentropy import IGNORE_INDEX, crossentropy_backward, crossentropy_forward
+from .encoder import encoder_backward, encoder_forward
+from .gelu import gelu_backward, gelu_forward
+from .layernorm import layernorm_backward, layernorm_forward
+from .layernorm_linear import layernorm_linear_backward, layernorm_linear_forward
+from .linear import linear_backward, linear_forward
+from .residual import residual_backward, residual_forward
 
 NAME = "gpu"
+LSE_DTYPE = np.float64  # the cross-entropy's saved logsumexp: split in two float32 parts, as on the cpu
 
 
 def empty(shape, dtype=np.float32):
