@@ -49,7 +49,9 @@ def grad_norm(model, chunks, lo=0):
 
 
 def clip_scale(norm, max_norm):
-    """The factor torch.nn.utils.clip_grad_norm_ applies: min(1, max_norm / (norm + 1e-6))."""
+    """The factor torch.nn.utils.clip_grad_norm_ applies: min(1, max_norm / (norm + 1e-6)).
+    norm may be a device scalar (the gpu backend's global_norm); it is read here."""
+    norm = float(norm)
     if max_norm is None or max_norm <= 0 or not np.isfinite(norm):
         return 1.0
     return min(1.0, max_norm / (norm + 1e-6))
