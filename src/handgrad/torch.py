@@ -21,8 +21,9 @@ weight.T, which BLAS reads in place (no copy); the weight gradient is written th
 kind of view. So nn.Linear / nanoGPT state_dicts load unchanged, an lm_head can be tied to an
 nn.Embedding's (V, C) weight, and a Hugging Face GPT-2 Conv1D weight loads as weight = W.T.
 
-Backends. The backend is picked from the tensors' device (`backend_for`); only "cpu" exists. A
-tensor on another device raises NotImplementedError naming the missing backend.
+Backends. The backend is picked from the tensors' device (`backend_for`); only "cpu" is wired here
+(the gpu backend runs handgrad.GPT, not these Functions yet). A tensor on another device raises
+NotImplementedError naming the missing backend.
 
 dtypes: float32 and float64 (gradcheck); anything else raises TypeError. Double backward is not
 supported (the backwards are hand-written kernels, marked once_differentiable).
@@ -47,6 +48,11 @@ _VIEWS = {"cpu": lambda t: t.detach().numpy()}
 def backend_for(device):
     """The handgrad backend module for a torch device ("cpu", "cuda:0", a torch.device)."""
     kind = torch.device(device).type
+    if kind == "cuda":
+        raise NotImplementedError(
+            "handgrad.torch: CUDA tensors are not passed to the 'cuda' backend (handgrad's gpu backend) by these "
+            "autograd Functions yet; train on the GPU with handgrad.GPT(config, backend='gpu') or "
+            "`handgrad train --device gpu`, or move the tensors to the CPU with .cpu()")
     if kind not in BACKENDS:
         raise NotImplementedError(
             f"handgrad.torch: tensors on device {str(device)!r} need handgrad's {kind!r} backend, which "
