@@ -349,7 +349,7 @@ def test_tiny_gpt_trains_like_torch():
 def test_backend_dispatch_by_device():
     assert H.backend_for("cpu") is cpu_backend
     assert H.backend_for(torch.device("cpu")) is cpu_backend
-    with pytest.raises(NotImplementedError, match="'cuda' backend, which does not exist"):
+    with pytest.raises(NotImplementedError, match="'cuda' backend"):
         H.backend_for("cuda:0")
 
 
