@@ -110,3 +110,37 @@ def test_verify_backend_gpu(capsys):
     assert cli(["verify", "--backend", "gpu", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["backend"] == "gpu" and doc["ok"] and len(doc["rows"]) > 50
+
+
+def test_bf16_mixed_precision_error_is_a_small_multiple_of_torch_autocast():
+    """bf16 activations, float32 weights: the loss and the whole gradient's error against float64
+    are at most 3x those of PyTorch's own bf16 autocast on the same weights and batch."""
+    import torch
+    from handgrad.torch_ref import TorchGPT
+    idx, targets = _batch(TINY, 2, 16)
+    model = GPT(TINY, backend="gpu", seed=3, dtype="bfloat16")
+    loss = model.forward(idx, targets)
+    model.zero_grad()
+    model.backward()
+    ours = model.grads()
+    names = sorted(ours)
+
+    def torch_run(dtype, autocast):
+        ref = TorchGPT(TINY, dtype).load_numpy(model.state_dict())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            _, out = ref(torch.from_numpy(idx), torch.from_numpy(targets))
+        out.backward()
+        grads = ref.grads_numpy()
+        return out.item(), np.concatenate([grads[n].ravel() for n in names]).astype(np.float64)
+    loss64, g64 = torch_run(torch.float64, False)
+    loss_bf, g_bf = torch_run(torch.float32, True)
+    flat = np.concatenate([ours[n].ravel() for n in names]).astype(np.float64)
+    err_ours, err_torch = np.linalg.norm(flat - g64), np.linalg.norm(g_bf - g64)
+    assert err_ours <= 3 * err_torch, (err_ours / np.linalg.norm(g64), err_torch / np.linalg.norm(g64))
+    assert abs(loss - loss64) <= 3 * abs(loss_bf - loss64) + 1e-4 * abs(loss64)
+    assert model.forward(idx).dtype == np.float32  # logits come back widened
+
+
+def test_bf16_needs_the_gpu_backend():
+    with pytest.raises(ValueError, match="bfloat16 needs backend 'gpu'"):
+        GPT(TINY, backend="cpu", dtype="bfloat16")

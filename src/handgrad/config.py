@@ -71,6 +71,7 @@ class TrainSection:
     log_interval: int = 1  # steps between log lines
     seed: int = 1337  # seeds the weights, the batches and the samples
     on_nan: str = "stop"  # a NaN/Inf loss or gradient: "stop" (last good checkpoint kept) or "skip" the batch
+    dtype: str = "float32"  # activations: float32, or bfloat16 mixed precision (--device gpu; weights stay float32)
     zero_stage: int = 0  # under torchrun: 1 shards the AdamW moments across ranks (ZeRO stage 1)
     threads: int = 0  # BLAS and Numba threads per process; 0: this machine's cores / processes on it
     dist_timeout: float = 300.0  # seconds a rank waits on the others before giving up (torchrun runs)
@@ -199,6 +200,8 @@ def validate_run_config(config):
             raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
+    if t.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"train.dtype: must be float32 or bfloat16, got {t.dtype!r}")
     if t.zero_stage not in (0, 1):
         raise ConfigError(f"train.zero_stage: must be 0 (plain data parallel) or 1 (sharded AdamW moments), "
                           f"got {t.zero_stage}")

@@ -84,19 +84,20 @@ class Activations:
         self.idx = ops.empty((B, T), np.int32)
         self.targets = ops.empty((B, T), np.int32)
         self.encoded = e(B, T, C)          # residual stream entering block 0
-        self.ln1_mean, self.ln1_rstd = e(L, B, T), e(L, B, T)
+        f32 = lambda *shape: ops.empty(shape, np.float32)  # statistics stay float32 under bf16 activations
+        self.ln1_mean, self.ln1_rstd = f32(L, B, T), f32(L, B, T)
         self.qkv = e(L, B, T, 3 * C)
-        self.att = ops.empty((L, *ops.attention_state_shape(B, NH, T)), dtype)  # cpu: probabilities; gpu: logsumexp
+        self.att = f32(L, *ops.attention_state_shape(B, NH, T))  # cpu: probabilities; gpu: logsumexp
         self.atty = e(L, B, T, C)          # attention output before c_proj
         self.res2 = e(L, B, T, C)          # residual after attention
-        self.ln2_mean, self.ln2_rstd = e(L, B, T), e(L, B, T)
+        self.ln2_mean, self.ln2_rstd = f32(L, B, T), f32(L, B, T)
         self.fch = e(L, B, T, 4 * C)       # c_fc output + bias (GELU input)
         self.fch_gelu = e(L, B, T, 4 * C)
         self.res3 = e(L, B, T, C)          # residual after the MLP
         self.lnf = e(B, T, C)
-        self.lnf_mean, self.lnf_rstd = e(B, T), e(B, T)
+        self.lnf_mean, self.lnf_rstd = f32(B, T), f32(B, T)
         self.logits = e(B, T, V)           # overwritten in place by dlogits in the backward
-        self.losses = e(B, T)
+        self.losses = f32(B, T)
         self.lse = ops.empty((B, T), ops.LSE_DTYPE)  # cpu float64: see crossentropy_forward
         self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add
         self.grads = None                  # gradient buffers, allocated on the first backward
@@ -119,12 +120,19 @@ class GPT:
     >>> loss = model.forward(idx, targets); model.zero_grad(); model.backward()
     """
 
-    def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1):
+    def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32"):
         """buffer_multiple: the flat buffers (`flat_params`, `flat_grad`) are allocated zero-padded
         to a multiple of it, so data-parallel ranks can split them into equal shards; `params` and
-        `grad` are their first num_params elements."""
+        `grad` are their first num_params elements.
+        dtype: the activations' dtype. "bfloat16" (gpu backend only) is mixed precision: bf16
+        activations and matmul inputs, float32 weights, gradients, optimizer state and statistics."""
         if not isinstance(config, GPTConfig):
             raise ValueError(f"config must be a handgrad.GPTConfig, got {type(config).__name__}")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        if dtype == "bfloat16" and backend != "gpu":
+            raise ValueError(f"dtype bfloat16 needs backend 'gpu' (the {backend} backend computes in float32)")
+        self.dtype = dtype
         self.config = config
         self.ops = get_backend(backend)
         self.backend = backend
@@ -243,8 +251,14 @@ class GPT:
         a = self._acts
         if a is None or (a.B, a.T) != (B, T):
             a = self._acts = None  # release the old set before allocating the new one
-            a = self._acts = Activations(self.ops, self.config, B, T)
+            a = self._acts = Activations(self.ops, self.config, B, T, self._act_dtype())
         return a
+
+    def _act_dtype(self):
+        if self.dtype == "bfloat16":
+            import torch
+            return torch.bfloat16
+        return np.float32
 
     def forward(self, idx, targets=None):
         """idx (B, T) integer token ids. With targets (B, T) (-1 = ignore) returns the mean loss as
@@ -305,7 +319,7 @@ class GPT:
         acc = not self._grads_zero
         self._grads_zero = False
         if a.grads is None:
-            a.alloc_grads(ops, self.config)
+            a.alloc_grads(ops, self.config, self._act_dtype())
         L = self.config.n_layer
 
         ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # dlogits, in place

@@ -168,7 +168,11 @@ class Trainer:
         if resume:
             self._check_same_data()
         self.gpt_config = config.gpt_config(self.train_data.vocab_size)
-        self.model = GPT(self.gpt_config, backend=backend, seed=t.seed, buffer_multiple=self.dp.world_size)
+        if t.dtype == "bfloat16" and backend != "gpu":
+            raise ConfigError("train.dtype: bfloat16 is the gpu backend's mixed precision; add --device gpu, or "
+                              "use --train.dtype float32 on the cpu")
+        self.model = GPT(self.gpt_config, backend=backend, seed=t.seed, buffer_multiple=self.dp.world_size,
+                         dtype=t.dtype)
         if init_from is not None:
             self._load_pretrained(*init_from)
         # ZeRO stage 1: this rank keeps AdamW moments for its slice of the flat buffer only
