@@ -6,8 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2
-from .linear import TILE, rows, to_dtype, workspace
+from .common import TILE, cdiv, next_pow2, rows, to_dtype, workspace
 
 
 @triton.jit

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2
-from .linear import BLOCK_COLS, ROWS_PER_BLOCK, TILE, n_blocks, rows, sum_partials_into, to_dtype, workspace
+from .common import (BLOCK_COLS, ROWS_PER_BLOCK, TILE, cdiv, n_blocks, next_pow2, rows, sum_partials_into, to_dtype,
+                     workspace)
 
 GELU_K = math.sqrt(2.0 / math.pi)  # written out as a literal in the kernels (they read no Python globals)
 

@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv
-from .linear import ROWS_PER_BLOCK, n_blocks, num_warps_for, row_tile, rows, sum_partials_into, to_dtype, workspace
+from .common import (ROWS_PER_BLOCK, cdiv, n_blocks, num_warps_for, row_tile, rows, sum_partials_into, to_dtype,
+                     workspace)
 
 EPS = 1e-5
 

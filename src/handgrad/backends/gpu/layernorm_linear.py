@@ -4,7 +4,8 @@ The normalized input (N, C) is never stored: the forward writes it to a reused s
 the backward recomputes it from the saved mean and rstd (one cheap pass, no reduction).
 """
 from .layernorm import layernorm_backward, layernorm_forward, layernorm_recompute
-from .linear import linear_backward, linear_forward, workspace
+from .common import workspace
+from .linear import linear_backward, linear_forward
 
 
 def layernorm_linear_forward(out, mean, rstd, inp, ln_weight, ln_bias, weight, bias=None):

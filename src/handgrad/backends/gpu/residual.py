@@ -2,8 +2,7 @@
 import triton
 import triton.language as tl
 
-from .common import cdiv
-from .linear import BLOCK_FLAT, to_dtype
+from .common import BLOCK_FLAT, cdiv, to_dtype
 
 
 @triton.jit
