@@ -154,16 +154,9 @@ class DataParallel:
             self._collective("the gradient reduce-scatter",
                              lambda: self._dist.reduce_scatter_tensor(grad[lo:hi], grad))
 
-    def gather_params(self, model):
-        """ZeRO-1: every rank updated its own slice; all-gather the weights."""
-        if self._dist is None:
-            return
-        params = self._tensor(model.flat_params)
-        lo, hi = self.shard(params.numel())
-        self._collective("the weight all-gather", lambda: self._dist.all_gather_into_tensor(params, params[lo:hi]))
-
     def gather(self, part, full):
-        """All-gather equal slices `part` of every rank into `full` (NumPy, float32)."""
+        """All-gather every rank's equal slice `part` into `full` (part may be full's own slice:
+        the ZeRO-1 weights after each rank updated its own)."""
         if self._dist is None:
             full[:] = part
             return full

@@ -377,8 +377,8 @@ class Trainer:
             self._numerical_fault(loss)  # raises on "stop"; on "skip" the weights stay untouched
         else:
             self.opt.step(lr=lr, grad_scale=grad_scale)
-            if self.sharded:
-                dp.gather_params(self.model)
+            if self.sharded:  # each rank updated its own slice: all-gather the weights
+                dp.gather(self.model.flat_params[self.opt.lo:self.opt.hi], self.model.flat_params)
         self.step += 1
         return loss, norm, lr
 
