@@ -1,6 +1,6 @@
 """`handgrad bench`: time handgrad's ops beside PyTorch CPU eager, on this machine, in one run.
 
-`handgrad bench ops` measures the machine's sgemm peak (numpy float32 matmul), then times, for
+`handgrad bench ops` measures the machine's sgemm peak (float32 matmul on handgrad's BLAS), then times, for
 the same float32 shapes in the same process:
 
 * matmul N x N x N (handgrad's linear_forward without bias vs torch.matmul), in GFLOP/s;
@@ -128,8 +128,9 @@ def environment(torch=None):
         layer = numba.threading_layer()
     except ValueError:  # no parallel kernel has run yet
         layer = numba.config.THREADING_LAYER
+    from .backends.cpu import blas as handgrad_blas
     return {
-        "cpu": cpu, "cpus": os.cpu_count(),
+        "cpu": cpu, "cpus": os.cpu_count(), "handgrad_blas": handgrad_blas.name(),
         "numpy": np.__version__, "numpy_blas": blas,
         "openblas_runtime": _openblas_runtime(),
         "numba": numba.__version__, "numba_threads": numba.get_num_threads(), "numba_threading_layer": layer,
@@ -223,14 +224,16 @@ def _race(mine, theirs, repeat, warmup=3):
 
 
 def sgemm_peak(n=PEAK_N, runs=PEAK_RUNS):
-    """numpy float32 (n, n) @ (n, n), checked on a few rows against float64; GFLOP/s median, best."""
+    """float32 (n, n) @ (n, n) on the BLAS handgrad's cpu backend uses (backends/cpu/blas.py: MKL or
+    numpy's OpenBLAS), checked on a few rows against float64; GFLOP/s median, best."""
+    from .backends.cpu import blas, common
     rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    c = np.empty((n, n), np.float32)
-    np.matmul(a, b, out=c)
+    a, b, c = (common.aligned_empty((n, n)) for _ in range(3))
+    a[...], b[...] = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    blas.gemm(a, b, c)
     _check("sgemm peak", [("c[:8]", c[:8], a[:8].astype(np.float64) @ b.astype(np.float64))])
     with BackgroundLoad() as load:
-        times = [_timed(lambda: np.matmul(a, b, out=c))[0] for _ in range(runs)]
+        times = [_timed(lambda: blas.gemm(a, b, c))[0] for _ in range(runs)]
     flops = 2.0 * n ** 3
     return {"n": n, "runs": runs, "median_gflops": flops / np.median(times) / 1e9,
             "best_gflops": flops / min(times) / 1e9, "background_cores": load.cores}
@@ -244,8 +247,8 @@ def _randn(rng, shape, scale=1.0):
 def bench_matmul(ops, torch, n, repeat):
     """handgrad linear_forward (no bias) vs torch.matmul, (n, n) @ (n, n), both into preallocated outputs."""
     rng = np.random.default_rng(n)
-    a, w = _randn(rng, (n, n)), _randn(rng, (n, n))
-    out = np.empty((n, n), np.float32)
+    a, w, out = (ops.empty((n, n)) for _ in range(3))  # handgrad's own (64-byte aligned) buffers
+    a[...], w[...] = _randn(rng, (n, n)), _randn(rng, (n, n))
     ta, tw, tout = torch.from_numpy(a.copy()), torch.from_numpy(w.copy()), torch.empty(n, n)
     ops.linear_forward(out, a, w)
     torch.matmul(ta, tw, out=tout)
@@ -267,14 +270,20 @@ class _Block:
 
     def __init__(self, ops, torch, T, rng):
         self.ops = ops
-        self.x = _randn(rng, (1, T, D_MODEL))
-        self.dx = np.empty_like(self.x)
-        self.params = [(name, p, np.zeros_like(p)) for name, p in self.make_params(rng)]
+        self.x = self.own(_randn(rng, (1, T, D_MODEL)))
+        self.dx = ops.empty(self.x.shape)
+        self.params = [(name, self.own(p), ops.zeros(p.shape)) for name, p in self.make_params(rng)]
         self.tx = torch.from_numpy(self.x.copy()).requires_grad_(True)
         self.tparams = [torch.from_numpy(p.copy()).requires_grad_(True) for _, p, _ in self.params]
-        self.y = np.empty((1, T, D_MODEL), np.float32)
-        self.dy = _randn(rng, self.y.shape)
+        self.y = ops.empty((1, T, D_MODEL))
+        self.dy = self.own(_randn(rng, self.y.shape))
         self.tdy = torch.from_numpy(self.dy.copy())
+
+    def own(self, a):
+        """A copy of a in a buffer the backend allocated (aligned as the model's buffers are)."""
+        out = self.ops.empty(a.shape, a.dtype)
+        out[...] = a
+        return out
 
     def zero_grads(self):
         for _, _, g in self.params:
@@ -315,10 +324,9 @@ class AttentionBlock(_Block):
 
     def __init__(self, ops, torch, T, rng):
         super().__init__(ops, torch, T, rng)
-        self.qkv = np.empty((1, T, 3 * D_MODEL), np.float32)
-        self.att = np.empty((1, N_HEAD, T, T), np.float32)
-        self.a = np.empty((1, T, D_MODEL), np.float32)
-        self.dqkv, self.da = np.empty_like(self.qkv), np.empty_like(self.a)
+        e = ops.empty
+        self.qkv, self.att, self.a = e((1, T, 3 * D_MODEL)), e((1, N_HEAD, T, T)), e((1, T, D_MODEL))
+        self.dqkv, self.da = e(self.qkv.shape), e(self.a.shape)
 
     def hg_forward(self):
         (_, wa, _), (_, ba, _), (_, wp, _), (_, bp, _) = self.params
@@ -347,9 +355,8 @@ class MLPBlock(_Block):
 
     def __init__(self, ops, torch, T, rng):
         super().__init__(ops, torch, T, rng)
-        self.h = np.empty((1, T, D_FF), np.float32)  # pre-activation (bias added in place by GELU)
-        self.g = np.empty_like(self.h)
-        self.dh = np.empty_like(self.h)
+        self.h = ops.empty((1, T, D_FF))  # pre-activation (bias added in place by GELU)
+        self.g, self.dh = ops.empty(self.h.shape), ops.empty(self.h.shape)
 
     def hg_forward(self):
         (_, wf, _), (_, bf, _), (_, wp, _), (_, bp, _) = self.params
@@ -408,6 +415,7 @@ def format_table(result):
     e, ob = result["environment"], result["environment"]["openblas_runtime"]
     lines = [
         f"machine  {e['cpu']}, {e['cpus']} CPUs",
+        f"handgrad matmuls on {e['handgrad_blas']} (backends/cpu/blas.py)",
         f"numpy    {e['numpy']}, BLAS {e['numpy_blas']}"
         + (f", runtime core {ob['core']}, {ob['threads']} threads" if ob else ""),
         f"numba    {e['numba']}, {e['numba_threads']} threads ({e['numba_threading_layer']} layer)",
@@ -416,7 +424,7 @@ def format_table(result):
     ]
     for key, when in (("sgemm_peak", "start"), ("sgemm_peak_end", "end")):
         p = result[key]
-        lines.append(f"sgemm peak at {when:<5} (numpy float32 {p['n']}^3, {p['runs']} runs): median "
+        lines.append(f"sgemm peak at {when:<5} ({e['handgrad_blas']} float32 {p['n']}^3, {p['runs']} runs): median "
                      f"{p['median_gflops']:.1f} GFLOP/s, best {p['best_gflops']:.1f}, "
                      f"background load {_fmt_load(p['background_cores'])} cores")
     lines += ["", f"{'row':<28} {'phase':<5} {'unit':<8} {'handgrad':>9} {'torch':>9} {'torch/hg':>9} "

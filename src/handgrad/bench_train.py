@@ -378,9 +378,10 @@ def format_footer(result):
     e, p0, p1 = result["environment"], result["sgemm_peak"], result["sgemm_peak_end"]
     return "\n".join([
         "",
-        f"machine {e['cpu']}, {e['cpus']} CPUs; numpy {e['numpy']} ({e['numpy_blas']}), numba {e['numba']}, "
+        f"machine {e['cpu']}, {e['cpus']} CPUs; handgrad matmuls on {e['handgrad_blas']}; numpy {e['numpy']} "
+        f"({e['numpy_blas']}), numba {e['numba']}, "
         f"torch {e['torch']} ({e['torch_threads']} threads)",
-        f"sgemm peak (numpy float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
+        f"sgemm peak ({e['handgrad_blas']} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
         f"{p1['median_gflops']:.1f} at end; MFU = GFLOP/s / the start peak",
         "tok/s from the median step; peak RSS = the worker process's high-water mark (VmHWM), "
         "(imports) = its resident set after imports, before the model",

@@ -5,6 +5,8 @@ Every op is a forward/backward pair with the same name and arguments in every ba
 import numpy as np
 
 from .adamw import adamw_update, global_norm, make_chunks
+from . import blas
+from .common import aligned_empty, aligned_zeros
 from .attention import attention_backward, attention_forward, attention_state_shape
 from .attention import attention_decode_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward
@@ -20,11 +22,11 @@ LSE_DTYPE = np.float64  # the cross-entropy's saved logsumexp (see crossentropy_
 
 
 def empty(shape, dtype=np.float32):
-    return np.empty(shape, dtype=dtype)
+    return aligned_empty(shape, dtype)
 
 
 def zeros(shape, dtype=np.float32):
-    return np.zeros(shape, dtype=dtype)
+    return aligned_zeros(shape, dtype)
 
 
 def to_numpy(x):
@@ -41,4 +43,5 @@ def set_threads(n):
     import numba
     from threadpoolctl import threadpool_limits
     numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
-    threadpool_limits(limits=n, user_api="blas")
+    threadpool_limits(limits=n, user_api="blas")  # numpy's OpenBLAS
+    blas.set_threads(n)  # MKL, when the matmuls run on it

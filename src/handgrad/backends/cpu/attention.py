@@ -1,7 +1,7 @@
 """Causal multi-head self-attention on the fused qkv (B, T, 3C), NH heads of size hs = C / NH.
 
 Per head:  S = q k^T / sqrt(hs),  P = softmax(S with S[t, s] = -inf for s > t),  y = P v.
-The matrix products go through BLAS (numpy.matmul over (B, NH) on strided views, no copies);
+The matrix products go through BLAS (blas.gemm over (B, NH) on strided views, no copies);
 the scaled, masked softmax and its backward are Numba kernels, parallel over rows (b, h, t).
 """
 import math
@@ -9,6 +9,7 @@ import math
 import numpy as np
 from numba import prange
 
+from . import blas
 from .common import HEAVY, kernel, workspace
 from .mathfn import dot64, exp32, max32, sum64
 
@@ -86,12 +87,12 @@ def attention_forward(out, att, qkv, n_head):
     C = C3 // 3
     hs = C // n_head
     q, k, v = _split_qkv(qkv, n_head)
-    np.matmul(q, k.transpose(0, 1, 3, 2), out=att)
+    blas.gemm(q, k.transpose(0, 1, 3, 2), att)
     if att.dtype == np.float32:
         _softmax_causal_kernel32(att, np.float32(1.0 / math.sqrt(hs)))
     else:
         _softmax_causal_kernel(att, 1.0 / math.sqrt(hs))
-    np.matmul(att, v, out=_heads(out, B, T, n_head, hs))
+    blas.gemm(att, v, _heads(out, B, T, n_head, hs))
 
 
 @kernel(min_parallel=HEAVY)
@@ -143,14 +144,14 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
     dq, dk, dv = _split_qkv(dqkv, n_head)
     dy = _heads(dout, B, T, n_head, hs)
     datt = workspace("attention_datt", att.shape, att.dtype)
-    np.matmul(dy, v.transpose(0, 1, 3, 2), out=datt)
-    np.matmul(att.transpose(0, 1, 3, 2), dy, out=dv)
+    blas.gemm(dy, v.transpose(0, 1, 3, 2), datt)
+    blas.gemm(att.transpose(0, 1, 3, 2), dy, dv)
     if att.dtype == np.float32:
         _softmax_causal_backward_kernel32(datt, att, np.float32(1.0 / math.sqrt(hs)))
     else:
         _softmax_causal_backward_kernel(datt, att, 1.0 / math.sqrt(hs))
-    np.matmul(datt, k, out=dq)
-    np.matmul(datt.transpose(0, 1, 3, 2), q, out=dk)
+    blas.gemm(datt, k, dq)
+    blas.gemm(datt.transpose(0, 1, 3, 2), q, dk)
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)

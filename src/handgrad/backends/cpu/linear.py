@@ -2,6 +2,7 @@
 import numpy as np
 from numba import prange
 
+from . import blas
 from .common import colsum_accumulate, kernel, rows, workspace
 
 
@@ -26,7 +27,11 @@ def add_inplace(dst, src):
 
 
 def matmul_accumulate(dst, a, b):
-    """dst (M, N) += a (M, K) @ b (K, N), through one BLAS sgemm into a reused scratch buffer."""
+    """dst (M, N) += a (M, K) @ b (K, N): one gemm with beta = 1 on MKL; numpy.matmul has no beta,
+    so there it is a gemm into a reused scratch buffer and an add."""
+    if blas.name() == "mkl":
+        blas.gemm(a, b, dst, 1.0)
+        return
     tmp = workspace("matmul_acc", dst.shape, dst.dtype)
     np.matmul(a, b, out=tmp)
     if dst.flags.c_contiguous:
@@ -41,7 +46,7 @@ def linear_forward(out, inp, weight, bias=None):
     `weight` may be a transposed view (the tied lm_head passes wte.T); BLAS handles it directly.
     """
     out2 = rows(out)
-    np.matmul(rows(inp), weight, out=out2)
+    blas.gemm(rows(inp), weight, out2)
     if bias is not None:
         _add_bias_kernel(out2, bias)
 
@@ -57,12 +62,12 @@ def linear_backward(dinp, dweight, dbias, dout, inp, weight, accumulate=True):
     """
     dout2, inp2 = rows(dout), rows(inp)
     if dinp is not None:
-        np.matmul(dout2, weight.T, out=rows(dinp))
+        blas.gemm(dout2, weight.T, rows(dinp))
     # a transposed dweight view: work on its transpose, dW^T = dout^T @ inp, which is contiguous
     dst, a, b = (dweight, inp2.T, dout2) if dweight.flags.c_contiguous else (dweight.T, dout2.T, inp2)
     if accumulate:
         matmul_accumulate(dst, a, b)
     else:
-        np.matmul(a, b, out=dst)
+        blas.gemm(a, b, dst)
     if dbias is not None:
         colsum_accumulate(dbias, dout2)

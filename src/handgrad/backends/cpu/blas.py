@@ -1,0 +1,192 @@
+"""The CPU backend's matrix products: one function, `gemm`, over one BLAS.
+
+Two BLAS are supported:
+* "mkl": Intel oneMKL's cblas_sgemm / cblas_dgemm, found in the `mkl` wheel (`pip install
+X
+  is the BLAS PyTorch's CPU build links, and on the 2-core Xeon this project is measured on it is
+  20-30% faster than OpenBLAS on the skinny shapes a GPT's linears have (docs/PERFORMANCE.md).
+* "numpy": numpy.matmul, that is the OpenBLAS numpy's wheels bundle.
+
+The choice is made once per process: HANDGRAD_BLAS=mkl|numpy if set (mkl without the package is an
+error), otherwise mkl when the package is installed. `name()` says which one runs.
+
+`gemm(a, b, c, beta)` computes c = a @ b + beta * c over the last two axes, with leading batch
+axes (up to two: attention's (B, NH, T, hs) head views) broadcast between a, b and c. Operands may
+be strided views as long as one of their last two axes has unit stride (a transposed view is
+passed to BLAS as a transpose flag, never copied); c's last axis must have unit stride.
+"""
+import ctypes
+import os
+from importlib import metadata
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+
+
+def _mkl_library():
+    """Path of libmkl_rt from the installed `mkl` wheel, or None when it is not installed."""
+    try:
+        files = metadata.distribution("mkl").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if os.path.basename(str(f)).startswith("libmkl_rt.so"):
+            return os.path.realpath(f.locate())
+    return None
+
+
+def _choose():
+    wanted = os.environ.get("HANDGRAD_BLAS", "").strip().lower()
+    if wanted not in ("", "mkl", "numpy"):
+        raise ValueError(f"HANDGRAD_BLAS={wanted!r}: use 'mkl' or 'numpy' (or leave it unset)")
+    path = _mkl_library() if wanted in ("", "mkl") else None
+    if wanted == "mkl" and path is None:
+        raise ValueError("HANDGRAD_BLAS=mkl but the mkl package is not installed: "
+                         "pip install 'handgrad[mkl]', or unset HANDGRAD_BLAS")
+    return ("mkl", path) if path else ("numpy", None)
+
+
+_NAME, _PATH = _choose()
+_addr = None  # {dtype: address of cblas_sgemm / cblas_dgemm}, once MKL is loaded
+_mkl = None  # the loaded library (ctypes.CDLL)
+
+
+def name():
+    """The BLAS this process's matrix products run on: 'mkl' or 'numpy'."""
+    return _NAME
+
+
+def set_threads(n):
+    """Threads for MKL's gemm (threadpoolctl sets OpenBLAS's)."""
+    if _NAME == "mkl":
+        _load()
+        _mkl.MKL_Set_Num_Threads(int(n))
+
+
+def _load():
+    global _mkl, _addr
+    if _mkl is None:
+        # RTLD_LOCAL (ctypes' default): MKL's OpenMP runtime must not lend its symbols to other
+        # libraries in the process (PyTorch's libgomp, in the tests)
+        _mkl = ctypes.CDLL(_PATH)
+        _addr = {np.dtype(dt): ctypes.cast(getattr(_mkl, sym), ctypes.c_void_p).value
+                 for dt, sym in ((np.float32, "cblas_sgemm"), (np.float64, "cblas_dgemm"))}
+    return _addr
+
+
+# ---------------------------------------------------------------- the Numba side
+# The drivers get the cblas function's address as an integer and call through it (an intrinsic
+# that builds the call in LLVM IR), so they hold no process-specific constant and Numba caches
+# them like every other kernel (a ctypes function object baked in would force a ~2 s compile in
+# every process).
+@intrinsic
+def _cblas_gemm(typingctx, addr, ta, tb, M, N, K, alpha, pa, lda, pb, ldb, beta, pc, ldc):
+    """cblas_?gemm(RowMajor, ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc) through the
+    function at `addr`; alpha and beta are float32 (sgemm) or float64 (dgemm), pointers integers."""
+    if alpha not in (types.float32, types.float64) or beta != alpha:
+        return None
+    sig = types.void(addr, ta, tb, M, N, K, alpha, pa, lda, pb, ldb, beta, pc, ldc)
+
+    def codegen(context, builder, signature, args):
+        i32, ptr = ir.IntType(32), ir.IntType(8).as_pointer()
+        real = ir.FloatType() if alpha == types.float32 else ir.DoubleType()
+        fnty = ir.FunctionType(ir.VoidType(), [i32] * 6 + [real, ptr, i32, ptr, i32, real, ptr, i32])
+
+        def int32(v):
+            return builder.trunc(v, i32) if v.type.width > 32 else builder.sext(v, i32)
+
+        a_ = list(args)
+        call_args = [ir.Constant(i32, _ROW_MAJOR)] + [int32(v) for v in a_[1:6]] + [
+            a_[6], builder.inttoptr(a_[7], ptr), int32(a_[8]), builder.inttoptr(a_[9], ptr), int32(a_[10]),
+            a_[11], builder.inttoptr(a_[12], ptr), int32(a_[13])]
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), call_args)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _layout(s_row, s_col, rows, cols, isz):
+    """(transpose flag, leading dimension) of a matrix with these byte strides, or (0, 0) when
+    neither axis has unit stride (BLAS cannot take it as it is)."""
+    if s_col == isz and s_row % isz == 0 and (rows == 1 or s_row >= cols * isz):
+        return _NO_TRANS, max(s_row // isz, cols, 1)
+    if s_row == isz and s_col % isz == 0 and (cols == 1 or s_col >= rows * isz):
+        return _TRANS, max(s_col // isz, rows, 1)
+    return 0, 0
+
+
+@njit(cache=True, nogil=True)
+def _batched(addr, a, b, c, beta, sa, sb, sc, n0, n1):
+    """c[i, j] = a[i, j] @ b[i, j] + beta c[i, j] over an n0 x n1 batch with the given
+    (row, column, batch0, batch1) byte strides. Returns 0: done, 1: not BLAS-able (the caller
+    falls back to numpy), 2: the shapes do not match."""
+    isz = c.itemsize
+    M, N, K = c.shape[-2], c.shape[-1], a.shape[-1]
+    if a.shape[-2] != M or b.shape[-2] != K or b.shape[-1] != N:
+        return 2
+    if K == 0:
+        return 1
+    ta, lda = _layout(sa[0], sa[1], M, K, isz)
+    tb, ldb = _layout(sb[0], sb[1], K, N, isz)
+    tc, ldc = _layout(sc[0], sc[1], M, N, isz)
+    if ta == 0 or tb == 0 or tc != _NO_TRANS:
+        return 1
+    if M == 0 or N == 0:
+        return 0
+    one, beta_ = c.dtype.type(1.0), c.dtype.type(beta)
+    pa, pb, pc = a.ctypes.data, b.ctypes.data, c.ctypes.data
+    for i in range(n0):
+        for j in range(n1):
+            _cblas_gemm(addr, ta, tb, M, N, K, one, pa + i * sa[2] + j * sa[3], lda,
+                        pb + i * sb[2] + j * sb[3], ldb, beta_, pc + i * sc[2] + j * sc[3], ldc)
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _gemm2(addr, a, b, c, beta):
+    z = 0
+    return _batched(addr, a, b, c, beta, (a.strides[0], a.strides[1], z, z),
+                    (b.strides[0], b.strides[1], z, z), (c.strides[0], c.strides[1], z, z), 1, 1)
+
+
+@njit(cache=True, nogil=True)
+def _gemm4(addr, a, b, c, beta):
+    for axis in range(2):  # a batch axis of size 1 in a or b broadcasts (stride 0 below)
+        if (a.shape[axis] != 1 and a.shape[axis] != c.shape[axis]) or (
+                b.shape[axis] != 1 and b.shape[axis] != c.shape[axis]):
+            return 2
+    sa = (a.strides[2], a.strides[3], a.strides[0] if a.shape[0] > 1 else 0, a.strides[1] if a.shape[1] > 1 else 0)
+    sb = (b.strides[2], b.strides[3], b.strides[0] if b.shape[0] > 1 else 0, b.strides[1] if b.shape[1] > 1 else 0)
+    sc = (c.strides[2], c.strides[3], c.strides[0], c.strides[1])
+    return _batched(addr, a, b, c, beta, sa, sb, sc, c.shape[0], c.shape[1])
+
+
+_DRIVERS = {2: _gemm2, 4: _gemm4}
+
+
+def gemm(a, b, c, beta=0.0):
+    """c = a @ b + beta * c, in place (c is never reallocated); see the module docstring."""
+    if _NAME == "mkl" and a.dtype == b.dtype == c.dtype and a.ndim == b.ndim == c.ndim:
+        addr = (_addr or _load()).get(c.dtype)
+        fn = _DRIVERS.get(c.ndim)
+        if addr is not None and fn is not None:
+            status = fn(addr, a, b, c, float(beta))
+            if status == 0:
+                return c
+            if status == 2:
+                raise ValueError(f"gemm: shapes {a.shape} @ {b.shape} -> {c.shape} do not match")
+    return _numpy_gemm(a, b, c, beta)
+
+
+def _numpy_gemm(a, b, c, beta):
+    if beta == 0:
+        np.matmul(a, b, out=c)
+    else:
+        c *= c.dtype.type(beta)
+        c += np.matmul(a, b)
+    return c

@@ -1,0 +1,167 @@
+"""backends/cpu/blas.py: one gemm over MKL or numpy's OpenBLAS, on the strided views the ops pass.
+
+Both BLAS run here when MKL is installed (the `mkl` dependency on Linux x86-64): every product is
+checked against a float64 product, and the ops built on gemm are checked against torch under the
+numpy fallback too (test_ops.py checks them under whichever BLAS the process picked).
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from handgrad.backends.cpu import aligned_empty, blas, empty, zeros
+from handgrad.verify import check_attention, check_layernorm_linear, check_linear
+
+from helpers import assert_rows
+
+IMPLS = ["numpy"] + (["mkl"] if blas._PATH else [])
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request, monkeypatch):
+    """Run the test on one BLAS (the process's choice is restored afterwards)."""
+    monkeypatch.setattr(blas, "_NAME", request.param)
+    return request.param
+
+
+def _check(a, b, c, beta=0.0):
+    ref = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    if beta:
+        ref += beta * c.astype(np.float64)
+    out = blas.gemm(a, b, c, beta)
+    assert out is c
+    tol = 1e-5 if c.dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(c, ref, rtol=0, atol=tol * max(1.0, np.abs(ref).max()))
+
+
+def _randn(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("M, K, N", [(7, 5, 3), (1, 9, 4), (6, 1, 5), (5, 8, 1), (1, 1, 1), (33, 65, 17)])
+@pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_gemm_2d_transposes(impl, dtype, M, K, N, ta, tb):
+    rng = np.random.default_rng(M * 100 + K * 10 + N)
+    a = _randn(rng, (K, M), dtype).T if ta else _randn(rng, (M, K), dtype)
+    b = _randn(rng, (N, K), dtype).T if tb else _randn(rng, (K, N), dtype)
+    _check(a, b, np.full((M, N), np.nan, dtype))  # beta = 0 ignores whatever c held, NaN included
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gemm_accumulates_with_beta(impl, dtype):
+    rng = np.random.default_rng(1)
+    a, b, c = _randn(rng, (9, 6), dtype), _randn(rng, (6, 11), dtype), _randn(rng, (9, 11), dtype)
+    _check(a, b, c, beta=1.0)
+    _check(a.T.copy().T, b, c, beta=0.5)
+
+
+def test_gemm_strided_views(impl):
+    """Sub-matrices with a leading dimension larger than the row (column slices of a wider
+    buffer), as the model's (B*T, 3C) -> q/k/v splits are."""
+    rng = np.random.default_rng(2)
+    big = _randn(rng, (12, 30), np.float32)
+    a, b = big[:, 3:10], _randn(rng, (7, 20), np.float32)[:, 2:9]
+    out = np.zeros((12, 40), np.float32)
+    _check(a, b, out[:, 5:12])
+    assert not out[:, :5].any() and not out[:, 12:].any(), "gemm wrote outside its output view"
+
+
+def test_gemm_not_blas_able_falls_back(impl):
+    """Neither axis unit-stride (every other column): numpy computes it, the result is the same."""
+    rng = np.random.default_rng(3)
+    a = _randn(rng, (8, 12), np.float32)[:, ::2]
+    _check(a, _randn(rng, (6, 5), np.float32), np.empty((8, 5), np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gemm_attention_head_views(impl, dtype):
+    """(B, NH, T, hs) views of a fused (B, T, 3C) qkv, their transposes, and a head-major output
+    written through a (B, T, NH, hs) view: the four products attention's forward and backward make."""
+    B, T, NH, hs = 2, 5, 3, 4
+    rng = np.random.default_rng(4)
+    qkv = _randn(rng, (B, T, 3, NH, hs), dtype)
+    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    att = np.empty((B, NH, T, T), dtype)
+    _check(q, k.transpose(0, 1, 3, 2), att)
+    out = np.zeros((B, T, NH, hs), dtype)
+    _check(att, v, out.transpose(0, 2, 1, 3))
+    _check(att.transpose(0, 1, 3, 2), q, np.empty((B, NH, T, hs), dtype))
+
+
+def test_gemm_broadcast_batch(impl):
+    rng = np.random.default_rng(5)
+    a = _randn(rng, (1, 3, 4, 5), np.float32)
+    b = _randn(rng, (2, 1, 5, 6), np.float32)
+    _check(a, b, np.empty((2, 3, 4, 6), np.float32))
+
+
+def test_gemm_shape_mismatch_is_an_error(impl):
+    a, b = np.ones((3, 4), np.float32), np.ones((5, 2), np.float32)
+    with pytest.raises(ValueError):
+        blas.gemm(a, b, np.empty((3, 2), np.float32))
+
+
+def test_gemm_empty_inner_dimension(impl):
+    c = np.full((3, 2), 7.0, np.float32)
+    blas.gemm(np.ones((3, 0), np.float32), np.ones((0, 2), np.float32), c)
+    assert (c == 0).all()
+
+
+# ---------------------------------------------------------------- the ops on the numpy fallback
+@pytest.fixture
+def numpy_blas(monkeypatch):
+    monkeypatch.setattr(blas, "_NAME", "numpy")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_ops_on_numpy_blas(numpy_blas, dtype):
+    """The gemm-based ops against torch autograd with the matmuls on numpy's OpenBLAS."""
+    assert_rows(check_linear(B=2, T=5, C=24, OC=36, bias=True, dtype=dtype))
+    assert_rows(check_layernorm_linear(B=1, T=13, C=20, OC=30, bias=True, dtype=dtype))
+    assert_rows(check_attention(B=2, T=7, C=24, NH=3, dtype=dtype))
+
+
+# ---------------------------------------------------------------- choosing the BLAS
+def _name_in_subprocess(value):
+    env = {**os.environ, "HANDGRAD_BLAS": value}
+    return subprocess.run([sys.executable, "-c", "from handgrad.backends.cpu import blas; print(blas.name())"],
+                          env=env, capture_output=True, text=True)
+
+
+def test_env_var_picks_numpy():
+    r = _name_in_subprocess("numpy")
+    assert r.returncode == 0 and r.stdout.strip() == "numpy", r.stderr
+
+
+def test_env_var_rejects_unknown_name():
+    r = _name_in_subprocess("atlas")
+    assert r.returncode != 0 and "HANDGRAD_BLAS='atlas'" in r.stderr and "'mkl' or 'numpy'" in r.stderr
+
+
+def test_mkl_requested_but_missing(monkeypatch):
+    monkeypatch.setenv("HANDGRAD_BLAS", "mkl")
+    monkeypatch.setattr(blas, "_mkl_library", lambda: None)
+    with pytest.raises(ValueError, match="mkl package is not installed"):
+        blas._choose()
+    monkeypatch.delenv("HANDGRAD_BLAS")
+    assert blas._choose() == ("numpy", None)  # unset: fall back quietly
+
+
+@pytest.mark.skipif(not blas._PATH, reason="the mkl package is not installed")
+def test_default_is_mkl_when_installed():
+    r = _name_in_subprocess("")
+    assert r.returncode == 0 and r.stdout.strip() == "mkl", r.stderr
+
+
+# ---------------------------------------------------------------- aligned buffers
+@pytest.mark.parametrize("shape", [(1,), (3,), (5, 7), (2, 3, 4), 17])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.uint16])
+def test_backend_buffers_are_64_byte_aligned(shape, dtype):
+    want = (shape,) if isinstance(shape, int) else shape
+    for buf in (empty(shape, dtype), zeros(shape, dtype), aligned_empty(shape, dtype)):
+        assert buf.shape == want and buf.dtype == dtype
+        assert buf.ctypes.data % 64 == 0 and buf.flags.c_contiguous and buf.flags.writeable
+    assert not zeros(shape, dtype).any()
