@@ -163,3 +163,70 @@ def test_attention_gpt2_size(dtype):
         assert_bf16_close(out, y64, y, "out")
         assert_bf16_close(att, lse64, lse16, "logsumexp")
         assert_bf16_close(dqkv, dx64, dx, "dqkv")
+
+
+# ---------------------------------------------------------------- decoding through a KV cache
+def _decode_reference(qkv_seq, n_head, pos):
+    """Row pos of the causal reference on the sequence: what a decode step at pos must give."""
+    return reference(qkv_seq[:, :pos + 1].double(), n_head)[0][:, pos]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B, NH, hs, Tmax", [(2, 2, 16, 40), (1, 3, 32, 19)])
+def test_attention_decode_step_by_step(dtype, B, NH, hs, Tmax):
+    """Feed a sequence one position at a time: every step equals the causal attention's row at
+    that position (pos 0, block edges at 16 and 32, the cache's last slot), the caches hold each
+    position's k and v, and slots past pos stay untouched."""
+    from handgrad.backends.gpu.attention import attention_decode_forward
+    C = NH * hs
+    g = torch.Generator().manual_seed(B * 100 + hs)
+    qkv_seq = torch.randn(B, Tmax, 3 * C, generator=g).to(DEVICE, dtype)
+    k_cache = torch.full((B, NH, Tmax, hs), 7.0, dtype=dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, 7.0)
+    out = torch.empty(B, 1, C, dtype=dtype, device=DEVICE)
+    positions = sorted({0, 1, 15, 16, 17, Tmax - 1} & set(range(Tmax)))
+    for pos in range(Tmax):
+        attention_decode_forward(out, qkv_seq[:, pos:pos + 1], k_cache, v_cache, pos, NH)
+        if pos not in positions:
+            continue
+        want = _decode_reference(qkv_seq, NH, pos)
+        if dtype == torch.float32:
+            assert_close(out[:, 0], want, f"out at pos {pos}", **TOL32)
+        else:  # against torch's own bf16 attention of the same row
+            torch_bf16 = reference(qkv_seq[:, :pos + 1], NH)[0][:, pos]
+            assert_bf16_close(out[:, 0], want, torch_bf16, f"out at pos {pos}")
+        k_seq = qkv_seq[:, :pos + 1, C:2 * C].reshape(B, pos + 1, NH, hs).transpose(1, 2)
+        assert torch.equal(k_cache[:, :, :pos + 1], k_seq)
+        assert (k_cache[:, :, pos + 1:] == 7.0).all() and (v_cache[:, :, pos + 1:] == 7.0).all()
+
+
+def test_attention_decode_matches_the_cpu_op():
+    """The same inputs through both backends' decode ops, (B, 3C) and (B, C) layouts."""
+    import numpy as np
+    from handgrad.backends import cpu
+    from handgrad.backends.gpu.attention import attention_decode_forward
+    B, NH, hs, Tmax, pos = 2, 2, 16, 20, 18
+    rng = np.random.default_rng(0)
+    qkv = rng.standard_normal((B, 3 * NH * hs)).astype(np.float32)
+    k = rng.standard_normal((B, NH, Tmax, hs)).astype(np.float32)
+    v = rng.standard_normal((B, NH, Tmax, hs)).astype(np.float32)
+    out = np.empty((B, NH * hs), np.float32)
+    kg, vg = torch.from_numpy(k.copy()).to(DEVICE), torch.from_numpy(v.copy()).to(DEVICE)
+    og = torch.empty(B, NH * hs, device=DEVICE)
+    cpu.attention_decode_forward(out, qkv, k, v, pos, NH)
+    attention_decode_forward(og, torch.from_numpy(qkv).to(DEVICE), kg, vg, pos, NH)
+    np.testing.assert_allclose(og.cpu().numpy(), out, atol=2e-5, rtol=1e-4)
+    np.testing.assert_array_equal(kg.cpu().numpy(), k)
+    np.testing.assert_array_equal(vg.cpu().numpy(), v)
+
+
+def test_attention_decode_bad_arguments():
+    from handgrad.backends.gpu.attention import attention_decode_forward
+    k = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    qkv, out = torch.zeros(1, 96, device=DEVICE), torch.zeros(1, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="pos must be in"):
+        attention_decode_forward(out, qkv, k, k.clone(), 8, 2)
+    with pytest.raises(ValueError, match="k_cache and v_cache"):
+        attention_decode_forward(out, qkv, k, k.clone(), 0, 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        attention_decode_forward(torch.zeros(1, 64, device=DEVICE)[:, ::2], qkv, k, k.clone(), 0, 2)

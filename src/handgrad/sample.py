@@ -62,7 +62,7 @@ class KVCache:
                         "fch_gelu": 4 * C, "mean": 1, "rstd": 1}
         self._flat = {name: self.ops.empty((B * Tmax * w,)) for name, w in self._widths.items()}
         self._flat_idx = self.ops.empty((B * Tmax,), np.int32)
-        self._flat_att = self.ops.empty((0,))  # (B, NH, T, T) attention_forward scratch, grown on demand
+        self._flat_att = self.ops.empty((0,))  # attention_forward's state (scratch), grown on demand
         self._views = {}
         # ln_f and the logits, for the one position whose next token is sampled
         self.lnf = self.ops.empty((B, 1, C))
@@ -99,13 +99,13 @@ class KVCache:
             ops.residual_forward(s.x, s.x, s.proj)
 
     def _head(self, x_last):
-        """Logits (B, V) of x_last (B, 1, C): ln_f, then the tied lm_head. A view, overwritten by
-        the next call."""
+        """Logits (B, V) of x_last (B, 1, C), as NumPy: ln_f, then the tied lm_head. On the cpu a
+        view, overwritten by the next call; on the gpu a host copy."""
         p = self.p
         self.ops.layernorm_forward(self.lnf, self.lnf_mean, self.lnf_rstd, x_last,
                                    p["ln_f.weight"], p["ln_f.bias"])
         self.ops.linear_forward(self.logits, self.lnf, p["wte.weight"].T)
-        return self.logits[:, 0]
+        return self.ops.to_numpy(self.logits[:, 0])  # cpu: a view; gpu: the one host copy per token
 
     def prefill(self, idx):
         """Run idx (B, T) at positions [0, T), replacing the cache's contents; return the logits
@@ -116,16 +116,18 @@ class KVCache:
                              f"{self.length}, got {idx.shape}")
         ops, p, NH, C = self.ops, self.p, self.NH, self.C
         s = self._bufs(T)
-        s.idx[...] = idx
-        if self._flat_att.size < B * NH * T * T:  # at most twice per generate: T0, then keep
-            self._flat_att = ops.empty((B * NH * T * T,))
-        att = self._flat_att[:B * NH * T * T].reshape(B, NH, T, T)
+        s.idx[...] = self.ops.from_numpy(np.asarray(idx, np.int32))
+        att_shape = ops.attention_state_shape(B, NH, T)  # cpu (B, NH, T, T); gpu (B, NH, T)
+        n_att = int(np.prod(att_shape))
+        if self._flat_att.shape[0] < n_att:  # at most twice per generate: T0, then keep
+            self._flat_att = ops.empty((n_att,))
+        att = self._flat_att[:n_att].reshape(att_shape)
         hs = C // NH
 
         def attend(l, atty, qkv):
             ops.attention_forward(atty, att, qkv, NH)
-            self.k[l, :, :, :T] = qkv[:, :, C:2 * C].reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
-            self.v[l, :, :, :T] = qkv[:, :, 2 * C:].reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
+            self.k[l, :, :, :T] = qkv[:, :, C:2 * C].reshape(B, T, NH, hs).swapaxes(1, 2)
+            self.v[l, :, :, :T] = qkv[:, :, 2 * C:].reshape(B, T, NH, hs).swapaxes(1, 2)
 
         ops.encoder_forward(s.x, s.idx, p["wte.weight"], p["wpe.weight"])
         self._blocks(s, attend)
@@ -141,7 +143,7 @@ class KVCache:
             raise ValueError(f"the cache is full ({self.length} positions): prefill instead")
         ops, p, NH = self.ops, self.p, self.NH
         s = self._bufs(1)
-        s.idx[:, 0] = tokens
+        s.idx[:, 0] = self.ops.from_numpy(np.asarray(tokens, np.int32))
 
         def attend(l, atty, qkv):
             ops.attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, NH)

@@ -356,11 +356,7 @@ class Trainer:
         from .tokenizer import load_tokenizer
         tok = load_tokenizer(self.run_dir)
         start = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n")
-        model = self.model
-        if model.backend != "cpu":  # KV-cache decoding is a cpu op: sample from a host copy of the weights
-            model = GPT(self.gpt_config, backend="cpu")
-            model.load_state_dict(self.model.state_dict())
-        ids = generate(model, np.array([start]), self.config.train.sample_tokens,
+        ids = generate(self.model, np.array([start]), self.config.train.sample_tokens,
                        temperature=1.0, top_k=None, rng=self.sample_rng)
         return tok.decode(ids[0, len(start):].tolist())
 

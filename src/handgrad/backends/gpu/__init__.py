@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from .adamw import adamw_update, global_norm, make_chunks
-from .attention import attention_backward, attention_forward, attention_state_shape
+from .attention import attention_backward, attention_decode_forward, attention_forward, attention_state_shape
 from .common import device, torch_dtype
 from .crossentropy import IGNORE_INDEX, crossentropy_backward, crossentropy_forward
 from .encoder import encoder_backward, encoder_forward

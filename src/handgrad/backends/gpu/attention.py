@@ -297,3 +297,72 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
         scale, scale * LOG2E.value,
         HS=hs, BLOCK_M=cfg.bwd_stream, BLOCK_N=cfg.bwd_res, DOT_PRECISION=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ---------------------------------------------------------------- decoding (inference, forward only)
+@triton.jit
+def _attention_decode_kernel(out_ptr, qkv_ptr, k_ptr, v_ptr, pos, NH, C, stride_qkv_b, stride_out_b,
+                             stride_kb, stride_kh, stride_kt, qk_scale,
+                             HS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (b, head) per program: write this position's k and v into slot pos of the caches, then
+    y = softmax(q K[:pos+1]^T * scale) V[:pos+1] by an online softmax in float32 (base 2, as the
+    forward). The new key and value are used from registers, not read back from the cache."""
+    bh = tl.program_id(0)
+    b = bh // NH
+    h = bh % NH
+    offs_d = tl.arange(0, HS)
+    base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HS
+    q = tl.load(base + offs_d).to(tl.float32)
+    k_new = tl.load(base + C + offs_d)
+    v_new = tl.load(base + 2 * C + offs_d)
+    cache = b.to(tl.int64) * stride_kb + h * stride_kh  # both caches have the same layout
+    tl.store(k_ptr + cache + pos * stride_kt + offs_d, k_new.to(k_ptr.dtype.element_ty))
+    tl.store(v_ptr + cache + pos * stride_kt + offs_d, v_new.to(v_ptr.dtype.element_ty))
+    # position pos first: it is the only key when pos = 0, and it keeps m finite
+    m_i = tl.sum(q * k_new.to(tl.float32), 0) * qk_scale
+    l_i = m_i * 0.0 + 1.0
+    acc = v_new.to(tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(0, pos, BLOCK_N):
+        cols = start + offs_n
+        ok = cols < pos
+        kv_off = cache + cols[:, None] * stride_kt + offs_d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)   # (BLOCK_N, HS)
+        s = tl.where(ok, tl.sum(k * q[None, :], 1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        v = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        m_i = m_new
+    tl.store(out_ptr + b.to(tl.int64) * stride_out_b + h * HS + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
+
+
+def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head):
+    """One decoding step, as the cpu op: the token at position `pos` attends over the cached keys
+    and values. qkv (B, 1, 3C) (or (B, 3C)) holds its fused projections; k_cache, v_cache
+    (B, NH, Tmax, hs) hold positions [0, pos) and get its k and v in slot pos; per head
+        y = softmax(q K[:pos+1]^T / sqrt(hs)) V[:pos+1].
+    Overwrites out (B, 1, C) (or (B, C)) and slot pos of both caches. Inference only; float32
+    accumulation whatever the tensors' dtype (float32 or bfloat16).
+    """
+    B, NH, Tmax, hs = k_cache.shape
+    if NH != n_head or tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"k_cache and v_cache must both be (B, {n_head}, Tmax, hs), "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not 0 <= pos < Tmax:
+        raise ValueError(f"pos must be in [0, {Tmax}) (the cache's length), got {pos}")
+    if hs < 1 or hs & (hs - 1):
+        raise ValueError(f"gpu attention needs a head size that is a power of two, got {hs}")
+    C = NH * hs
+    q2, o2 = qkv.reshape(B, 3 * C), out.view(B, C)
+    if q2.stride(-1) != 1:
+        raise ValueError(f"qkv needs unit stride in its last dim, got strides {tuple(qkv.stride())}")
+    if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("out, k_cache and v_cache must be contiguous (they are written in place)")
+    block_n = 16 if interpreting() else max(16, min(64, 8192 // hs))
+    _attention_decode_kernel[(B * NH,)](
+        o2, q2, k_cache, v_cache, pos, NH, C, q2.stride(0), o2.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), LOG2E.value / hs ** 0.5,
+        HS=hs, BLOCK_N=block_n, num_warps=4)
