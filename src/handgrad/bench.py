@@ -249,7 +249,8 @@ def bench_matmul(ops, torch, n, repeat):
     rng = np.random.default_rng(n)
     a, w, out = (ops.empty((n, n)) for _ in range(3))  # handgrad's own (64-byte aligned) buffers
     a[...], w[...] = _randn(rng, (n, n)), _randn(rng, (n, n))
-    ta, tw, tout = torch.from_numpy(a.copy()), torch.from_numpy(w.copy()), torch.empty(n, n)
+    # torch gets tensors from its own allocator (64-byte aligned, as handgrad's), not numpy copies
+    ta, tw, tout = torch.from_numpy(a).clone(), torch.from_numpy(w).clone(), torch.empty(n, n)
     ops.linear_forward(out, a, w)
     torch.matmul(ta, tw, out=tout)
     err = _check(f"matmul {n}", [("out", out, tout.numpy())])
@@ -273,11 +274,11 @@ class _Block:
         self.x = self.own(_randn(rng, (1, T, D_MODEL)))
         self.dx = ops.empty(self.x.shape)
         self.params = [(name, self.own(p), ops.zeros(p.shape)) for name, p in self.make_params(rng)]
-        self.tx = torch.from_numpy(self.x.copy()).requires_grad_(True)
-        self.tparams = [torch.from_numpy(p.copy()).requires_grad_(True) for _, p, _ in self.params]
+        self.tx = torch.from_numpy(self.x).clone().requires_grad_(True)
+        self.tparams = [torch.from_numpy(p).clone().requires_grad_(True) for _, p, _ in self.params]
         self.y = ops.empty((1, T, D_MODEL))
         self.dy = self.own(_randn(rng, self.y.shape))
-        self.tdy = torch.from_numpy(self.dy.copy())
+        self.tdy = torch.from_numpy(self.dy).clone()
 
     def own(self, a):
         """A copy of a in a buffer the backend allocated (aligned as the model's buffers are)."""
