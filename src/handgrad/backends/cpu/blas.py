@@ -21,8 +21,10 @@ from importlib import metadata
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic
+
+from .common import kernel, workspace
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
@@ -184,9 +186,24 @@ def gemm(a, b, c, beta=0.0):
 
 
 def _numpy_gemm(a, b, c, beta):
+    """numpy.matmul has no beta: for beta != 0 the product goes into a reused scratch buffer and is
+    added (a parallel pass where c is contiguous)."""
     if beta == 0:
         np.matmul(a, b, out=c)
-    else:
+        return c
+    tmp = workspace("gemm_product", c.shape, c.dtype)
+    np.matmul(a, b, out=tmp)
+    if beta != 1:
         c *= c.dtype.type(beta)
-        c += np.matmul(a, b)
+    if c.flags.c_contiguous:
+        _add_inplace_kernel(c.reshape(-1), tmp.reshape(-1))
+    else:
+        c += tmp
     return c
+
+
+@kernel
+def _add_inplace_kernel(dst, src):
+    n = dst.shape[0]
+    for i in prange(n):
+        dst[i] += src[i]

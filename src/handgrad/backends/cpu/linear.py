@@ -1,9 +1,8 @@
 """Linear layer in GPT-2's Conv1D layout: out = inp @ weight + bias, weight (C, OC)."""
-import numpy as np
 from numba import prange
 
 from . import blas
-from .common import colsum_accumulate, kernel, rows, workspace
+from .common import colsum_accumulate, kernel, rows
 
 
 @kernel
@@ -12,32 +11,6 @@ def _add_bias_kernel(out, bias):
     for i in prange(N):
         for o in range(OC):
             out[i, o] += bias[o]
-
-
-@kernel
-def _add_inplace_kernel(dst, src):
-    n = dst.shape[0]
-    for i in prange(n):
-        dst[i] += src[i]
-
-
-def add_inplace(dst, src):
-    """dst += src for contiguous arrays of one shape, in parallel."""
-    _add_inplace_kernel(dst.reshape(-1), src.reshape(-1))
-
-
-def matmul_accumulate(dst, a, b):
-    """dst (M, N) += a (M, K) @ b (K, N): one gemm with beta = 1 on MKL; numpy.matmul has no beta,
-    so there it is a gemm into a reused scratch buffer and an add."""
-    if blas.name() == "mkl":
-        blas.gemm(a, b, dst, 1.0)
-        return
-    tmp = workspace("matmul_acc", dst.shape, dst.dtype)
-    np.matmul(a, b, out=tmp)
-    if dst.flags.c_contiguous:
-        add_inplace(dst, tmp)
-    else:
-        dst += tmp
 
 
 def linear_forward(out, inp, weight, bias=None):
@@ -65,9 +38,6 @@ def linear_backward(dinp, dweight, dbias, dout, inp, weight, accumulate=True):
         blas.gemm(dout2, weight.T, rows(dinp))
     # a transposed dweight view: work on its transpose, dW^T = dout^T @ inp, which is contiguous
     dst, a, b = (dweight, inp2.T, dout2) if dweight.flags.c_contiguous else (dweight.T, dout2.T, inp2)
-    if accumulate:
-        matmul_accumulate(dst, a, b)
-    else:
-        blas.gemm(a, b, dst)
+    blas.gemm(a, b, dst, 1.0 if accumulate else 0.0)
     if dbias is not None:
         colsum_accumulate(dbias, dout2)
