@@ -39,3 +39,36 @@ def prepared_char_data(root, text):
     (root / "text.txt").write_text(text)
     prepare([str(root / "text.txt")], root / "data", tokenizer="char", val_fraction=0.1, seed=1)
     return root / "data"
+
+
+def cpu_kernels():
+    """Every @kernel (a _Kernel with a serial and a parallel copy) in the cpu backend's modules."""
+    import importlib
+    import pkgutil
+
+    from handgrad.backends import cpu
+    from handgrad.backends.cpu.common import _Kernel
+
+    found = []
+    for info in pkgutil.iter_modules(cpu.__path__):
+        module = importlib.import_module(f"{cpu.__name__}.{info.name}")
+        found += [k for k in vars(module).values() if isinstance(k, _Kernel) and k not in found]
+    return found
+
+
+class forced_kernels:
+    """with forced_kernels("serial"|"parallel"): every cpu kernel runs that copy, whatever the size."""
+
+    def __init__(self, copy):
+        assert copy in ("serial", "parallel")
+        self.threshold = 0 if copy == "parallel" else float("inf")
+
+    def __enter__(self):
+        self.saved = [(k, k.min_parallel) for k in cpu_kernels()]
+        for k, _ in self.saved:
+            k.min_parallel = self.threshold
+        return self
+
+    def __exit__(self, *exc):
+        for k, threshold in self.saved:
+            k.min_parallel = threshold

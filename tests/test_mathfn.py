@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from handgrad.backends.cpu.mathfn import dot64, exp32, max32, sum64
+from handgrad.backends.cpu.mathfn import dot64, dot_dev64, exp32, max32, sqdev64, sum64
 
 F32_TINY = np.finfo(np.float32).tiny  # smallest normal
 F32_MAX = np.finfo(np.float32).max
@@ -27,8 +27,12 @@ def _rows(fn_id, a, b):
             out[i] = max32(a[i], n)
         elif fn_id == 1:
             out[i] = sum64(a[i], n)
-        else:
+        elif fn_id == 2:
             out[i] = dot64(a[i], b[i], n)
+        elif fn_id == 3:
+            out[i] = sqdev64(a[i], 0.75, n)
+        else:
+            out[i] = dot_dev64(a[i], b[i], b[i], -1.25, n)
     return out
 
 
@@ -98,6 +102,8 @@ def test_reductions(n):
     with np.errstate(invalid="ignore"):
         np.testing.assert_allclose(_rows(1, a, b), a64.sum(1), rtol=1e-12)
         np.testing.assert_allclose(_rows(2, a, b), (a64 * b64).sum(1), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(_rows(3, a, b), ((a64 - 0.75) ** 2).sum(1), rtol=1e-12)
+        np.testing.assert_allclose(_rows(4, a, b), (a64 * b64 * (b64 + 1.25)).sum(1), rtol=1e-12, atol=1e-12)
 
 
 def test_max32_signed_zeros_and_infinities():

@@ -12,7 +12,7 @@ from handgrad.model import WRITTEN_FIRST
 from handgrad.optim import AdamW, clip_scale, grad_norm
 from handgrad.verify import check_model_adamw, check_model_step
 
-from helpers import assert_rows
+from helpers import assert_rows, cpu_kernels, forced_kernels
 
 TINY = GPTConfig(block_size=8, vocab_size=50, n_layer=2, n_head=2, n_embd=16)
 
@@ -43,6 +43,36 @@ def test_model_step_against_torch(config, B, T):
 
 def test_model_adamw_against_torch():
     assert_rows(check_model_adamw(TINY, B=2, T=8, steps=10))
+
+
+def test_serial_and_parallel_kernel_copies_agree():
+    """Every cpu kernel has a serial and a parallel copy, picked per call by size (common.kernel);
+    the shapes here and in test_ops are small enough that only the serial copies run. Two
+    training steps with every kernel forced onto each copy must give the same loss, gradients
+    and parameters, bit for bit: the same arithmetic in the same order, only split over threads."""
+    config = GPTConfig(block_size=16, vocab_size=77, n_layer=2, n_head=3, n_embd=48)
+    assert len(cpu_kernels()) >= 20  # the discovery found the backend's kernels
+    runs = {}
+    for copy in ("serial", "parallel"):
+        with forced_kernels(copy):
+            model = GPT(config)
+            opt = AdamW(model, lr=1e-2, weight_decay=0.1)
+            losses = []
+            for step in range(2):
+                idx, targets = batch(config, 3, 16, seed=step)
+                targets[0, :5] = -1  # ignored positions too
+                model.zero_grad()
+                losses.append(model.forward(idx, targets))
+                model.backward()
+                opt.step()
+            runs[copy] = losses, model.grads(), model.state_dict()
+    ran_parallel = [k.__name__ for k in cpu_kernels() if k.parallel.signatures]
+    assert len(ran_parallel) >= 15, ran_parallel  # the forcing reached the kernels a step uses
+    (loss_s, grads_s, params_s), (loss_p, grads_p, params_p) = runs["serial"], runs["parallel"]
+    assert loss_s == loss_p
+    for name in grads_s:
+        np.testing.assert_array_equal(grads_s[name], grads_p[name], err_msg=f"grad {name}")
+        np.testing.assert_array_equal(params_s[name], params_p[name], err_msg=f"param {name}")
 
 
 # ---------------------------------------------------------------- (c) state_dict

@@ -26,8 +26,13 @@ serial_kernel = njit(cache=True, error_model="numpy")
 # against 157 us). So every @kernel is compiled twice, and a call whose largest array holds fewer
 # than `min_parallel` elements runs the serial copy. The arithmetic is the same code, in the same
 # order within each row block, so results do not depend on which copy ran.
+# HEAVY was 2^14 while the row reductions were scalar loops; with them vectorised (mathfn's
+# sum64/dot64, the in-place gelu backward) a (512, 64) layernorm takes 24 us serially against
+# 127 us parallel, and `bench train --preset tiny` (every array under 2^18) went from 1.13-1.19x
+# torch to 1.36-1.46x with its kernels serial. Larger arrays (gpt2-124m's logits and optimizer,
+# every activation of `mid`) still run parallel: forcing those serial cost gpt2-124m 1.54x -> 1.32x.
 MIN_PARALLEL = 1 << 20  # memory-bound passes (adds, copies, column sums)
-HEAVY = 1 << 14  # kernels with an exp, tanh, sqrt or a row reduction per element
+HEAVY = 1 << 18  # kernels with an exp, tanh, sqrt or a row reduction per element
 
 
 class _Kernel:

@@ -15,7 +15,7 @@ from .common import HEAVY, kernel, n_blocks, rows, serial_kernel, sum_blocks_int
 
 GELU_K = math.sqrt(2.0 / math.pi)
 K32, C32, C3_32 = np.float32(GELU_K), np.float32(0.044715), np.float32(3.0 * 0.044715)
-HALF32, ONE32 = np.float32(0.5), np.float32(1.0)
+HALF32, ONE32, ZERO32 = np.float32(0.5), np.float32(1.0), np.float32(0.0)
 
 # Eigen's generic_fast_tanh_float: tanh(x) ~ x p(x^2) / q(x^2) on [-7.9053, 7.9053].
 _CLAMP, _SAT, _XMAX = np.float32(7.90531110763549805), np.float32(9.0), np.float32(10.0)
@@ -84,8 +84,13 @@ def gelu_forward(out, inp, bias=None):
     fn(rows(out), inp2, b, bias is not None)
 
 
+# The backward kernels work in place on one array: dout in, dinp out (the model passes the same
+# buffer for both). A kernel that read dout and wrote a distinct-looking dinp would, when the two
+# are one buffer, fail LLVM's runtime overlap check and run its scalar loop: measured 1.18 ms
+# against 0.17 ms for (512, 256), 37 ms against 5.3 ms for (2048, 2048). So an out-of-place call
+# copies dout into dinp first (as crossentropy_backward does).
 @kernel(min_parallel=HEAVY)
-def _gelu_backward_kernel(dinp, partial, dout, inp, has_bias):
+def _gelu_backward_kernel(dd, partial, inp, has_bias):
     N, C = inp.shape
     NB = partial.shape[0]
     for blk in prange(NB):
@@ -99,43 +104,48 @@ def _gelu_backward_kernel(dinp, partial, dout, inp, has_bias):
                 th = np.tanh(u)
                 sech2 = 1.0 - th * th
                 g = 0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_K * (1.0 + 3.0 * 0.044715 * x * x)
-                d = g * dout[i, c]
-                dinp[i, c] = d
+                d = g * dd[i, c]
+                dd[i, c] = d
                 if has_bias:
                     partial[blk, c] += d
 
 
 @kernel(min_parallel=HEAVY)
-def _gelu_backward_kernel32(dinp, partial, dout, inp):
+def _gelu_backward_kernel32(dd, partial, inp):
     N, C = inp.shape
     NB = partial.shape[0]
     for blk in prange(NB):
-        for c in range(C):
-            partial[blk, c] = 0.0
+        pr = partial[blk]  # 1-D row views: the inner loops vectorise in the parallel copy too
+        pr[:] = ZERO32
         for i in range(blk * ROWS_PER_BLOCK, min(N, (blk + 1) * ROWS_PER_BLOCK)):
+            xr = inp[i]
+            dr = dd[i]
             for c in range(C):
-                x = inp[i, c]
+                x = xr[c]
                 th = tanh32(K32 * (x + C32 * x * x * x))
                 xc = min(max(x, -_XMAX), _XMAX)  # where |x| > 10 the sech^2 factor is exactly 0: keep x^2 finite
                 g = HALF32 * (ONE32 + th) + HALF32 * xc * (ONE32 - th * th) * K32 * (ONE32 + C3_32 * xc * xc)
-                d = g * dout[i, c]
-                dinp[i, c] = d
-                partial[blk, c] += d  # cheap, and no branch in the loop; unused without a bias
+                d = g * dr[c]
+                dr[c] = d
+                pr[c] += d  # cheap, and no branch in the loop; unused without a bias
 
 
 def gelu_backward(dinp, dbias, dout, inp):
     """With u = k (x + 0.044715 x^3):  gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) k (1 + 3 * 0.044715 x^2).
 
-    dinp = dout * gelu'(inp): overwrites dinp (which may be dout itself, in place).
+    dinp = dout * gelu'(inp): overwrites dinp, which may be dout itself (in place, the fast path).
     dbias += sum_rows(dinp) when dbias is given (the fused bias): accumulates.
     """
     inp2 = rows(inp)
     N, C = inp2.shape
     has_bias = dbias is not None
     partial = workspace("gelu_partial", (n_blocks(N), C), inp2.dtype)
+    dd = rows(dinp)
+    if dinp is not dout:
+        dd[...] = rows(dout)
     if inp2.dtype == np.float32:
-        _gelu_backward_kernel32(rows(dinp), partial, rows(dout), inp2)
+        _gelu_backward_kernel32(dd, partial, inp2)
     else:
-        _gelu_backward_kernel(rows(dinp), partial, rows(dout), inp2, has_bias)
+        _gelu_backward_kernel(dd, partial, inp2, has_bias)
     if has_bias:
         sum_blocks_into(dbias, partial)

@@ -3,6 +3,7 @@ import numpy as np
 from numba import prange
 
 from .common import HEAVY, kernel, n_blocks, rows, sum_blocks_into, workspace, ROWS_PER_BLOCK
+from .mathfn import dot64, dot_dev64, sqdev64, sum64
 
 EPS = 1e-5
 
@@ -11,15 +12,8 @@ EPS = 1e-5
 def _layernorm_forward_kernel(out, mean, rstd, inp, weight, bias, eps):
     N, C = inp.shape
     for i in prange(N):
-        m = 0.0
-        for c in range(C):
-            m += inp[i, c]
-        m = m / C
-        var = 0.0
-        for c in range(C):
-            d = inp[i, c] - m
-            var += d * d
-        var = var / C
+        m = sum64(inp[i], C) / C
+        var = sqdev64(inp[i], m, C) / C
         s = 1.0 / np.sqrt(var + eps)
         for c in range(C):
             out[i, c] = (inp[i, c] - m) * s * weight[c] + bias[c]
@@ -61,15 +55,8 @@ def _layernorm_backward_kernel(dinp, partial, dout, inp, weight, mean, rstd):
         for i in range(blk * ROWS_PER_BLOCK, min(N, (blk + 1) * ROWS_PER_BLOCK)):
             m = mean[i]
             s = rstd[i]
-            dnorm_mean = 0.0
-            dnorm_norm_mean = 0.0
-            for c in range(C):
-                xhat = (inp[i, c] - m) * s
-                dnorm = weight[c] * dout[i, c]
-                dnorm_mean += dnorm
-                dnorm_norm_mean += dnorm * xhat
-            dnorm_mean = dnorm_mean / C
-            dnorm_norm_mean = dnorm_norm_mean / C
+            dnorm_mean = dot64(weight, dout[i], C) / C
+            dnorm_norm_mean = s * dot_dev64(weight, dout[i], inp[i], np.float64(m), C) / C
             for c in range(C):
                 xhat = (inp[i, c] - m) * s
                 dnorm = weight[c] * dout[i, c]

@@ -124,3 +124,22 @@ def dot64(a, b, n):
         t += np.float64(a[s]) * np.float64(b[s])
     return t
 
+
+
+@reduce_kernel
+def sqdev64(a, m, n):
+    """sum of (a[:n] - m)^2 in float64, m a float64 (vectorised, see reduce_kernel)."""
+    t = 0.0
+    for s in range(n):
+        d = np.float64(a[s]) - m
+        t += d * d
+    return t
+
+
+@reduce_kernel
+def dot_dev64(a, b, x, m, n):
+    """sum of a[:n] * b[:n] * (x[:n] - m) in float64, m a float64 (vectorised, see reduce_kernel)."""
+    t = 0.0
+    for s in range(n):
+        t += np.float64(a[s]) * np.float64(b[s]) * (np.float64(x[s]) - m)
+    return t
