@@ -33,8 +33,17 @@ def test_bench_train_tiny_json_with_profile():
     assert {"attention_forward", "attention_backward", "adamw_update", "global_norm"} <= set(ops)
     assert ops["attention_forward"]["calls"] == 2  # once per layer per step
     assert sum(v["s"] for v in ops.values()) <= row["profile"]["step_s"] * 1.01
+    # the matmul floor replays every BLAS call of a step: per layer 6 in the forward (qkv, q k^T,
+    # P v, proj, fc, mlp proj) and 12 in the backward, plus the lm_head's 1 + 2; backward = 2x forward
+    mm = row["profile"]["matmuls"]
+    m = row["config"]["model"]
+    L, C, V, B, T = m["n_layer"], m["n_embd"], m["vocab_size"], 8, 64
+    assert mm["calls"] == 18 * L + 3
+    assert mm["flop"] == 3 * (L * (2 * B * T * 12 * C * C + 4 * B * T * T * C) + 2 * B * T * C * V)
+    assert 0 < mm["s"] < row["profile"]["step_s"]
     table = bench_train.format_row(row) + bench_train.format_footer(result)  # what the table prints
     assert "handgrad/pytorch: tok/s" in table and "outside the ops" in table and "sgemm peak" in table
+    assert "matmul floor: the step's 39 BLAS calls" in table and "pytorch's step / that floor" in table
 
 
 def test_bench_train_unknown_preset():

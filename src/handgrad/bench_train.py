@@ -102,7 +102,8 @@ class _HandgradWorker:
         return loss
 
     def profile(self, batches):
-        """Run the steps with every op timed; seconds per step by op name, plus the step's total."""
+        """Run the steps with every op timed; seconds per step by op name, plus the step's total,
+        and the matmul floor (see _matmul_floor)."""
         ops = self.model.ops
         prof = self.model.ops = _Profiler(ops)
         t0 = time.perf_counter()
@@ -113,7 +114,34 @@ class _HandgradWorker:
             self.model.ops = ops
         n = len(batches)
         return {"step_s": (time.perf_counter() - t0) / n,
-                "ops": {k: {"s": v / n, "calls": prof.calls[k] / n} for k, v in prof.seconds.items()}}
+                "ops": {k: {"s": v / n, "calls": prof.calls[k] / n} for k, v in prof.seconds.items()},
+                "matmuls": self._matmul_floor(batches[0])}
+
+    def _matmul_floor(self, batch, repeats=3):
+        """Record every BLAS call of one step (blas.gemm: the linears' and attention's products),
+        then replay just those calls back to back, same operands and layouts, and time them: the
+        least time any step that does these products on this BLAS can take. It overwrites the
+        step's activation and gradient buffers, so it runs last (the worker exits after it)."""
+        from .backends.cpu import blas
+        calls, gemm = [], blas.gemm
+
+        def recording(a, b, c, beta=0.0):
+            calls.append((a, b, c, beta))
+            return gemm(a, b, c, beta)
+
+        blas.gemm = recording
+        try:
+            self.step(batch)
+        finally:
+            blas.gemm = gemm
+        flop = sum(2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * int(np.prod(c.shape[:-2])) for a, b, c, _ in calls)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for a, b, c, beta in calls:
+                gemm(a, b, c, beta)
+            times.append(time.perf_counter() - t0)
+        return {"calls": len(calls), "flop": flop, "s": float(np.median(times))}
 
 
 class _TorchWorker:
@@ -348,6 +376,11 @@ def format_row(r):
                  f"background load {bg} cores")
     if "profile" in r:
         lines += format_profile(r["profile"])
+        mm = r["profile"].get("matmuls")
+        if mm:
+            limit = r["sides"]["pytorch"]["step_ms"] / (1e3 * mm["s"])
+            lines.append(f"  pytorch's step / that floor = {limit:.2f}x: the most any engine making these "
+                         "matmul calls on this BLAS could be ahead of pytorch here")
     return "\n".join(lines)
 
 
@@ -371,6 +404,11 @@ def format_profile(prof):
         lines.append(f"    {name:<20} {phase:<8} {1e3 * s:>8.2f} {100 * s / total:>5.1f}%")
     rest = total - sum(fam.values())
     lines.append(f"    {'outside the ops':<20} {'':<8} {1e3 * rest:>8.2f} {100 * rest / total:>5.1f}%")
+    mm = prof.get("matmuls")
+    if mm:
+        lines.append(f"  matmul floor: the step's {mm['calls']} BLAS calls alone, replayed back to back, take "
+                     f"{1e3 * mm['s']:.1f} ms ({mm['flop'] / mm['s'] / 1e9:.0f} GFLOP/s), "
+                     f"{100 * mm['s'] / total:.0f}% of handgrad's step")
     return lines
 
 
