@@ -40,7 +40,13 @@ def add_arguments(parser):
                         help="ops: matmul, attention block and MLP block, handgrad beside PyTorch; "
                              "train: whole training steps (tok/s, GFLOP/s, MFU, peak memory) beside PyTorch; "
                              "learn: train handgrad and PyTorch side by side and compare loss curves")
-    parser.add_argument("--backend", default="cpu", choices=["cpu"], help="backend to time (default cpu)")
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
+                        help="ops: backend to time (default cpu); gpu: each Triton op beside torch eager, "
+                             "torch.compile and scaled_dot_product_attention")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="ops --backend gpu: the activations' dtype (default bfloat16, as --train.dtype)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="ops --backend gpu: leave out the torch.compile column (its compiles take minutes)")
     parser.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
                         help=f"timed repeats per row and side (default: as many as fit in about "
                              f"{ROW_BUDGET_S:g} s, {MIN_REPEAT} to {MAX_REPEAT})")
@@ -72,6 +78,9 @@ _positive_int.__name__ = "positive int"  # argparse names the type in its error 
 def main(args):
     """Run `handgrad bench <what>`; returns the exit status."""
     if args.what == "ops":
+        if args.backend == "gpu":
+            from .bench_gpu import bench_ops_gpu
+            return bench_ops_gpu(args.repeat, args.json, args.dtype, not args.no_compile)
         return bench_ops(args.backend, args.repeat, args.json)
     if args.what == "train":
         from .bench_train import main as bench_train_main

@@ -1,0 +1,324 @@
+"""`handgrad bench ops --backend gpu`: each gpu op beside PyTorch eager, torch.compile and (for
+attention) scaled_dot_product_attention, in the same run, on the same tensors.
+
+Rows: layernorm, GELU with its bias fused, causal attention (the flash kernels), fused softmax +
+cross-entropy, each forward and backward; AdamW over a GPT-2-sized flat buffer. Before a row is
+timed, handgrad's output and gradients are checked against PyTorch eager's (a row that disagrees
+stops the run with an error: a benchmark of a wrong kernel measures nothing).
+
+Timing: on CUDA with CUDA events around `repeat` back-to-back calls (one synchronisation per
+measurement, not per call); torch's backward time is (forward + backward) - forward, since
+autograd needs a fresh graph per backward. The matmuls are cuBLAS on both sides, so they are not
+rows here: the whole step is `handgrad bench train`'s business.
+
+Without CUDA, under TRITON_INTERPRET=1, the same code runs at tiny shapes on CPU tensors: that
+checks the bench end to end (the tests do), but its times measure Triton's interpreter and mean
+nothing, and the report says so.
+"""
+import json
+import time
+
+# (B, T, C, n_head, vocab, AdamW parameters): GPT-2 124M's widths at T 1024 on a GPU; tiny under
+# the interpreter (~1.5 ms per Triton program instance there)
+CUDA_SHAPE = dict(B=8, T=1024, C=768, NH=12, V=50257, P=124_439_808)
+INTERPRET_SHAPE = dict(B=1, T=16, C=64, NH=2, V=100, P=4096)
+TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2}  # max |hg - torch| / max |torch|, over outputs and grads
+
+
+class _Clock:
+    """Mean seconds per call of fn over `repeat` back-to-back calls, after one untimed call."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.cuda = torch.cuda.is_available()
+
+    def __call__(self, fn, repeat):
+        fn()
+        if self.cuda:
+            start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            self.torch.cuda.synchronize()
+            start.record()
+            for _ in range(repeat):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / repeat
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - t0) / repeat
+
+
+class _Row:
+    """One op: handgrad's forward and backward on device tensors, and a torch function of the
+    same inputs (requires_grad leaves) whose autograd gives the reference gradients."""
+
+    name = ""
+    sdpa = None  # an alternative torch function (attention: scaled_dot_product_attention)
+
+    def check_pairs(self):
+        """(name, handgrad tensor, torch tensor) after one handgrad fwd+bwd and one torch fwd+bwd."""
+        self.hg_forward()
+        self.hg_backward()
+        y = self.torch_fn(*self.leaves)
+        y.backward(self.dy)
+        pairs = [("y", self.hg_out, y.detach())]
+        pairs += [(f"d{n}", g, leaf.grad) for n, g, leaf in zip(self.grad_names, self.hg_grads, self.leaves)]
+        return pairs
+
+
+class LayerNorm(_Row):
+    def __init__(self, ops, torch, s, dtype):
+        F = torch.nn.functional
+        N, C = s["B"] * s["T"], s["C"]
+        self.name = f"layernorm N={N} C={C}"
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x, w, b = (torch.randn(shape, generator=g) for shape in ((N, C), (C,), (C,)))
+        dy = torch.randn((N, C), generator=g)
+        dev = ops.device()
+        self.x, self.dy = x.to(dev, dtype), dy.to(dev, dtype)
+        self.w, self.b = w.to(dev), b.to(dev)
+        self.out, self.dx = torch.empty_like(self.x), torch.zeros_like(self.x)
+        self.mean, self.rstd = (torch.empty(N, device=dev) for _ in range(2))
+        self.dw, self.db = torch.zeros_like(self.w), torch.zeros_like(self.b)
+        self.ops = ops
+        self.hg_out, self.hg_grads, self.grad_names = self.out, [self.dx, self.dw, self.db], ["x", "w", "b"]
+        self.leaves = [t.clone().requires_grad_(True) for t in (self.x, self.w, self.b)]
+        self.torch_fn = lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5)
+
+    def hg_forward(self):
+        self.ops.layernorm_forward(self.out, self.mean, self.rstd, self.x, self.w, self.b)
+
+    def hg_backward(self):  # accumulates (+=) into dx, dw, db: zeroed before the check, not per timed call
+        self.ops.layernorm_backward(self.dx, self.dw, self.db, self.dy, self.x, self.w, self.mean, self.rstd)
+
+
+class Gelu(_Row):
+    def __init__(self, ops, torch, s, dtype):
+        F = torch.nn.functional
+        N, C = s["B"] * s["T"], 4 * s["C"]
+        self.name = f"gelu+bias N={N} C={C}"
+        g = torch.Generator(device="cpu").manual_seed(1)
+        dev = ops.device()
+        self.h0 = torch.randn((N, C), generator=g).to(dev, dtype)
+        self.b = (0.1 * torch.randn(C, generator=g)).to(dev)
+        self.dy = torch.randn((N, C), generator=g).to(dev, dtype)
+        self.h = self.h0.clone()  # the forward adds the bias into it in place (the pre-activation)
+        self.out, self.dh = torch.empty_like(self.h), torch.empty_like(self.h)
+        self.db = torch.zeros_like(self.b)
+        self.ops = ops
+        self.hg_out, self.hg_grads, self.grad_names = self.out, [self.dh, self.db], ["h", "b"]
+        self.leaves = [t.clone().requires_grad_(True) for t in (self.h0, self.b)]
+        self.torch_fn = lambda h, b: F.gelu(h + b.to(h.dtype), approximate="tanh")
+
+    def hg_forward(self):
+        # the bias goes into h in place, so a timed loop keeps adding it (values drift by b per
+        # call: no effect on the time); the check starts from a fresh copy
+        self.ops.gelu_forward(self.out, self.h, self.b)
+
+    def hg_backward(self):
+        self.ops.gelu_backward(self.dh, self.db, self.dy, self.h)
+
+    def check_pairs(self):
+        self.h.copy_(self.h0)
+        return super().check_pairs()
+
+
+class Attention(_Row):
+    def __init__(self, ops, torch, s, dtype):
+        from . import torch_ref
+        B, T, C, NH = s["B"], s["T"], s["C"], s["NH"]
+        self.name = f"attention T={T} C={C} NH={NH}"
+        g = torch.Generator(device="cpu").manual_seed(2)
+        dev = ops.device()
+        self.qkv = torch.randn((B, T, 3 * C), generator=g).to(dev, dtype)
+        self.dy = torch.randn((B, T, C), generator=g).to(dev, dtype)
+        self.out, self.dqkv = torch.empty((B, T, C), device=dev, dtype=dtype), torch.empty_like(self.qkv)
+        self.state = torch.empty(ops.attention_state_shape(B, NH, T), device=dev, dtype=torch.float32)
+        self.ops, self.NH = ops, NH
+        self.hg_out, self.hg_grads, self.grad_names = self.out, [self.dqkv], ["qkv"]
+        self.leaves = [self.qkv.clone().requires_grad_(True)]
+        self.torch_fn = lambda qkv: torch_ref.attention(qkv, NH)
+        self.sdpa = lambda qkv: torch_ref.attention_sdpa(qkv, NH)
+
+    def hg_forward(self):
+        self.ops.attention_forward(self.out, self.state, self.qkv, self.NH)
+
+    def hg_backward(self):
+        self.ops.attention_backward(self.dqkv, self.dy, self.qkv, self.state, self.NH, out=self.out)
+
+
+class CrossEntropy(_Row):
+    def __init__(self, ops, torch, s, dtype):
+        from . import torch_ref
+        B, T, V = s["B"], s["T"], s["V"]
+        self.name = f"crossentropy N={B * T} V={V}"
+        g = torch.Generator(device="cpu").manual_seed(3)
+        dev = ops.device()
+        self.logits = (2.0 * torch.randn((B, T, V), generator=g)).to(dev, dtype)
+        targets = torch.randint(0, V, (B, T), generator=g, dtype=torch.int32)
+        targets[0, : max(1, T // 8)] = -1  # some ignored positions, as padding gives
+        self.targets = targets.to(dev)
+        self.losses = torch.empty((B, T), device=dev)
+        self.lse = torch.empty((B, T), device=dev)
+        self.dlogits = torch.empty_like(self.logits)
+        self.mean = torch.zeros((), device=dev)
+        self.ops = ops
+        self.dy = torch.ones((), device=dev)
+        self.hg_out, self.hg_grads, self.grad_names = self.mean, [self.dlogits], ["logits"]
+        self.leaves = [self.logits.clone().requires_grad_(True)]
+        tt = self.targets.long()
+        self.torch_fn = lambda z: torch_ref.crossentropy(z.float(), tt)
+
+    def hg_forward(self):
+        self.mean.copy_(self.ops.crossentropy_forward(self.losses, self.lse, self.logits, self.targets))
+
+    def hg_backward(self):  # out of place, so the logits stay the same from call to call
+        self.ops.crossentropy_backward(self.dlogits, self.logits, self.lse, self.targets)
+
+
+def _rel_err(got, ref):
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    if got.shape != ref.shape:
+        raise SystemExit(f"bench ops --backend gpu: shape {tuple(got.shape)} != torch's {tuple(ref.shape)}")
+    return float((got - ref).abs().max() / max(float(ref.abs().max()), 1e-30))
+
+
+def _compiled(torch, fn, enabled):
+    """torch.compile(fn), or None with the reason when compile is off or fails."""
+    if not enabled:
+        return None, "off (--no-compile)"
+    try:
+        return torch.compile(fn), None
+    except Exception as e:  # noqa: BLE001 - compile's failures are many and all mean "no column"
+        return None, f"{type(e).__name__}: {e}".splitlines()[0][:120]
+
+
+def bench_row(cls, ops, torch, shape, dtype, repeat, compile_torch):
+    """Check, then time one op; two result rows (fwd, bwd)."""
+    tdtype = getattr(torch, dtype)
+    row = cls(ops, torch, shape, tdtype)
+    err = max(_rel_err(h, t) for _, h, t in row.check_pairs())
+    if not err <= TOLERANCE[dtype]:
+        raise SystemExit(f"bench ops --backend gpu: CHECK FAILED for {row.name}: handgrad differs from torch "
+                         f"by {err:.2e} relative (tolerance {TOLERANCE[dtype]:g} in {dtype})")
+    clock = _Clock(torch)
+    hg = [clock(row.hg_forward, repeat), clock(row.hg_backward, repeat)]
+    sides = {"handgrad": hg}
+    variants = [("torch", row.torch_fn)]
+    fn, why = _compiled(torch, row.torch_fn, compile_torch)
+    if fn is not None:
+        variants.append(("torch.compile", fn))
+    if row.sdpa is not None:
+        variants.append(("sdpa", row.sdpa))
+    notes = {} if why is None else {"torch.compile": why}
+    for name, f in variants:
+        leaves = [leaf.detach().clone().requires_grad_(True) for leaf in row.leaves]
+        try:
+            fwd = clock(lambda: f(*leaves), repeat)
+            both = clock(lambda: f(*leaves).backward(row.dy), repeat)
+        except Exception as e:  # noqa: BLE001 - e.g. compile's backend missing at first call
+            notes[name] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
+            continue
+        sides[name] = [fwd, max(both - fwd, 0.0)]
+    rows = []
+    for i, phase in enumerate(("fwd", "bwd")):
+        r = {"name": row.name, "phase": phase, "dtype": dtype, "max_rel_err": err, "repeat": repeat,
+             "ms": {k: v[i] * 1e3 for k, v in sides.items()}, "notes": notes}
+        r["ratio"] = {k: v[i] / hg[i] for k, v in sides.items() if k != "handgrad"}
+        rows.append(r)
+    return rows
+
+
+def bench_adamw(ops, torch, shape, repeat):
+    """handgrad's fused AdamW (one kernel over the flat buffer) against torch.optim.AdamW's fused
+    (CUDA) or foreach implementation over the same number of parameters, as 12 tensors."""
+    P = shape["P"]
+    dev = ops.device()
+    g = torch.Generator(device="cpu").manual_seed(4)
+    params, grads = (torch.randn(P, generator=g).to(dev) for _ in range(2))
+    m, v = torch.zeros_like(params), torch.zeros_like(params)
+    chunks = ops.make_chunks([(0, P, True)])
+    step = [0]
+
+    def hg():
+        step[0] += 1
+        ops.adamw_update(params, grads, m, v, chunks, step[0], 1e-4, 0.9, 0.95, 1e-8, 0.1)
+
+    tparams = [torch.nn.Parameter(t) for t in params.detach().clone().chunk(12)]
+    for t, gr in zip(tparams, grads.chunk(12)):
+        t.grad = gr.clone()
+    kind = "fused" if torch.cuda.is_available() else "foreach"
+    opt = torch.optim.AdamW(tparams, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **{kind: True})
+    clock = _Clock(torch)
+    t_hg, t_torch = clock(hg, repeat), clock(opt.step, repeat)
+    return [{"name": f"adamw P={P:,}", "phase": "step", "dtype": "float32", "max_rel_err": None, "repeat": repeat,
+             "ms": {"handgrad": t_hg * 1e3, f"torch ({kind})": t_torch * 1e3}, "notes": {},
+             "ratio": {f"torch ({kind})": t_torch / t_hg}}]
+
+
+ROWS = (LayerNorm, Gelu, Attention, CrossEntropy)
+
+
+def bench_ops_gpu(repeat, as_json, dtype="bfloat16", compile_torch=True):
+    """`handgrad bench ops --backend gpu`: every row, then a table or JSON."""
+    from .backends.gpu.common import GPUUnavailable, device, interpreting
+    from .torch_ref import require_torch
+    torch = require_torch()
+    try:
+        device()
+    except GPUUnavailable as e:
+        raise SystemExit(f"bench ops --backend gpu: {e}") from None
+    from .backends import get_backend
+    ops = get_backend("gpu")
+    shape = INTERPRET_SHAPE if interpreting() else CUDA_SHAPE
+    repeat = repeat or (2 if interpreting() else 50)
+    t_start = time.perf_counter()
+    rows = []
+    for cls in ROWS:
+        rows += bench_row(cls, ops, torch, shape, dtype, repeat, compile_torch)
+    rows += bench_adamw(ops, torch, shape, repeat)
+    result = {"backend": "gpu", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "interpreter": interpreting(), "torch": torch.__version__, "triton": _triton_version(),
+              "dtype": dtype, "shape": shape, "tolerance_rel": TOLERANCE[dtype], "rows": rows,
+              "seconds": time.perf_counter() - t_start}
+    print(json.dumps(result, indent=2, default=float) if as_json else format_table(result))
+    return 0
+
+
+def _triton_version():
+    import triton
+    return triton.__version__
+
+
+def format_table(result):
+    s = result["shape"]
+    lines = [f"device   {result['device']}; torch {result['torch']}, triton {result['triton']}; "
+             f"activations {result['dtype']}",
+             f"shape    B {s['B']}, T {s['T']}, C {s['C']}, heads {s['NH']}, vocab {s['V']}; AdamW over {s['P']:,}"]
+    if result["interpreter"]:
+        lines.append("WARNING: TRITON_INTERPRET=1 on the CPU: every kernel ran in Triton's interpreter, so these "
+                     "times measure the interpreter, not the kernels (a functional run only)")
+    cols = []
+    for r in result["rows"]:
+        cols += [k for k in r["ms"] if k not in cols]
+    lines += ["", f"{'row':<30} {'phase':<5} " + " ".join(f"{c:>15}" for c in cols) + f" {'check':>8}"]
+    for r in result["rows"]:
+        cells = []
+        for c in cols:
+            if c not in r["ms"]:
+                cells.append(f"{'-':>15}")
+            elif c == "handgrad":
+                cells.append(f"{r['ms'][c]:>12.3f} ms")
+            else:
+                cells.append(f"{r['ms'][c]:>8.3f} {r['ratio'][c]:>5.2f}x")
+        err = "" if r["max_rel_err"] is None else f"{r['max_rel_err']:.1e}"
+        lines.append(f"{r['name']:<30} {r['phase']:<5} " + " ".join(cells) + f" {err:>8}")
+    notes = {k: v for r in result["rows"] for k, v in r["notes"].items()}
+    lines += ["", "each torch column: its time in ms, then its time / handgrad's (> 1: handgrad faster); "
+                  "torch's bwd = (fwd + bwd) - fwd",
+              f"check = max |handgrad - torch eager| / max |torch eager| over the output and gradients "
+              f"(tolerance {result['tolerance_rel']:g})"]
+    lines += [f"{k}: not timed, {v}" for k, v in notes.items()]
+    lines.append(f"total {result['seconds']:.0f} s")
+    return "\n".join(lines)
