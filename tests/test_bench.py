@@ -33,6 +33,9 @@ def test_bench_train_tiny_json_with_profile():
     assert {"attention_forward", "attention_backward", "adamw_update", "global_norm"} <= set(ops)
     assert ops["attention_forward"]["calls"] == 2  # once per layer per step
     assert sum(v["s"] for v in ops.values()) <= row["profile"]["step_s"] * 1.01
+    for op, v in ops.items():  # the time inside blas.gemm, attributed to the op that called it
+        assert 0 <= v["blas_s"] <= v["s"], op
+        assert (v["blas_s"] > 0) == (op.startswith(("linear", "layernorm_linear", "attention"))), op
     # the matmul floor replays every BLAS call of a step: per layer 6 in the forward (qkv, q k^T,
     # P v, proj, fc, mlp proj) and 12 in the backward, plus the lm_head's 1 + 2; backward = 2x forward
     mm = row["profile"]["matmuls"]
@@ -43,6 +46,7 @@ def test_bench_train_tiny_json_with_profile():
     assert 0 < mm["s"] < row["profile"]["step_s"]
     table = bench_train.format_row(row) + bench_train.format_footer(result)  # what the table prints
     assert "handgrad/pytorch: tok/s" in table and "outside the ops" in table and "sgemm peak" in table
+    assert "in BLAS" in table and "outside BLAS" in table
     assert "matmul floor: the step's 39 BLAS calls" in table and "pytorch's step / that floor" in table
 
 

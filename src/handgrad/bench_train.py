@@ -67,6 +67,8 @@ class _Profiler:
         self._ops = ops
         self.seconds = defaultdict(float)
         self.calls = defaultdict(int)
+        self.blas_seconds = defaultdict(float)  # time inside blas.gemm, by the op that called it
+        self.current = None
 
     def __getattr__(self, name):
         fn = getattr(self._ops, name)
@@ -74,10 +76,20 @@ class _Profiler:
             return fn
 
         def timed(*args, **kwargs):
+            self.current = name
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             self.seconds[name] += time.perf_counter() - t0
             self.calls[name] += 1
+            return out
+        return timed
+
+    def timed_gemm(self, gemm):
+        """blas.gemm, timed into blas_seconds under the op being run."""
+        def timed(a, b, c, beta=0.0):
+            t0 = time.perf_counter()
+            out = gemm(a, b, c, beta)
+            self.blas_seconds[self.current] += time.perf_counter() - t0
             return out
         return timed
 
@@ -104,17 +116,20 @@ class _HandgradWorker:
     def profile(self, batches):
         """Run the steps with every op timed; seconds per step by op name, plus the step's total,
         and the matmul floor (see _matmul_floor)."""
-        ops = self.model.ops
+        from .backends.cpu import blas
+        ops, gemm = self.model.ops, blas.gemm
         prof = self.model.ops = _Profiler(ops)
+        blas.gemm = prof.timed_gemm(gemm)
         t0 = time.perf_counter()
         try:
             for b in batches:
                 self.step(b)
         finally:
-            self.model.ops = ops
+            self.model.ops, blas.gemm = ops, gemm
         n = len(batches)
         return {"step_s": (time.perf_counter() - t0) / n,
-                "ops": {k: {"s": v / n, "calls": prof.calls[k] / n} for k, v in prof.seconds.items()},
+                "ops": {k: {"s": v / n, "calls": prof.calls[k] / n, "blas_s": prof.blas_seconds[k] / n}
+                        for k, v in prof.seconds.items()},
                 "matmuls": self._matmul_floor(batches[0])}
 
     def _matmul_floor(self, batch, repeats=3):
@@ -395,13 +410,19 @@ def _family(op):
 
 def format_profile(prof):
     total = prof["step_s"]
-    fam = defaultdict(float)
+    fam, fam_blas = defaultdict(float), defaultdict(float)
     for op, v in prof["ops"].items():
         fam[_family(op)] += v["s"]
-    lines = [f"  handgrad profile ({1e3 * total:.1f} ms per step, op calls timed):",
-             f"    {'op family':<20} {'phase':<8} {'ms/step':>8} {'share':>6}"]
+        fam_blas[_family(op)] += v.get("blas_s", 0.0)
+    lines = [f"  handgrad profile ({1e3 * total:.1f} ms per step, op calls timed; 'in BLAS': the part "
+             f"inside blas.gemm):",
+             f"    {'op family':<20} {'phase':<8} {'ms/step':>8} {'share':>6} {'in BLAS':>8}"]
     for (name, phase), s in sorted(fam.items(), key=lambda kv: -kv[1]):
-        lines.append(f"    {name:<20} {phase:<8} {1e3 * s:>8.2f} {100 * s / total:>5.1f}%")
+        lines.append(f"    {name:<20} {phase:<8} {1e3 * s:>8.2f} {100 * s / total:>5.1f}% "
+                     f"{1e3 * fam_blas[name, phase]:>8.2f}")
+    blas_total = sum(fam_blas.values())
+    lines.append(f"    {'all ops':<20} {'':<8} {1e3 * sum(fam.values()):>8.2f} {'':>6} {1e3 * blas_total:>8.2f}"
+                 f"  (outside BLAS: {1e3 * (sum(fam.values()) - blas_total):.2f})")
     rest = total - sum(fam.values())
     lines.append(f"    {'outside the ops':<20} {'':<8} {1e3 * rest:>8.2f} {100 * rest / total:>5.1f}%")
     mm = prof.get("matmuls")
