@@ -149,15 +149,18 @@ def environment(torch=None):
 
 
 # ---------------------------------------------------------------- timing and checking
-def _check(name, pairs):
-    """Each (label, handgrad, torch) must agree within ATOL_REL of torch's max |value|; else exit 1."""
+def _check(name, pairs, tolerance=ATOL_REL):
+    """Each (label, handgrad, torch) must have torch's shape and agree within `tolerance` of torch's
+    max |value|; else exit 1. Returns the worst relative error."""
     worst = 0.0
     for label, mine, ref in pairs:
         mine, ref = np.asarray(mine, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-        err = float(np.max(np.abs(mine - ref))) / max(float(np.max(np.abs(ref))), 1e-30)
-        if not err <= ATOL_REL:
+        if mine.shape != ref.shape:
+            raise SystemExit(f"bench: CHECK FAILED for {name}: {label} has shape {mine.shape}, torch's {ref.shape}")
+        err = float(np.max(np.abs(mine - ref), initial=0.0)) / max(float(np.max(np.abs(ref), initial=0.0)), 1e-30)
+        if not err <= tolerance:
             raise SystemExit(f"bench: CHECK FAILED for {name}: {label} differs from torch by {err:.3g} "
-                             f"of max |torch| (tolerance {ATOL_REL:g})")
+                             f"of max |torch| (tolerance {tolerance:g})")
         worst = max(worst, err)
     return worst
 

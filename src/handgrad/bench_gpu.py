@@ -177,13 +177,6 @@ class CrossEntropy(_Row):
         self.ops.crossentropy_backward(self.dlogits, self.logits, self.lse, self.targets)
 
 
-def _rel_err(got, ref):
-    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
-    if got.shape != ref.shape:
-        raise SystemExit(f"bench ops --backend gpu: shape {tuple(got.shape)} != torch's {tuple(ref.shape)}")
-    return float((got - ref).abs().max() / max(float(ref.abs().max()), 1e-30))
-
-
 def _compiled(torch, fn, enabled):
     """torch.compile(fn), or None with the reason when compile is off or fails."""
     if not enabled:
@@ -197,11 +190,10 @@ def _compiled(torch, fn, enabled):
 def bench_row(cls, ops, torch, shape, dtype, repeat, compile_torch):
     """Check, then time one op; two result rows (fwd, bwd)."""
     tdtype = getattr(torch, dtype)
+    from .bench import _check
     row = cls(ops, torch, shape, tdtype)
-    err = max(_rel_err(h, t) for _, h, t in row.check_pairs())
-    if not err <= TOLERANCE[dtype]:
-        raise SystemExit(f"bench ops --backend gpu: CHECK FAILED for {row.name}: handgrad differs from torch "
-                         f"by {err:.2e} relative (tolerance {TOLERANCE[dtype]:g} in {dtype})")
+    host = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    err = _check(row.name, [(label, host(h), host(t)) for label, h, t in row.check_pairs()], TOLERANCE[dtype])
     clock = _Clock(torch)
     hg = [clock(row.hg_forward, repeat), clock(row.hg_backward, repeat)]
     sides = {"handgrad": hg}
