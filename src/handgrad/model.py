@@ -263,15 +263,47 @@ class GPT:
     def forward(self, idx, targets=None):
         """idx (B, T) integer token ids. With targets (B, T) (-1 = ignore) returns the mean loss as
         a float and keeps what backward() needs; without, returns logits (B, T, V) (a copy)."""
+        if targets is not None:
+            return float(self.forward_loss(idx, targets))  # the gpu's loss is a device scalar: this waits
+        a = self.stage(idx)
+        self._layers_forward(a)
+        self._ready_for_backward = False
+        return self.ops.to_numpy(a.logits).copy()
+
+    def forward_loss(self, idx, targets):
+        """forward(idx, targets) without reading the loss: the backend's scalar (a float on the cpu,
+        a 0-dim device tensor on the gpu, so the host does not wait for the GPU)."""
+        return self.forward_staged(self.stage(idx, targets))
+
+    def stage(self, idx, targets=None, into=None):
+        """Check idx and targets and copy them into the activations of their shape (or `into`, which
+        must have it): a step's one host-to-device transfer. Returns those activations."""
         idx = self._check_tokens("idx", idx, allow_ignore=False)
         if targets is not None:
             targets = self._check_tokens("targets", targets, allow_ignore=True)
             if targets.shape != idx.shape:
                 raise ValueError(f"targets must have the shape of idx {idx.shape}, got {targets.shape}")
-        B, T = idx.shape
-        ops, p, a, NH = self.ops, self.p, self._activations(B, T), self.config.n_head
-        a.idx[...] = self.ops.from_numpy(idx.astype(np.int32, copy=False))
+        a = self._activations(*idx.shape) if into is None else into
+        if (a.B, a.T) != idx.shape:
+            raise ValueError(f"idx has shape {idx.shape}, the activations being filled ({a.B}, {a.T})")
+        self.ops.upload_tokens(a.idx, idx)
+        if targets is not None:
+            self.ops.upload_tokens(a.targets, targets)
+        return a
 
+    def forward_staged(self, a):
+        """The forward over the tokens and targets stage() put into a; returns the mean loss as the
+        backend's scalar and keeps what backward() needs. Touches only device memory (no host
+        transfer, no allocation after the first call), so a CUDA graph can capture it."""
+        self._layers_forward(a)
+        loss = self.ops.crossentropy_forward(a.losses, a.lse, a.logits, a.targets)
+        self._acts = a
+        self._ready_for_backward = True
+        return loss
+
+    def _layers_forward(self, a):
+        """Embeddings, the blocks, ln_f and the logits into a.logits, from the tokens in a.idx."""
+        ops, p, NH = self.ops, self.p, self.config.n_head
         ops.encoder_forward(a.encoded, a.idx, p["wte.weight"], p["wpe.weight"])
         x = a.encoded
         for l in range(self.config.n_layer):
@@ -291,14 +323,6 @@ class GPT:
             x = a.res3[l]
         ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p["ln_f.weight"], p["ln_f.bias"])
         ops.linear_forward(a.logits, a.lnf, p["wte.weight"].T)
-
-        if targets is None:
-            self._ready_for_backward = False
-            return self.ops.to_numpy(a.logits).copy()
-        a.targets[...] = self.ops.from_numpy(targets.astype(np.int32, copy=False))
-        loss = ops.crossentropy_forward(a.losses, a.lse, a.logits, a.targets)
-        self._ready_for_backward = True
-        return float(loss)  # the gpu backend returns a device scalar: reading it waits for the GPU
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss.

@@ -42,6 +42,16 @@ class AdamW:
                                     self.m, self.v, self.chunks, self.t, self.lr if lr is None else lr,
                                     b1, b2, self.eps, self.weight_decay, grad_scale)
 
+    def step_on_device(self, hyper):
+        """One update with its scalars decided on the device (gpu backend): hyper, written by
+        ops.prepare_update, holds lr, grad_scale, the bias corrections and whether to apply the step
+        at all. self.t does not move here: the device counts the steps applied (see DeviceLoop)."""
+        b1, b2 = self.betas
+        model = self.model
+        model.ops.adamw_update(model.flat_params[self.lo:self.hi], model.flat_grad[self.lo:self.hi],
+                               self.m, self.v, self.chunks, None, None, b1, b2, self.eps, self.weight_decay,
+                               hyper=hyper)
+
 
 def grad_norm(model, chunks, lo=0):
     """Global L2 norm of the gradients in `chunks` (offsets relative to lo), float64 accumulation."""

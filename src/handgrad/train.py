@@ -171,6 +171,8 @@ class Trainer:
         if t.dtype == "bfloat16" and backend != "gpu":
             raise ConfigError("train.dtype: bfloat16 is the gpu backend's mixed precision; add --device gpu, or "
                               "use --train.dtype float32 on the cpu")
+        if t.cuda_graph:
+            _check_cuda_graph(backend, self.dp.world_size)
         self.model = GPT(self.gpt_config, backend=backend, seed=t.seed, buffer_multiple=self.dp.world_size,
                          dtype=t.dtype)
         if init_from is not None:
@@ -181,6 +183,7 @@ class Trainer:
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, shard=shard)
         self.data_rng, self.sample_rng = _rng(seed=[t.seed, 1]), _rng(seed=[t.seed, 2])
         self.step = 0
+        self.device_loop = None  # the gpu's sync-free step (handgrad.device_loop), made at the first step
         self._prepare_run_dir(resume)
         # every rank starts from rank 0's weights (resumed ones are equal already: checked above)
         self.dp.broadcast(self.model.flat_params)
@@ -361,16 +364,23 @@ class Trainer:
         return tok.decode(ids[0, len(start):].tolist())
 
     def train_step(self):
-        """One optimizer step over grad_accum_steps micro-batches; returns (loss, grad_norm, lr)."""
+        """One optimizer step over grad_accum_steps micro-batches; returns (loss, grad_norm, lr).
+        On the gpu with one process loss and grad_norm are None: they stay on the device, and
+        settle() reads them (see handgrad.device_loop)."""
         t, T, dp = self.config.train, self.config.model.block_size, self.dp
         # one global batch of world_size * batch_size rows per micro-step; this rank reads its rows
         batches = [self.train_data.get_batch(t.batch_size * dp.world_size, T, self.data_rng,
                                              rows=dp.rows(t.batch_size))
                    for _ in range(t.grad_accum_steps)]
-        loss, norm, grad_scale = accumulate_gradients(self.model, self.opt, batches, t.grad_clip, dp, t.zero_stage)
         lr = lr_at(self.step, t)
+        loop = self._device_loop()
+        if loop is not None:
+            loop.step(batches)
+            self.step += 1
+            return None, None, lr
+        loss, norm, grad_scale = accumulate_gradients(self.model, self.opt, batches, t.grad_clip, dp, t.zero_stage)
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            self._numerical_fault(loss)  # raises on "stop"; on "skip" the weights stay untouched
+            self._numerical_fault(self.step + 1, loss)  # raises on "stop"; on "skip" the weights stay untouched
         else:
             self.opt.step(lr=lr, grad_scale=grad_scale)
             if self.sharded:  # each rank updated its own slice: all-gather the weights
@@ -378,13 +388,45 @@ class Trainer:
         self.step += 1
         return loss, norm, lr
 
-    def _numerical_fault(self, loss):
+    def _device_loop(self):
+        """The gpu's sync-free step (one process), made at the first step (after any resume)."""
+        if self.model.backend != "gpu" or self.dp.world_size > 1:
+            return None
+        if self.device_loop is None:
+            from .device_loop import DeviceLoop
+            self.device_loop = DeviceLoop(self.model, self.opt, self.config.train, self.step,
+                                          cuda_graph=self.config.train.cuda_graph)
+        return self.device_loop
+
+    def settle(self, recs, started):
+        """Fill in the loss and grad_norm of the gpu's records `recs` (one read from the device)
+        and their time: the window since `started` over the steps. Acts on a non-finite step as
+        train.on_nan says; under stop, the records before it are returned in the error's place
+        (the caller writes them) through TrainError.records."""
+        results, _ = self.device_loop.read()
+        ms = (time.perf_counter() - started) * 1e3 / max(1, len(recs))
+        tokens = self.config.train.batch_size * self.config.model.block_size * self.config.train.grad_accum_steps
+        for i, (rec, (step, loss, norm)) in enumerate(zip(recs, results)):
+            rec.update(loss=loss, grad_norm=norm, ms=ms, tok_per_s=tokens / ms * 1e3)
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                try:
+                    # the gradient buffer is that step's only when it is the newest one queued
+                    self._numerical_fault(step, loss, locate=step == self.step)
+                except TrainError as e:
+                    e.records = recs[:i]
+                    raise
+        return recs
+
+    def _numerical_fault(self, step, loss, locate=True):
         """Name the step and the first non-finite gradient tensor (in param_spec order)."""
         where = "the loss" if not math.isfinite(loss) else "the gradients"
-        bad = next((name for name, g in self.model.g.items() if not np.isfinite(self.model.ops.to_numpy(g)).all()),
-                   None)
-        msg = (f"step {self.step + 1}: {where} {'is' if where == 'the loss' else 'are'} not finite"
-               f" (loss {loss}; first non-finite gradient: {bad or 'none'})")
+        if locate:
+            bad = next((name for name, g in self.model.g.items()
+                        if not np.isfinite(self.model.ops.to_numpy(g)).all()), None) or "none"
+        else:  # the gpu read this step's scalars back steps later: its gradients are gone
+            bad = "not located (log every step, --train.log_interval 1, to locate it)"
+        msg = (f"step {step}: {where} {'is' if where == 'the loss' else 'are'} not finite"
+               f" (loss {loss}; first non-finite gradient: {bad})")
         if self.config.train.on_nan == "stop":
             raise TrainError(msg + "; stopped before the optimizer touched the weights (the last checkpoint is "
                              "intact); lower train.lr, or pass --train.on_nan skip to skip such batches")
@@ -404,6 +446,7 @@ class Trainer:
         try:
             with _StopFlag() as stop:
                 stopping = False
+                unread, window = [], time.perf_counter()  # gpu: steps whose loss is still on the device
                 while self.step < t.max_steps and not stopping:
                     t0 = time.perf_counter()
                     loss, norm, lr = self.train_step()
@@ -413,21 +456,32 @@ class Trainer:
                     rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
                            "tok_per_s": tokens_per_step / dt, "ms": dt * 1e3}
                     last = self.step == t.max_steps
-                    if t.eval_interval and self.val_data.num_tokens and (self.step % t.eval_interval == 0 or last):
+                    evaluate = bool(t.eval_interval and self.val_data.num_tokens
+                                    and (self.step % t.eval_interval == 0 or last))
+                    sample = bool(t.sample_interval and self.step % t.sample_interval == 0 and dp.is_main)
+                    save = bool((t.checkpoint_interval and self.step % t.checkpoint_interval == 0) or last or stopping)
+                    recs = [rec]
+                    if loss is None:  # the gpu: read back only when something is shown or saved
+                        unread.append(rec)
+                        if not (self.step % t.log_interval == 0 or evaluate or sample or save
+                                or self.device_loop.full()):
+                            continue
+                        try:
+                            recs = self.settle(unread, window)
+                        except TrainError as e:
+                            self._emit(e.records, metrics, bar, say, flops_per_step, peak_gflops)
+                            raise
+                        unread, window = [], None
+                    if evaluate:
                         rec["val_loss"] = self.evaluate()
-                    if self.step % t.log_interval == 0 or last or "val_loss" in rec:
-                        say(_format(rec, flops_per_step / dt / 1e9, peak_gflops))
-                    if metrics is not None:
-                        metrics.write(json.dumps(rec) + "\n")
-                        metrics.flush()
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{loss:.4f}")
-                    if t.sample_interval and self.step % t.sample_interval == 0 and dp.is_main:
+                    self._emit(recs, metrics, bar, say, flops_per_step, peak_gflops)
+                    if sample:
                         say(f"--- sample at step {self.step} ---\n{self.sample_text()}\n---")
-                    if (t.checkpoint_interval and self.step % t.checkpoint_interval == 0) or last or stopping:
+                    if save:
                         path = self.save()
                         say(f"checkpoint {path}")
+                    if window is None:  # the next gpu window starts after this step's reads and writes
+                        window = time.perf_counter()
         except OSError as e:  # disk full, a directory that became unwritable, a vanished mount
             what = f"{e.filename}: " if e.filename else ""
             raise TrainError(f"{what}write failed at step {self.step} ({e.strerror or e}); stopped; "
@@ -447,9 +501,37 @@ class Trainer:
             plot_losses(self.run_dir)
         return self.step
 
+    def _emit(self, recs, metrics, bar, say, flops_per_step, peak_gflops):
+        """Log (every log_interval steps, the last step, and with a val loss) and record steps."""
+        t = self.config.train
+        for rec in recs:
+            if rec["step"] % t.log_interval == 0 or rec["step"] == t.max_steps or "val_loss" in rec:
+                say(_format(rec, flops_per_step / rec["ms"] / 1e6, peak_gflops))
+            if metrics is not None:
+                metrics.write(json.dumps(rec) + "\n")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}")
+        if metrics is not None:
+            metrics.flush()
+
     def _last_good(self):
         good = list_checkpoints(self.run_dir)
         return f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was completed"
+
+
+def _check_cuda_graph(backend, world_size):
+    if backend != "gpu":
+        raise ConfigError("train.cuda_graph: CUDA graphs replay the gpu backend's step; add --device gpu, "
+                          "or drop --train.cuda_graph")
+    if world_size > 1:
+        raise ConfigError("train.cuda_graph: needs a single process (under torchrun the gradients are "
+                          "all-reduced between the kernels, from Python); drop --train.cuda_graph")
+    import torch
+    from .backends.gpu.common import interpreting
+    if interpreting() or not torch.cuda.is_available():
+        raise ConfigError("train.cuda_graph: needs CUDA (TRITON_INTERPRET=1 runs the kernels on the CPU, "
+                          "where nothing can be captured); drop --train.cuda_graph")
 
 
 def _read_json(path):

@@ -37,6 +37,11 @@ def from_numpy(a):
     return np.ascontiguousarray(a)
 
 
+def upload_tokens(dst, tokens):
+    """Copy integer token ids (B, T) into the int32 array dst (the gpu backend's step transfer)."""
+    dst[...] = tokens
+
+
 def set_threads(n):
     """Run this process's Numba kernels and BLAS matmuls on n threads, so several processes on
     one machine (torchrun --nproc_per_node) share its cores instead of oversubscribing them."""

@@ -6,7 +6,7 @@ the arrays are torch tensors on `common.device()` (CUDA, or the CPU under TRITON
 import numpy as np
 import torch
 
-from .adamw import adamw_update, global_norm, make_chunks
+from .adamw import HYPER_SIZE, adamw_update, global_norm, make_chunks, prepare_update, update_state
 from .attention import attention_backward, attention_decode_forward, attention_forward, attention_state_shape
 from .common import device, torch_dtype
 from .crossentropy import IGNORE_INDEX, crossentropy_backward, crossentropy_forward
@@ -42,3 +42,31 @@ def from_numpy(a):
     if isinstance(a, torch.Tensor):
         return a.to(device())
     return torch.from_numpy(np.ascontiguousarray(a)).to(device())
+
+
+_UPLOAD_RING = 4  # page-locked staging buffers per shape: the host may run this many uploads ahead
+_uploads = {}
+
+
+def upload_tokens(dst, tokens):
+    """Copy integer token ids (B, T) into the int32 device tensor dst without waiting for the GPU.
+
+    A plain copy from NumPy's (pageable) memory makes torch synchronise the stream, so the host
+    would wait for every queued kernel at each step. On CUDA the ids go through a ring of
+    page-locked buffers with non_blocking copies; a buffer is refilled only after an event says its
+    previous copy has run (which waits, at most, for a copy queued _UPLOAD_RING uploads ago)."""
+    src = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32)).reshape(dst.shape)
+    if dst.device.type != "cuda":
+        dst.copy_(src)
+        return
+    ring = _uploads.get(tuple(dst.shape))
+    if ring is None:
+        ring = _uploads[tuple(dst.shape)] = {"next": 0, "slots": [
+            (torch.empty(dst.shape, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+            for _ in range(_UPLOAD_RING)]}
+    host, done = ring["slots"][ring["next"]]
+    ring["next"] = (ring["next"] + 1) % _UPLOAD_RING
+    done.synchronize()  # an event never recorded returns at once
+    host.copy_(src)
+    dst.copy_(host, non_blocking=True)
+    done.record()

@@ -1,0 +1,149 @@
+"""The gpu backend's training step with no host sync, and its CUDA graphs (`train.cuda_graph`).
+
+The host queues GPU work and runs ahead of it. Every value it reads back (a float(loss), the
+gradient norm that clipping needs, the NaN check) makes it wait until the GPU has drained the
+queue. Trainer.train_step on the cpu reads all three every step; here they stay on the device:
+
+- each micro-batch's loss is added into a float64 device scalar;
+- global_norm's result, clipping, the NaN/inf check, the learning rate (a device table of the
+  schedule, indexed by the device's step count) and AdamW's bias corrections are formed by
+  prepare_update, one single-program kernel, into the scalars adamw_update reads;
+- a step whose loss or norm is not finite is skipped on the device. AdamW's step count and
+  moments stay as they were, as on the cpu. With train.on_nan stop, every later step is skipped
+  too, until the host reads the fault and stops the run;
+- each step's (loss, grad_norm) lands in a device ring. The host reads the ring back in one copy
+  when it logs, evaluates, samples or checkpoints, or when the ring is full (`read`).
+
+The only host-to-device traffic is the token ids. They go through page-locked buffers
+(ops.upload_tokens) once per micro-batch.
+
+With cuda_graph the step is captured after one eager step, as two or three CUDA graphs sharing a
+memory pool:
+- the first micro-batch (zero_grad, forward, backward writing the weight gradients);
+- further micro-batches (backward adding into them), present when grad_accum_steps > 1;
+- the update (norm, prepare_update, AdamW).
+Each later step stages a micro-batch's tokens into the captured activations and replays the
+graphs: a few launches instead of hundreds of kernel launches from Python.
+"""
+from .train import lr_at
+
+
+class DeviceLoop:
+    """Optimizer steps of `model` (gpu backend, one process) with `opt`, scheduled by the train
+    section `t`, starting after `start_step` loop steps (applied or skipped)."""
+
+    HISTORY = 1024  # (loss, grad_norm) slots on the device: the most steps between two reads
+
+    def __init__(self, model, opt, t, start_step, cuda_graph=False):
+        import torch
+        from .backends.gpu import HYPER_SIZE, device, update_state
+        if model.backend != "gpu":
+            raise ValueError(f"DeviceLoop runs the gpu backend's step, got a {model.backend} model")
+        if (opt.lo, opt.hi) != (0, model.num_params):
+            raise ValueError("DeviceLoop needs the whole optimizer state (one process, no ZeRO shard)")
+        self.model, self.opt, self.t = model, opt, t
+        self.ops = model.ops
+        dev = device()
+        self.lr_table = torch.tensor([lr_at(s, t) for s in range(t.max_steps)] or [t.lr], dtype=torch.float32,
+                                     device=dev)
+        self.state = update_state(self.HISTORY, start_step, opt.t, opt.betas, 1.0 / t.grad_accum_steps,
+                                  t.grad_clip, stop=t.on_nan == "stop")
+        self.hyper = torch.zeros(HYPER_SIZE, dtype=torch.float32, device=dev)
+        self.loss = torch.zeros((), dtype=torch.float64, device=dev)  # this step's mean loss
+        self.step_count = start_step  # loop steps queued (the device's count once they have run)
+        self.unread = []  # the loop steps (1-based) whose (loss, grad_norm) are still on the device
+        self.cuda_graph = cuda_graph
+        if cuda_graph and not (torch.cuda.is_available() and dev.type == "cuda"):
+            raise ValueError("train.cuda_graph needs CUDA (the Triton interpreter runs on the CPU); "
+                             "drop --train.cuda_graph")
+        self.graphs = None  # after capture: {"first", "more", "update"} and the captured activations
+        self.graph_factory = None  # tests swap in a stand-in for torch.cuda.CUDAGraph
+        self._eager_steps = 0
+
+    # ---------------------------------------------------------------- one step
+    def step(self, batches):
+        """Queue one optimizer step over the (x, y) micro-batches; nothing is read back."""
+        if len(batches) != self.t.grad_accum_steps:
+            raise ValueError(f"{len(batches)} micro-batches, expected train.grad_accum_steps "
+                             f"{self.t.grad_accum_steps}")
+        if self.full():
+            raise RuntimeError(f"{self.HISTORY} steps unread: call read() first")
+        if self.cuda_graph and self.graphs is None and self._eager_steps >= 1:
+            self._capture(*batches[0])
+        if self.graphs is None:
+            for i, (x, y) in enumerate(batches):
+                self._micro(self.model.stage(x, y), i)
+            self._update()
+            self._eager_steps += 1
+        else:
+            acts = self.graphs["acts"]
+            for i, (x, y) in enumerate(batches):
+                self.model.stage(x, y, into=acts)
+                self.graphs["first" if i == 0 else "more"].replay()
+            self.graphs["update"].replay()
+        self.step_count += 1
+        self.unread.append(self.step_count)
+
+    def _micro(self, a, i):
+        model = self.model
+        if i == 0:
+            model.zero_grad()
+        loss = model.forward_staged(a)
+        model.backward()
+        n = self.t.grad_accum_steps  # the mean over micro-batches, in float64 as on the host
+        if i == 0:
+            self.loss.copy_(loss).div_(n)
+        else:
+            self.loss.add_(loss.double().div_(n))
+
+    def _update(self):
+        ops, opt = self.ops, self.opt
+        norm = ops.global_norm(self.model.flat_grad, opt.chunks)
+        self._norm = norm  # kept alive: under capture it lives in the graphs' pool
+        # the buffer holds the sum of the micro-batches' gradients: prepare_update scales the norm
+        # (and the gradients, through grad_scale) by 1 / grad_accum_steps
+        ops.prepare_update(self.hyper, self.state, self.loss, norm, self.lr_table)
+        opt.step_on_device(self.hyper)
+
+    def _capture(self, x, y):
+        """Capture the step's graphs over activations of the batch's shape, holding them (the model
+        may move to others, e.g. to sample). The eager step before has compiled every kernel and
+        made every workspace; the activations are filled (tokens staged, gradient buffers made)
+        before capture, so nothing in the graphs allocates them or reads garbage."""
+        import torch
+        make = self.graph_factory or torch.cuda.CUDAGraph
+        model = self.model
+        a = model.stage(x, y)
+        if a.grads is None:
+            a.alloc_grads(model.ops, model.config, model._act_dtype())
+        graphs = {"acts": a}
+        pool = torch.cuda.graph_pool_handle() if self.graph_factory is None else None
+        parts = [("first", lambda: self._micro(a, 0)), ("update", self._update)]
+        if self.t.grad_accum_steps > 1:
+            parts.insert(1, ("more", lambda: self._micro(a, 1)))
+        for name, body in parts:
+            graphs[name] = g = make()
+            if self.graph_factory is None:
+                with torch.cuda.graph(g, pool=pool):
+                    body()
+            else:
+                g.capture(body)
+        self.graphs = graphs
+
+    # ---------------------------------------------------------------- reading back
+    def full(self):
+        return len(self.unread) >= self.HISTORY
+
+    def read(self):
+        """Wait for the queued steps and read their results back in one copy. Returns ([(step,
+        loss, grad_norm)] of the steps not read before, oldest first, NaN or inf where a step was
+        skipped for it; whether a fault under train.on_nan stop has frozen the weights). Also brings
+        opt.t (AdamW's steps applied) up to date."""
+        from .backends.gpu import adamw as gpu_adamw
+        host = self.state.cpu().numpy()
+        self.opt.t = int(host[gpu_adamw.APPLIED])
+        ring = host[gpu_adamw.STATE_SIZE:].reshape(self.HISTORY, 2)
+        out = [(s, float(ring[(s - 1) % self.HISTORY, 0]), float(ring[(s - 1) % self.HISTORY, 1]))
+               for s in self.unread]
+        self.unread = []
+        return out, bool(host[gpu_adamw.FAULT])
