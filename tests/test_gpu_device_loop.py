@@ -87,13 +87,14 @@ def _train_section(**kw):
 
 
 class _NoReads:
-    """Fails the test on any read of a device value into the host: float(), .item(), .tolist(),
-    and the backend's to_numpy."""
+    """Fails the test on any read of a device value into the host: float(), int(), bool(), .item(),
+    .tolist(), .numpy() and the backend's to_numpy. (Not .cpu(): the interpreter itself calls it.)"""
 
     def __init__(self, monkeypatch, model):
         def refuse(*a, **k):
             raise AssertionError("the device loop read a value back from the device")
-        self.undo = [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in ("__float__", "item", "tolist")]
+        self.undo = [(torch.Tensor, n, getattr(torch.Tensor, n))
+                     for n in ("__float__", "__int__", "__bool__", "item", "tolist", "numpy")]
         self.undo.append((model.ops, "to_numpy", model.ops.to_numpy))
         self.mp, self.refuse = monkeypatch, refuse
 
@@ -257,6 +258,25 @@ def test_train_nan_skip_and_stop_on_the_device(data_dir, tmp_path, monkeypatch, 
         trainer.run()
     assert [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").open()] == [1]
     assert trainer.opt.t == 1 and list_checkpoints(run) == []
+    assert trainer.device_loop is None  # its stop flag was set: a later run() starts a fresh loop
+
+
+def test_train_keeps_the_unread_steps_when_a_step_fails(data_dir, tmp_path, monkeypatch):
+    """A failure inside a step (an OOM, a failed capture, a second Ctrl-C) still writes the steps
+    that ran before it but were not read yet, then lets the error through."""
+    real = DeviceLoop.step
+
+    def step(self, batches):
+        if self.step_count == 3:
+            raise MemoryError("out of memory (simulated)")
+        return real(self, batches)
+    monkeypatch.setattr(DeviceLoop, "step", step)
+    run = tmp_path / "oom"
+    trainer = Trainer(data_dir, run, _config(max_steps=6, log_interval=5), log=lambda *a: None, backend="gpu")
+    with pytest.raises(MemoryError, match="simulated"):
+        trainer.run()
+    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").open()]
+    assert [r["step"] for r in recs] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in recs)
 
 
 @pytest.mark.skipif(not REAL_GPU, reason="CUDA graphs and torch's sync debug mode need a real GPU")

@@ -25,6 +25,8 @@ memory pool:
 Each later step stages a micro-batch's tokens into the captured activations and replays the
 graphs: a few launches instead of hundreds of kernel launches from Python.
 """
+import contextlib
+
 from .train import lr_at
 
 
@@ -59,6 +61,7 @@ class DeviceLoop:
         self.graphs = None  # after capture: {"first", "more", "update"} and the captured activations
         self.graph_factory = None  # tests swap in a stand-in for torch.cuda.CUDAGraph
         self._eager_steps = 0
+        self._stream = None  # cuda_graph: the stream of the warm-up step and of the capture
 
     # ---------------------------------------------------------------- one step
     def step(self, batches):
@@ -71,9 +74,10 @@ class DeviceLoop:
         if self.cuda_graph and self.graphs is None and self._eager_steps >= 1:
             self._capture(*batches[0])
         if self.graphs is None:
-            for i, (x, y) in enumerate(batches):
-                self._micro(self.model.stage(x, y), i)
-            self._update()
+            with self._warmup_stream():
+                for i, (x, y) in enumerate(batches):
+                    self._micro(self.model.stage(x, y), i)
+                self._update()
             self._eager_steps += 1
         else:
             acts = self.graphs["acts"]
@@ -83,6 +87,22 @@ class DeviceLoop:
             self.graphs["update"].replay()
         self.step_count += 1
         self.unread.append(self.step_count)
+
+    @contextlib.contextmanager
+    def _warmup_stream(self):
+        """With cuda_graph, the eager steps run on the stream the capture will use, as torch's docs
+        ask: cuBLAS keeps a workspace per stream, made on first use, and that must not happen
+        inside the capture."""
+        if not self.cuda_graph or self.graph_factory is not None:
+            yield
+            return
+        import torch
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self._stream)
 
     def _micro(self, a, i):
         model = self.model
@@ -124,7 +144,7 @@ class DeviceLoop:
         for name, body in parts:
             graphs[name] = g = make()
             if self.graph_factory is None:
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, stream=self._stream):
                     body()
             else:
                 g.capture(body)

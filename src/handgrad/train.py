@@ -414,6 +414,7 @@ class Trainer:
                     self._numerical_fault(step, loss, locate=step == self.step)
                 except TrainError as e:
                     e.records = recs[:i]
+                    self.device_loop = None  # its stop flag is set: a later run starts a fresh one
                     raise
         return recs
 
@@ -449,7 +450,11 @@ class Trainer:
                 unread, window = [], time.perf_counter()  # gpu: steps whose loss is still on the device
                 while self.step < t.max_steps and not stopping:
                     t0 = time.perf_counter()
-                    loss, norm, lr = self.train_step()
+                    try:
+                        loss, norm, lr = self.train_step()
+                    except BaseException:  # an OOM, a failed capture, a second Ctrl-C: keep what ran
+                        self._settle_and_emit(unread, window, metrics, bar, say, flops_per_step, peak_gflops)
+                        raise
                     dt = time.perf_counter() - t0
                     # every rank stops after the same step, if any of them was asked to
                     stopping = stop.requested if dp.world_size == 1 else dp.sum([stop.requested])[0] > 0
@@ -466,11 +471,8 @@ class Trainer:
                         if not (self.step % t.log_interval == 0 or evaluate or sample or save
                                 or self.device_loop.full()):
                             continue
-                        try:
-                            recs = self.settle(unread, window)
-                        except TrainError as e:
-                            self._emit(e.records, metrics, bar, say, flops_per_step, peak_gflops)
-                            raise
+                        recs = self._settle_and_emit(unread, window, metrics, bar, say, flops_per_step,
+                                                     peak_gflops, emit=False)
                         unread, window = [], None
                     if evaluate:
                         rec["val_loss"] = self.evaluate()
@@ -500,6 +502,28 @@ class Trainer:
         if dp.is_main:
             plot_losses(self.run_dir)
         return self.step
+
+    def _settle_and_emit(self, unread, window, *emit_args, emit=True):
+        """settle() the gpu's unread records and (with emit) write them. On a NaN fault the steps
+        before it are written and the TrainError raised. Called after a failure elsewhere (emit), a
+        device that cannot be read any more loses the unread records, and the first error stands."""
+        if not unread:
+            return []
+        failing = emit  # emit=True: called while another exception is on its way up
+        try:
+            recs = self.settle(unread, window)
+        except TrainError as e:
+            self._emit(e.records, *emit_args)
+            if failing:
+                return []
+            raise
+        except Exception:
+            if failing:
+                return []
+            raise
+        if emit:
+            self._emit(recs, *emit_args)
+        return recs
 
     def _emit(self, recs, metrics, bar, say, flops_per_step, peak_gflops):
         """Log (every log_interval steps, the last step, and with a val loss) and record steps."""

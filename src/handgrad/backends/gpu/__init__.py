@@ -44,8 +44,8 @@ def from_numpy(a):
     return torch.from_numpy(np.ascontiguousarray(a)).to(device())
 
 
-_UPLOAD_RING = 4  # page-locked staging buffers per shape: the host may run this many uploads ahead
-_uploads = {}
+_UPLOAD_RING = 4  # page-locked staging buffers: the host may run this many uploads ahead
+_upload = {"capacity": 0, "next": 0, "slots": []}
 
 
 def upload_tokens(dst, tokens):
@@ -54,19 +54,22 @@ def upload_tokens(dst, tokens):
     A plain copy from NumPy's (pageable) memory makes torch synchronise the stream, so the host
     would wait for every queued kernel at each step. On CUDA the ids go through a ring of
     page-locked buffers with non_blocking copies; a buffer is refilled only after an event says its
-    previous copy has run (which waits, at most, for a copy queued _UPLOAD_RING uploads ago)."""
-    src = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32)).reshape(dst.shape)
+    previous copy has run (which waits, at most, for a copy queued _UPLOAD_RING uploads ago). The
+    buffers are as large as the largest upload so far, shared by every shape."""
+    src = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32)).reshape(-1)
     if dst.device.type != "cuda":
-        dst.copy_(src)
+        dst.copy_(src.reshape(dst.shape))
         return
-    ring = _uploads.get(tuple(dst.shape))
-    if ring is None:
-        ring = _uploads[tuple(dst.shape)] = {"next": 0, "slots": [
-            (torch.empty(dst.shape, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
-            for _ in range(_UPLOAD_RING)]}
+    ring, n = _upload, src.numel()
+    if n > ring["capacity"]:  # grow: wait for the old buffers' copies, then replace them
+        for _, done in ring["slots"]:
+            done.synchronize()
+        ring["slots"] = [(torch.empty(n, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+                         for _ in range(_UPLOAD_RING)]
+        ring["capacity"], ring["next"] = n, 0
     host, done = ring["slots"][ring["next"]]
     ring["next"] = (ring["next"] + 1) % _UPLOAD_RING
     done.synchronize()  # an event never recorded returns at once
-    host.copy_(src)
-    dst.copy_(host, non_blocking=True)
+    host[:n].copy_(src)
+    dst.copy_(host[:n].view(dst.shape), non_blocking=True)
     done.record()
