@@ -504,21 +504,20 @@ class Trainer:
         return self.step
 
     def _settle_and_emit(self, unread, window, *emit_args, emit=True):
-        """settle() the gpu's unread records and (with emit) write them. On a NaN fault the steps
-        before it are written and the TrainError raised. Called after a failure elsewhere (emit), a
-        device that cannot be read any more loses the unread records, and the first error stands."""
+        """settle() the gpu's unread records and return them; under on_nan stop, write the steps
+        before the fault and raise. With emit (called while another exception is on its way up)
+        also write them, and let a failure to read lose them: the first error stands."""
         if not unread:
             return []
-        failing = emit  # emit=True: called while another exception is on its way up
         try:
             recs = self.settle(unread, window)
         except TrainError as e:
             self._emit(e.records, *emit_args)
-            if failing:
+            if emit:
                 return []
             raise
         except Exception:
-            if failing:
+            if emit:
                 return []
             raise
         if emit:
