@@ -27,7 +27,7 @@ graphs: a few launches instead of hundreds of kernel launches from Python.
 """
 import contextlib
 
-from .train import lr_at
+from .train import check_cuda_graph, lr_at
 
 
 class DeviceLoop:
@@ -55,9 +55,8 @@ class DeviceLoop:
         self.step_count = start_step  # loop steps queued (the device's count once they have run)
         self.unread = []  # the loop steps (1-based) whose (loss, grad_norm) are still on the device
         self.cuda_graph = cuda_graph
-        if cuda_graph and not (torch.cuda.is_available() and dev.type == "cuda"):
-            raise ValueError("train.cuda_graph needs CUDA (the Triton interpreter runs on the CPU); "
-                             "drop --train.cuda_graph")
+        if cuda_graph:
+            check_cuda_graph(model.backend, world_size=1)
         self.graphs = None  # after capture: {"first", "more", "update"} and the captured activations
         self.graph_factory = None  # tests swap in a stand-in for torch.cuda.CUDAGraph
         self._eager_steps = 0

@@ -172,7 +172,7 @@ class Trainer:
             raise ConfigError("train.dtype: bfloat16 is the gpu backend's mixed precision; add --device gpu, or "
                               "use --train.dtype float32 on the cpu")
         if t.cuda_graph:
-            _check_cuda_graph(backend, self.dp.world_size)
+            check_cuda_graph(backend, self.dp.world_size)
         self.model = GPT(self.gpt_config, backend=backend, seed=t.seed, buffer_multiple=self.dp.world_size,
                          dtype=t.dtype)
         if init_from is not None:
@@ -543,7 +543,8 @@ class Trainer:
         return f"the last good checkpoint is {good[-1][1]}" if good else "no checkpoint was completed"
 
 
-def _check_cuda_graph(backend, world_size):
+def check_cuda_graph(backend, world_size):
+    """ConfigError unless train.cuda_graph can work: the gpu backend, one process, real CUDA."""
     if backend != "gpu":
         raise ConfigError("train.cuda_graph: CUDA graphs replay the gpu backend's step; add --device gpu, "
                           "or drop --train.cuda_graph")
