@@ -124,6 +124,64 @@ def test_ops_on_numpy_blas(numpy_blas, dtype):
     assert_rows(check_attention(B=2, T=7, C=24, NH=3, dtype=dtype))
 
 
+# ---------------------------------------------------------------- attention's per-head kernels (MKL)
+def _attention_both_ways(monkeypatch, B, T, C, NH, dtype, seed=0):
+    """attention forward + backward on MKL's per-head kernels and on the blas.gemm path (numpy's
+    BLAS): (out, att, dqkv) from each."""
+    from handgrad.backends.cpu import attention
+    rng = np.random.default_rng(seed)
+    qkv, dout = _randn(rng, (B, T, 3 * C), dtype), _randn(rng, (B, T, C), dtype)
+    results = []
+    for name in ("mkl", "numpy"):
+        monkeypatch.setattr(blas, "_NAME", name)
+        out, att, dqkv = (np.full(s, np.nan, dtype) for s in ((B, T, C), (B, NH, T, T), qkv.shape))
+        attention.attention_forward(out, att, qkv, NH)
+        attention.attention_backward(dqkv, dout, qkv, att, NH)
+        results.append((out, att, dqkv))
+    return results
+
+
+@pytest.mark.skipif(not blas._PATH, reason="the mkl package is not installed")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("block", [1, 3, 5, 64])
+@pytest.mark.parametrize("B, T, C, NH", [(2, 13, 12, 4), (1, 1, 6, 2), (1, 10, 15, 1)])
+def test_attention_per_head_blocks(monkeypatch, dtype, block, B, T, C, NH):
+    """The causal blocks (any size, T a multiple of it or not, one block or T of them) give what
+    the full products do, probabilities included (zero above the diagonal); and the MKL path
+    really runs the per-head kernels: blas.gemm is never called."""
+    from handgrad.backends.cpu import attention
+    monkeypatch.setattr(attention, "CAUSAL_BLOCK", block)
+    gemm_calls = []
+    gemm = blas.gemm
+    monkeypatch.setattr(blas, "gemm", lambda *a: gemm_calls.append(blas._NAME) or gemm(*a))
+    (o1, a1, d1), (o2, a2, d2) = _attention_both_ways(monkeypatch, B, T, C, NH, dtype)
+    assert set(gemm_calls) == {"numpy"}
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for x, y in ((o1, o2), (a1, a2), (d1, d2)):
+        assert np.isfinite(x).all()
+        np.testing.assert_allclose(x, y, rtol=0, atol=tol * np.abs(y).max())
+    assert (np.triu(a1, 1) == 0).all()
+
+
+@pytest.mark.skipif(not blas._PATH, reason="the mkl package is not installed")
+def test_attention_per_head_falls_back_on_strided_arrays(monkeypatch):
+    """A non-contiguous operand (or mixed dtypes) takes the blas.gemm path, which reads views."""
+    from handgrad.backends.cpu import attention
+    rng = np.random.default_rng(0)
+    B, T, C, NH = 2, 6, 8, 2
+    wide = _randn(rng, (B, T, 4 * C), np.float32)
+    qkv = wide[:, :, :3 * C]  # rows with a stride of 4C
+    out, att = np.empty((B, T, C), np.float32), np.empty((B, NH, T, T), np.float32)
+    seen = []
+    monkeypatch.setattr(attention, "run_heads", lambda *a: seen.append(a))
+    attention.attention_forward(out, att, qkv, NH)
+    assert seen == []
+    out2, att2 = np.empty_like(out), np.empty_like(att)
+    attention.attention_forward(out2, att2, np.ascontiguousarray(qkv), NH)
+    assert len(seen) == 1
+    assert attention._per_head_mkl((out, att.astype(np.float64), np.ascontiguousarray(qkv))) is None
+
+
 # ---------------------------------------------------------------- choosing the BLAS
 def _name_in_subprocess(value):
     env = {**os.environ, "HANDGRAD_BLAS": value}

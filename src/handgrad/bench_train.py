@@ -133,30 +133,43 @@ class _HandgradWorker:
                 "matmuls": self._matmul_floor(batches[0])}
 
     def _matmul_floor(self, batch, repeats=3):
-        """Record every BLAS call of one step (blas.gemm: the linears' and attention's products),
-        then replay just those calls back to back, same operands and layouts, and time them: the
-        least time any step that does these products on this BLAS can take. It overwrites the
-        step's activation and gradient buffers, so it runs last (the worker exits after it)."""
-        from .backends.cpu import blas
-        calls, gemm = [], blas.gemm
+        """Record every matrix product of one step, then replay just those back to back, same
+        operands and layouts, and time them: the least time any step that does these products
+        on this BLAS can take. The products are the blas.gemm calls (the linears' and lm_head's,
+        and attention's on numpy's BLAS) and, on MKL, attention's per-head kernels replayed with
+        the softmax off. flop counts attention's products in full, as the step's FLOP count does,
+        although the per-head kernels skip most of the masked half. It overwrites the step's
+        activation and gradient buffers, so it runs last (the worker exits after it)."""
+        from .backends.cpu import attention, blas
+        calls, heads, gemm, run_heads = [], [], blas.gemm, attention.run_heads
 
         def recording(a, b, c, beta=0.0):
             calls.append((a, b, c, beta))
             return gemm(a, b, c, beta)
 
-        blas.gemm = recording
+        def recording_heads(kernel, *args):
+            heads.append((kernel, args))
+            return run_heads(kernel, *args)
+
+        blas.gemm, attention.run_heads = recording, recording_heads
         try:
             self.step(batch)
         finally:
-            blas.gemm = gemm
+            blas.gemm, attention.run_heads = gemm, run_heads
         flop = sum(2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * int(np.prod(c.shape[:-2])) for a, b, c, _ in calls)
+        for kernel, args in heads:  # forward: q k^T and P v; backward: four products of that size
+            B, T, C3 = args[3].shape
+            flop += (4 if kernel is attention._forward_heads else 8) * B * T * T * (C3 // 3)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             for a, b, c, beta in calls:
                 gemm(a, b, c, beta)
+            for kernel, args in heads:
+                run_heads(kernel, *args[:-1], False)
             times.append(time.perf_counter() - t0)
-        return {"calls": len(calls), "flop": flop, "s": float(np.median(times))}
+        return {"calls": len(calls) + len(heads), "attention_calls": len(heads), "flop": flop,
+                "s": float(np.median(times))}
 
 
 class _TorchWorker:
@@ -415,7 +428,7 @@ def format_profile(prof):
         fam[_family(op)] += v["s"]
         fam_blas[_family(op)] += v.get("blas_s", 0.0)
     lines = [f"  handgrad profile ({1e3 * total:.1f} ms per step, op calls timed; 'in BLAS': the part "
-             f"inside blas.gemm):",
+             f"inside blas.gemm, which attention's per-head kernels on MKL do not call):",
              f"    {'op family':<20} {'phase':<8} {'ms/step':>8} {'share':>6} {'in BLAS':>8}"]
     for (name, phase), s in sorted(fam.items(), key=lambda kv: -kv[1]):
         lines.append(f"    {name:<20} {phase:<8} {1e3 * s:>8.2f} {100 * s / total:>5.1f}% "
@@ -427,7 +440,9 @@ def format_profile(prof):
     lines.append(f"    {'outside the ops':<20} {'':<8} {1e3 * rest:>8.2f} {100 * rest / total:>5.1f}%")
     mm = prof.get("matmuls")
     if mm:
-        lines.append(f"  matmul floor: the step's {mm['calls']} BLAS calls alone, replayed back to back, take "
+        per_head = (f" ({mm['attention_calls']} of them attention's per-head kernels without the softmax)"
+                    if mm.get("attention_calls") else "")
+        lines.append(f"  matmul floor: the step's {mm['calls']} BLAS calls{per_head} alone, replayed back to back, take "
                      f"{1e3 * mm['s']:.1f} ms ({mm['flop'] / mm['s'] / 1e9:.0f} GFLOP/s), "
                      f"{100 * mm['s'] / total:.0f}% of handgrad's step")
     return lines

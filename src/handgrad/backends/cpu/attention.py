@@ -1,19 +1,32 @@
 """Causal multi-head self-attention on the fused qkv (B, T, 3C), NH heads of size hs = C / NH.
 
 Per head:  S = q k^T / sqrt(hs),  P = softmax(S with S[t, s] = -inf for s > t),  y = P v.
-The matrix products go through BLAS (blas.gemm over (B, NH) on strided views, no copies);
-the scaled, masked softmax and its backward are Numba kernels, parallel over rows (b, h, t).
+
+On MKL (the default BLAS), one Numba kernel per direction runs the heads in parallel, each
+thread doing a whole head on its own: its products through MKL on that thread alone (small
+products pay more for waking MKL's second thread than they gain), then its softmax while the
+head's (T, T) scores are still in cache. The products are causal in blocks of CAUSAL_BLOCK
+rows: a block of query rows is multiplied only with the keys up to its last row, so the masked
+upper triangle is mostly never computed (T = 256: 10/16 of the full products). On numpy's
+OpenBLAS the products go through blas.gemm over (B, NH) on strided views, the softmax after.
+Both read the operands where they lie, without copies.
 """
 import math
 
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from . import blas
-from .common import HEAVY, kernel, workspace
+from .blas import NO_TRANS, TRANS, gemm_at, restore_threads, single_threaded
+from .common import HEAVY, kernel, serial_kernel, workspace
 from .mathfn import dot64, exp32, max32, sum64
 
-ZERO32 = np.float32(0.0)
+# Query rows per block of the causal products. Measured on `mid`'s attention (B 8, NH 8, T 256,
+# hs 64), one layer, median of 20: forward 12.4 ms unblocked through blas.gemm -> 7.5 (block 128)
+# and 7.4-9.8 (64); backward 15.5-16.9 -> 10.5-11.0 (64). Smaller blocks skip more of the mask but
+# make smaller products (docs/PERFORMANCE.md).
+CAUSAL_BLOCK = 64
 
 
 def _heads(x, B, T, NH, hs):
@@ -28,6 +41,153 @@ def _split_qkv(qkv, NH):
     return [_heads(qkv[:, :, i * C:(i + 1) * C], B, T, NH, hs) for i in range(3)]
 
 
+# ---------------------------------------------------------------- one row of the softmax
+def _row_max(a, n):
+    """max of a[:n] (Numba only)."""
+
+
+def _exp(x):
+    """exp(x) (Numba only)."""
+
+
+@overload(_row_max)
+def _row_max_impl(a, n):
+    if a.dtype == types.float32:
+        return lambda a, n: max32(a, n)
+
+    def impl(a, n):
+        mx = -np.inf
+        for s in range(n):
+            mx = max(mx, a[s])
+        return mx
+    return impl
+
+
+@overload(_exp)
+def _exp_impl(x):
+    if x == types.float32:
+        return lambda x: exp32(x)  # vectorisable (mathfn)
+    return lambda x: np.exp(x)
+
+
+@serial_kernel
+def softmax_row(a, n, scale):
+    """a[:n] = softmax(a[:n] * scale) in place, a[n:] = 0. In a's dtype, with the vectorisable
+    exp32 for float32 and the row sum in float64; scale > 0 (so max(a) * scale = max(a * scale))."""
+    mx = _row_max(a, n) * scale
+    for s in range(n):
+        a[s] = _exp(a[s] * scale - mx)
+    inv = a.dtype.type(1.0 / sum64(a, n))
+    for s in range(n):
+        a[s] *= inv
+    a[n:] = 0  # a slice, not a loop from n: that compiles to a scatter (n may be < 0 to Numba)
+
+
+@serial_kernel
+def softmax_backward_row(d, p, n, end, scale):
+    """d[:n] = p * (d - sum(p * d)) * scale in place (softmax's backward, the sum in float64),
+    d[n:end] = 0."""
+    dot = d.dtype.type(dot64(p, d, n))
+    for s in range(n):
+        d[s] = p[s] * (d[s] - dot) * scale
+    d[n:end] = 0
+
+
+def _scale(dtype, hs):
+    return dtype.type(1.0 / math.sqrt(hs))
+
+
+# ---------------------------------------------------------------- per head, on MKL
+@kernel(min_parallel=HEAVY)
+def _forward_heads(mkl, out, att, qkv, NH, scale, block, softmax):
+    """attention_forward with every array C-contiguous; softmax=False leaves the scores
+    unnormalised (bench train's matmul floor times the products alone that way)."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // NH
+    isz = qkv.itemsize
+    one = qkv.dtype.type(1.0)
+    for bh in prange(B * NH):
+        previous = single_threaded(mkl)
+        b = bh // NH
+        h = bh - b * NH
+        pq = qkv.ctypes.data + (b * T * C3 + h * hs) * isz
+        pk, pv = pq + C * isz, pq + 2 * C * isz
+        pa = att.ctypes.data + bh * T * T * isz
+        po = out.ctypes.data + (b * T * C + h * hs) * isz
+        for r0 in range(0, T, block):  # S[r0:r1, :r1] = q[r0:r1] k[:r1]^T
+            r1 = min(T, r0 + block)
+            gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1, hs, pq + r0 * C3 * isz, C3, pk, C3,
+                    pa + r0 * T * isz, T, one)
+        if softmax:
+            for t in range(T):
+                softmax_row(att[b, h, t], t + 1, scale)
+        for r0 in range(0, T, block):  # y[r0:r1] = P[r0:r1, :r1] v[:r1]
+            r1 = min(T, r0 + block)
+            gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, pa + r0 * T * isz, T, pv, C3,
+                    po + r0 * C * isz, C, one)
+        restore_threads(mkl, previous)
+
+
+@kernel(min_parallel=HEAVY)
+def _backward_heads(mkl, dqkv, dout, qkv, att, datt, NH, scale, block, softmax):
+    """attention_backward with every array C-contiguous; datt is (B, NH, T, T) scratch.
+    Row block [r0, r1) of dP and dS only needs columns < r1; column block [r0, r1) of P^T and
+    dS^T only rows >= r0 (the rest is masked, so zero)."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // NH
+    isz = qkv.itemsize
+    one = qkv.dtype.type(1.0)
+    for bh in prange(B * NH):
+        previous = single_threaded(mkl)
+        b = bh // NH
+        h = bh - b * NH
+        offset = (b * T * C3 + h * hs) * isz
+        pq = qkv.ctypes.data + offset
+        pk, pv = pq + C * isz, pq + 2 * C * isz
+        pdq = dqkv.ctypes.data + offset
+        pdk, pdv = pdq + C * isz, pdq + 2 * C * isz
+        pa = att.ctypes.data + bh * T * T * isz
+        pd = datt.ctypes.data + bh * T * T * isz
+        pdy = dout.ctypes.data + (b * T * C + h * hs) * isz
+        for r0 in range(0, T, block):
+            r1 = min(T, r0 + block)
+            # dP[r0:r1, :r1] = dy[r0:r1] v[:r1]^T;  dv[r0:r1] = P[r0:, r0:r1]^T dy[r0:]
+            gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1, hs, pdy + r0 * C * isz, C, pv, C3,
+                    pd + r0 * T * isz, T, one)
+            gemm_at(mkl, TRANS, NO_TRANS, r1 - r0, hs, T - r0, pa + (r0 * T + r0) * isz, T,
+                    pdy + r0 * C * isz, C, pdv + r0 * C3 * isz, C3, one)
+        if softmax:
+            for t in range(T):
+                softmax_backward_row(datt[b, h, t], att[b, h, t], t + 1, min(T, (t // block + 1) * block),
+                                     scale)
+        for r0 in range(0, T, block):
+            r1 = min(T, r0 + block)
+            # dq[r0:r1] = dS[r0:r1, :r1] k[:r1];  dk[r0:r1] = dS[r0:, r0:r1]^T q[r0:]
+            gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, pd + r0 * T * isz, T, pk, C3,
+                    pdq + r0 * C3 * isz, C3, one)
+            gemm_at(mkl, TRANS, NO_TRANS, r1 - r0, hs, T - r0, pd + (r0 * T + r0) * isz, T,
+                    pq + r0 * C3 * isz, C3, pdk + r0 * C3 * isz, C3, one)
+        restore_threads(mkl, previous)
+
+
+def run_heads(kernel, *args):
+    """Every call of _forward_heads / _backward_heads goes through here, so that bench train's
+    matmul floor can record them (and replay them with softmax=False: the products alone)."""
+    kernel(*args)
+
+
+def _per_head_mkl(arrays):
+    """in_kernel()'s MKL addresses when the per-head kernels can run on these arrays (MKL is the
+    BLAS; one float dtype; all C-contiguous), else None."""
+    dtype = arrays[0].dtype
+    if any(a.dtype != dtype or not a.flags.c_contiguous for a in arrays):
+        return None
+    return blas.in_kernel(dtype)
+
+
+# ---------------------------------------------------------------- on numpy's BLAS
 @kernel(min_parallel=HEAVY)
 def _softmax_causal_kernel(att, scale):
     B, NH, T, _ = att.shape
@@ -35,64 +195,7 @@ def _softmax_causal_kernel(att, scale):
         b = row // (NH * T)
         h = (row // T) % NH
         t = row % T
-        mx = -np.inf
-        for s in range(t + 1):
-            v = att[b, h, t, s] * scale
-            if v > mx:
-                mx = v
-        total = 0.0
-        for s in range(t + 1):
-            e = np.exp(att[b, h, t, s] * scale - mx)
-            att[b, h, t, s] = e
-            total += e
-        inv = 1.0 / total
-        for s in range(t + 1):
-            att[b, h, t, s] *= inv
-        for s in range(t + 1, T):
-            att[b, h, t, s] = 0.0
-
-
-@kernel(min_parallel=HEAVY)
-def _softmax_causal_kernel32(att, scale):
-    """float32 twin of _softmax_causal_kernel: float32 arithmetic, the vectorisable exp32, row
-    sums in float64. scale is a np.float32 (> 0)."""
-    B, NH, T, _ = att.shape
-    for row in prange(B * NH * T):
-        b = row // (NH * T)
-        h = (row // T) % NH
-        t = row % T
-        a = att[b, h, t]
-        n = t + 1
-        mx = max32(a, n) * scale  # scale > 0: max(a) * scale == max(a * scale), both rounded
-        for s in range(n):
-            a[s] = exp32(a[s] * scale - mx)
-        inv = np.float32(1.0 / sum64(a, n))
-        for s in range(n):
-            a[s] *= inv
-        a[n:] = ZERO32  # a slice, not a loop from n: that compiles to a scatter (n may be < 0 to Numba)
-
-
-def attention_state_shape(B, n_head, T):
-    """The shape of what attention_forward keeps for the backward: here the probabilities (the
-    gpu backend keeps a logsumexp per row instead and recomputes them)."""
-    return (B, n_head, T, T)
-
-
-def attention_forward(out, att, qkv, n_head):
-    """out (B, T, C) = causal attention of qkv (B, T, 3C) with n_head heads.
-
-    Overwrites out and att (B, NH, T, T), the softmax probabilities kept for the backward.
-    """
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    hs = C // n_head
-    q, k, v = _split_qkv(qkv, n_head)
-    blas.gemm(q, k.transpose(0, 1, 3, 2), att)
-    if att.dtype == np.float32:
-        _softmax_causal_kernel32(att, np.float32(1.0 / math.sqrt(hs)))
-    else:
-        _softmax_causal_kernel(att, 1.0 / math.sqrt(hs))
-    blas.gemm(att, v, _heads(out, B, T, n_head, hs))
+        softmax_row(att[b, h, t], t + 1, scale)
 
 
 @kernel(min_parallel=HEAVY)
@@ -102,31 +205,34 @@ def _softmax_causal_backward_kernel(datt, att, scale):
         b = row // (NH * T)
         h = (row // T) % NH
         t = row % T
-        dot = 0.0
-        for s in range(t + 1):
-            dot += att[b, h, t, s] * datt[b, h, t, s]
-        for s in range(t + 1):
-            datt[b, h, t, s] = att[b, h, t, s] * (datt[b, h, t, s] - dot) * scale
-        for s in range(t + 1, T):
-            datt[b, h, t, s] = 0.0
+        softmax_backward_row(datt[b, h, t], att[b, h, t], t + 1, T, scale)
 
 
-@kernel(min_parallel=HEAVY)
-def _softmax_causal_backward_kernel32(datt, att, scale):
-    """float32 twin of _softmax_causal_backward_kernel: the row dot in float64, the rest in
-    float32. scale is a np.float32."""
-    B, NH, T, _ = att.shape
-    for row in prange(B * NH * T):
-        b = row // (NH * T)
-        h = (row // T) % NH
-        t = row % T
-        p = att[b, h, t]
-        d = datt[b, h, t]
-        n = t + 1
-        dot = np.float32(dot64(p, d, n))
-        for s in range(n):
-            d[s] = p[s] * (d[s] - dot) * scale
-        d[n:] = ZERO32
+# ---------------------------------------------------------------- the ops
+def attention_state_shape(B, n_head, T):
+    """The shape of what attention_forward keeps for the backward: here the probabilities (the
+    gpu backend keeps a logsumexp per row instead and recomputes them)."""
+    return (B, n_head, T, T)
+
+
+def attention_forward(out, att, qkv, n_head):
+    """out (B, T, C) = causal attention of qkv (B, T, 3C) with n_head heads.
+
+    Overwrites out and att (B, NH, T, T), the softmax probabilities kept for the backward (zero
+    above the diagonal).
+    """
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // n_head
+    scale = _scale(att.dtype, hs)
+    mkl = _per_head_mkl((out, att, qkv))
+    if mkl is not None:
+        run_heads(_forward_heads, mkl, out, att, qkv, n_head, scale, CAUSAL_BLOCK, True)
+        return
+    q, k, v = _split_qkv(qkv, n_head)
+    blas.gemm(q, k.transpose(0, 1, 3, 2), att)
+    _softmax_causal_kernel(att, scale)
+    blas.gemm(att, v, _heads(out, B, T, n_head, hs))
 
 
 def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
@@ -140,16 +246,18 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
     B, T, C3 = qkv.shape
     C = C3 // 3
     hs = C // n_head
+    scale = _scale(att.dtype, hs)
+    datt = workspace("attention_datt", att.shape, att.dtype)
+    mkl = _per_head_mkl((dqkv, dout, qkv, att))
+    if mkl is not None:
+        run_heads(_backward_heads, mkl, dqkv, dout, qkv, att, datt, n_head, scale, CAUSAL_BLOCK, True)
+        return
     q, k, v = _split_qkv(qkv, n_head)
     dq, dk, dv = _split_qkv(dqkv, n_head)
     dy = _heads(dout, B, T, n_head, hs)
-    datt = workspace("attention_datt", att.shape, att.dtype)
     blas.gemm(dy, v.transpose(0, 1, 3, 2), datt)
     blas.gemm(att.transpose(0, 1, 3, 2), dy, dv)
-    if att.dtype == np.float32:
-        _softmax_causal_backward_kernel32(datt, att, np.float32(1.0 / math.sqrt(hs)))
-    else:
-        _softmax_causal_backward_kernel(datt, att, 1.0 / math.sqrt(hs))
+    _softmax_causal_backward_kernel(datt, att, scale)
     blas.gemm(datt, k, dq)
     blas.gemm(datt.transpose(0, 1, 3, 2), q, dk)
 

@@ -111,6 +111,57 @@ def _cblas_gemm(typingctx, addr, ta, tb, M, N, K, alpha, pa, lda, pb, ldb, beta,
     return sig, codegen
 
 
+@intrinsic
+def _cblas_int(typingctx, addr, n):
+    """int f(int) through the function at `addr` (MKL_Set_Num_Threads_Local)."""
+    if not isinstance(n, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        v = args[1]
+        v = builder.trunc(v, i32) if v.type.width > 32 else builder.sext(v, i32) if v.type.width < 32 else v
+        fn = builder.inttoptr(args[0], ir.FunctionType(i32, [i32]).as_pointer())
+        return builder.call(fn, [v])
+
+    return types.int32(addr, n), codegen
+
+
+NO_TRANS, TRANS = _NO_TRANS, _TRANS
+
+
+@njit(inline="always")
+def gemm_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one):
+    """c = op(a) @ op(b) on raw pointers (row-major, ta/tb NO_TRANS or TRANS, leading dimensions
+    in elements), for kernels that call MKL themselves: mkl = in_kernel()'s (gemm address, threads
+    address), one = 1 in the operands' dtype. Beta is 0: c's old contents are ignored."""
+    _cblas_gemm(mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, one - one, pc, ldc)
+
+
+@njit(inline="always")
+def single_threaded(mkl):
+    """Make MKL run this thread's calls on this thread alone (MKL_Set_Num_Threads_Local(1));
+    returns the setting to give back to restore_threads."""
+    return _cblas_int(mkl[1], 1)
+
+
+@njit(inline="always")
+def restore_threads(mkl, previous):
+    _cblas_int(mkl[1], previous)
+
+
+def in_kernel(dtype):
+    """(gemm address, MKL_Set_Num_Threads_Local address) for a Numba kernel that calls MKL from
+    its own parallel loop, each thread on its own small products (attention's heads); None when
+    the matrix products do not run on MKL or dtype is neither float32 nor float64."""
+    if _NAME != "mkl":
+        return None
+    addr = (_addr or _load()).get(np.dtype(dtype))
+    if addr is None:
+        return None
+    return addr, ctypes.cast(_mkl.MKL_Set_Num_Threads_Local, ctypes.c_void_p).value
+
+
 @njit(inline="always")
 def _layout(s_row, s_col, rows, cols, isz):
     """(transpose flag, leading dimension) of a matrix with these byte strides, or (0, 0) when
