@@ -23,9 +23,10 @@ from .common import HEAVY, kernel, serial_kernel, workspace
 from .mathfn import dot64, exp32, max32, sum64
 
 # Query rows per block of the causal products. Measured on `mid`'s attention (B 8, NH 8, T 256,
-# hs 64), one layer, median of 20: forward 12.4 ms unblocked through blas.gemm -> 7.5 (block 128)
-# and 7.4-9.8 (64); backward 15.5-16.9 -> 10.5-11.0 (64). Smaller blocks skip more of the mask but
-# make smaller products (docs/PERFORMANCE.md).
+# hs 64), one layer, median of 30, in two runs: forward 11.6-12.7 ms (the full products through
+# blas.gemm) -> 7.2-7.7, backward 17.8-18.8 -> 10.5-11.1. In the prototype, 128-row blocks
+# made the backward 15.7-15.9 ms and no blocks 14.7-14.9 (the forward: 7.5-7.8 and 8.5-10.4):
+# smaller blocks skip more of the mask but make smaller products (docs/PERFORMANCE.md).
 CAUSAL_BLOCK = 64
 
 
