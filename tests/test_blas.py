@@ -14,7 +14,7 @@ import pytest
 from handgrad.backends.cpu import aligned_empty, blas, empty, zeros
 from handgrad.verify import check_attention, check_layernorm_linear, check_linear
 
-from helpers import assert_rows
+from helpers import assert_rows, forced_kernels
 
 IMPLS = ["numpy"] + (["mkl"] if blas._PATH else [])
 
@@ -135,6 +135,7 @@ def _attention_both_ways(monkeypatch, B, T, C, NH, dtype, seed=0):
     for name in ("mkl", "numpy"):
         monkeypatch.setattr(blas, "_NAME", name)
         out, att, dqkv = (np.full(s, np.nan, dtype) for s in ((B, T, C), (B, NH, T, T), qkv.shape))
+        attention.workspace("attention_datt", att.shape, dtype).fill(np.nan)  # no stale scratch is read
         attention.attention_forward(out, att, qkv, NH)
         attention.attention_backward(dqkv, dout, qkv, att, NH)
         results.append((out, att, dqkv))
@@ -145,16 +146,18 @@ def _attention_both_ways(monkeypatch, B, T, C, NH, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("block", [1, 3, 5, 64])
 @pytest.mark.parametrize("B, T, C, NH", [(2, 13, 12, 4), (1, 1, 6, 2), (1, 10, 15, 1)])
-def test_attention_per_head_blocks(monkeypatch, dtype, block, B, T, C, NH):
+@pytest.mark.parametrize("copy", ["serial", "parallel"])
+def test_attention_per_head_blocks(monkeypatch, dtype, block, B, T, C, NH, copy):
     """The causal blocks (any size, T a multiple of it or not, one block or T of them) give what
-    the full products do, probabilities included (zero above the diagonal); and the MKL path
-    really runs the per-head kernels: blas.gemm is never called."""
+    the full products do, probabilities included (zero above the diagonal), on either copy of
+    the kernels; and the MKL path really runs the per-head kernels: blas.gemm is never called."""
     from handgrad.backends.cpu import attention
     monkeypatch.setattr(attention, "CAUSAL_BLOCK", block)
     gemm_calls = []
     gemm = blas.gemm
     monkeypatch.setattr(blas, "gemm", lambda *a: gemm_calls.append(blas._NAME) or gemm(*a))
-    (o1, a1, d1), (o2, a2, d2) = _attention_both_ways(monkeypatch, B, T, C, NH, dtype)
+    with forced_kernels(copy):
+        (o1, a1, d1), (o2, a2, d2) = _attention_both_ways(monkeypatch, B, T, C, NH, dtype)
     assert set(gemm_calls) == {"numpy"}
     tol = 1e-5 if dtype == np.float32 else 1e-12
     for x, y in ((o1, o2), (a1, a2), (d1, d2)):
@@ -179,7 +182,30 @@ def test_attention_per_head_falls_back_on_strided_arrays(monkeypatch):
     out2, att2 = np.empty_like(out), np.empty_like(att)
     attention.attention_forward(out2, att2, np.ascontiguousarray(qkv), NH)
     assert len(seen) == 1
-    assert attention._per_head_mkl((out, att.astype(np.float64), np.ascontiguousarray(qkv))) is None
+    qkv = np.ascontiguousarray(qkv)
+    assert attention._per_head_mkl(qkv, NH, ((out, out.shape), (att.astype(np.float64), att.shape))) is None
+
+
+@pytest.mark.skipif(not blas._PATH, reason="the mkl package is not installed")
+@pytest.mark.parametrize("what", ["att", "out", "heads"])
+def test_attention_per_head_refuses_wrong_shapes(what):
+    """The per-head kernels address the arrays by raw pointers: a wrong shape must raise (on the
+    blas.gemm path) instead of being written past its end."""
+    from handgrad.backends.cpu import attention
+    B, T, C, NH = 1, 8, 8, 2
+    qkv = np.ones((B, T, 3 * C), np.float32)
+    buf = np.full(B * NH * T * T + 64, 7.0, np.float32)
+    att = buf[:B * NH * T * T].reshape(B, NH, T, T)
+    out = np.empty((B, T, C), np.float32)
+    if what == "att":
+        att = buf[:B * NH * (T - 1) ** 2].reshape(B, NH, T - 1, T - 1)
+    elif what == "out":
+        out = np.empty((B, T - 1, C), np.float32)
+    else:
+        NH = 3  # C = 8 is not a multiple of 3 heads
+    with pytest.raises(ValueError):
+        attention.attention_forward(out, att, qkv, NH)
+    assert (buf[att.size:] == 7.0).all()
 
 
 # ---------------------------------------------------------------- choosing the BLAS

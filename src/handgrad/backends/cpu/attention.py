@@ -14,7 +14,7 @@ Both read the operands where they lie, without copies.
 import math
 
 import numpy as np
-from numba import prange, types
+from numba import njit, prange, types
 from numba.extending import overload
 
 from . import blas
@@ -99,21 +99,32 @@ def _scale(dtype, hs):
 
 
 # ---------------------------------------------------------------- per head, on MKL
+@njit(inline="always")
+def _dims(qkv, NH):
+    """B, T, 3C, C, hs, the itemsize and 1 in qkv's dtype."""
+    B, T, C3 = qkv.shape
+    return B, T, C3, C3 // 3, C3 // 3 // NH, qkv.itemsize, qkv.dtype.type(1.0)
+
+
+@njit(inline="always")
+def _head_qkv(x, NH, bh):
+    """(b, h, and the addresses of head h's q, k and v at t = 0 of batch b) in a contiguous
+    (B, T, 3C) array, for bh = b * NH + h."""
+    B, T, C3, C, hs, isz, _ = _dims(x, NH)
+    b = bh // NH
+    h = bh - b * NH
+    p = x.ctypes.data + (b * T * C3 + h * hs) * isz
+    return b, h, p, p + C * isz, p + 2 * C * isz
+
+
 @kernel(min_parallel=HEAVY)
 def _forward_heads(mkl, out, att, qkv, NH, scale, block, softmax):
     """attention_forward with every array C-contiguous; softmax=False leaves the scores
     unnormalised (bench train's matmul floor times the products alone that way)."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    hs = C // NH
-    isz = qkv.itemsize
-    one = qkv.dtype.type(1.0)
+    B, T, C3, C, hs, isz, one = _dims(qkv, NH)
     for bh in prange(B * NH):
         previous = single_threaded(mkl)
-        b = bh // NH
-        h = bh - b * NH
-        pq = qkv.ctypes.data + (b * T * C3 + h * hs) * isz
-        pk, pv = pq + C * isz, pq + 2 * C * isz
+        b, h, pq, pk, pv = _head_qkv(qkv, NH, bh)
         pa = att.ctypes.data + bh * T * T * isz
         po = out.ctypes.data + (b * T * C + h * hs) * isz
         for r0 in range(0, T, block):  # S[r0:r1, :r1] = q[r0:r1] k[:r1]^T
@@ -135,20 +146,11 @@ def _backward_heads(mkl, dqkv, dout, qkv, att, datt, NH, scale, block, softmax):
     """attention_backward with every array C-contiguous; datt is (B, NH, T, T) scratch.
     Row block [r0, r1) of dP and dS only needs columns < r1; column block [r0, r1) of P^T and
     dS^T only rows >= r0 (the rest is masked, so zero)."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    hs = C // NH
-    isz = qkv.itemsize
-    one = qkv.dtype.type(1.0)
+    B, T, C3, C, hs, isz, one = _dims(qkv, NH)
     for bh in prange(B * NH):
         previous = single_threaded(mkl)
-        b = bh // NH
-        h = bh - b * NH
-        offset = (b * T * C3 + h * hs) * isz
-        pq = qkv.ctypes.data + offset
-        pk, pv = pq + C * isz, pq + 2 * C * isz
-        pdq = dqkv.ctypes.data + offset
-        pdk, pdv = pdq + C * isz, pdq + 2 * C * isz
+        b, h, pq, pk, pv = _head_qkv(qkv, NH, bh)
+        _, _, pdq, pdk, pdv = _head_qkv(dqkv, NH, bh)
         pa = att.ctypes.data + bh * T * T * isz
         pd = datt.ctypes.data + bh * T * T * isz
         pdy = dout.ctypes.data + (b * T * C + h * hs) * isz
@@ -179,13 +181,16 @@ def run_heads(kernel, *args):
     kernel(*args)
 
 
-def _per_head_mkl(arrays):
-    """in_kernel()'s MKL addresses when the per-head kernels can run on these arrays (MKL is the
-    BLAS; one float dtype; all C-contiguous), else None."""
-    dtype = arrays[0].dtype
-    if any(a.dtype != dtype or not a.flags.c_contiguous for a in arrays):
+def _per_head_mkl(qkv, n_head, others):
+    """in_kernel()'s MKL addresses when the per-head kernels can run: MKL is the BLAS, qkv is
+    (B, T, 3C) with C a multiple of n_head, and every (array, shape) in others has that shape,
+    qkv's dtype and C order (the kernels address them by raw pointers). Otherwise None: the
+    blas.gemm path then runs, which reads any strided view and rejects wrong shapes."""
+    if qkv.ndim != 3 or qkv.shape[2] % 3 or (qkv.shape[2] // 3) % n_head or not qkv.flags.c_contiguous:
         return None
-    return blas.in_kernel(dtype)
+    if any(a.shape != shape or a.dtype != qkv.dtype or not a.flags.c_contiguous for a, shape in others):
+        return None
+    return blas.in_kernel(qkv.dtype)
 
 
 # ---------------------------------------------------------------- on numpy's BLAS
@@ -226,7 +231,7 @@ def attention_forward(out, att, qkv, n_head):
     C = C3 // 3
     hs = C // n_head
     scale = _scale(att.dtype, hs)
-    mkl = _per_head_mkl((out, att, qkv))
+    mkl = _per_head_mkl(qkv, n_head, ((out, (B, T, C)), (att, (B, n_head, T, T))))
     if mkl is not None:
         run_heads(_forward_heads, mkl, out, att, qkv, n_head, scale, CAUSAL_BLOCK, True)
         return
@@ -249,7 +254,8 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
     hs = C // n_head
     scale = _scale(att.dtype, hs)
     datt = workspace("attention_datt", att.shape, att.dtype)
-    mkl = _per_head_mkl((dqkv, dout, qkv, att))
+    mkl = _per_head_mkl(qkv, n_head, ((dqkv, qkv.shape), (dout, (B, T, C)), (att, (B, n_head, T, T)),
+                                      (datt, att.shape)))
     if mkl is not None:
         run_heads(_backward_heads, mkl, dqkv, dout, qkv, att, datt, n_head, scale, CAUSAL_BLOCK, True)
         return
