@@ -85,6 +85,14 @@ def _load():
 # that builds the call in LLVM IR), so they hold no process-specific constant and Numba caches
 # them like every other kernel (a ctypes function object baked in would force a ~2 s compile in
 # every process).
+def _int32(builder, v):
+    """An integer LLVM value as the C int that cblas takes."""
+    i32 = ir.IntType(32)
+    if v.type.width == 32:
+        return v
+    return builder.trunc(v, i32) if v.type.width > 32 else builder.sext(v, i32)
+
+
 @intrinsic
 def _cblas_gemm(typingctx, addr, ta, tb, M, N, K, alpha, pa, lda, pb, ldb, beta, pc, ldc):
     """cblas_?gemm(RowMajor, ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc) through the
@@ -99,7 +107,7 @@ def _cblas_gemm(typingctx, addr, ta, tb, M, N, K, alpha, pa, lda, pb, ldb, beta,
         fnty = ir.FunctionType(ir.VoidType(), [i32] * 6 + [real, ptr, i32, ptr, i32, real, ptr, i32])
 
         def int32(v):
-            return builder.trunc(v, i32) if v.type.width > 32 else builder.sext(v, i32)
+            return _int32(builder, v)
 
         a_ = list(args)
         call_args = [ir.Constant(i32, _ROW_MAJOR)] + [int32(v) for v in a_[1:6]] + [
@@ -119,10 +127,8 @@ def _cblas_int(typingctx, addr, n):
 
     def codegen(context, builder, signature, args):
         i32 = ir.IntType(32)
-        v = args[1]
-        v = builder.trunc(v, i32) if v.type.width > 32 else builder.sext(v, i32) if v.type.width < 32 else v
         fn = builder.inttoptr(args[0], ir.FunctionType(i32, [i32]).as_pointer())
-        return builder.call(fn, [v])
+        return builder.call(fn, [_int32(builder, args[1])])
 
     return types.int32(addr, n), codegen
 
