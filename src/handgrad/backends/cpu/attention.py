@@ -107,13 +107,19 @@ def _dims(qkv, NH):
 
 
 @njit(inline="always")
+def _head_at(x, b, h, hs):
+    """Address of head h's first column at t = 0 of batch b in a contiguous (B, T, W) array."""
+    return x.ctypes.data + (b * x.shape[1] * x.shape[2] + h * hs) * x.itemsize
+
+
+@njit(inline="always")
 def _head_qkv(x, NH, bh):
     """(b, h, and the addresses of head h's q, k and v at t = 0 of batch b) in a contiguous
     (B, T, 3C) array, for bh = b * NH + h."""
     B, T, C3, C, hs, isz, _ = _dims(x, NH)
     b = bh // NH
     h = bh - b * NH
-    p = x.ctypes.data + (b * T * C3 + h * hs) * isz
+    p = _head_at(x, b, h, hs)
     return b, h, p, p + C * isz, p + 2 * C * isz
 
 
@@ -126,7 +132,7 @@ def _forward_heads(mkl, out, att, qkv, NH, scale, block, softmax):
         previous = single_threaded(mkl)
         b, h, pq, pk, pv = _head_qkv(qkv, NH, bh)
         pa = att.ctypes.data + bh * T * T * isz
-        po = out.ctypes.data + (b * T * C + h * hs) * isz
+        po = _head_at(out, b, h, hs)
         for r0 in range(0, T, block):  # S[r0:r1, :r1] = q[r0:r1] k[:r1]^T
             r1 = min(T, r0 + block)
             gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1, hs, pq + r0 * C3 * isz, C3, pk, C3,
@@ -153,7 +159,7 @@ def _backward_heads(mkl, dqkv, dout, qkv, att, datt, NH, scale, block, softmax):
         _, _, pdq, pdk, pdv = _head_qkv(dqkv, NH, bh)
         pa = att.ctypes.data + bh * T * T * isz
         pd = datt.ctypes.data + bh * T * T * isz
-        pdy = dout.ctypes.data + (b * T * C + h * hs) * isz
+        pdy = _head_at(dout, b, h, hs)
         for r0 in range(0, T, block):
             r1 = min(T, r0 + block)
             # dP[r0:r1, :r1] = dy[r0:r1] v[:r1]^T;  dv[r0:r1] = P[r0:, r0:r1]^T dy[r0:]
@@ -254,8 +260,7 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
     hs = C // n_head
     scale = _scale(att.dtype, hs)
     datt = workspace("attention_datt", att.shape, att.dtype)
-    mkl = _per_head_mkl(qkv, n_head, ((dqkv, qkv.shape), (dout, (B, T, C)), (att, (B, n_head, T, T)),
-                                      (datt, att.shape)))
+    mkl = _per_head_mkl(qkv, n_head, ((dqkv, qkv.shape), (dout, (B, T, C)), (att, (B, n_head, T, T))))
     if mkl is not None:
         run_heads(_backward_heads, mkl, dqkv, dout, qkv, att, datt, n_head, scale, CAUSAL_BLOCK, True)
         return

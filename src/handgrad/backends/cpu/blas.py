@@ -54,6 +54,7 @@ def _choose():
 
 _NAME, _PATH = _choose()
 _addr = None  # {dtype: address of cblas_sgemm / cblas_dgemm}, once MKL is loaded
+_threads_addr = None  # address of MKL_Set_Num_Threads_Local, once MKL is loaded
 _mkl = None  # the loaded library (ctypes.CDLL)
 
 
@@ -70,13 +71,14 @@ def set_threads(n):
 
 
 def _load():
-    global _mkl, _addr
+    global _mkl, _addr, _threads_addr
     if _mkl is None:
         # RTLD_LOCAL (ctypes' default): MKL's OpenMP runtime must not lend its symbols to other
         # libraries in the process (PyTorch's libgomp, in the tests)
         _mkl = ctypes.CDLL(_PATH)
         _addr = {np.dtype(dt): ctypes.cast(getattr(_mkl, sym), ctypes.c_void_p).value
                  for dt, sym in ((np.float32, "cblas_sgemm"), (np.float64, "cblas_dgemm"))}
+        _threads_addr = ctypes.cast(_mkl.MKL_Set_Num_Threads_Local, ctypes.c_void_p).value
     return _addr
 
 
@@ -165,7 +167,7 @@ def in_kernel(dtype):
     addr = (_addr or _load()).get(np.dtype(dtype))
     if addr is None:
         return None
-    return addr, ctypes.cast(_mkl.MKL_Set_Num_Threads_Local, ctypes.c_void_p).value
+    return addr, _threads_addr
 
 
 @njit(inline="always")
