@@ -35,7 +35,7 @@ def run_crossentropy(logits, targets):
 
 def prepared_char_data(root, text):
     """A data directory made by `handgrad prepare` from `text` (char tokenizer, 10% val) under root."""
-    from handgrad.data import prepare
+    from handgrad.data.prepare import prepare
     (root / "text.txt").write_text(text)
     prepare([str(root / "text.txt")], root / "data", tokenizer="char", val_fraction=0.1, seed=1)
     return root / "data"

@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 
 from handgrad.cli import main as cli
-from handgrad.data import HEADER_INTS, MAGIC, prepare, write_shard
+from handgrad.data.shards import HEADER_INTS, MAGIC, write_shard
+from handgrad.data.prepare import prepare
 
 TEXT = "".join(f"To be, or not to be, that is the question {i}.\n" for i in range(300))
 SMALL = ["--preset", "tiny", "--model.n_layer", "1", "--model.n_embd", "16", "--model.block_size", "16",
@@ -387,9 +388,10 @@ def test_prompt_longer_than_the_context_is_cropped(world, capsys):
     does handgrad: the whole prompt is printed, the continuation is what the model predicts from the
     prompt's last block_size tokens, and one note on stderr says so. Not an error: a prompt is text
     to continue, and decoding already runs past block_size the same way."""
-    from handgrad.checkpoint import load_model
-    from handgrad.sample import SEPARATOR, generate
-    from handgrad.tokenizer import load_tokenizer
+    from handgrad.training.checkpoint import load_model
+    from handgrad.sample import SEPARATOR
+    from handgrad.models.decode import generate
+    from handgrad.data.tokenizer import load_tokenizer
 
     prompt = TEXT[:100]  # 100 characters, block_size 16
     rc, out, err = run_cli(["sample", "--run", str(world.run), "--prompt", prompt, "--max-new-tokens", "20",

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from handgrad import bench_train
+import handgrad.bench.train as bench_train
 
 
 def _bench(*args):

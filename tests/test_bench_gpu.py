@@ -10,7 +10,7 @@ import pytest
 
 from gpu_helpers import REAL_GPU
 
-from handgrad import bench_gpu
+import handgrad.bench.gpu as bench_gpu
 
 
 def _bench(*args, env=None):

@@ -81,7 +81,7 @@ def test_info_json():
 
 
 def test_bench_learn_tiny(tmp_path):
-    from handgrad.data import prepare
+    from handgrad.data.prepare import prepare
     (tmp_path / "t.txt").write_text("abcdefgh ijklmnop\n" * 300)
     prepare([str(tmp_path / "t.txt")], tmp_path / "data", tokenizer="char")
     out = subprocess.run([sys.executable, "-m", "handgrad", "bench", "learn", "--preset", "tiny", "--steps", "3",

@@ -76,3 +76,10 @@ def test_bad_files(tmp_path):
         load_run_config(None, unknown)
     with pytest.raises(ConfigError, match="--preset huge"):
         load_run_config("huge")
+
+
+def test_model_arch_picks_a_family_and_defaults_to_gpt2():
+    assert load_run_config().model.arch == "gpt2"
+    assert load_run_config(overrides={"model.arch": "gpt2"}).model.arch == "gpt2"
+    with pytest.raises(ConfigError, match="model.arch: unknown architecture 'mamba'; choose from gpt2"):
+        load_run_config(overrides={"model.arch": "mamba"})

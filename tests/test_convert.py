@@ -13,7 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 import handgrad  # noqa: E402
 from handgrad.cli import main as cli  # noqa: E402
-from handgrad.convert import LLMC_MAGIC, f32_to_bf16, read_safetensors  # noqa: E402
+from handgrad.interop.llmc import LLMC_MAGIC
+from handgrad.training.optim import AdamW
+from handgrad.interop.hf import f32_to_bf16
+from handgrad.interop.hf import read_safetensors  # noqa: E402
 
 V, T, C, L, NH = 37, 16, 24, 2, 3  # V not a multiple of 64; C = 24 with 3 heads of 8
 
@@ -158,7 +161,7 @@ def test_llmc_model_file_imports_and_round_trips_byte_for_byte(hf_model, tmp_pat
 
 def test_training_continues_from_an_imported_model(hf_dir):
     model = handgrad.GPT.from_pretrained(hf_dir)
-    opt = handgrad.optim.AdamW(model, lr=1e-3)
+    opt = AdamW(model, lr=1e-3)
     idx, tgt = _batch(4)
     losses = []
     for _ in range(5):
@@ -236,8 +239,8 @@ def test_gpt2_style_vocab_and_merges_rebuilt_from_ranks_encode_like_the_original
     tokenizer built from the written files must then encode exactly as the original does."""
     from types import SimpleNamespace
 
-    from handgrad.convert import bytes_to_unicode, hf_config, write_gpt2_vocab
-    from handgrad.tokenizer import BPETokenizer
+    from handgrad.interop.hf import bytes_to_unicode, hf_config, write_gpt2_vocab
+    from handgrad.data.tokenizer import BPETokenizer
     text = ["the quick brown fox jumps over the lazy dog; the dog sleeps. Ünïcödé → ok\n"] * 50
     bpe = BPETokenizer.train(text, vocab_size=400)
     unbyte = {c: b for b, c in bytes_to_unicode().items()}
@@ -253,8 +256,8 @@ def test_gpt2_style_vocab_and_merges_rebuilt_from_ranks_encode_like_the_original
 
 
 def test_hf_export_carries_a_bpe_tokenizer(hf_model, tmp_path):
-    from handgrad.convert import write_hf
-    from handgrad.tokenizer import BPETokenizer
+    from handgrad.interop.hf import write_hf
+    from handgrad.data.tokenizer import BPETokenizer
     bpe = BPETokenizer.train(["a lazy dog and a quick fox\n"] * 40, vocab_size=V)
     (tmp_path / "tokenizer.json").write_text(json.dumps(bpe.to_json()))
     model = handgrad.GPT.from_pretrained(_llmc_write(tmp_path / "m.bin", hf_model))
@@ -308,7 +311,7 @@ def test_finetune_from_an_llmc_model_on_llmc_shards(gpt2_vocab_run, capsys):
     first = json.loads((tmp / "run" / "metrics.jsonl").read_text().splitlines()[0])
     src = handgrad.GPT.from_pretrained(model_file)  # step 1's loss is the imported model's loss
     rng = np.random.Generator(np.random.PCG64([1337, 1]))
-    from handgrad.data import Dataset
+    from handgrad.data.shards import Dataset
     x, y = Dataset(tmp / "data", "train").get_batch(2, 16, rng)
     assert first["loss"] == pytest.approx(src.forward(x, y), rel=1e-6)
     run = handgrad.GPT.from_pretrained(tmp / "run")
@@ -330,8 +333,8 @@ def test_init_from_refuses_a_vocab_mismatch_and_resume(gpt2_vocab_run, hf_dir, c
 
 
 def test_sample_from_hf_and_llmc_models(hf_model, tmp_path, capsys):
-    from handgrad.convert import write_hf
-    from handgrad.tokenizer import BPETokenizer
+    from handgrad.interop.hf import write_hf
+    from handgrad.data.tokenizer import BPETokenizer
     bpe = BPETokenizer.train(["a lazy dog and a quick fox\n"] * 40, vocab_size=300)
     (tmp_path / "tokenizer.json").write_text(json.dumps(bpe.to_json()))
     cfg = transformers.GPT2Config(vocab_size=bpe.vocab_size, n_positions=T, n_embd=C, n_layer=L, n_head=NH)

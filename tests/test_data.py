@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from handgrad import data
-from handgrad.data import DataError, Dataset, load_meta, prepare, read_shard, write_shard
-from handgrad.tokenizer import load_tokenizer
+import handgrad.data.prepare as data
+from handgrad.data.sources import DataError
+from handgrad.data.shards import Dataset, load_meta, read_shard, write_shard
+from handgrad.data.prepare import prepare
+from handgrad.data.tokenizer import load_tokenizer
 
 
 def make_corpus(root: Path, n_docs=20) -> Path:
@@ -209,7 +211,7 @@ def test_same_seed_same_bytes_other_seed_other_split(tmp_path):
 
 BPE_SCRIPT = """
 import sys
-from handgrad.data import prepare
+from handgrad.data.prepare import prepare
 prepare([sys.argv[1]], sys.argv[2], tokenizer="bpe", vocab_size=300, seed=1)
 """
 
@@ -463,7 +465,7 @@ def test_prepared_shakespeare_from_a_fake_archive(tmp_path, monkeypatch):
             info.size = len(text)
             tar.addfile(info, io.BytesIO(text.encode()))
     monkeypatch.setenv("HANDGRAD_CACHE", str(cache))
-    monkeypatch.setattr("handgrad.sources.SHAKESPEARE_SHA256", hashlib.sha256(archive.read_bytes()).hexdigest())
+    monkeypatch.setattr("handgrad.data.sources.SHAKESPEARE_SHA256", hashlib.sha256(archive.read_bytes()).hexdigest())
     meta = prepare(["shakespeare"], tmp_path / "data", tokenizer="char", val_fraction=0.2)
     assert meta["documents"] == 3 and meta["source"] == ["shakespeare"]
     names = meta["shards"]["train"] + meta["shards"]["val"]

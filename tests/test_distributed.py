@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from helpers import prepared_char_data
 
-from handgrad.checkpoint import read_state
+from handgrad.training.checkpoint import read_state
 from handgrad.config import ConfigError, GPTConfig, load_run_config
-from handgrad.data import Dataset
-from handgrad.model import GPT
-from handgrad.optim import AdamW
+from handgrad.data.shards import Dataset
+from handgrad.models.gpt2 import GPT
+from handgrad.training.optim import AdamW
 
 pytest.importorskip("torch.distributed")
 

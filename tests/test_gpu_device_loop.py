@@ -1,4 +1,4 @@
-"""The gpu's training step with no host sync (handgrad.device_loop) and its CUDA graphs.
+"""The gpu's training step with no host sync (handgrad.training.device_loop) and its CUDA graphs.
 
 - prepare_update + adamw_update(hyper=...) give the host path's update bit for bit, through
   clipping, accumulation and NaN steps (skip and stop);
@@ -17,12 +17,13 @@ import torch
 from gpu_helpers import DEVICE, REAL_GPU
 
 from handgrad import GPT, GPTConfig
-from handgrad.checkpoint import list_checkpoints
+from handgrad.training.checkpoint import list_checkpoints
 from handgrad.backends.gpu import adamw as gpu_adamw
 from handgrad.config import ConfigError, load_run_config
-from handgrad.device_loop import DeviceLoop
-from handgrad.optim import AdamW
-from handgrad.train import Trainer, accumulate_gradients, lr_at
+from handgrad.training.device_loop import DeviceLoop
+from handgrad.training.optim import AdamW
+from handgrad.training.trainer import Trainer
+from handgrad.training.step import accumulate_gradients, lr_at
 from helpers import prepared_char_data
 
 TINY = GPTConfig(block_size=8, vocab_size=37, n_layer=1, n_head=2, n_embd=32)
@@ -253,7 +254,7 @@ def test_train_nan_skip_and_stop_on_the_device(data_dir, tmp_path, monkeypatch, 
     _poison(monkeypatch, at_call=2)
     run = tmp_path / "stop"
     trainer = Trainer(data_dir, run, _config(max_steps=5, log_interval=4), backend="gpu")
-    from handgrad.train import TrainError
+    from handgrad.training.rundir import TrainError
     with pytest.raises(TrainError, match=r"step 2: the loss is not finite .*not located .*stopped before"):
         trainer.run()
     assert [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").open()] == [1]

@@ -51,7 +51,7 @@ def test_gpu_and_cpu_backends_agree(config, B, T):
 @pytest.mark.skipif(not REAL_GPU, reason="a 50-step loss curve at GPT-2 width needs a real GPU")
 def test_fifty_step_loss_curve_against_pytorch():
     import torch
-    from handgrad.optim import AdamW, clip_scale, grad_norm
+    from handgrad.training.optim import AdamW, clip_scale, grad_norm
     from handgrad.torch_ref import TorchGPT
     config = GPTConfig(block_size=256, vocab_size=8192, n_layer=6, n_head=8, n_embd=512)
     model = GPT(config, backend="gpu", seed=0)
@@ -150,7 +150,7 @@ def test_kv_cache_sampling_on_the_gpu_matches_the_cpu():
     """generate() on a gpu model (attention_decode_forward through the cache, a window re-prefill
     past block_size) gives the cpu model's tokens with the same weights: greedy, and sampled with
     the same seed (the logits agree to ~1e-6, far from any sampling boundary here)."""
-    from handgrad.sample import KVCache, generate
+    from handgrad.models.decode import KVCache, generate
     config = GPTConfig(block_size=8, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
     cpu, gpu = GPT(config, backend="cpu", seed=5), GPT(config, backend="gpu", seed=5)
     prompt = np.array([[1, 2, 3], [4, 5, 6]])

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from handgrad import GPT, GPTConfig
-from handgrad.model import WRITTEN_FIRST
-from handgrad.optim import AdamW, clip_scale, grad_norm
+from handgrad.models.gpt2 import WRITTEN_FIRST
+from handgrad.training.optim import AdamW, clip_scale, grad_norm
 from handgrad.verify import check_model_adamw, check_model_step
 
 from helpers import assert_rows, cpu_kernels, forced_kernels

@@ -10,10 +10,8 @@ import torch
 
 from handgrad.backends import get_backend
 from handgrad.torch_ref import crossentropy as torch_crossentropy
-from handgrad.verify import (
-    TOL32, check_adamw, check_attention, check_crossentropy, check_encoder, check_gelu,
-    check_layernorm, check_layernorm_linear, check_linear, check_residual, compare,
-)
+from handgrad.verify import (TOL32, check_adamw, check_attention, check_crossentropy, check_encoder, check_gelu,
+                             check_layernorm, check_layernorm_linear, check_linear, check_residual, compare)
 
 from helpers import assert_rows, run_crossentropy
 

@@ -16,9 +16,8 @@ from hypothesis import strategies as st
 from handgrad import GPTConfig
 from handgrad.backends import get_backend
 from handgrad import torch_ref as R
-from handgrad.verify import (
-    TOL32, TOL64, check_attention, check_encoder, check_gelu, check_layernorm, check_model_step, compare,
-)
+from handgrad.verify import (TOL32, TOL64, check_attention, check_encoder, check_gelu, check_layernorm,
+                             check_model_step, compare)
 
 from helpers import assert_rows, run_crossentropy
 

@@ -4,17 +4,16 @@ stream, and the `handgrad sample` command (with a stand-in checkpoint loader and
 import argparse
 import io
 import math
-import sys
-import types
 
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import handgrad.sample
 from handgrad import GPT, GPTConfig
 from handgrad.backends.cpu import attention_decode_forward, attention_forward
-from handgrad.sample import (SEPARATOR, KVCache, SampleError, TextStream, add_arguments, generate,
-                             main, sample_logits)
+from handgrad.sample import SEPARATOR, TextStream, add_arguments, main
+from handgrad.models.decode import KVCache, SampleError, generate, sample_logits
 
 
 def random_model(config, seed=0, scale=0.3):
@@ -294,7 +293,7 @@ CLI_CONFIG = GPTConfig(block_size=16, vocab_size=257, n_layer=2, n_head=2, n_emb
 
 @pytest.fixture
 def cli(monkeypatch):
-    """Run main(argv) against stand-in handgrad.checkpoint / handgrad.tokenizer modules; returns
+    """Run main(argv) with stand-ins for the checkpoint and tokenizer loaders; returns
     (stdout text, the loaded paths)."""
     state = {"eot": True, "loaded": []}
     model = random_model(CLI_CONFIG, scale=0.1)
@@ -307,9 +306,8 @@ def cli(monkeypatch):
         state["loaded"].append(("tokenizer", str(run_dir)))
         return ByteTokenizer(eot=state["eot"])
 
-    monkeypatch.setitem(sys.modules, "handgrad.checkpoint", types.SimpleNamespace(load_model=load_model))
-    monkeypatch.setitem(sys.modules, "handgrad.tokenizer",
-                        types.SimpleNamespace(load_tokenizer=load_tokenizer))
+    monkeypatch.setattr(handgrad.sample, "load_model", load_model)
+    monkeypatch.setattr(handgrad.sample, "load_tokenizer", load_tokenizer)
 
     def run(*argv):
         parser = argparse.ArgumentParser()
@@ -365,13 +363,13 @@ def test_cli_user_errors(cli, argv, match):
 @pytest.fixture
 def run_dir(tmp_path):
     """A run directory written by the real checkpoint and tokenizer modules."""
-    checkpoint = pytest.importorskip("handgrad.checkpoint")
-    tokenizer = pytest.importorskip("handgrad.tokenizer")
+    checkpoint = pytest.importorskip("handgrad.training.checkpoint")
+    tokenizer = pytest.importorskip("handgrad.data.tokenizer")
     if not all(hasattr(checkpoint, f) for f in ("save_checkpoint", "load_model")) \
             or not hasattr(tokenizer, "ByteTokenizer"):
         pytest.skip("handgrad.checkpoint / handgrad.tokenizer lack save_checkpoint, load_model or "
                     "ByteTokenizer")
-    from handgrad.optim import AdamW
+    from handgrad.training.optim import AdamW
     config = GPTConfig(block_size=16, vocab_size=256, n_layer=2, n_head=2, n_embd=16)
     model = random_model(config, scale=0.1)
     checkpoint.save_checkpoint(tmp_path, 3, model, AdamW(model), {"model_config": config.to_dict()})

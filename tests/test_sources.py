@@ -9,8 +9,8 @@ import tarfile
 
 import pytest
 
-from handgrad import sources
-from handgrad.sources import DataError, iter_documents, resolve_sources, strip_wiki_markup
+import handgrad.data.sources as sources
+from handgrad.data.sources import DataError, iter_documents, resolve_sources, strip_wiki_markup
 
 
 def docs_of(*specs):

@@ -7,10 +7,10 @@ import types
 import pytest
 from hypothesis import given, strategies as st
 
-from handgrad import tokenizer as tk
-from handgrad.sources import DataError
-from handgrad.tokenizer import (EOT_TEXT, BPETokenizer, ByteTokenizer, CharTokenizer, GPT2Tokenizer,
-                                copy_tokenizer, load_tokenizer)
+import handgrad.data.tokenizer as tk
+from handgrad.data.sources import DataError
+from handgrad.data.tokenizer import (EOT_TEXT, BPETokenizer, ByteTokenizer, CharTokenizer, GPT2Tokenizer,
+                                     copy_tokenizer, load_tokenizer)
 
 CORPUS = ["The quick brown fox jumps over the lazy dog. " * 20,
           "def add(a, b):\n    return a + b\n" * 20,

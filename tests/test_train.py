@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from helpers import prepared_char_data
 
-from handgrad.checkpoint import CheckpointError, list_checkpoints, load_model, read_state
+from handgrad.training.checkpoint import CheckpointError, list_checkpoints, load_model, read_state
 from handgrad.cli import main as cli
-from handgrad.train import lr_at
+from handgrad.training.step import lr_at
 from handgrad.config import load_run_config
 
 TEXT = "".join(f"To be, or not to be, that is the question {i}.\nWhether 'tis nobler in the mind.\n"
@@ -133,7 +133,7 @@ def test_bad_train_input(data_dir, tmp_path, capsys, args, message):
 
 def test_token_ids_above_vocab_are_named(data_dir, tmp_path, capsys):
     import shutil
-    from handgrad.data import read_shard, write_shard
+    from handgrad.data.shards import read_shard, write_shard
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
     shard = bad / "train_000000.bin"
@@ -187,7 +187,7 @@ def test_ctrl_c_saves_and_exits_cleanly(data_dir, tmp_path):
 
 def _poison_once(monkeypatch, at_call):
     """Make the model's loss NaN on the at_call-th forward with targets (1-based)."""
-    from handgrad.model import GPT
+    from handgrad.models.gpt2 import GPT
     real = GPT.forward
     calls = {"n": 0}
 
@@ -216,7 +216,7 @@ def test_nan_stop_keeps_last_good_checkpoint(data_dir, tmp_path, capsys, monkeyp
 
 
 def test_nan_skip_leaves_weights_untouched(data_dir, tmp_path, capsys, monkeypatch):
-    from handgrad.train import Trainer
+    from handgrad.training.trainer import Trainer
     run = tmp_path / "run"
     config = load_run_config("tiny", overrides={"model.n_layer": 1, "model.n_embd": 32, "model.block_size": 16,
                                                 "train.batch_size": 4, "train.on_nan": "skip",
@@ -243,7 +243,7 @@ def test_on_nan_value_checked():
 
 def test_disk_full_stops_cleanly_and_keeps_checkpoints(data_dir, tmp_path, capsys, monkeypatch):
     import errno
-    import handgrad.checkpoint as ck
+    import handgrad.training.checkpoint as ck
     real = ck.save_file
     calls = {"n": 0}
 
@@ -267,7 +267,7 @@ def test_disk_full_stops_cleanly_and_keeps_checkpoints(data_dir, tmp_path, capsy
 
 
 def test_resume_with_other_tokenizer_refused(data_dir, tmp_path, capsys):
-    from handgrad.data import prepare
+    from handgrad.data.prepare import prepare
     run = tmp_path / "run"
     assert train(data_dir, run, "--train.max_steps", "2") == 0
     (tmp_path / "t.txt").write_text(TEXT)
@@ -281,7 +281,7 @@ def test_resume_with_other_tokenizer_refused(data_dir, tmp_path, capsys):
 
 KILLER = """
 import os, signal, sys
-import handgrad.checkpoint as ck
+import handgrad.training.checkpoint as ck
 real, calls = ck.save_file, {"n": 0}
 def save_file(tensors, path, metadata=None):
     calls["n"] += 1

@@ -80,9 +80,9 @@ def record_sizes(out, quick=False):
     import numpy as np
     from handgrad import GPT, GPTConfig
     from handgrad.config import load_run_config
-    from handgrad.device_loop import DeviceLoop
-    from handgrad.optim import AdamW
-    from handgrad.sample import generate
+    from handgrad.training.device_loop import DeviceLoop
+    from handgrad.training.optim import AdamW
+    from handgrad.models.decode import generate
     from handgrad.backends.gpu import attention
     attention.interpreting = lambda: False  # launch parameters chosen as on a GPU (the kernels do not run)
     rng = np.random.default_rng(0)

@@ -6,47 +6,45 @@
   convert  models between handgrad, Hugging Face GPT-2 and llm.c formats
 """
 import argparse
+import json
 import os
+import platform
 import sys
+
+import numba
+import numpy as np
+
+from . import __version__, sample, verify
+from .bench import command as bench
+from .config import ConfigError
+from .data import prepare
+from .data.sources import DataError
+from .interop import convert
+from .interop.common import ConvertError
+from .machine import environment, sgemm_peak
+from .models.decode import SampleError
+from .training import command as train
+from .training.checkpoint import CheckpointError
+from .training.distributed import DistributedError, exit_if_lost
+from .training.rundir import TrainError
+
+
+# The exception types that mean 'the user asked for something wrong': one line, exit 2.
+USER_ERRORS = (CheckpointError, ConfigError, ConvertError, DataError, DistributedError, SampleError, TrainError)
 
 
 def _user_errors():
-    """The exception types that mean 'the user asked for something wrong': one line, exit 2."""
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .convert import ConvertError
-    from .data import DataError
-    from .distributed import DistributedError
-    from .sample import SampleError
-    from .train import TrainError
-    errors = (CheckpointError, ConfigError, ConvertError, DataError, DistributedError, SampleError, TrainError)
-    gpu = sys.modules.get("handgrad.backends.gpu.common")  # loaded (with torch) only if the gpu was asked for
-    return errors + (gpu.GPUUnavailable,) if gpu is not None else errors
-
-
-def _cmd(module, fn="main"):
-    def run(args):
-        import importlib
-        return getattr(importlib.import_module(f"handgrad.{module}"), fn)(args)
-    return run
+    """USER_ERRORS, and the gpu backend's GPUUnavailable where the gpu was asked for (that module
+    loads torch, so it is looked up, not imported)."""
+    gpu = sys.modules.get("handgrad.backends.gpu.common")
+    return USER_ERRORS + (gpu.GPUUnavailable,) if gpu is not None else USER_ERRORS
 
 
 def _cmd_verify(args):
-    from .verify import main as verify_main
-    return verify_main(backend=args.backend, as_json=args.json)
+    return verify.main(backend=args.backend, as_json=args.json)
 
 
 def _cmd_info(args):
-    import json
-    import os
-    import platform
-
-    import numba
-    import numpy as np
-
-    from . import __version__
-    from .backends import cpu  # noqa: F401  (sets Numba's threading layer, reported below)
-    from .bench import environment, sgemm_peak
     try:
         import torch
     except ImportError:
@@ -85,18 +83,17 @@ def build_parser():
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    from . import bench, convert, data, sample, train
     p = sub.add_parser("prepare", help="turn a corpus into a tokenizer and token shards")
-    data.add_arguments(p)
-    p.set_defaults(func=_cmd("data"))
+    prepare.add_arguments(p)
+    p.set_defaults(func=prepare.main)
 
     p = sub.add_parser("train", help="train a GPT on a prepared data directory")
     train.add_arguments(p)
-    p.set_defaults(func=_cmd("train"))
+    p.set_defaults(func=train.main)
 
     p = sub.add_parser("sample", help="generate text from a trained run")
     sample.add_arguments(p)
-    p.set_defaults(func=_cmd("sample"))
+    p.set_defaults(func=sample.main)
 
     p = sub.add_parser("verify", help="check every op and the whole model against PyTorch autograd")
     p.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
@@ -106,11 +103,11 @@ def build_parser():
 
     p = sub.add_parser("bench", help="time handgrad beside PyTorch on this machine")
     bench.add_arguments(p)
-    p.set_defaults(func=_cmd("bench"))
+    p.set_defaults(func=bench.main)
 
     p = sub.add_parser("convert", help="convert a model between handgrad, Hugging Face GPT-2 and llm.c formats")
     convert.add_arguments(p)
-    p.set_defaults(func=_cmd("convert"))
+    p.set_defaults(func=convert.main)
 
     p = sub.add_parser("info", help="versions, cores, BLAS, threads, the measured sgemm peak, CUDA/Triton")
     p.add_argument("--json", action="store_true", help="print as JSON")
@@ -127,7 +124,6 @@ def main(argv=None):
         ranked = rank and os.environ.get("WORLD_SIZE", "1") != "1" and not str(e).startswith("rank ")
         where = f"[rank {rank}] " if ranked else ""
         print(f"error: {where}{e}", file=sys.stderr)
-        from .distributed import exit_if_lost
         exit_if_lost(2)
         return 2
     except KeyboardInterrupt:

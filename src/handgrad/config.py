@@ -1,4 +1,5 @@
-"""Typed configuration. GPTConfig describes the architecture; every field is checked at creation."""
+"""Typed configuration. GPTConfig describes the GPT-2 architecture (every field checked at creation);
+RunConfig a training run, as `model.*` and `train.*` keys from presets, files and flags."""
 import math
 from dataclasses import asdict, dataclass, field, fields
 
@@ -42,6 +43,7 @@ MODEL_PRESETS = {
 class ModelSection:
     """The architecture a run trains; vocab_size comes from the prepared data."""
 
+    arch: str = "gpt2"  # model family (handgrad.models): gpt2
     n_layer: int = 2  # transformer blocks
     n_head: int = 2  # attention heads; must divide n_embd
     n_embd: int = 64  # width of the residual stream
@@ -79,6 +81,7 @@ class TrainSection:
 
 
 SECTIONS = {"model": ModelSection, "train": TrainSection}
+ARCHS = ("gpt2",)  # the model families' names, as handgrad.models.FAMILIES lists them (a test checks)
 
 
 @dataclass
@@ -92,6 +95,7 @@ class RunConfig:
         return asdict(self)
 
     def gpt_config(self, vocab_size):
+        """The architecture config of model.arch's family, with the data's vocab_size."""
         m = self.model
         return GPTConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer,
                          n_head=m.n_head, n_embd=m.n_embd)
@@ -185,6 +189,8 @@ def apply_overrides(config, overrides, source="override"):
 def validate_run_config(config):
     """Range checks, each failing with the key's name."""
     m, t = config.model, config.train
+    if m.arch not in ARCHS:
+        raise ConfigError(f"model.arch: unknown architecture {m.arch!r}; choose from {', '.join(ARCHS)}")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key}: must be positive, got {getattr(m, key)}")

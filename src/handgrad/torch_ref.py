@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from .models.gpt2 import param_spec
+
 
 def require_torch():
     try:
@@ -80,7 +82,6 @@ class TorchGPT(torch.nn.Module):
         self.config = config
         self._attention = attention_sdpa if fast else attention
         self._linear = linear_addmm if fast else linear
-        from .model import param_spec
         self.names = [n for n, _ in param_spec(config)]
         self.params = torch.nn.ParameterDict(
             {n.replace(".", "__"): torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for n, s in param_spec(config)}

@@ -12,7 +12,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .backends import get_backend
 from .config import GPTConfig
+from .models.gpt2 import GPT
+from .training.optim import AdamW, clip_scale, grad_norm
+
 
 TOL32 = 2e-5   # relative tolerance for float32 ops against a float64 reference
 TOL64 = 1e-10  # ... for float64 ops
@@ -68,7 +72,6 @@ def _t(x, requires_grad=False):
 
 
 def _ops(backend):
-    from .backends import get_backend
     ops = get_backend(backend)
     return ops if backend == "cpu" else _HostArrays(ops)
 
@@ -252,8 +255,9 @@ def check_residual(B=2, T=5, C=24, dtype=np.float32, seed=0, backend="cpu"):
 
 def check_crossentropy(B=2, T=5, V=50, dtype=np.float32, seed=0, backend="cpu", scale=3.0, ignore=True):
     ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
-    from . import torch_ref as R
     import torch
+
+    from . import torch_ref as R
     logits = _randn(rng, (B, T, V), dtype, scale)
     targets = rng.integers(0, V, (B, T)).astype(np.int32)
     if ignore and targets.size > 1:
@@ -273,7 +277,6 @@ def check_adamw(steps=3, dtype=np.float32, seed=0, backend="cpu", lr=1e-2, weigh
     """AdamW (decay on 2-D tensors only) and global-norm clipping against torch.optim.AdamW."""
     ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
     import torch
-    from .optim import clip_scale
     shapes = [(7, 5), (5,), (3, 4), (70000,)]  # the long 1-D tensor spans several chunks
     sizes = [int(np.prod(s)) for s in shapes]
     offs = np.cumsum([0] + sizes)
@@ -310,7 +313,7 @@ OP_CHECKS = {
 # ---------------------------------------------------------------- whole model
 def _model_and_ref(config, seed, backend):
     import torch
-    from .model import GPT
+
     from .torch_ref import TorchGPT
     model = GPT(config, backend=backend, seed=seed)
     return model, TorchGPT(config, torch.float64).load_numpy(model.state_dict())
@@ -357,7 +360,6 @@ def check_model_adamw(config, B, T, steps=10, seed=0, backend="cpu", lr=1e-3, we
                       max_norm=1.0, tol=1e-4, update_tol=2e-2):
     """`steps` AdamW steps with clipping: every step's loss, and the final weights, against torch."""
     import torch
-    from .optim import AdamW, clip_scale, grad_norm
     model, ref = _model_and_ref(config, seed, backend)
     w0 = model.state_dict()
     opt = AdamW(model, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
@@ -429,3 +431,4 @@ def main(backend="cpu", as_json=False):
             print(r.line())
         print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
+

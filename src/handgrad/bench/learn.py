@@ -11,14 +11,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import load_run_config
-from .model import GPT
-from .optim import AdamW
-from .train import accumulate_gradients, lr_at
+from ..config import load_run_config
+from ..data.prepare import prepare
+from ..data.shards import Dataset
+from ..models.gpt2 import GPT
+from ..training.optim import AdamW
+from ..training.step import accumulate_gradients, lr_at
 
 
 def _ensure_data(data_dir, source, tokenizer):
-    from .data import prepare
     data_dir = Path(data_dir)
     if not (data_dir / "meta.json").is_file():
         print(f"preparing {source} ({tokenizer}) into {data_dir}")
@@ -28,7 +29,7 @@ def _ensure_data(data_dir, source, tokenizer):
 
 class _TorchSide:
     def __init__(self, gpt_config, state, t):
-        from .torch_ref import TorchGPT, torch
+        from ..torch_ref import TorchGPT, torch
         self.torch = torch
         self.model = TorchGPT(gpt_config, torch.float32).load_numpy(state)
         self.opt = self.model.adamw(lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
@@ -69,8 +70,7 @@ class _HandgradSide:
 
 def run_learn(preset="shakespeare-char", steps=None, data_dir=None, out_dir="docs", source="shakespeare",
               tokenizer="char"):
-    from .data import Dataset
-    from .torch_ref import require_torch
+    from ..torch_ref import require_torch
     require_torch()
     overrides = {"train.max_steps": steps} if steps else None
     config = load_run_config(preset, overrides=overrides)
@@ -128,3 +128,4 @@ def _plot(record, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+

@@ -24,6 +24,16 @@ from dataclasses import asdict
 
 import numpy as np
 
+from ..backends.cpu import attention, blas
+from ..config import GPTConfig, load_run_config
+from ..machine import BackgroundLoad, environment, sgemm_peak
+from ..models.family import flat_layout
+from ..models.gpt2 import GPT, flops_per_token, init_params, param_spec
+from ..training.optim import AdamW
+from ..training.step import accumulate_gradients
+from .common import SETTLE_S
+
+
 # name -> the run preset whose model and optimizer settings are used, and the benchmark's shape
 SHAPES = {
     "tiny": dict(preset="tiny", vocab_size=65, batch_size=8, T=64),
@@ -31,12 +41,16 @@ SHAPES = {
     "mid": dict(preset="mid", vocab_size=8192, batch_size=8, T=256),
     "gpt2-124m": dict(preset="gpt2-124m", vocab_size=50257, batch_size=4, T=64),
 }
+
+
 DEFAULT_SHAPES = ("tiny", "mid", "gpt2-124m")  # the shapes issue 4 reports
 SIDES = ("handgrad", "pytorch")
 N_BATCHES = 16  # distinct random batches, cycled
 WARMUP_STEPS = 3
 BUDGET_S = 12.0  # with --steps unset: timed seconds per side
 MIN_STEPS, MAX_STEPS, CHUNKS = 5, 200, 4
+
+
 # The first LOSS_CHECK_STEPS losses must agree to LOSS_RTOL (same weights, same batches: the same
 # computation, up to float32 rounding); later steps only need to be finite, since two float32
 # trajectories drift apart over hundreds of steps (measured: 20% apart after 200 tiny steps).
@@ -96,9 +110,6 @@ class _Profiler:
 
 class _HandgradWorker:
     def __init__(self, config, t, flat):
-        from .model import GPT
-        from .optim import AdamW
-        from .train import accumulate_gradients
         self.accumulate = accumulate_gradients  # what the trainer runs per step
         self.model = GPT(config, seed=0)
         self.model.params[:] = flat
@@ -116,7 +127,6 @@ class _HandgradWorker:
     def profile(self, batches):
         """Run the steps with every op timed; seconds per step by op name, plus the step's total,
         and the matmul floor (see _matmul_floor)."""
-        from .backends.cpu import blas
         ops, gemm = self.model.ops, blas.gemm
         prof = self.model.ops = _Profiler(ops)
         blas.gemm = prof.timed_gemm(gemm)
@@ -140,7 +150,6 @@ class _HandgradWorker:
         the softmax off. flop counts attention's products in full, as the step's FLOP count does,
         although the per-head kernels skip most of the masked half. It overwrites the step's
         activation and gradient buffers, so it runs last (the worker exits after it)."""
-        from .backends.cpu import attention, blas
         calls, heads, gemm, run_heads = [], [], blas.gemm, attention.run_heads
 
         def recording(a, b, c, beta=0.0):
@@ -174,10 +183,9 @@ class _HandgradWorker:
 
 class _TorchWorker:
     def __init__(self, config, t, flat):
-        from .model import _layout, param_spec
-        from .torch_ref import TorchGPT, torch
+        from ..torch_ref import TorchGPT, torch
         self.torch = torch
-        layout, _ = _layout(param_spec(config))
+        layout, _ = flat_layout(param_spec(config))
         state = {n: flat[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in layout.items()}
         self.model = TorchGPT(config, torch.float32, fast=True).load_numpy(state)
         self.opt = self.model.adamw(lr=t["lr"], weight_decay=t["weight_decay"], betas=(t["beta1"], t["beta2"]))
@@ -198,13 +206,8 @@ class _TorchWorker:
 
 def worker(side, spec):
     """Build one side from spec, then answer commands read from stdin, one JSON object per line."""
-    from .config import GPTConfig
-    from .model import init_params
-    if side == "handgrad":
-        from . import backends, optim, train  # noqa: F401
-        backends.get_backend("cpu")
-    else:
-        from . import torch_ref  # noqa: F401
+    if side == "pytorch":
+        from .. import torch_ref  # noqa: F401  (torch is loaded before the baseline is read)
     before = _memory()
     config = GPTConfig(**spec["model"])
     flat = init_params(config, spec["seed"])
@@ -247,7 +250,7 @@ class _Side:
     def __init__(self, name, spec):
         self.name = name
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "handgrad.bench_train", name, json.dumps(spec)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "handgrad.bench.train", name, json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.baseline = self._read()["baseline"]
         self.times, self.losses = [], []
@@ -278,7 +281,6 @@ class _Side:
 
 
 def _spec(name):
-    from .config import load_run_config
     shape = SHAPES[name]
     rc = load_run_config(shape["preset"])
     t = rc.train
@@ -306,9 +308,6 @@ def _check_losses(name, a, b):
 
 def bench_shape(name, steps, profile):
     """Warm up, then alternate timed chunks of the two sides; one result dict."""
-    from .bench import BackgroundLoad, SETTLE_S
-    from .config import GPTConfig
-    from .model import flops_per_token
     spec = _spec(name)
     config = GPTConfig(**spec["model"])
     tokens_per_step = spec["batch_size"] * spec["T"]
@@ -360,8 +359,7 @@ def bench_shape(name, steps, profile):
 
 def main(args):
     """`handgrad bench train`; returns the exit status."""
-    from .bench import environment, sgemm_peak
-    from .torch_ref import require_torch
+    from ..torch_ref import require_torch
     torch = require_torch()
     names = [n.strip() for n in args.preset.split(",")] if args.preset else list(DEFAULT_SHAPES)
     unknown = [n for n in names if n not in SHAPES]
@@ -467,7 +465,8 @@ def _mib(x):
     return "?" if x is None else f"{x:.0f} MiB"
 
 
-if __name__ == "__main__":  # a worker: python -m handgrad.bench_train SIDE SPEC_JSON
+if __name__ == "__main__":  # a worker: python -m handgrad.bench.train SIDE SPEC_JSON
     if len(sys.argv) != 3 or sys.argv[1] not in SIDES:
-        raise SystemExit("usage: python -m handgrad.bench_train {handgrad|pytorch} SPEC_JSON (started by bench train)")
+        raise SystemExit("usage: python -m handgrad.bench.train {handgrad|pytorch} SPEC_JSON (started by bench train)")
     sys.exit(worker(sys.argv[1], json.loads(sys.argv[2])))
+

@@ -27,7 +27,8 @@ graphs: a few launches instead of hundreds of kernel launches from Python.
 """
 import contextlib
 
-from .train import check_cuda_graph, lr_at
+from ..config import ConfigError
+from .step import lr_at
 
 
 class DeviceLoop:
@@ -38,7 +39,8 @@ class DeviceLoop:
 
     def __init__(self, model, opt, t, start_step, cuda_graph=False):
         import torch
-        from .backends.gpu import HYPER_SIZE, device, update_state
+
+        from ..backends.gpu import HYPER_SIZE, device, update_state
         if model.backend != "gpu":
             raise ValueError(f"DeviceLoop runs the gpu backend's step, got a {model.backend} model")
         if (opt.lo, opt.hi) != (0, model.num_params):
@@ -158,7 +160,7 @@ class DeviceLoop:
         loss, grad_norm)] of the steps not read before, oldest first, NaN or inf where a step was
         skipped for it; whether a fault under train.on_nan stop has frozen the weights). Also brings
         opt.t (AdamW's steps applied) up to date."""
-        from .backends.gpu import adamw as gpu_adamw
+        from ..backends.gpu import adamw as gpu_adamw
         host = self.state.cpu().numpy()
         self.opt.t = int(host[gpu_adamw.APPLIED])
         ring = host[gpu_adamw.STATE_SIZE:].reshape(self.HISTORY, 2)
@@ -166,3 +168,20 @@ class DeviceLoop:
                for s in self.unread]
         self.unread = []
         return out, bool(host[gpu_adamw.FAULT])
+
+
+def check_cuda_graph(backend, world_size):
+    """ConfigError unless train.cuda_graph can work: the gpu backend, one process, real CUDA."""
+    if backend != "gpu":
+        raise ConfigError("train.cuda_graph: CUDA graphs replay the gpu backend's step; add --device gpu, "
+                          "or drop --train.cuda_graph")
+    if world_size > 1:
+        raise ConfigError("train.cuda_graph: needs a single process (under torchrun the gradients are "
+                          "all-reduced between the kernels, from Python); drop --train.cuda_graph")
+    import torch
+
+    from ..backends.gpu.common import interpreting
+    if interpreting() or not torch.cuda.is_available():
+        raise ConfigError("train.cuda_graph: needs CUDA (TRITON_INTERPRET=1 runs the kernels on the CPU, "
+                          "where nothing can be captured); drop --train.cuda_graph")
+

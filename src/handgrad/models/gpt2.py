@@ -4,8 +4,10 @@ Shapes: B batch, T time, C n_embd, NH heads, V vocab, L layers.
 """
 import numpy as np
 
-from .backends import get_backend
-from .config import GPTConfig
+from ..backends import get_backend
+from ..config import GPTConfig
+from .decode import KVCache
+from .family import Family, flat_layout, flat_views
 
 
 def param_spec(config):
@@ -35,24 +37,11 @@ WRITTEN_FIRST = ("wte.weight", "attn.c_attn.weight", "attn.c_proj.weight", "mlp.
                  "mlp.c_proj.weight")
 
 
-def _layout(spec):
-    """name -> (offset, shape) in the flat buffer, and the total size."""
-    offsets, n = {}, 0
-    for name, shape in spec:
-        offsets[name] = (n, shape)
-        n += int(np.prod(shape))
-    return offsets, n
-
-
-def _views(flat, layout):
-    return {name: flat[o:o + int(np.prod(s))].reshape(s) for name, (o, s) in layout.items()}
-
-
 def init_params(config, seed):
     """GPT-2's initialisation as one flat float32 array laid out by param_spec: N(0, 0.02) for weights
     and embeddings, N(0, 0.02/sqrt(2L)) for the projections into the residual stream, zero biases,
     unit layernorm gains. NumPy only, so a PyTorch process can start from the same weights."""
-    layout, num_params = _layout(param_spec(config))
+    layout, num_params = flat_layout(param_spec(config))
     rng = np.random.default_rng(seed)
     proj_std = 0.02 / np.sqrt(2 * config.n_layer)
     host = np.zeros(num_params, dtype=np.float32)
@@ -137,13 +126,13 @@ class GPT:
         self.ops = get_backend(backend)
         self.backend = backend
         self.spec = param_spec(config)
-        self.layout, self.num_params = _layout(self.spec)
+        self.layout, self.num_params = flat_layout(self.spec)
         padded = -(-self.num_params // buffer_multiple) * buffer_multiple
         self.flat_params = self.ops.zeros((padded,))
         self.flat_grad = self.ops.zeros((padded,))
         self.params, self.grad = self.flat_params[:self.num_params], self.flat_grad[:self.num_params]
-        self.p = _views(self.params, self.layout)
-        self.g = _views(self.grad, self.layout)
+        self.p = flat_views(self.params, self.layout)
+        self.g = flat_views(self.grad, self.layout)
         self._acts = None
         self._ready_for_backward = False
         self._grads_zero = True  # the gradient buffer starts at zero
@@ -160,16 +149,6 @@ class GPT:
                                 for l in reversed(range(L))]
                              + [(0, end("wpe.weight"))])
         self._init_weights(seed)
-
-    @classmethod
-    def from_pretrained(cls, path, backend="cpu"):
-        """A GPT with the weights at `path`: a Hugging Face GPT-2 directory, an llm.c model file, or a
-        handgrad run or checkpoint directory (detected; see handgrad.convert)."""
-        from .convert import load_pretrained
-        config, weights, _ = load_pretrained(path)
-        model = cls(config, backend=backend)
-        model.load_state_dict(weights)
-        return model
 
     # ----------------------------------------------------------------- parameters
     def _init_weights(self, seed):
@@ -374,3 +353,8 @@ class GPT:
             ready(*next(buckets))
         ops.encoder_backward(g["wte.weight"], g["wpe.weight"], a.dres, a.idx)
         ready(*next(buckets))
+
+
+
+FAMILY = Family(arch="gpt2", config=GPTConfig, param_spec=param_spec, init_params=init_params,
+                flops_per_token=flops_per_token, model=GPT, kv_cache=KVCache, hf_architecture="GPT2LMHeadModel")

@@ -21,6 +21,10 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from ..config import GPTConfig
+from ..models.gpt2 import GPT
+
+
 CKPT_DIR = "ckpt"
 _NAME = re.compile(r"^step_(\d{8})$")
 
@@ -182,8 +186,6 @@ def resolve(path):
 
 def load_model(path, backend="cpu"):
     """A GPT with the weights of a checkpoint (or of a run directory's newest checkpoint)."""
-    from .config import GPTConfig
-    from .model import GPT
     ckpt = resolve(path)
     state = read_state(ckpt)
     model = GPT(GPTConfig(**state["model_config"]), backend=backend)
@@ -226,3 +228,4 @@ def restore(ckpt_dir, model, optimizer):
         flat[:] = model.ops.from_numpy(host)
     optimizer.load_state(state["optimizer"])
     return state
+

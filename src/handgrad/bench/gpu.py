@@ -18,6 +18,10 @@ nothing, and the report says so.
 import json
 import time
 
+from ..backends import get_backend
+from .common import check_close
+
+
 # (B, T, C, n_head, vocab, AdamW parameters): GPT-2 124M's widths at T 1024 on a GPU; tiny under
 # the interpreter (~1.5 ms per Triton program instance there)
 CUDA_SHAPE = dict(B=8, T=1024, C=768, NH=12, V=50257, P=124_439_808)
@@ -126,7 +130,7 @@ class Gelu(_Row):
 
 class Attention(_Row):
     def __init__(self, ops, torch, s, dtype):
-        from . import torch_ref
+        from .. import torch_ref
         B, T, C, NH = s["B"], s["T"], s["C"], s["NH"]
         self.name = f"attention T={T} C={C} NH={NH}"
         g = torch.Generator(device="cpu").manual_seed(2)
@@ -150,7 +154,7 @@ class Attention(_Row):
 
 class CrossEntropy(_Row):
     def __init__(self, ops, torch, s, dtype):
-        from . import torch_ref
+        from .. import torch_ref
         B, T, V = s["B"], s["T"], s["V"]
         self.name = f"crossentropy N={B * T} V={V}"
         g = torch.Generator(device="cpu").manual_seed(3)
@@ -190,10 +194,9 @@ def _compiled(torch, fn, enabled):
 def bench_row(cls, ops, torch, shape, dtype, repeat, compile_torch):
     """Check, then time one op; two result rows (fwd, bwd)."""
     tdtype = getattr(torch, dtype)
-    from .bench import _check
     row = cls(ops, torch, shape, tdtype)
     host = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
-    err = _check(row.name, [(label, host(h), host(t)) for label, h, t in row.check_pairs()], TOLERANCE[dtype])
+    err = check_close(row.name, [(label, host(h), host(t)) for label, h, t in row.check_pairs()], TOLERANCE[dtype])
     clock = _Clock(torch)
     hg = [clock(row.hg_forward, repeat), clock(row.hg_backward, repeat)]
     sides = {"handgrad": hg}
@@ -254,14 +257,13 @@ ROWS = (LayerNorm, Gelu, Attention, CrossEntropy)
 
 def bench_ops_gpu(repeat, as_json, dtype="bfloat16", compile_torch=True):
     """`handgrad bench ops --backend gpu`: every row, then a table or JSON."""
-    from .backends.gpu.common import GPUUnavailable, device, interpreting
-    from .torch_ref import require_torch
+    from ..backends.gpu.common import GPUUnavailable, device, interpreting
+    from ..torch_ref import require_torch
     torch = require_torch()
     try:
         device()
     except GPUUnavailable as e:
         raise SystemExit(f"bench ops --backend gpu: {e}") from None
-    from .backends import get_backend
     ops = get_backend("gpu")
     shape = INTERPRET_SHAPE if interpreting() else CUDA_SHAPE
     repeat = repeat or (2 if interpreting() else 50)
@@ -314,3 +316,4 @@ def format_table(result):
     lines += [f"{k}: not timed, {v}" for k, v in notes.items()]
     lines.append(f"total {result['seconds']:.0f} s")
     return "\n".join(lines)
+

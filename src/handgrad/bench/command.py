@@ -1,0 +1,67 @@
+"""`handgrad bench ops|train|learn`: the command line, dispatched to bench/ops.py (or gpu.py),
+bench/train.py and bench/learn.py."""
+import json
+
+from .common import MAX_REPEAT, MIN_REPEAT, ROW_BUDGET_S
+from .gpu import bench_ops_gpu
+from .learn import run_learn
+from .ops import bench_ops
+from .train import main as bench_train_main
+
+
+def add_arguments(parser):
+    """Add `handgrad bench` arguments: what to benchmark, then its options."""
+    parser.add_argument("what", choices=["ops", "train", "learn"],
+                        help="ops: matmul, attention block and MLP block, handgrad beside PyTorch; "
+                             "train: whole training steps (tok/s, GFLOP/s, MFU, peak memory) beside PyTorch; "
+                             "learn: train handgrad and PyTorch side by side and compare loss curves")
+    parser.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
+                        help="ops: backend to time (default cpu); gpu: each Triton op beside torch eager, "
+                             "torch.compile and scaled_dot_product_attention")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="ops --backend gpu: the activations' dtype (default bfloat16, as --train.dtype)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="ops --backend gpu: leave out the torch.compile column (its compiles take minutes)")
+    parser.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
+                        help=f"timed repeats per row and side (default: as many as fit in about "
+                             f"{ROW_BUDGET_S:g} s, {MIN_REPEAT} to {MAX_REPEAT})")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--preset", default=None,
+                        help="train: shape(s) to time, comma-separated, from tiny, shakespeare-char, mid, gpt2-124m "
+                             "(default tiny,mid,gpt2-124m); learn: the run preset (default shakespeare-char)")
+    parser.add_argument("--steps", type=_positive_int, default=None,
+                        help="train: timed steps per side (default: as many as fit in about 12 s); "
+                             "learn: override the preset's train.max_steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="train: add handgrad's per-op time breakdown (forward, backward, optimizer)")
+    learn = parser.add_argument_group("learn")
+    learn.add_argument("--data", default=None, metavar="DATA_DIR",
+                       help="prepared data for `learn` (default: prepare shakespeare, char, into ~/.cache/handgrad)")
+    learn.add_argument("--out", default="docs", metavar="DIR", help="where `learn` writes its JSON and plot")
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+_positive_int.__name__ = "positive int"  # argparse names the type in its error message
+
+
+def main(args):
+    """Run `handgrad bench <what>`; returns the exit status."""
+    if args.what == "ops":
+        if args.backend == "gpu":
+            return bench_ops_gpu(args.repeat, args.json, args.dtype, not args.no_compile)
+        return bench_ops(args.backend, args.repeat, args.json)
+    if args.what == "train":
+        return bench_train_main(args)
+    if args.what == "learn":
+        result = run_learn(args.preset or "shakespeare-char", args.steps, args.data, args.out)
+        if args.json:
+            print(json.dumps(result))
+        return 0
+    raise SystemExit(f"bench: unknown benchmark {args.what!r}")
+

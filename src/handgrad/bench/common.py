@@ -1,0 +1,66 @@
+"""What every benchmark shares: the check of a result against PyTorch before it is timed, and
+timing that alternates the two sides in chunks and reports the background load."""
+import time
+
+import numpy as np
+
+from ..machine import BackgroundLoad
+
+
+ATOL_REL = 1e-4  # max |handgrad - torch| must be <= ATOL_REL * max |torch| for every checked array
+ROW_BUDGET_S = 2.0  # with --repeat unset: timed seconds per row, both sides together
+MIN_REPEAT, MAX_REPEAT, CHUNKS, SETTLE_S = 10, 200, 4, 0.15
+BUSY_CORES = 0.2  # background load (cores) above which a row is flagged
+
+
+# ---------------------------------------------------------------- timing and checking
+def check_close(name, pairs, tolerance=ATOL_REL):
+    """Each (label, handgrad, torch) must have torch's shape and agree within `tolerance` of torch's
+    max |value|; else exit 1. Returns the worst relative error."""
+    worst = 0.0
+    for label, mine, ref in pairs:
+        mine, ref = np.asarray(mine, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+        if mine.shape != ref.shape:
+            raise SystemExit(f"bench: CHECK FAILED for {name}: {label} has shape {mine.shape}, torch's {ref.shape}")
+        err = float(np.max(np.abs(mine - ref), initial=0.0)) / max(float(np.max(np.abs(ref), initial=0.0)), 1e-30)
+        if not err <= tolerance:
+            raise SystemExit(f"bench: CHECK FAILED for {name}: {label} differs from torch by {err:.3g} "
+                             f"of max |torch| (tolerance {tolerance:g})")
+        worst = max(worst, err)
+    return worst
+
+
+def race(mine, theirs, repeat, warmup=3):
+    """Alternate chunks of handgrad and torch steps; return median seconds per phase for each side.
+
+    mine() and theirs() run one step and return a list of per-phase seconds (e.g. [fwd, bwd]).
+    Each side runs CHUNKS chunks, alternating, each chunk starting with one untimed step, with a
+    SETTLE_S pause at every switch: OpenBLAS's worker threads busy-wait ~0.1 s after each call
+    (2^28 cycles by default), which would otherwise land on the other library's timing.
+    Returns (handgrad medians, torch medians, repeat, background load in cores).
+    """
+    for _ in range(warmup):
+        mine(), theirs()
+    if repeat is None:
+        one = sum(np.median([mine(), mine()], axis=0)) + sum(np.median([theirs(), theirs()], axis=0))
+        repeat = int(min(MAX_REPEAT, max(MIN_REPEAT, ROW_BUDGET_S / max(one, 1e-9))))
+    chunk = -(-repeat // CHUNKS)
+    a, b = [], []
+    with BackgroundLoad() as load:
+        while len(a) < repeat:
+            n = min(chunk, repeat - len(a))
+            for side, out in ((mine, a), (theirs, b)):
+                time.sleep(SETTLE_S)
+                side()
+                out += [side() for _ in range(n)]
+    return np.median(a, axis=0), np.median(b, axis=0), repeat, load.cores
+
+
+# ---------------------------------------------------------------- the rows
+def randn(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def fmt_load(cores):
+    return "?" if cores is None else f"{cores:.2f}"
+

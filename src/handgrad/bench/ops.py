@@ -1,0 +1,232 @@
+"""`handgrad bench`: time handgrad's ops beside PyTorch CPU eager, on this machine, in one run.
+
+`handgrad bench ops` measures the machine's sgemm peak (float32 matmul on handgrad's BLAS), then times, for
+the same float32 shapes in the same process:
+
+* matmul N x N x N (handgrad's linear_forward without bias vs torch.matmul), in GFLOP/s;
+* an attention block (c_attn linear -> causal attention -> c_proj linear) forward and backward;
+* a feed-forward block (c_fc linear -> bias+GELU -> c_proj linear) forward and backward.
+
+Every row is checked against torch before it is timed (a mismatch exits non-zero). Timing warms
+up both sides (this also compiles or loads the Numba kernels), then alternates chunks of handgrad
+and torch repeats and reports the median of each. All of handgrad's buffers are allocated before
+timing; torch runs as a user would run it (eager autograd, gradients reset to None between steps,
+outside the timed region). Thread counts are left as they are and reported in the header, with
+the CPU that other processes used meanwhile (on a shared 2-core machine that decides the result).
+"""
+import json
+import time
+
+import numpy as np
+
+from ..backends import get_backend
+from ..machine import environment, sgemm_peak, timed
+from .common import ATOL_REL, BUSY_CORES, check_close, fmt_load, race, randn
+
+
+MATMUL_SIZES = (128, 256, 512, 1024)
+BLOCK_T = (32, 64, 128, 256)
+D_MODEL, N_HEAD, D_FF = 512, 8, 2048
+
+
+def bench_matmul(ops, torch, n, repeat):
+    """handgrad linear_forward (no bias) vs torch.matmul, (n, n) @ (n, n), both into preallocated outputs."""
+    rng = np.random.default_rng(n)
+    a, w, out = (ops.empty((n, n)) for _ in range(3))  # handgrad's own (64-byte aligned) buffers
+    a[...], w[...] = randn(rng, (n, n)), randn(rng, (n, n))
+    # torch gets tensors from its own allocator (64-byte aligned, as handgrad's), not numpy copies
+    ta, tw, tout = torch.from_numpy(a).clone(), torch.from_numpy(w).clone(), torch.empty(n, n)
+    ops.linear_forward(out, a, w)
+    torch.matmul(ta, tw, out=tout)
+    err = check_close(f"matmul {n}", [("out", out, tout.numpy())])
+    hg, th, repeat, load = race(lambda: timed(lambda: ops.linear_forward(out, a, w)),
+                                 lambda: timed(lambda: torch.matmul(ta, tw, out=tout)), repeat)
+    gf = 2.0 * n ** 3 / 1e9
+    return {"name": f"matmul {n}x{n}x{n}", "phase": "fwd", "unit": "GFLOP/s", "handgrad": gf / hg[0],
+            "torch": gf / th[0], "handgrad_ms": hg[0] * 1e3, "torch_ms": th[0] * 1e3,
+            "ratio": th[0] / hg[0], "max_rel_err": err, "repeat": repeat, "background_cores": load}
+
+
+class _Block:
+    """A block as handgrad buffers plus the same parameters as torch leaf tensors.
+
+    Subclasses define hg_forward / hg_backward on preallocated numpy buffers and torch_forward
+    on the torch tensors; `params` lists (name, numpy param, numpy grad buffer).
+    """
+
+    def __init__(self, ops, torch, T, rng):
+        self.ops = ops
+        self.x = self.own(randn(rng, (1, T, D_MODEL)))
+        self.dx = ops.empty(self.x.shape)
+        self.params = [(name, self.own(p), ops.zeros(p.shape)) for name, p in self.make_params(rng)]
+        self.tx = torch.from_numpy(self.x).clone().requires_grad_(True)
+        self.tparams = [torch.from_numpy(p).clone().requires_grad_(True) for _, p, _ in self.params]
+        self.y = ops.empty((1, T, D_MODEL))
+        self.dy = self.own(randn(rng, self.y.shape))
+        self.tdy = torch.from_numpy(self.dy).clone()
+
+    def own(self, a):
+        """A copy of a in a buffer the backend allocated (aligned as the model's buffers are)."""
+        out = self.ops.empty(a.shape, a.dtype)
+        out[...] = a
+        return out
+
+    def zero_grads(self):
+        for _, _, g in self.params:
+            g.fill(0.0)
+
+    def torch_step(self):
+        """One torch forward and backward, each timed; gradients reset outside the timing."""
+        self.tx.grad = None
+        for p in self.tparams:
+            p.grad = None
+        t0 = time.perf_counter()
+        y = self.torch_forward()
+        t1 = time.perf_counter()
+        y.backward(self.tdy)
+        return [t1 - t0, time.perf_counter() - t1], y
+
+    def hg_step(self):
+        """One handgrad forward and backward, each timed; gradients zeroed outside the timing."""
+        self.zero_grads()
+        return timed(self.hg_forward, self.hg_backward)
+
+    def check(self, name):
+        """Run both once from zero gradients; compare the output, dx and every parameter gradient."""
+        self.hg_step()
+        _, ty = self.torch_step()
+        pairs = [("y", self.y, ty.detach().numpy()), ("dx", self.dx, self.tx.grad.numpy())]
+        pairs += [(f"d{n}", g, tp.grad.numpy()) for (n, _, g), tp in zip(self.params, self.tparams)]
+        return check_close(name, pairs)
+
+
+class AttentionBlock(_Block):
+    """y = c_proj(attention(c_attn(x))), d_model 512, 8 heads, batch 1."""
+
+    def make_params(self, rng):
+        s = D_MODEL ** -0.5
+        return [("w_attn", randn(rng, (D_MODEL, 3 * D_MODEL), s)), ("b_attn", randn(rng, (3 * D_MODEL,), 0.1)),
+                ("w_proj", randn(rng, (D_MODEL, D_MODEL), s)), ("b_proj", randn(rng, (D_MODEL,), 0.1))]
+
+    def __init__(self, ops, torch, T, rng):
+        super().__init__(ops, torch, T, rng)
+        e = ops.empty
+        self.qkv, self.att, self.a = e((1, T, 3 * D_MODEL)), e((1, N_HEAD, T, T)), e((1, T, D_MODEL))
+        self.dqkv, self.da = e(self.qkv.shape), e(self.a.shape)
+
+    def hg_forward(self):
+        (_, wa, _), (_, ba, _), (_, wp, _), (_, bp, _) = self.params
+        self.ops.linear_forward(self.qkv, self.x, wa, ba)
+        self.ops.attention_forward(self.a, self.att, self.qkv, N_HEAD)
+        self.ops.linear_forward(self.y, self.a, wp, bp)
+
+    def hg_backward(self):
+        (_, wa, dwa), (_, _, dba), (_, wp, dwp), (_, _, dbp) = self.params
+        self.ops.linear_backward(self.da, dwp, dbp, self.dy, self.a, wp, accumulate=False)
+        self.ops.attention_backward(self.dqkv, self.da, self.qkv, self.att, N_HEAD)
+        self.ops.linear_backward(self.dx, dwa, dba, self.dqkv, self.x, wa, accumulate=False)
+
+    def torch_forward(self):
+        from .. import torch_ref
+        wa, ba, wp, bp = self.tparams
+        return torch_ref.attention(self.tx @ wa + ba, N_HEAD) @ wp + bp
+
+
+class MLPBlock(_Block):
+    """y = c_proj(gelu(c_fc(x) + b_fc)), d_model 512, d_ff 2048, batch 1; the c_fc bias is fused into GELU."""
+
+    def make_params(self, rng):
+        return [("w_fc", randn(rng, (D_MODEL, D_FF), D_MODEL ** -0.5)), ("b_fc", randn(rng, (D_FF,), 0.1)),
+                ("w_proj", randn(rng, (D_FF, D_MODEL), D_FF ** -0.5)), ("b_proj", randn(rng, (D_MODEL,), 0.1))]
+
+    def __init__(self, ops, torch, T, rng):
+        super().__init__(ops, torch, T, rng)
+        self.h = ops.empty((1, T, D_FF))  # pre-activation (bias added in place by GELU)
+        self.g, self.dh = ops.empty(self.h.shape), ops.empty(self.h.shape)
+
+    def hg_forward(self):
+        (_, wf, _), (_, bf, _), (_, wp, _), (_, bp, _) = self.params
+        self.ops.linear_forward(self.h, self.x, wf)
+        self.ops.gelu_forward(self.g, self.h, bf)
+        self.ops.linear_forward(self.y, self.g, wp, bp)
+
+    def hg_backward(self):
+        (_, wf, dwf), (_, _, dbf), (_, wp, dwp), (_, _, dbp) = self.params
+        self.ops.linear_backward(self.dh, dwp, dbp, self.dy, self.g, wp, accumulate=False)
+        self.ops.gelu_backward(self.dh, dbf, self.dh, self.h)  # in place, as the model does
+        self.ops.linear_backward(self.dx, dwf, None, self.dh, self.x, wf, accumulate=False)
+
+    def torch_forward(self):
+        import torch.nn.functional as F
+        wf, bf, wp, bp = self.tparams
+        return F.gelu(self.tx @ wf + bf, approximate="tanh") @ wp + bp
+
+
+def bench_block(cls, label, ops, torch, T, repeat):
+    """Check, then time forward and backward of one block; two result rows (fwd, bwd)."""
+    block = cls(ops, torch, T, np.random.default_rng(T))
+    name = f"{label} T={T}"
+    err = block.check(name)
+    hg, th, repeat, load = race(block.hg_step, lambda: block.torch_step()[0], repeat)
+    return [{"name": name, "phase": phase, "unit": "ms", "handgrad": hg[i] * 1e3, "torch": th[i] * 1e3,
+             "handgrad_ms": hg[i] * 1e3, "torch_ms": th[i] * 1e3, "ratio": th[i] / hg[i],
+             "max_rel_err": err, "repeat": repeat, "background_cores": load} for i, phase in enumerate(("fwd", "bwd"))]
+
+
+# ---------------------------------------------------------------- the verb
+def bench_ops(backend, repeat, as_json):
+    """`handgrad bench ops`: the peak, then every row, then the peak again; print a table or JSON."""
+    from ..torch_ref import require_torch
+    torch = require_torch()
+    ops = get_backend(backend)
+    t_start = time.perf_counter()
+    peak = sgemm_peak()
+    rows = [bench_matmul(ops, torch, n, repeat) for n in MATMUL_SIZES]
+    for r in rows:
+        r["fraction_of_peak"] = r["handgrad"] / peak["median_gflops"]
+    for cls, label in ((AttentionBlock, f"attention C={D_MODEL} NH={N_HEAD}"),
+                       (MLPBlock, f"mlp C={D_MODEL} F={D_FF}")):
+        for T in BLOCK_T:
+            rows += bench_block(cls, label, ops, torch, T, repeat)
+    result = {"backend": backend, "environment": environment(torch), "sgemm_peak": peak,
+              "sgemm_peak_end": sgemm_peak(), "rows": rows, "tolerance_rel": ATOL_REL,
+              "seconds": time.perf_counter() - t_start}
+    print(json.dumps(result, indent=2, default=float) if as_json else format_table(result))
+    return 0
+
+
+def format_table(result):
+    """The human-readable report: header (machine, threads, peak), then one table."""
+    e, ob = result["environment"], result["environment"]["openblas_runtime"]
+    lines = [
+        f"machine  {e['cpu']}, {e['cpus']} CPUs",
+        f"handgrad matmuls on {e['handgrad_blas']} (backends/cpu/blas.py)",
+        f"numpy    {e['numpy']}, BLAS {e['numpy_blas']}"
+        + (f", runtime core {ob['core']}, {ob['threads']} threads" if ob else ""),
+        f"numba    {e['numba']}, {e['numba_threads']} threads ({e['numba_threading_layer']} layer)",
+        f"torch    {e['torch']}, {e['torch_threads']} threads, MKL {e['torch_mkl']}",
+        "env      " + (" ".join(f"{k}={v}" for k, v in e["env"].items()) or "(no thread settings)"),
+    ]
+    for key, when in (("sgemm_peak", "start"), ("sgemm_peak_end", "end")):
+        p = result[key]
+        lines.append(f"sgemm peak at {when:<5} ({e['handgrad_blas']} float32 {p['n']}^3, {p['runs']} runs): median "
+                     f"{p['median_gflops']:.1f} GFLOP/s, best {p['best_gflops']:.1f}, "
+                     f"background load {fmt_load(p['background_cores'])} cores")
+    lines += ["", f"{'row':<28} {'phase':<5} {'unit':<8} {'handgrad':>9} {'torch':>9} {'torch/hg':>9} "
+                  f"{'%peak':>6} {'check':>8} {'reps':>5} {'bg':>5}"]
+    for r in result["rows"]:
+        frac = f"{100 * r['fraction_of_peak']:.0f}%" if "fraction_of_peak" in r else ""
+        lines.append(f"{r['name']:<28} {r['phase']:<5} {r['unit']:<8} {r['handgrad']:>9.3f} {r['torch']:>9.3f} "
+                     f"{r['ratio']:>8.2f}x {frac:>6} {r['max_rel_err']:>8.1e} {r['repeat']:>5} "
+                     f"{fmt_load(r['background_cores']):>5}")
+    lines += ["", "torch/hg = torch median time / handgrad median time (> 1: handgrad faster). %peak = handgrad "
+                  "GFLOP/s / sgemm peak at start (median).",
+              f"check = max |handgrad - torch| / max |torch| over the output and every gradient (tolerance "
+              f"{result['tolerance_rel']:g}). bg = CPU used by other processes meanwhile, in cores.",
+              f"total {result['seconds']:.0f} s"]
+    busy = [r for r in result["rows"] if (r["background_cores"] or 0.0) > BUSY_CORES]
+    if busy:
+        lines.append(f"WARNING: other processes used more than {BUSY_CORES:g} cores during {len(busy)} rows "
+                     f"(bg column): those timings say more about the other load than about the code.")
+    return "\n".join(lines)
+

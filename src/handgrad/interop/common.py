@@ -1,0 +1,53 @@
+"""What every format reader and writer shares: the error type, the check of a weights dict
+against the model's spec, and writing a directory whole (into a temporary one, then renamed)."""
+import os
+import shutil
+from pathlib import Path
+
+from ..config import GPTConfig
+from ..models.gpt2 import param_spec
+
+
+class ConvertError(ValueError):
+    """A model file or directory that cannot be read or written; the message names the file."""
+
+
+def check_weights(config, weights, where):
+    """Every tensor of param_spec(config) present with its shape, nothing else."""
+    spec = dict(param_spec(config))
+    for name, shape in spec.items():
+        if name not in weights:
+            raise ConvertError(f"{where}: tensor {name} is missing")
+        if tuple(weights[name].shape) != tuple(shape):
+            raise ConvertError(f"{where}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                               f"expected {tuple(shape)} for this config")
+    extra = sorted(set(weights) - set(spec))
+    if extra:
+        raise ConvertError(f"{where}: unexpected tensor {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+
+
+def make_gpt_config(where, **fields):
+    try:
+        return GPTConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ConvertError(f"{where}: {e}") from None
+
+
+def prepare_dir(dst):
+    """dst as a fresh directory, written through a temporary sibling by publish_dir."""
+    dst = Path(dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ConvertError(f"{dst}: already exists and is not empty; choose a new output path")
+    tmp = dst.with_name(f".tmp_{dst.name}_{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_dir(tmp, dst):
+    dst = Path(dst)
+    if dst.is_dir():
+        dst.rmdir()  # empty (checked by prepare_dir)
+    os.rename(tmp, dst)
+    return dst
+

@@ -1,0 +1,170 @@
+"""Models in and out: Hugging Face GPT-2 directories (hf.py), llm.c model files (llmc.py), handgrad
+runs (here); format detection, `from_pretrained` and `handgrad convert`.
+
+Every format is read into one common form, (GPTConfig, weights), the weights a dict of float32
+arrays under handgrad's names and layouts (= Hugging Face GPT-2's: Conv1D weights [in, out], no
+`transformer.` prefix, no lm_head), and written from it:
+
+* **hf**: a directory with config.json (model_type "gpt2") and model.safetensors (or shards
+  listed in model.safetensors.index.json). On import a `transformer.` key prefix is optional, the
+  `attn.bias` / `attn.masked_bias` buffers are ignored and a stored lm_head.weight must equal wte
+  (GPT-2 ties them). float32, float16 and bfloat16 tensors are read. An export is what
+  GPT2LMHeadModel.save_pretrained writes, and GPT2LMHeadModel.from_pretrained loads it.
+* **llmc**: llm.c's model file (train_gpt2.c's gpt2_build_from_checkpoint): a 256 x int32 header
+  (magic 20240326, version 3 = float32 or 5 = bfloat16, maxT, V, L, NH, C, Vp), then the tensors
+  in llm.c's order with nn.Linear's [out, in] layout and wte padded to Vp rows (padding ignored on
+  import, zero on export).
+* **handgrad**: a run directory (its newest checkpoint) or a checkpoint directory; an export is a
+  run directory holding one weights-only checkpoint (step 0), so `handgrad sample --run DST` and
+  `handgrad train --init-from DST` take it.
+
+Nothing is ever unpickled: a pytorch_model.bin is refused with the command that converts it.
+"""
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from ..models.gpt2 import GPT, param_spec
+from ..training.checkpoint import load_weights, read_state, resolve, save_weights
+from .common import ConvertError, check_weights, make_gpt_config, prepare_dir, publish_dir
+from .hf import read_hf, write_hf
+from .llmc import LLMC_MAGIC, read_llmc, write_llmc
+
+
+FORMATS = ("handgrad", "hf", "llmc")
+
+
+# ---------------------------------------------------------------- detection and the common form
+def detect_format(path):
+    """'hf', 'llmc' or 'handgrad' for a path, or a ConvertError saying what it is not."""
+    path = Path(path)
+    if not path.exists():
+        raise ConvertError(f"{path}: no such file or directory")
+    if path.is_file():
+        if path.name == "config.json":
+            return detect_format(path.parent)
+        with open(path, "rb") as f:
+            head = np.frombuffer(f.read(8).ljust(8, b"\0"), dtype="<i4")
+        if head[0] == LLMC_MAGIC:
+            return "llmc"
+        raise ConvertError(f"{path}: not an llm.c model file (magic {head[0]}, expected {LLMC_MAGIC}); "
+                           f"pass an llm.c .bin model, a Hugging Face GPT-2 directory or a handgrad run")
+    if (path / "state.json").is_file() or (path / "ckpt").is_dir():
+        return "handgrad"
+    if (path / "config.json").is_file():
+        try:
+            doc = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = None
+        if isinstance(doc, dict) and "train" in doc and "model" in doc and "model_type" not in doc:
+            return "handgrad"  # a run directory without a checkpoint yet
+        return "hf"
+    raise ConvertError(f"{path}: neither a Hugging Face GPT-2 directory (no config.json) nor a handgrad run "
+                       f"(no ckpt/ or state.json)")
+
+
+def foreign_format(path):
+    """'hf' or 'llmc' where path is plainly one of those, else None (no error): lets a command that
+    takes handgrad runs also take the other formats, keeping its own errors for everything else."""
+    try:
+        fmt = detect_format(path)
+    except ConvertError:
+        return None
+    return fmt if fmt != "handgrad" else None
+
+
+def load_pretrained(path):
+    """(GPTConfig, weights, info) from any supported format; info says the format and where a
+    tokenizer.json lies (or None)."""
+    fmt = detect_format(path)
+    config, weights, info = {"hf": read_hf, "llmc": read_llmc, "handgrad": read_handgrad}[fmt](path)
+    info["format"] = fmt
+    return config, weights, info
+
+
+def from_pretrained(path, backend="cpu"):
+    """A model with the weights at `path`, in any supported format (handgrad.GPT.from_pretrained)."""
+    config, weights, _ = load_pretrained(path)
+    model = GPT(config, backend=backend)
+    model.load_state_dict(weights)
+    return model
+
+
+def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=None):
+    """Write (config, weights) to dst in format fmt; tokenizer is a tokenizer.json path or None."""
+    if fmt not in FORMATS:
+        raise ConvertError(f"--format {fmt}: unknown format; choose from {', '.join(FORMATS)}")
+    if fmt == "hf":
+        return write_hf(dst, config, weights, tokenizer)
+    if fmt == "llmc":
+        return write_llmc(dst, config, weights, version=(info or {}).get("llmc_version", 3),
+                          padded_vocab=(info or {}).get("padded_vocab_size"))
+    return write_handgrad(dst, config, weights, tokenizer, source=info)
+
+
+# ---------------------------------------------------------------- handgrad
+def read_handgrad(path):
+    ckpt = resolve(path)
+    state = read_state(ckpt)
+    config = make_gpt_config(ckpt / "state.json", **state["model_config"])
+    weights = load_weights(ckpt)
+    check_weights(config, weights, ckpt / "model.safetensors")
+    tok = next((p / "tokenizer.json" for p in (Path(path), ckpt, ckpt.parent.parent)
+                if (p / "tokenizer.json").is_file()), None)
+    return config, weights, {"tokenizer": str(tok) if tok else None}
+
+
+def write_handgrad(dst, config, weights, tokenizer=None, source=None):
+    """A run directory with one weights-only checkpoint (step 0) and, if known, the tokenizer."""
+    check_weights(config, weights, "weights")
+    tmp = prepare_dir(dst)
+    try:
+        save_weights(tmp, 0, config, weights, {"converted_from": {k: v for k, v in (source or {}).items()
+                                                                   if k in ("format", "path")}})
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        return publish_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def model_tokenizer_path(src, info, config):
+    """Where the tokenizer of a pretrained model lies, for load_tokenizer: a tokenizer.json beside
+    it, GPT-2's vocab.json + merges.txt beside it, or "gpt2" (tiktoken) for a 50257-token llm.c
+    model (llm.c trains on GPT-2's tokens)."""
+    if info.get("tokenizer"):
+        return info["tokenizer"]
+    d = Path(src)
+    if d.is_dir() and (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+        return d
+    if info.get("format") == "llmc" and config.vocab_size == 50257:
+        return "gpt2"
+    raise ConvertError(f"{src}: no tokenizer beside the model (no tokenizer.json, no vocab.json + merges.txt); "
+                       f"pass --tokenizer PATH")
+
+
+# ---------------------------------------------------------------- the verb
+def add_arguments(parser):
+    parser.add_argument("src", metavar="SRC", help="a Hugging Face GPT-2 directory, an llm.c model file, "
+                                                   "or a handgrad run or checkpoint directory (detected)")
+    parser.add_argument("dst", metavar="DST", help="where to write (must not exist, or be an empty directory)")
+    parser.add_argument("--format", default="handgrad", choices=FORMATS, help="DST's format (default handgrad)")
+    parser.add_argument("--llmc-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="llm.c output: version 3 (float32, the default) or 5 (bfloat16)")
+
+
+def main(args):
+    config, weights, info = load_pretrained(args.src)
+    info["path"] = str(args.src)
+    if args.llmc_dtype:  # else an llm.c source keeps its version, and anything else gets 3 (float32)
+        info["llmc_version"] = 3 if args.llmc_dtype == "float32" else 5
+    dst = save_pretrained(args.dst, config, weights, args.format, info.get("tokenizer"), info)
+    n = sum(int(np.prod(s)) for _, s in param_spec(config))
+    print(f"{args.src} ({info['format']}) -> {dst} ({args.format}): {n / 1e6:.2f}M parameters, "
+          f"n_layer {config.n_layer}, n_head {config.n_head}, n_embd {config.n_embd}, "
+          f"vocab {config.vocab_size}, block_size {config.block_size}")
+    return 0
+

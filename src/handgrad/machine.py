@@ -1,0 +1,139 @@
+"""What this machine can do: its cores, its BLAS and every library's threads, the measured sgemm
+peak, and how busy the other tenants keep it. Used by training (MFU, threads) and the benchmarks."""
+import ctypes
+import os
+import platform
+import time
+
+import numba
+import numpy as np
+
+from .backends.cpu import blas, common
+
+
+def cores_available():
+    """Cores this process may run on (its CPU affinity, as containers and taskset restrict it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+PEAK_N, PEAK_RUNS = 2048, 7
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
+              "NUMBA_THREADING_LAYER", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")
+
+
+# ---------------------------------------------------------------- environment
+def _openblas_runtime():
+    """Core type and thread count of numpy's OpenBLAS, read from the loaded library (best effort)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.rsplit("/", 1)[-1].lower()}
+    except OSError:
+        return {}
+    for path in sorted(paths, key=lambda p: "numpy" not in p):  # numpy's own copy first
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas_", "64_"), ("scipy_openblas_", ""), ("openblas_", "")):
+            try:
+                corename = getattr(lib, f"{prefix}get_corename{suffix}")
+                threads = getattr(lib, f"{prefix}get_num_threads{suffix}")
+            except AttributeError:
+                continue
+            corename.restype = ctypes.c_char_p
+            return {"lib": os.path.basename(path), "core": corename().decode(), "threads": threads()}
+    return {}
+
+
+def environment(torch=None):
+    """What decides the speed: CPU, cores, BLAS, and every library's thread count (torch may be None)."""
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        numpy_blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        numpy_blas = f"{numpy_blas.get('name')} {numpy_blas.get('version')}"
+    except (TypeError, KeyError):  # numpy < 1.25 has no mode="dicts"
+        numpy_blas = "unknown"
+    env = {k: os.environ[k] for k in THREAD_ENV if k in os.environ}
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel kernel has run yet
+        layer = numba.config.THREADING_LAYER
+    return {
+        "cpu": cpu, "cpus": os.cpu_count(), "handgrad_blas": blas.name(),
+        "numpy": np.__version__, "numpy_blas": numpy_blas,
+        "openblas_runtime": _openblas_runtime(),
+        "numba": numba.__version__, "numba_threads": numba.get_num_threads(), "numba_threading_layer": layer,
+        "torch": torch and torch.__version__, "torch_threads": torch and torch.get_num_threads(),
+        "torch_mkl": torch and torch.backends.mkl.is_available(), "env": env,
+    }
+
+
+def timed(*fns):
+    """Run fns in order; return the seconds each took."""
+    out = []
+    for fn in fns:
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+class BackgroundLoad:
+    """CPU time used by *other* processes while a `with` block runs, in cores (Linux /proc; else None).
+
+    This machine's other tenants matter: with one core of a 2-core machine busy elsewhere, every
+    2-thread parallel region waits for a scheduler time slice, and timings jump by 10-100x.
+    """
+
+    def __init__(self, pids=()):
+        self.pids = ["self", *pids]  # ours: this process and the given children (bench train's workers)
+
+    def _ticks(self):
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]  # user .. steal (guest is inside user)
+        ours = 0
+        for pid in self.pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ours += int(fields[11]) + int(fields[12])  # utime + stime
+        return sum(v) - v[3] - v[4] - ours  # busy - idle - iowait - ours
+
+    def __enter__(self):
+        self.cores = None
+        try:
+            self._t, self._n = time.perf_counter(), self._ticks()
+        except (OSError, IndexError, ValueError):
+            self._n = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._n is not None:
+            dt = time.perf_counter() - self._t
+            self.cores = max(0.0, (self._ticks() - self._n) / os.sysconf("SC_CLK_TCK") / max(dt, 1e-9))
+
+
+def sgemm_peak(n=PEAK_N, runs=PEAK_RUNS):
+    """float32 (n, n) @ (n, n) on the BLAS handgrad's cpu backend uses (backends/cpu/blas.py: MKL or
+    numpy's OpenBLAS), checked on a few rows against float64; GFLOP/s median, best."""
+    rng = np.random.default_rng(0)
+    a, b, c = (common.aligned_empty((n, n)) for _ in range(3))
+    a[...], b[...] = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    blas.gemm(a, b, c)
+    ref = a[:8].astype(np.float64) @ b.astype(np.float64)
+    if not np.max(np.abs(c[:8] - ref)) <= 1e-4 * np.max(np.abs(ref)):  # as bench's checks: 1e-4 of max |ref|
+        raise SystemExit(f"sgemm peak: CHECK FAILED: {blas.name()}'s product differs from float64's")
+    with BackgroundLoad() as load:
+        times = [timed(lambda: blas.gemm(a, b, c))[0] for _ in range(runs)]
+    flops = 2.0 * n ** 3
+    return {"n": n, "runs": runs, "median_gflops": flops / np.median(times) / 1e9,
+            "best_gflops": flops / min(times) / 1e9, "background_cores": load.cores}
+

@@ -1,0 +1,14 @@
+"""Model families, by `model.arch`. Each is one module (gpt2.py); family.py says what a family
+provides and holds what they share; decode.py is the KV-cache decoding and sampling they share."""
+from . import gpt2
+from .family import Family
+
+
+FAMILIES = {f.arch: f for f in (gpt2.FAMILY,)}
+
+
+def get_family(arch) -> Family:
+    """The family `model.arch` names, or a ValueError listing the ones there are."""
+    if arch not in FAMILIES:
+        raise ValueError(f"model.arch: unknown architecture {arch!r}; choose from {', '.join(FAMILIES)}")
+    return FAMILIES[arch]

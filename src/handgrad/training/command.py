@@ -1,0 +1,81 @@
+"""`handgrad train`: the command line, the config it resolves, --init-from, threads and the
+sgemm peak for MFU, then a Trainer run."""
+from dataclasses import fields
+from pathlib import Path
+
+from ..backends.cpu import set_threads
+from ..config import SECTIONS, ConfigError
+from ..interop.convert import load_pretrained
+from ..machine import cores_available, sgemm_peak
+from .distributed import DataParallel
+from .rundir import TrainError, resolve_config
+from .trainer import Trainer
+
+
+def add_arguments(parser):
+    parser.add_argument("--data", required=True, metavar="DATA_DIR", help="a directory made by `handgrad prepare`")
+    parser.add_argument("--out", required=True, metavar="RUN_DIR", help="where config, metrics, checkpoints go")
+    parser.add_argument("--preset", help="named preset: tiny, shakespeare-char, mid, gpt2-124m")
+    parser.add_argument("--config", metavar="FILE", help="a TOML, JSON or YAML file of model.* and train.* keys")
+    parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR's newest checkpoint")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="cpu: NumPy + Numba (default); gpu: Triton kernels and cuBLAS on an NVIDIA GPU")
+    parser.add_argument("--init-from", metavar="PATH", default=None,
+                        help="start a new run from pretrained weights (fine-tuning): a Hugging Face GPT-2 "
+                             "directory, an llm.c model file, or a handgrad run; the architecture is the "
+                             "model's, model.block_size may crop its positions")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section}.* overrides (win over the preset and the file)")
+        for f in fields(cls):
+            group.add_argument(f"--{section}.{f.name}", dest=f"override:{section}.{f.name}", metavar="V",
+                               help=f"default {f.default}")
+
+
+def pretrained_config(path, config, overrides):
+    """The run config with the pretrained model's architecture; its weights. model.n_layer, n_head
+    and n_embd come from the model (an override that disagrees is an error); model.block_size may
+    be smaller than the model's, never larger."""
+    pre, weights, _ = load_pretrained(path)
+    for key in ("n_layer", "n_head", "n_embd"):
+        asked = (overrides or {}).get(f"model.{key}")
+        if asked is not None and int(asked) != getattr(pre, key):
+            raise ConfigError(f"model.{key}: {asked} differs from the --init-from model's {getattr(pre, key)}; "
+                              f"drop --model.{key}")
+        setattr(config.model, key, getattr(pre, key))
+    if config.model.block_size > pre.block_size:
+        if (overrides or {}).get("model.block_size") is not None:
+            raise ConfigError(f"model.block_size: {config.model.block_size} is above the --init-from model's "
+                              f"{pre.block_size}; use at most {pre.block_size}")
+        config.model.block_size = pre.block_size
+    return config, weights
+
+
+def main(args):
+    overrides = {k.split(":", 1)[1]: v for k, v in vars(args).items()
+                 if k.startswith("override:") and v is not None}
+    run_dir = Path(args.out)
+    if args.init_from is not None and args.resume:
+        raise TrainError("--init-from starts a new run from pretrained weights; --resume continues one: "
+                         "pass only one of them")
+    config = resolve_config(run_dir, args.preset, args.config, overrides, args.resume)
+    init_from = None
+    if args.init_from is not None:
+        config, weights = pretrained_config(args.init_from, config, overrides)
+        init_from = (args.init_from, weights)
+    dp = DataParallel(args.device, config.train.dist_timeout)
+    threads = config.train.threads or (max(1, cores_available() // dp.local_world_size) if dp.world_size > 1 else 0)
+    if threads and args.device == "cpu":
+        set_threads(threads)
+    trainer = Trainer(args.data, run_dir, config, resume=args.resume, init_from=init_from, dp=dp, backend=args.device)
+    peak = None
+    if args.device == "cpu":
+        peak = float(dp.sum([sgemm_peak()["median_gflops"]])[0])  # every rank measures at once: their sum
+        if dp.is_main:
+            where = f" over {dp.world_size} ranks (gloo), {threads} threads each" if dp.world_size > 1 else ""
+            print(f"sgemm peak (measured now){where}: {peak:.0f} GFLOP/s")
+    trainer.run(peak_gflops=peak)
+    dp.close()
+    if dp.is_main:
+        print(f"done: {trainer.step} steps; metrics {run_dir / 'metrics.jsonl'}; loss plot {run_dir / 'loss.png'}")
+    return 0
+

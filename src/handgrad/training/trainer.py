@@ -1,0 +1,153 @@
+"""`handgrad train`'s Trainer: one run over a prepared data directory. This file builds the run
+(data, model, optimizer, run directory) and holds one step's work (train_step, evaluate,
+sample_text); the loop is training/loop.py, checkpoints and resume training/resume.py, the run
+directory's files and checks training/rundir.py."""
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ConfigError
+from ..data.shards import Dataset
+from ..data.tokenizer import load_tokenizer
+from ..models import get_family
+from ..models.decode import generate
+from .device_loop import DeviceLoop, check_cuda_graph
+from .distributed import DataParallel
+from .loop import RunLoop
+from .optim import AdamW
+from .resume import Checkpointing, make_rng
+from .rundir import TrainError, check_data, check_same_data, data_identity, init_run_dir
+from .step import accumulate_gradients, lr_at
+
+
+class Trainer(Checkpointing, RunLoop):
+    """One training run over a prepared data directory, writing into run_dir."""
+
+    def __init__(self, data_dir, run_dir, config, resume=False, log=print, init_from=None, dp=None, backend="cpu"):
+        """dp: this process's handgrad.training.distributed.DataParallel (several ranks under torchrun);
+        only rank 0 logs and writes into run_dir. backend: "cpu" or "gpu"."""
+        self.dp = dp if dp is not None else DataParallel()
+        self.data_dir, self.run_dir, self.config = Path(data_dir), Path(run_dir), config
+        self.log = log if self.dp.is_main else (lambda *a, **k: None)
+        self.train_data, self.val_data = Dataset(data_dir, "train"), Dataset(data_dir, "val")
+        t = config.train
+        check_data(config, self.data_dir, self.train_data, self.val_data)
+        if resume:
+            check_same_data(self.run_dir, self.data_dir, self.train_data)
+        self.family = get_family(config.model.arch)
+        self.gpt_config = config.gpt_config(self.train_data.vocab_size)
+        if t.dtype == "bfloat16" and backend != "gpu":
+            raise ConfigError("train.dtype: bfloat16 is the gpu backend's mixed precision; add --device gpu, or "
+                              "use --train.dtype float32 on the cpu")
+        if t.cuda_graph:
+            check_cuda_graph(backend, self.dp.world_size)
+        self.model = self.family.model(self.gpt_config, backend=backend, seed=t.seed,
+                                       buffer_multiple=self.dp.world_size, dtype=t.dtype)
+        if init_from is not None:
+            self._load_pretrained(*init_from)
+        # ZeRO stage 1: this rank keeps AdamW moments for its slice of the flat buffer only
+        self.sharded = t.zero_stage == 1 and self.dp.world_size > 1
+        shard = self.dp.shard(len(self.model.flat_params)) if self.sharded else None
+        self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, shard=shard)
+        self.data_rng, self.sample_rng = make_rng(seed=[t.seed, 1]), make_rng(seed=[t.seed, 2])
+        self.step = 0
+        self.device_loop = None  # the gpu's sync-free step (handgrad.training.device_loop), made at the first step
+        self.identity = data_identity(self.train_data)
+        if resume:  # every rank restores the checkpoint itself (the run dir is shared, as the data is)
+            self._resume(self.identity)
+        if self.dp.is_main:
+            init_run_dir(self.run_dir, self.data_dir, config, self.train_data, self.dp.world_size,
+                         resumed_step=self.step if resume else None)
+        # every rank starts from rank 0's weights (resumed ones are equal already: checked above)
+        self.dp.broadcast(self.model.flat_params)
+        if self.sharded:
+            full, ours = 8 * self.model.num_params, 8 * (shard[1] - shard[0])
+            self.log(f"zero_stage 1: AdamW moments sharded over {self.dp.world_size} ranks: {ours / 2**20:,.1f} MiB "
+                     f"per rank instead of {full / 2**20:,.1f} MiB (saves {(full - ours) / 2**20:,.1f} MiB per rank)")
+
+
+    def _load_pretrained(self, path, weights):
+        """Pretrained weights (from pretrained_config) into the fresh model; wpe keeps its first
+        block_size rows (nanoGPT's crop_block_size)."""
+        if self.gpt_config.vocab_size != weights["wte.weight"].shape[0]:
+            raise TrainError(f"--init-from {path}: the model has {weights['wte.weight'].shape[0]} tokens but "
+                             f"{self.data_dir} has vocab_size {self.gpt_config.vocab_size}; prepare the data "
+                             f"with the model's tokenizer")
+        weights = dict(weights, **{"wpe.weight": weights["wpe.weight"][:self.gpt_config.block_size]})
+        self.model.load_state_dict(weights)
+        c = self.gpt_config
+        self.log(f"initialised from {path}: n_layer {c.n_layer}, n_head {c.n_head}, n_embd {c.n_embd}, "
+                 f"block_size {c.block_size}")
+
+
+    def train_step(self):
+        """One optimizer step over grad_accum_steps micro-batches; returns (loss, grad_norm, lr).
+        On the gpu with one process loss and grad_norm are None: they stay on the device, and
+        settle() reads them (see handgrad.training.device_loop)."""
+        t, T, dp = self.config.train, self.config.model.block_size, self.dp
+        # one global batch of world_size * batch_size rows per micro-step; this rank reads its rows
+        batches = [self.train_data.get_batch(t.batch_size * dp.world_size, T, self.data_rng,
+                                             rows=dp.rows(t.batch_size))
+                   for _ in range(t.grad_accum_steps)]
+        lr = lr_at(self.step, t)
+        loop = self._device_loop()
+        if loop is not None:
+            loop.step(batches)
+            self.step += 1
+            return None, None, lr
+        loss, norm, grad_scale = accumulate_gradients(self.model, self.opt, batches, t.grad_clip, dp, t.zero_stage)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self._numerical_fault(self.step + 1, loss)  # raises on "stop"; on "skip" the weights stay untouched
+        else:
+            self.opt.step(lr=lr, grad_scale=grad_scale)
+            if self.sharded:  # each rank updated its own slice: all-gather the weights
+                dp.gather(self.model.flat_params[self.opt.lo:self.opt.hi], self.model.flat_params)
+        self.step += 1
+        return loss, norm, lr
+
+
+    def _device_loop(self):
+        """The gpu's sync-free step (one process), made at the first step (after any resume)."""
+        if self.model.backend != "gpu" or self.dp.world_size > 1:
+            return None
+        if self.device_loop is None:
+            self.device_loop = DeviceLoop(self.model, self.opt, self.config.train, self.step,
+                                          cuda_graph=self.config.train.cuda_graph)
+        return self.device_loop
+
+
+    def _numerical_fault(self, step, loss, locate=True):
+        """Name the step and the first non-finite gradient tensor (in param_spec order)."""
+        where = "the loss" if not math.isfinite(loss) else "the gradients"
+        if locate:
+            bad = next((name for name, g in self.model.g.items()
+                        if not np.isfinite(self.model.ops.to_numpy(g)).all()), None) or "none"
+        else:  # the gpu read this step's scalars back steps later: its gradients are gone
+            bad = "not located (log every step, --train.log_interval 1, to locate it)"
+        msg = (f"step {step}: {where} {'is' if where == 'the loss' else 'are'} not finite"
+               f" (loss {loss}; first non-finite gradient: {bad})")
+        if self.config.train.on_nan == "stop":
+            raise TrainError(msg + "; stopped before the optimizer touched the weights (the last checkpoint is "
+                             "intact); lower train.lr, or pass --train.on_nan skip to skip such batches")
+        self.log(msg + "; batch skipped (train.on_nan skip)")
+
+
+    def evaluate(self):
+        """Mean loss over eval_steps validation batches, the same batches at every evaluation (each
+        rank takes its rows of every global batch, as in training)."""
+        t, T, dp = self.config.train, self.config.model.block_size, self.dp
+        rng = make_rng(seed=[t.seed, 3])
+        losses = [self.model.forward(*self.val_data.get_batch(t.batch_size * dp.world_size, T, rng,
+                                                              rows=dp.rows(t.batch_size)))
+                  for _ in range(t.eval_steps)]
+        return float(dp.sum([np.mean(losses)])[0]) / dp.world_size
+
+
+    def sample_text(self):
+        tok = load_tokenizer(self.run_dir)
+        start = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n")
+        ids = generate(self.model, np.array([start]), self.config.train.sample_tokens,
+                       temperature=1.0, top_k=None, rng=self.sample_rng)
+        return tok.decode(ids[0, len(start):].tolist())
+
