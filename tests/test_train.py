@@ -243,7 +243,7 @@ def test_on_nan_value_checked():
 
 def test_disk_full_stops_cleanly_and_keeps_checkpoints(data_dir, tmp_path, capsys, monkeypatch):
     import errno
-    import handgrad.training.checkpoint as ck
+    import handgrad.files as ck  # checkpoints write their safetensors through handgrad.files
     real = ck.save_file
     calls = {"n": 0}
 
@@ -281,7 +281,7 @@ def test_resume_with_other_tokenizer_refused(data_dir, tmp_path, capsys):
 
 KILLER = """
 import os, signal, sys
-import handgrad.training.checkpoint as ck
+import handgrad.files as ck  # checkpoints write their safetensors through handgrad.files
 real, calls = ck.save_file, {"n": 0}
 def save_file(tensors, path, metadata=None):
     calls["n"] += 1

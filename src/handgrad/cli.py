@@ -19,6 +19,7 @@ from .bench import command as bench
 from .config import ConfigError
 from .data import prepare
 from .data.sources import DataError
+from .files import OutputLockedError
 from .interop import convert
 from .interop.common import ConvertError
 from .machine import environment, sgemm_peak
@@ -30,7 +31,12 @@ from .training.rundir import TrainError
 
 
 # The exception types that mean 'the user asked for something wrong': one line, exit 2.
-USER_ERRORS = (CheckpointError, ConfigError, ConvertError, DataError, DistributedError, SampleError, TrainError)
+USER_ERRORS = (CheckpointError, ConfigError, ConvertError, DataError, DistributedError, OutputLockedError,
+               SampleError, TrainError)
+
+
+class OSFailure(ValueError):
+    """An OSError no command caught itself, as one line naming the path and the cause."""
 
 
 def _user_errors():
@@ -118,8 +124,12 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args) or 0
-    except _user_errors() as e:
+        try:
+            return args.func(args) or 0
+        except OSError as e:  # what the command's own checks could not foresee: a full disk, a lost mount
+            where = f"{e.filename}: " if e.filename else ""
+            raise OSFailure(f"{where}{e.strerror or e}") from None
+    except _user_errors() + (OSFailure,) as e:
         rank = os.environ.get("RANK")
         ranked = rank and os.environ.get("WORLD_SIZE", "1") != "1" and not str(e).startswith("rank ")
         where = f"[rank {rank}] " if ranked else ""

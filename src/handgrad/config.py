@@ -252,10 +252,30 @@ def read_config_file(path):
     except ConfigError:
         raise
     except Exception as e:  # each parser raises its own error type
-        raise ConfigError(f"{path}: cannot parse: {e}") from None
+        raise ConfigError(f"{path}{_where(e)}: cannot parse: {_first_line(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def _where(e):
+    """':LINE:COLUMN' (1-based) of a YAML or JSON parse error, or '' (TOML's message says it)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)  # yaml.MarkedYAMLError
+    if mark is not None:
+        return f":{mark.line + 1}:{mark.column + 1}"
+    if hasattr(e, "lineno") and hasattr(e, "colno"):  # json.JSONDecodeError
+        return f":{e.lineno}:{e.colno}"
+    return ""
+
+
+def _first_line(e):
+    """A parser's message as one line: YAML's `problem` (its str() adds the quoted source and a
+    caret on further lines), else the message up to its first line break."""
+    problem = getattr(e, "problem", None)
+    if problem:
+        context = getattr(e, "context", None)
+        return f"{context}: {problem}" if context else problem
+    return (getattr(e, "msg", None) or str(e)).splitlines()[0]
 
 
 def load_run_config(preset=None, config_file=None, overrides=None, base=None):

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..files import lock_output
 from .shards import FORMAT, MAGIC, MAX_VOCAB, META_FILE, SHARD_TOKENS, read_shard, write_shard
 from .sources import DataError, Document, iter_documents, resolve_sources
 from .tokenizer import (
@@ -219,11 +220,22 @@ def prepare(sources: Sequence[str], out, tokenizer: str | None = None, vocab_siz
     Sources that are all llm.c token shards are imported as they are (import_llmc_shards)."""
     out = Path(out)
     shard_files = _llmc_shard_files(sources)
-    if shard_files is not None:
-        _check_options(out, tokenizer or "gpt2", vocab_size, val_fraction, seed)
-        return import_llmc_shards(shard_files, out, tokenizer)
-    tokenizer = tokenizer or "char"
+    tokenizer = tokenizer or ("gpt2" if shard_files is not None else "char")
     _check_options(out, tokenizer, vocab_size, val_fraction, seed)
+    try:
+        lock = lock_output(out)
+    except OSError as e:
+        raise DataError(f"{out}: cannot create the output directory ({e.strerror or e}); "
+                        f"choose another --out") from None
+    with lock:  # one process writes DATA_DIR; a second one stops with the first one's pid
+        _check_options(out, tokenizer, vocab_size, val_fraction, seed)  # again: another may have just made it
+        if shard_files is not None:
+            return import_llmc_shards(shard_files, out, tokenizer)
+        return _prepare_text(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens)
+
+
+def _prepare_text(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens):
+    """prepare() of text sources, with `out` checked and locked."""
     resolved = resolve_sources(sources)
 
     def documents() -> Iterator[Document]:

@@ -37,12 +37,16 @@ def write_shard(path, tokens: np.ndarray) -> None:
     header[:3] = MAGIC, VERSION, tokens.size
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        np.ascontiguousarray(tokens, dtype="<u2").tofile(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(np.ascontiguousarray(tokens, dtype="<u2").data)  # a failed write keeps its errno (tofile's not)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_shard(path) -> np.ndarray:

@@ -9,10 +9,14 @@ provides, as a `Family` record (models/__init__.py lists them by `model.arch`):
     param_spec       config -> the one ordered list of (name, shape) that lays out the flat
                      parameter and gradient buffers, checkpoints and state_dict(); the names are
                      the Hugging Face ones (models/gpt2.py says which prefix is dropped)
+    num_params       config -> the number of parameters, counted without building param_spec
     init_params      (config, seed) -> the initial weights as one flat float32 array (NumPy only,
                      so a PyTorch reference can start from the same weights)
     flops_per_token  (config, T) -> training FLOPs per token, for MFU
     model            the model class; its instances satisfy `CausalLM` below
+    activations      the class of every buffer one forward/backward of shape (B, T) needs,
+                     `activations(ops, config, B, T, dtype)`, then `.alloc_grads(ops, config, dtype)`
+                     (training/memory.py counts its bytes by handing it an allocator that only counts)
     kv_cache         the class that holds its keys and values for decoding (models/decode.py)
     hf_architecture  the `architectures` entry of a Hugging Face config.json for it
 
@@ -31,9 +35,11 @@ class Family:
     arch: str
     config: type
     param_spec: Callable
+    num_params: Callable
     init_params: Callable
     flops_per_token: Callable
     model: type
+    activations: type
     kv_cache: type
     hf_architecture: str
 

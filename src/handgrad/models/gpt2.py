@@ -55,6 +55,13 @@ def init_params(config, seed):
     return host
 
 
+def num_params(config):
+    """sum of param_spec's sizes, without building it (a config may ask for billions of layers)."""
+    C, V, L = config.n_embd, config.vocab_size, config.n_layer
+    per_block = 2 * C + (3 * C * C + 3 * C) + (C * C + C) + 2 * C + (4 * C * C + 4 * C) + (4 * C * C + C)
+    return V * C + config.block_size * C + L * per_block + 2 * C
+
+
 def flops_per_token(config, T):
     """Training FLOPs per token (forward + backward = 3x forward): 6 N plus attention's 6 L T C
     (q k^T and P v, counted over the full T x T as computed)."""
@@ -356,5 +363,6 @@ class GPT:
 
 
 
-FAMILY = Family(arch="gpt2", config=GPTConfig, param_spec=param_spec, init_params=init_params,
-                flops_per_token=flops_per_token, model=GPT, kv_cache=KVCache, hf_architecture="GPT2LMHeadModel")
+FAMILY = Family(arch="gpt2", config=GPTConfig, param_spec=param_spec, num_params=num_params, init_params=init_params,
+                flops_per_token=flops_per_token, model=GPT, activations=Activations, kv_cache=KVCache,
+                hf_architecture="GPT2LMHeadModel")

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from ..config import GPTConfig
+from ..files import save_safetensors
 from ..models.gpt2 import GPT
 
 
@@ -86,7 +87,7 @@ def _write_checkpoint(final, files, doc):
     tmp.mkdir()
     try:
         for f, tensors in files.items():
-            save_file(tensors, str(tmp / f), metadata={"format": "handgrad"})
+            save_safetensors(tensors, tmp / f, metadata={"format": "handgrad"})
         doc = dict(doc, sha256={f: _sha256(tmp / f) for f in files},
                    crc32={f: {n: _crc32(a) for n, a in t.items()} for f, t in files.items()})
         (tmp / "state.json").write_text(json.dumps(doc, indent=1))
@@ -103,8 +104,8 @@ def _write_checkpoint(final, files, doc):
     return final
 
 
-def save_checkpoint(run_dir, step, model, optimizer, state, keep=None):
-    """Write checkpoint `step` atomically; keep only the newest `keep` (None keeps all).
+def save_checkpoint(run_dir, step, model, optimizer, state):
+    """Write checkpoint `step` atomically (prune_checkpoints then removes the oldest).
 
     `state` is a JSON-able dict (config, RNG states, data position); step and the optimizer's
     scalars are added here. Returns the checkpoint's directory.
@@ -115,10 +116,15 @@ def save_checkpoint(run_dir, step, model, optimizer, state, keep=None):
     final = _write_checkpoint(checkpoint_dir(run_dir, step),
                               {"model.safetensors": weights, "optim.safetensors": moments},
                               dict(state, step=step, optimizer=optimizer.state()))
-    if keep is not None:
-        for _, old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def prune_checkpoints(run_dir, keep):
+    """Delete all but the newest `keep` checkpoints; returns the deleted directories."""
+    old = [path for _, path in list_checkpoints(run_dir)[:-keep]]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
 
 
 def save_weights(run_dir, step, config, weights, info=None):

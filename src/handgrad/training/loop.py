@@ -89,6 +89,8 @@ class RunLoop:
                         say(f"checkpoint {path}")
                     if window is None:  # the next gpu window starts after this step's reads and writes
                         window = time.perf_counter()
+            if dp.is_main:
+                plot_losses(self.run_dir)
         except OSError as e:  # disk full, a directory that became unwritable, a vanished mount
             what = f"{e.filename}: " if e.filename else ""
             raise TrainError(f"{what}write failed at step {self.step} ({e.strerror or e}); stopped; "
@@ -104,8 +106,6 @@ class RunLoop:
                 pass
             if bar is not None:
                 bar.close()
-        if dp.is_main:
-            plot_losses(self.run_dir)
         return self.step
 
 

@@ -1,5 +1,6 @@
 """What a run shows: the log line of a step, the progress bar, and RUN_DIR/loss.png."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,7 +43,12 @@ def plot_losses(run_dir):
     ax.legend()
     fig.tight_layout()
     out = run_dir / "loss.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    tmp = run_dir / ".loss.png.tmp"
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, out)  # whole or not at all, as every other file of the run
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
 

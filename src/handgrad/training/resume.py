@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .checkpoint import CheckpointError, list_checkpoints, restore, save_checkpoint
+from .checkpoint import CheckpointError, list_checkpoints, prune_checkpoints, restore, save_checkpoint
 from .rundir import TrainError
 
 
@@ -37,7 +37,10 @@ class Checkpointing:
                  "data": {"data_dir": str(self.data_dir.resolve()), "identity": self.identity,
                           "batches_drawn": self.step * t.grad_accum_steps},
                  "world_size": self.dp.world_size}
-        return save_checkpoint(self.run_dir, self.step, self.model, opt, state, keep=t.keep_checkpoints)
+        path = save_checkpoint(self.run_dir, self.step, self.model, opt, state)
+        for old in prune_checkpoints(self.run_dir, t.keep_checkpoints):
+            self.log(f"removed checkpoint {old} (train.keep_checkpoints {t.keep_checkpoints})")
+        return path
 
 
     def _resume(self, identity):

@@ -1,12 +1,15 @@
 """A run directory: its config (fresh, or the saved one on resume), its files written whole, and
 the checks that the data fits the run before anything is written."""
 import json
-import os
 
 from ..config import ConfigError, load_run_config
 from ..data.sources import DataError
 from ..data.tokenizer import TOKENIZER_FILE, GPT2Tokenizer, copy_tokenizer, load_tokenizer
+from ..files import OutputLock, write_atomic
 from .checkpoint import list_checkpoints
+
+
+LOCK_FILE = ".lock"  # in RUN_DIR: held (flock) by the process training into it
 
 
 class TrainError(ValueError):
@@ -45,13 +48,6 @@ def read_json(path):
         return json.loads(path.read_bytes())
     except ValueError:
         return None
-
-
-def write_atomic(path, text):
-    """Replace a file whole or not at all (a kill mid-write leaves the old one)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 
@@ -103,6 +99,16 @@ def check_same_data(run_dir, data_dir, train_data):
     if run_tok.is_file() and read_json(run_tok) != read_json(data_tok):
         raise TrainError(f"{data_tok} differs from the run's copy {run_tok} (same kind and vocab_size, other "
                          f"tokens); resume with the data the run was trained on")
+
+
+def lock_run_dir(run_dir):
+    """Create run_dir if needed and own it (RUN_DIR/.lock) for as long as this process lives: a
+    second writer, training or resuming into it, stops with one line naming this process's pid."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return OutputLock(run_dir / LOCK_FILE, str(run_dir)).acquire()
+    except OSError as e:
+        raise TrainError(f"{run_dir}: cannot write there ({e.strerror}); choose another --out") from None
 
 
 def init_run_dir(run_dir, data_dir, config, train_data, world_size, resumed_step=None):

@@ -15,9 +15,10 @@ from ..models.decode import generate
 from .device_loop import DeviceLoop, check_cuda_graph
 from .distributed import DataParallel
 from .loop import RunLoop
+from .memory import check_memory, describe, estimate
 from .optim import AdamW
 from .resume import Checkpointing, make_rng
-from .rundir import TrainError, check_data, check_same_data, data_identity, init_run_dir
+from .rundir import TrainError, check_data, check_same_data, data_identity, init_run_dir, lock_run_dir
 from .step import accumulate_gradients, lr_at
 
 
@@ -37,6 +38,12 @@ class Trainer(Checkpointing, RunLoop):
             check_same_data(self.run_dir, self.data_dir, self.train_data)
         self.family = get_family(config.model.arch)
         self.gpt_config = config.gpt_config(self.train_data.vocab_size)
+        # count what the run will hold before allocating any of it; refuse what cannot fit
+        memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
+                          self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0)
+        need = check_memory(memory, config, backend, processes=self.dp.local_world_size)
+        self.log(f"memory: {describe(memory)} per process" + (f", {need / 2**30:.2f} GiB on this machine"
+                                                             if self.dp.local_world_size > 1 else ""))
         if t.dtype == "bfloat16" and backend != "gpu":
             raise ConfigError("train.dtype: bfloat16 is the gpu backend's mixed precision; add --device gpu, or "
                               "use --train.dtype float32 on the cpu")
@@ -54,6 +61,8 @@ class Trainer(Checkpointing, RunLoop):
         self.step = 0
         self.device_loop = None  # the gpu's sync-free step (handgrad.training.device_loop), made at the first step
         self.identity = data_identity(self.train_data)
+        # rank 0 owns the run directory until it exits (one writer per run; released by the kernel)
+        self.lock = lock_run_dir(self.run_dir) if self.dp.is_main else None
         if resume:  # every rank restores the checkpoint itself (the run dir is shared, as the data is)
             self._resume(self.identity)
         if self.dp.is_main:

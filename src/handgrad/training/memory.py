@@ -1,0 +1,108 @@
+"""What a training run will hold in memory, counted before anything is built, and a refusal (one
+line) when the machine cannot hold it.
+
+The count per process: the flat parameter and gradient buffers (float32), AdamW's two moments
+(float32; a 1/world_size slice under ZeRO-1), every activation buffer of one (batch_size,
+block_size) forward and backward (counted by handing the family's Activations class an allocator
+that only adds up sizes, so the count follows the model's own buffers), the backend's largest
+scratch buffer, and the runtime itself (Python, NumPy, Numba's compiled kernels, the BLAS), a
+constant measured on this project's machines: the peak resident memory of a `tiny` run (0.1M
+parameters), 270 MB on the Intel Xeon of 2026-11-23 (see tests/test_memory.py, which checks the
+whole count against measured runs).
+"""
+import math
+import os
+
+import numpy as np
+
+from ..backends import get_backend
+from .rundir import TrainError
+
+RUNTIME_BYTES = 270 * 2**20  # the process with nothing of the model in it (measured; see above)
+
+
+class _CountingOps:
+    """The backend's `empty` for the Activations class, adding up bytes instead of allocating."""
+
+    def __init__(self, ops):
+        self.ops, self.bytes = ops, 0
+        self.attention_state_shape, self.LSE_DTYPE = ops.attention_state_shape, ops.LSE_DTYPE
+
+    def empty(self, shape, dtype=np.float32):
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except TypeError:  # a torch dtype (the gpu's bfloat16 activations)
+            itemsize = dtype.itemsize
+        self.bytes += math.prod(shape) * itemsize
+        return None
+
+
+def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float32", world_size=1, zero_stage=0):
+    """{part: bytes} of one process of a run; config is the family's architecture config."""
+    n = family.num_params(config)
+    padded = -(-n // world_size) * world_size
+    ops = get_backend(backend)
+    act_dtype = np.float32
+    if dtype == "bfloat16":
+        import torch
+        act_dtype = torch.bfloat16
+    counter = _CountingOps(ops)
+    acts = family.activations(counter, config, batch_size, block_size, act_dtype)
+    acts.alloc_grads(counter, config, act_dtype)
+    # the largest scratch: the cpu attention's backward keeps one layer's d(probabilities)
+    state = math.prod(ops.attention_state_shape(batch_size, config.n_head, block_size)) * 4
+    parts = {"parameters": 4 * padded, "gradients": 4 * padded,
+             "AdamW moments": 8 * (padded // world_size if zero_stage == 1 else padded),
+             "activations": counter.bytes + (state if backend == "cpu" else 0)}
+    if backend == "cpu":
+        parts["runtime"] = RUNTIME_BYTES
+    return parts
+
+
+def available_bytes(backend="cpu"):
+    """Memory this process can still take: the host's MemAvailable (within a cgroup's limit), or
+    the GPU's free memory on the gpu backend with CUDA. None where it cannot be read."""
+    if backend == "gpu":
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.mem_get_info()[0]
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            avail = min(avail or math.inf, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def describe(parts):
+    """'1.23 GiB (parameters 0.1, gradients 0.1, ...)'"""
+    gib = lambda b: b / 2**30
+    return (f"{gib(sum(parts.values())):.2f} GiB ("
+            + ", ".join(f"{k} {gib(v):.2f}" for k, v in parts.items()) + ")")
+
+
+def check_memory(parts, config, backend="cpu", processes=1, available=None):
+    """TrainError naming what to lower when `processes` copies of the run need more than there is."""
+    need = sum(parts.values()) * processes
+    have = available_bytes(backend) if available is None else available
+    if have is not None and need > have:
+        m, t = config.model, config.train
+        biggest = max(parts, key=parts.get)
+        lower = ("train.batch_size, model.block_size or model.n_layer" if biggest == "activations"
+                 else "model.n_layer or model.n_embd (or the vocabulary)")
+        where = "GPU memory" if backend == "gpu" and not os.environ.get("TRITON_INTERPRET") else "memory"
+        each = f" ({processes} processes)" if processes > 1 else ""
+        raise TrainError(f"the run needs {need / 2**30:,.2f} GiB of {where}{each} but {have / 2**30:,.2f} GiB is "
+                         f"available (n_layer {m.n_layer}, n_embd {m.n_embd}, batch_size {t.batch_size}, "
+                         f"block_size {m.block_size}; most of it {biggest}); lower {lower}")
+    return need
