@@ -2,6 +2,7 @@
 overrides on resume, Ctrl-C, metrics and the loss plot, and errors that name the problem."""
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -169,7 +170,7 @@ def test_lr_schedule():
 
 
 @pytest.mark.skipif(os.name != "posix", reason="signals")
-def test_ctrl_c_saves_and_exits_cleanly(data_dir, tmp_path):
+def test_ctrl_c_saves_then_exits_130_naming_the_resume_command(data_dir, tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "handgrad", "train", "--data", str(data_dir), "--out", str(run), *SMALL,
            "--train.max_steps", "100000", "--train.checkpoint_interval", "0", "--train.eval_interval", "0"]
@@ -179,10 +180,16 @@ def test_ctrl_c_saves_and_exits_cleanly(data_dir, tmp_path):
             break
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+    assert proc.returncode == 130, err  # not 0: `handgrad train ... && handgrad sample ...` must stop here
     steps = [s for s, _ in list_checkpoints(run)]
     assert len(steps) == 1 and steps[0] == metrics(run)[-1]["step"]
     assert "saving a checkpoint" in err
+    again = err.strip().splitlines()[-1]
+    assert again.startswith(f"interrupted at step {steps[0]} of 100000; checkpoint saved; resume with: ")
+    argv = shlex.split(again.split("resume with: ", 1)[1])
+    assert argv == ["handgrad", "train", "--data", str(data_dir), "--out", str(run), "--resume"]
+    assert cli([*argv[1:], "--train.max_steps", str(steps[0] + 1)]) == 0  # the command it names resumes
+    assert [s for s, _ in list_checkpoints(run)][-1] == steps[0] + 1
 
 
 def _poison_once(monkeypatch, at_call):

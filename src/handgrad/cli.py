@@ -84,17 +84,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
 
 
-def build_parser():
+def _preset_asked(argv):
+    """The NAME of `--preset NAME` (or --preset=NAME) in argv, for `train --preset NAME --help`."""
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--preset="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def build_parser(argv=()):
     parser = _Parser(prog="handgrad", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB", parser_class=_Parser)
+    parser.verbs = sub.choices  # verb -> its parser, for errors that name the verb's --help
 
     p = sub.add_parser("prepare", help="turn a corpus into a tokenizer and token shards")
     prepare.add_arguments(p)
     p.set_defaults(func=prepare.main)
 
     p = sub.add_parser("train", help="train a GPT on a prepared data directory")
-    train.add_arguments(p)
+    train.add_arguments(p, preset=_preset_asked(argv))
     p.set_defaults(func=train.main)
 
     p = sub.add_parser("sample", help="generate text from a trained run")
@@ -122,7 +133,11 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the verb's parser says it, so the hint is `handgrad VERB --help`
+        parser.verbs[args.verb].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         try:
             return args.func(args) or 0

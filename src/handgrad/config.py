@@ -70,7 +70,7 @@ class TrainSection:
     sample_tokens: int = 200  # tokens per sample printed during training
     checkpoint_interval: int = 100  # steps between checkpoints; the last step is always saved
     keep_checkpoints: int = 3  # newest checkpoints kept on disk
-    log_interval: int = 1  # steps between log lines
+    log_interval: int = 10  # steps between log lines (metrics.jsonl records every step)
     seed: int = 1337  # seeds the weights, the batches and the samples
     on_nan: str = "stop"  # a NaN/Inf loss or gradient: "stop" (last good checkpoint kept) or "skip" the batch
     dtype: str = "float32"  # activations: float32, or bfloat16 mixed precision (--device gpu; weights stay float32)
@@ -78,10 +78,14 @@ class TrainSection:
     zero_stage: int = 0  # under torchrun: 1 shards the AdamW moments across ranks (ZeRO stage 1)
     threads: int = 0  # BLAS and Numba threads per process; 0: this machine's cores / processes on it
     dist_timeout: float = 300.0  # seconds a rank waits on the others before giving up (torchrun runs)
+    log_to: str = "none"  # also log the metrics to: none, tensorboard (RUN_DIR/tb), wandb (offline unless set up)
 
 
 SECTIONS = {"model": ModelSection, "train": TrainSection}
 ARCHS = ("gpt2",)  # the model families' names, as handgrad.models.FAMILIES lists them (a test checks)
+# the keys that take one of a few words: checked at load time, listed by `handgrad train --help`
+CHOICES = {"model.arch": ARCHS, "train.on_nan": ("stop", "skip"), "train.dtype": ("float32", "bfloat16"),
+           "train.log_to": ("none", "tensorboard", "wandb")}
 
 
 @dataclass
@@ -191,6 +195,8 @@ def validate_run_config(config):
     m, t = config.model, config.train
     if m.arch not in ARCHS:
         raise ConfigError(f"model.arch: unknown architecture {m.arch!r}; choose from {', '.join(ARCHS)}")
+    if t.log_to not in CHOICES["train.log_to"]:
+        raise ConfigError(f"train.log_to: must be none, tensorboard or wandb, got {t.log_to!r}")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key}: must be positive, got {getattr(m, key)}")

@@ -1,10 +1,12 @@
 """`handgrad train`: the command line, the config it resolves, --init-from, threads and the
 sgemm peak for MFU, then a Trainer run."""
+import shlex
+import sys
 from dataclasses import fields
 from pathlib import Path
 
 from ..backends.cpu import set_threads
-from ..config import SECTIONS, ConfigError
+from ..config import CHOICES, RUN_PRESETS, SECTIONS, ConfigError, load_run_config
 from ..interop.convert import load_pretrained
 from ..machine import cores_available, sgemm_peak
 from .distributed import DataParallel
@@ -12,10 +14,12 @@ from .rundir import TrainError, resolve_config
 from .trainer import Trainer
 
 
-def add_arguments(parser):
+def add_arguments(parser, preset=None):
+    """`handgrad train`'s flags. With preset (`--preset NAME --help`), the defaults shown are that
+    preset's values."""
     parser.add_argument("--data", required=True, metavar="DATA_DIR", help="a directory made by `handgrad prepare`")
     parser.add_argument("--out", required=True, metavar="RUN_DIR", help="where config, metrics, checkpoints go")
-    parser.add_argument("--preset", help="named preset: tiny, shakespeare-char, mid, gpt2-124m")
+    parser.add_argument("--preset", help=f"named preset: {', '.join(RUN_PRESETS)} (with --help: show its values)")
     parser.add_argument("--config", metavar="FILE", help="a TOML, JSON or YAML file of model.* and train.* keys")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR's newest checkpoint")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
@@ -24,11 +28,15 @@ def add_arguments(parser):
                         help="start a new run from pretrained weights (fine-tuning): a Hugging Face GPT-2 "
                              "directory, an llm.c model file, or a handgrad run; the architecture is the "
                              "model's, model.block_size may crop its positions")
+    shown = load_run_config(preset if preset in RUN_PRESETS else None)
     for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(f"{section}.* overrides (win over the preset and the file)")
+        where = f"preset {preset}'s values" if preset in RUN_PRESETS else "the defaults"
+        group = parser.add_argument_group(f"{section}.* overrides (win over the preset and the file; shown: {where})")
         for f in fields(cls):
-            group.add_argument(f"--{section}.{f.name}", dest=f"override:{section}.{f.name}", metavar="V",
-                               help=f"default {f.default}")
+            key = f"{section}.{f.name}"
+            choices = f" (one of {', '.join(CHOICES[key])})" if key in CHOICES else ""
+            group.add_argument(f"--{key}", dest=f"override:{key}", metavar="V",
+                               help=f"default {getattr(getattr(shown, section), f.name)}{choices}")
 
 
 def pretrained_config(path, config, overrides):
@@ -75,6 +83,14 @@ def main(args):
             print(f"sgemm peak (measured now){where}: {peak:.0f} GFLOP/s")
     trainer.run(peak_gflops=peak)
     dp.close()
+    if trainer.interrupted:  # Ctrl-C: the checkpoint is written; a `&&` chain must not go on as if done
+        if dp.is_main:
+            again = ["handgrad", "train", "--data", str(args.data), "--out", str(run_dir), "--resume"]
+            again += ["--device", args.device] if args.device != "cpu" else []
+            launch = " (under the same torchrun launch)" if dp.world_size > 1 else ""
+            print(f"interrupted at step {trainer.step} of {config.train.max_steps}; checkpoint saved; resume "
+                  f"with{launch}: {shlex.join(again)}", file=sys.stderr)
+        return 130
     if dp.is_main:
         print(f"done: {trainer.step} steps; metrics {run_dir / 'metrics.jsonl'}; loss plot {run_dir / 'loss.png'}")
     return 0

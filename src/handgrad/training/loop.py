@@ -47,6 +47,7 @@ class RunLoop:
         metrics = open(self.run_dir / "metrics.jsonl", "a") if dp.is_main else None
         bar = progress_bar(self.step, t.max_steps) if dp.is_main else None
         say = bar.write if bar is not None else self.log
+        self.first_step, self.interrupted = self.step + 1, False
         self.log(f"model: {self.model.num_params:,} parameters; {tokens_per_step:,} tokens per step"
                  f"{f' over {dp.world_size} ranks' if dp.world_size > 1 else ''}; steps {self.step} -> {t.max_steps}")
         try:
@@ -106,6 +107,9 @@ class RunLoop:
                 pass
             if bar is not None:
                 bar.close()
+            if self.tracker is not None:
+                self.tracker.close()
+        self.interrupted = stopping and self.step < t.max_steps  # Ctrl-C: checkpointed, not finished
         return self.step
 
 
@@ -156,13 +160,21 @@ class RunLoop:
         """Log (every log_interval steps, the last step, and with a val loss) and record steps."""
         t = self.config.train
         for rec in recs:
-            if rec["step"] % t.log_interval == 0 or rec["step"] == t.max_steps or "val_loss" in rec:
-                say(format_step(rec, flops_per_step / rec["ms"] / 1e6, peak_gflops))
+            gflops = flops_per_step / rec["ms"] / 1e6
+            if peak_gflops:
+                rec["mfu"] = gflops / peak_gflops
+            first = rec["step"] == self.first_step  # its time includes Numba's (or Triton's) compiles
+            if rec["step"] % t.log_interval == 0 or rec["step"] == t.max_steps or "val_loss" in rec or first:
+                say(format_step(rec, gflops, peak_gflops) + (" (compiling kernels)" if first else ""))
             if metrics is not None:
                 metrics.write(json.dumps(rec) + "\n")
+            if self.tracker is not None:
+                self.tracker.log(rec)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}")
         if metrics is not None:
             metrics.flush()
+        if self.tracker is not None:
+            self.tracker.flush()
 

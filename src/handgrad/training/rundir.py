@@ -2,7 +2,7 @@
 the checks that the data fits the run before anything is written."""
 import json
 
-from ..config import ConfigError, load_run_config
+from ..config import ConfigError, load_run_config, read_config_file
 from ..data.sources import DataError
 from ..data.tokenizer import TOKENIZER_FILE, GPT2Tokenizer, copy_tokenizer, load_tokenizer
 from ..files import OutputLock, write_atomic
@@ -38,8 +38,19 @@ def resolve_config(run_dir, preset=None, config_file=None, overrides=None, resum
         new = getattr(config.model, key)
         if new != old:
             raise ConfigError(f"model.{key}: cannot change on resume (saved {old}, asked {new}); "
-                              f"drop --model.{key}, or start a new run with another --out")
+                              f"drop {_asked_by(f'model.{key}', preset, config_file, overrides)}, or start a new "
+                              f"run with another --out")
     return config
+
+
+def _asked_by(key, preset, config_file, overrides):
+    """The flag that set `key` (the last source wins: --section.key, then --config, then --preset)."""
+    if key in (overrides or {}):
+        return f"--{key}"
+    section, _, name = key.partition(".")
+    if config_file is not None and name in (read_config_file(config_file).get(section) or {}):
+        return f"--config {config_file} (or its {key})"
+    return f"--preset {preset}"
 
 
 def read_json(path):

@@ -20,6 +20,7 @@ from .optim import AdamW
 from .resume import Checkpointing, make_rng
 from .rundir import TrainError, check_data, check_same_data, data_identity, init_run_dir, lock_run_dir
 from .step import accumulate_gradients, lr_at
+from .tracking import open_tracker
 
 
 class Trainer(Checkpointing, RunLoop):
@@ -68,6 +69,7 @@ class Trainer(Checkpointing, RunLoop):
         if self.dp.is_main:
             init_run_dir(self.run_dir, self.data_dir, config, self.train_data, self.dp.world_size,
                          resumed_step=self.step if resume else None)
+        self.tracker = open_tracker(t.log_to, self.run_dir, config, self.step) if self.dp.is_main else None
         # every rank starts from rank 0's weights (resumed ones are equal already: checked above)
         self.dp.broadcast(self.model.flat_params)
         if self.sharded:

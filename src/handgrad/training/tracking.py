@@ -1,0 +1,66 @@
+"""Experiment tracking (`train.log_to`): the scalars of metrics.jsonl (loss, val loss, lr, grad
+norm, tok/s, MFU) also to TensorBoard or Weights & Biases, with the run's config.
+
+TensorBoard event files are written by tensorboardX (RUN_DIR/tb; `tensorboard --logdir RUN_DIR/tb`);
+on resume, events past the checkpoint are purged, as metrics.jsonl's lines are. wandb runs offline
+(WANDB_MODE=offline, files under RUN_DIR/wandb, `wandb sync` uploads them) unless WANDB_MODE says
+otherwise. Both libraries are optional: asking for one that is not installed is a ConfigError
+naming the package to install.
+"""
+import os
+
+from ..config import ConfigError
+
+SCALARS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+           "tok_per_s": "perf/tok_per_s", "mfu": "perf/mfu"}
+
+
+def _require(module, package, log_to):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise ConfigError(f"train.log_to {log_to}: needs the {package} package; pip install {package} "
+                          f"(or pip install 'handgrad[{log_to}]'), or drop --train.log_to") from None
+
+
+class TensorBoard:
+    def __init__(self, run_dir, config, step):
+        tensorboardX = _require("tensorboardX", "tensorboardX", "tensorboard")
+        self.writer = tensorboardX.SummaryWriter(str(run_dir / "tb"), purge_step=step + 1 if step else None)
+        self.writer.add_text("config", "```\n" + "\n".join(f"{s}.{k} = {v}" for s, d in config.to_dict().items()
+                                                          for k, v in d.items()) + "\n```", 0)
+
+    def log(self, rec):
+        for key, tag in SCALARS.items():
+            if rec.get(key) is not None:
+                self.writer.add_scalar(tag, rec[key], rec["step"])
+
+    def flush(self):
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
+class WandB:
+    def __init__(self, run_dir, config, step):
+        wandb = _require("wandb", "wandb", "wandb")
+        os.environ.setdefault("WANDB_MODE", "offline")
+        self.run = wandb.init(project="handgrad", name=run_dir.name, dir=str(run_dir), config=config.to_dict(),
+                              resume="allow" if step else None)
+
+    def log(self, rec):
+        self.run.log({tag: rec[key] for key, tag in SCALARS.items() if rec.get(key) is not None}, step=rec["step"])
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.run.finish()
+
+
+def open_tracker(log_to, run_dir, config, step):
+    """The tracker train.log_to asks for, or None."""
+    if log_to == "none":
+        return None
+    return {"tensorboard": TensorBoard, "wandb": WandB}[log_to](run_dir, config, step)

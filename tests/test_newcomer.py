@@ -1,0 +1,106 @@
+"""What a first run meets (issue 24): how much is logged, what `--help` shows, errors that name the
+real fix, checkpoint removal, and the metrics logged to TensorBoard (read back by tensorboard's
+own reader) or refused in one line when the library is missing."""
+import json
+import sys
+
+import pytest
+
+from handgrad.cli import main as cli
+from handgrad.data.prepare import prepare
+
+TEXT = "".join(f"To be, or not to be, that is the question {i}.\n" for i in range(300))
+SMALL = ["--preset", "tiny", "--model.n_layer", "1", "--model.n_embd", "16", "--model.block_size", "16",
+         "--train.batch_size", "2", "--train.sample_interval", "0", "--train.eval_interval", "0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("newcomer")
+    (root / "a.txt").write_text(TEXT)
+    prepare([str(root / "a.txt")], root / "A", tokenizer="char", seed=1)
+    return root / "A"
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_line_every_10_steps_and_the_first_says_it_compiles(data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.max_steps", "25"]) == 0
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [int(line.split()[1]) for line in steps] == [1, 10, 20, 25]
+    assert steps[0].endswith("(compiling kernels)") and not any("compiling" in line for line in steps[1:])
+    assert [r["step"] for r in _metrics(run)] == list(range(1, 26))  # metrics.jsonl keeps every step
+    assert all(0 < r["mfu"] < 1 for r in _metrics(run))
+
+
+def test_help_shows_the_presets_values_and_the_allowed_words(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(["train", "--preset", "gpt2-124m", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "shown: preset gpt2-124m's values" in out
+    assert "--model.n_layer V default 12" in out and "--model.n_embd V default 768" in out
+    assert "--train.on_nan V default stop (one of stop, skip)" in out
+    assert "--train.dtype V default float32 (one of float32, bfloat16)" in out
+    with pytest.raises(SystemExit):
+        cli(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "shown: the defaults" in out and "--model.n_layer V default 2" in out
+
+
+def test_errors_name_the_real_fix(data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:  # a usage error, as argparse's own: status 2
+        cli(["train", "--data", str(data), "--out", str(tmp_path / "r"), "--train.x", "3"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --train.x 3; see `handgrad train --help`" in capsys.readouterr().err
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.max_steps", "2"]) == 0
+    capsys.readouterr()
+    assert cli(["train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "model.n_layer: cannot change on resume (saved 1, asked 2); drop --preset tiny" in err
+    (tmp_path / "c.toml").write_text("[model]\nn_embd = 32\n")
+    assert cli(["train", "--data", str(data), "--out", str(run), "--config", str(tmp_path / "c.toml"), "--resume"]) == 2
+    assert f"drop --config {tmp_path / 'c.toml'} (or its model.n_embd)" in capsys.readouterr().err
+
+
+def test_removing_an_old_checkpoint_is_said(data, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.max_steps", "3",
+                "--train.checkpoint_interval", "1", "--train.keep_checkpoints", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed checkpoint {run / 'ckpt' / 'step_00000001'} (train.keep_checkpoints 2)" in out
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step_00000002", "step_00000003"]
+
+
+def test_tensorboard_events_hold_the_metrics(data, tmp_path):
+    pytest.importorskip("tensorboardX")
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.max_steps", "6",
+                "--train.eval_interval", "3", "--train.log_to", "tensorboard"]) == 0
+    acc = event_accumulator.EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    recs = _metrics(run)
+    for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+                     ("tok_per_s", "perf/tok_per_s"), ("mfu", "perf/mfu")):
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == [r["step"] for r in recs]
+        assert [e.value for e in events] == pytest.approx([r[key] for r in recs], rel=1e-6)
+    val = acc.Scalars("val/loss")
+    assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in val] == [(r["step"], r["val_loss"]) for r in recs
+                                                                           if "val_loss" in r]
+
+
+def test_a_missing_tracking_library_is_one_line(data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    for log_to, package in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
+        run = tmp_path / log_to
+        assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.log_to", log_to]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: train.log_to {log_to}: needs the {package} package; pip install {package} "
+                       f"(or pip install 'handgrad[{log_to}]'), or drop --train.log_to"]
