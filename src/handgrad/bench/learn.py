@@ -6,12 +6,14 @@ and records both train-loss curves and both val losses at every evaluation. Writ
 OUT/learn-{preset}.json and OUT/learn-{preset}.png, and prints a table.
 """
 import json
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from ..config import load_run_config
+from ..files import write_atomic
 from ..data.prepare import prepare
 from ..data.shards import Dataset
 from ..models.gpt2 import GPT
@@ -106,7 +108,7 @@ def run_learn(preset="shakespeare-char", steps=None, data_dir=None, out_dir="doc
               "vocab_size": train_data.vocab_size, "curves": record}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"learn-{preset}.json").write_text(json.dumps(result) + "\n")
+    write_atomic(out_dir / f"learn-{preset}.json", json.dumps(result) + "\n")
     _plot(record, out_dir / f"learn-{preset}.png", preset)
     print(f"wrote {out_dir / f'learn-{preset}.json'} and {out_dir / f'learn-{preset}.png'}")
     return result
@@ -126,6 +128,11 @@ def _plot(record, path, title):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, path)  # whole or not at all
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
 
