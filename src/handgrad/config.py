@@ -1,5 +1,5 @@
-"""Typed configuration. GPTConfig describes the GPT-2 architecture (every field checked at creation);
-RunConfig a training run, as `model.*` and `train.*` keys from presets, files and flags."""
+"""Typed configuration. GPTConfig and LlamaConfig describe the two architectures (every field checked
+at creation); RunConfig a training run, as `model.*` and `train.*` keys from presets, files and flags."""
 import math
 from dataclasses import asdict, dataclass, field, fields
 
@@ -31,6 +31,54 @@ class GPTConfig:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-style architecture: pre-norm blocks with RMSNorm, rotary positions (Hugging Face's
+    rotate_half convention), a SwiGLU MLP, grouped-query attention, no biases but Qwen2's q/k/v."""
+
+    block_size: int = 2048  # longest sequence the model accepts (RoPE has no table limit; training's T)
+    vocab_size: int = 32000  # rows of embed_tokens
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # query heads; must divide n_embd
+    n_embd: int = 768  # width of the residual stream
+    n_kv_head: int = 12  # key/value heads; must divide n_head (n_head: ordinary attention, 1: multi-query)
+    ffn_hidden: int = 2048  # width of the SwiGLU MLP (gate and up each)
+    rope_theta: float = 10000.0  # RoPE base
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tie_embeddings: bool = True  # lm_head is embed_tokens (else its own lm_head.weight)
+    qkv_bias: bool = False  # q/k/v projections with bias (Qwen2)
+
+    def __post_init__(self):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"model.{name} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"model.{name} must be positive, got {value}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}); "
+                             f"pick n_head from the divisors of n_embd")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head "
+                             f"({self.n_kv_head}); pick n_kv_head from the divisors of n_head")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"model.n_embd / model.n_head = {self.n_embd // self.n_head} must be even (RoPE rotates "
+                             f"pairs); pick another n_head")
+        for name in ("rope_theta", "norm_eps"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
+                raise ValueError(f"model.{name} must be a positive number, got {getattr(self, name)!r}")
+        for name in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    def to_dict(self):
+        return asdict(self)
+
+
 MODEL_PRESETS = {
     "tiny": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64),
     "mid": GPTConfig(block_size=256, vocab_size=8192, n_layer=6, n_head=8, n_embd=512),
@@ -43,11 +91,18 @@ MODEL_PRESETS = {
 class ModelSection:
     """The architecture a run trains; vocab_size comes from the prepared data."""
 
-    arch: str = "gpt2"  # model family (handgrad.models): gpt2
+    arch: str = "gpt2"  # model family (handgrad.models): gpt2 or llama
     n_layer: int = 2  # transformer blocks
     n_head: int = 2  # attention heads; must divide n_embd
     n_embd: int = 64  # width of the residual stream
     block_size: int = 64  # context length in tokens
+    # llama only (given for gpt2, an error):
+    n_kv_head: int = 0  # key/value heads; must divide n_head; 0: n_head
+    ffn_hidden: int = 0  # SwiGLU width; 0: the multiple of 64 nearest 8/3 n_embd
+    rope_theta: float = 10000.0  # RoPE base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = True  # lm_head shares embed_tokens
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2)
 
 
 @dataclass
@@ -82,7 +137,11 @@ class TrainSection:
 
 
 SECTIONS = {"model": ModelSection, "train": TrainSection}
-ARCHS = ("gpt2",)  # the model families' names, as handgrad.models.FAMILIES lists them (a test checks)
+ARCHS = ("gpt2", "llama")  # the model families' names, as handgrad.models.FAMILIES lists them (a test checks)
+# model.* keys each family has (the rest is the other family's: given explicitly, an error)
+ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size"),
+             "llama": ("arch", "n_layer", "n_head", "n_embd", "block_size", "n_kv_head", "ffn_hidden", "rope_theta",
+                       "norm_eps", "tie_embeddings", "qkv_bias")}
 # the keys that take one of a few words: checked at load time, listed by `handgrad train --help`
 CHOICES = {"model.arch": ARCHS, "train.on_nan": ("stop", "skip"), "train.dtype": ("float32", "bfloat16"),
            "train.log_to": ("none", "tensorboard", "wandb")}
@@ -94,15 +153,29 @@ class RunConfig:
 
     model: ModelSection = field(default_factory=ModelSection)
     train: TrainSection = field(default_factory=TrainSection)
+    given: set = field(default_factory=set, repr=False, compare=False)  # model.* keys set by a preset, file or flag
 
     def to_dict(self):
-        return asdict(self)
+        """model.* (the arch's own keys) and train.*, as config.json and checkpoints hold them."""
+        model = {k: v for k, v in asdict(self.model).items() if k in ARCH_KEYS.get(self.model.arch, ())}
+        return {"model": model, "train": asdict(self.train)}
 
     def gpt_config(self, vocab_size):
-        """The architecture config of model.arch's family, with the data's vocab_size."""
+        """The architecture config of model.arch's family (GPTConfig or LlamaConfig), with the
+        data's vocab_size."""
         m = self.model
+        if m.arch == "llama":
+            return LlamaConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer, n_head=m.n_head,
+                               n_embd=m.n_embd, n_kv_head=m.n_kv_head or m.n_head,
+                               ffn_hidden=m.ffn_hidden or default_ffn_hidden(m.n_embd), rope_theta=m.rope_theta,
+                               norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings, qkv_bias=m.qkv_bias)
         return GPTConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer,
                          n_head=m.n_head, n_embd=m.n_embd)
+
+
+def default_ffn_hidden(n_embd):
+    """The multiple of 64 nearest 8/3 n_embd (Llama's SwiGLU width, for plain configs)."""
+    return max(64, 64 * round(8 * n_embd / 3 / 64))
 
 
 class ConfigError(ValueError):
@@ -126,6 +199,22 @@ RUN_PRESETS = {
                   "train": dict(batch_size=4, grad_accum_steps=8, max_steps=5000, lr=6e-4, min_lr=6e-5,
                                 warmup_steps=200, beta2=0.95, eval_interval=250, sample_interval=1000,
                                 checkpoint_interval=500)},
+    # shakespeare-char's budget in a Llama: RMSNorm, RoPE, SwiGLU, 2 kv heads for 4 query heads
+    "llama-char": {"model": dict(arch="llama", n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn_hidden=384,
+                                 block_size=64),
+                   "train": dict(batch_size=12, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+                                 weight_decay=0.1, beta2=0.99, grad_clip=1.0, eval_interval=250, eval_steps=20,
+                                 sample_interval=500, checkpoint_interval=500)},
+    "llama-mid": {"model": dict(arch="llama", n_layer=6, n_embd=512, n_head=8, n_kv_head=2, ffn_hidden=1408,
+                                block_size=256),
+                  "train": dict(batch_size=8, max_steps=1000, lr=6e-4, min_lr=6e-5, warmup_steps=50,
+                                eval_interval=100, sample_interval=500, checkpoint_interval=250)},
+    # HuggingFaceTB/SmolLM2-135M's shape
+    "smollm2-135m": {"model": dict(arch="llama", n_layer=30, n_embd=576, n_head=9, n_kv_head=3, ffn_hidden=1536,
+                                   rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True, block_size=2048),
+                     "train": dict(batch_size=1, grad_accum_steps=8, max_steps=1000, lr=3e-4, min_lr=3e-5,
+                                   warmup_steps=50, beta2=0.95, eval_interval=100, sample_interval=500,
+                                   checkpoint_interval=250)},
 }
 
 
@@ -187,6 +276,8 @@ def apply_overrides(config, overrides, source="override"):
             known = ", ".join(f"{s}.{n}" for s in SECTIONS for n in _FIELD_TYPES[s])
             raise ConfigError(f"{key}: unknown config key ({source}); known keys: {known}")
         setattr(getattr(config, section), name, _coerce(key, value, _FIELD_TYPES[section][name]))
+        if section == "model" and source != "saved config":
+            config.given.add(name)
     return config
 
 
@@ -195,6 +286,15 @@ def validate_run_config(config):
     m, t = config.model, config.train
     if m.arch not in ARCHS:
         raise ConfigError(f"model.arch: unknown architecture {m.arch!r}; choose from {', '.join(ARCHS)}")
+    foreign = sorted(config.given - set(ARCH_KEYS[m.arch]))
+    if foreign:
+        raise ConfigError(f"model.{foreign[0]}: has no meaning for model.arch {m.arch} (it is the other family's); "
+                          f"drop it, or set model.arch")
+    if m.arch == "llama":
+        try:
+            config.gpt_config(1)  # LlamaConfig's own checks: n_kv_head divides n_head, even head size, ...
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if t.log_to not in CHOICES["train.log_to"]:
         raise ConfigError(f"train.log_to: must be none, tensorboard or wandb, got {t.log_to!r}")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):

@@ -1,4 +1,5 @@
-"""PyTorch references: each op as the plain torch expression, and a GPT-2 with the same weights.
+"""PyTorch references: each op as the plain torch expression, a GPT-2 with the same weights, and
+transformers' own Llama/Qwen2 classes for the Llama family.
 
 Used by `handgrad verify`, the tests and the benchmarks. Needs torch (the `test` extra).
 """
@@ -7,6 +8,7 @@ import math
 import numpy as np
 
 from .models.gpt2 import param_spec
+from .models.llama import param_spec as llama_param_spec
 
 
 def require_torch():
@@ -121,3 +123,63 @@ class TorchGPT(torch.nn.Module):
         no_decay = [self[n] for n in self.names if self[n].dim() < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                   {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+
+
+# ---------------------------------------------------------------- the Llama family: transformers' own classes
+def rmsnorm(x, w, eps):
+    """Llama's RMSNorm (transformers' LlamaRMSNorm computes it in float32: for float32 and float64
+    inputs, this expression)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def swiglu(gu):
+    """silu(gate) * up, gu = [gate | up] on the last axis: (B, T, 2H) -> (B, T, H)."""
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def hf_llama(config, dtype=torch.float32, attn_implementation="eager"):
+    """transformers' LlamaForCausalLM (Qwen2ForCausalLM where the q/k/v projections have biases) for
+    a handgrad LlamaConfig, randomly initialised: load handgrad's state_dict into it."""
+    import transformers
+    common = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.ffn_hidden,
+                  num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+                  num_key_value_heads=config.n_kv_head, max_position_embeddings=config.block_size,
+                  rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta,
+                  tie_word_embeddings=config.tie_embeddings, attn_implementation=attn_implementation)
+    if config.qkv_bias:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=False,
+                                                                       mlp_bias=False))
+    return model.to(dtype)
+
+
+class TorchLlama(torch.nn.Module):
+    """transformers' own Llama (or Qwen2) with handgrad's call signature: model(idx, targets) ->
+    (logits, mean loss over targets != -1, no shift), grads_numpy() and adamw() under handgrad's
+    names (tied weights: lm_head.weight is embed_tokens, not listed twice)."""
+
+    def __init__(self, config, dtype=torch.float32, attn_implementation="eager"):
+        super().__init__()
+        self.config, self.hf = config, hf_llama(config, dtype, attn_implementation)
+        self.names = [n for n, _ in llama_param_spec(config)]
+
+    def __getitem__(self, name):
+        return self.hf.get_parameter(name)
+
+    def load_numpy(self, state):
+        with torch.no_grad():
+            for n in self.names:
+                self[n].copy_(torch.from_numpy(np.asarray(state[n])))
+        return self
+
+    def grads_numpy(self):
+        return {n: self[n].grad.detach().cpu().numpy() for n in self.names}
+
+    def forward(self, idx, targets=None):
+        logits = self.hf(input_ids=idx).logits
+        loss = crossentropy(logits, targets) if targets is not None else None
+        return logits, loss
+
+    adamw = TorchGPT.adamw

@@ -1,10 +1,10 @@
-"""Model families, by `model.arch`. Each is one module (gpt2.py); family.py says what a family
+"""Model families, by `model.arch`. Each is one module (gpt2.py, llama.py); family.py says what a family
 provides and holds what they share; decode.py is the KV-cache decoding and sampling they share."""
-from . import gpt2
+from . import gpt2, llama
 from .family import Family
 
 
-FAMILIES = {f.arch: f for f in (gpt2.FAMILY,)}
+FAMILIES = {f.arch: f for f in (gpt2.FAMILY, llama.FAMILY)}
 
 
 def get_family(arch) -> Family:

@@ -38,7 +38,7 @@ class KVCache:
     docstring). `prefills` and `steps` count the calls, so tests can see how each logit was made.
     """
 
-    def __init__(self, model, B, length=None):
+    def __init__(self, model, B, length=None, kv_heads=None):
         cfg = model.config
         self.model, self.ops, self.p = model, model.ops, model.p
         self.B, self.L, self.NH, self.C = B, cfg.n_layer, cfg.n_head, cfg.n_embd
@@ -48,39 +48,75 @@ class KVCache:
             raise ValueError(f"length must be in [1, {cfg.block_size}] (block_size), got {length}")
         self.keep = max(1, cfg.block_size // 2)
         hs = self.C // self.NH
-        self.k = self.ops.zeros((self.L, B, self.NH, Tmax, hs))
-        self.v = self.ops.zeros((self.L, B, self.NH, Tmax, hs))
+        heads = self.NH if kv_heads is None else kv_heads  # a grouped-query family caches fewer heads
+        self.k = self.ops.zeros((self.L, B, heads, Tmax, hs))
+        self.v = self.ops.zeros((self.L, B, heads, Tmax, hs))
         self.n = 0
         self.prefills = self.steps = 0
         # Flat storage for the per-layer activations of up to `length` positions, viewed as
         # contiguous (B, T, ...) arrays for the T at hand (ops write through reshaped views).
-        C = self.C
-        self._widths = {"x": C, "ln": C, "qkv": 3 * C, "atty": C, "proj": C, "fch": 4 * C,
-                        "fch_gelu": 4 * C, "mean": 1, "rstd": 1}
+        self._widths = self._buffer_widths()
         self._flat = {name: self.ops.empty((B * Tmax * w,)) for name, w in self._widths.items()}
         self._flat_idx = self.ops.empty((B * Tmax,), np.int32)
         self._flat_att = self.ops.empty((0,))  # attention_forward's state (scratch), grown on demand
         self._views = {}
-        # ln_f and the logits, for the one position whose next token is sampled
-        self.lnf = self.ops.empty((B, 1, C))
-        self.lnf_mean, self.lnf_rstd = self.ops.empty((B, 1)), self.ops.empty((B, 1))
+        # the final norm and the logits, for the one position whose next token is sampled
+        self._head_buffers(B)
         self.logits = self.ops.empty((B, 1, cfg.vocab_size))
+
+    # ------------------------------------------------------------ GPT-2's layers (a family overrides these)
+    def _buffer_widths(self):
+        C = self.C
+        return {"x": C, "ln": C, "qkv": 3 * C, "atty": C, "proj": C, "fch": 4 * C, "fch_gelu": 4 * C,
+                "mean": 1, "rstd": 1}
+
+    def _head_buffers(self, B):
+        self.lnf = self.ops.empty((B, 1, self.C))
+        self.lnf_mean, self.lnf_rstd = self.ops.empty((B, 1)), self.ops.empty((B, 1))
+
+    def _embed(self, s, pos):
+        """s.x = the embeddings of s.idx at positions [pos, pos + T)."""
+        T = s.x.shape[1]
+        self.ops.encoder_forward(s.x, s.idx, self.p["wte.weight"], self.p["wpe.weight"][pos:pos + T])
+
+    def _attention_state_shape(self, T):
+        return self.ops.attention_state_shape(self.B, self.NH, T)  # cpu (B, NH, T, T); gpu (B, NH, T)
+
+    def _attend_prefill(self, att, T):
+        """attend(l, atty, qkv) for a prefill of T positions: full causal attention, keys and values
+        copied into the cache."""
+        ops, B, NH, C = self.ops, self.B, self.NH, self.C
+        hs = C // NH
+
+        def attend(l, atty, qkv):
+            ops.attention_forward(atty, att, qkv, NH)
+            self.k[l, :, :, :T] = qkv[:, :, C:2 * C].reshape(B, T, NH, hs).swapaxes(1, 2)
+            self.v[l, :, :, :T] = qkv[:, :, 2 * C:].reshape(B, T, NH, hs).swapaxes(1, 2)
+        return attend
+
+    def _attend_step(self, pos):
+        """attend(l, atty, qkv) for one position pos: its query over the cached keys."""
+        ops, NH = self.ops, self.NH
+
+        def attend(l, atty, qkv):
+            ops.attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, NH)
+        return attend
 
     def _bufs(self, T):
         """Contiguous (B, T, ...) views of the flat storage, made once per T."""
         s = self._views.get(T)
         if s is None:
             B = self.B
-            s = SimpleNamespace(**{name: self._flat[name][:B * T * w].reshape(B, T, w)
-                                   for name, w in self._widths.items()})
-            s.mean, s.rstd = s.mean.reshape(B, T), s.rstd.reshape(B, T)
+            s = SimpleNamespace(**{name: self._flat[name][:B * T * w].reshape((B, T, w) if w > 1 else (B, T))
+                                   for name, w in self._widths.items()})  # width 1: per-row statistics
             s.idx = self._flat_idx[:B * T].reshape(B, T)
             self._views[T] = s
         return s
 
-    def _blocks(self, s, attend):
+    def _blocks(self, s, attend, pos):
         """The residual stream s.x (B, T, C) through every block, in place. attend(l, atty, qkv)
-        is the attention: full causal for a prefill, one query over the cache for a step."""
+        is the attention: full causal for a prefill, one query over the cache for a step. pos: the
+        position of s.x's first row (GPT-2's positions are already in its embedding)."""
         ops, p = self.ops, self.p
         for l in range(self.L):
             h = f"h.{l}."
@@ -111,23 +147,15 @@ class KVCache:
         if B != self.B or not 1 <= T <= self.length:
             raise ValueError(f"prefill needs idx of shape ({self.B}, T) with 1 <= T <= "
                              f"{self.length}, got {idx.shape}")
-        ops, p, NH, C = self.ops, self.p, self.NH, self.C
         s = self._bufs(T)
         s.idx[...] = self.ops.from_numpy(np.asarray(idx, np.int32))
-        att_shape = ops.attention_state_shape(B, NH, T)  # cpu (B, NH, T, T); gpu (B, NH, T)
+        att_shape = self._attention_state_shape(T)
         n_att = int(np.prod(att_shape))
         if self._flat_att.shape[0] < n_att:  # at most twice per generate: T0, then keep
-            self._flat_att = ops.empty((n_att,))
+            self._flat_att = self.ops.empty((n_att,))
         att = self._flat_att[:n_att].reshape(att_shape)
-        hs = C // NH
-
-        def attend(l, atty, qkv):
-            ops.attention_forward(atty, att, qkv, NH)
-            self.k[l, :, :, :T] = qkv[:, :, C:2 * C].reshape(B, T, NH, hs).swapaxes(1, 2)
-            self.v[l, :, :, :T] = qkv[:, :, 2 * C:].reshape(B, T, NH, hs).swapaxes(1, 2)
-
-        ops.encoder_forward(s.x, s.idx, p["wte.weight"], p["wpe.weight"])
-        self._blocks(s, attend)
+        self._embed(s, 0)
+        self._blocks(s, self._attend_prefill(att, T), 0)
         self.n = T
         self.prefills += 1
         return self._head(s.x[:, T - 1:T])
@@ -138,15 +166,10 @@ class KVCache:
         pos = self.n
         if pos >= self.length:
             raise ValueError(f"the cache is full ({self.length} positions): prefill instead")
-        ops, p, NH = self.ops, self.p, self.NH
         s = self._bufs(1)
         s.idx[:, 0] = self.ops.from_numpy(np.asarray(tokens, np.int32))
-
-        def attend(l, atty, qkv):
-            ops.attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, NH)
-
-        ops.encoder_forward(s.x, s.idx, p["wte.weight"], p["wpe.weight"][pos:pos + 1])
-        self._blocks(s, attend)
+        self._embed(s, pos)
+        self._blocks(s, self._attend_step(pos), pos)
         self.n = pos + 1
         self.steps += 1
         return self._head(s.x)
@@ -260,7 +283,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     out[:, :T0] = idx
     if max_new_tokens == 0:
         return out
-    cache = KVCache(model, B, length=min(model.config.block_size, T0 + max_new_tokens - 1))
+    cache = model.KV_CACHE(model, B, length=min(model.config.block_size, T0 + max_new_tokens - 1))
     logits = cache.prefill(idx[:, -model.config.block_size:])
     for step in range(max_new_tokens):
         t = T0 + step

@@ -2,12 +2,13 @@
 
 Shapes: B batch, T time, C n_embd, NH heads, V vocab, L layers.
 """
+import math
+
 import numpy as np
 
-from ..backends import get_backend
 from ..config import GPTConfig
 from .decode import KVCache
-from .family import Family, flat_layout, flat_views
+from .family import Family, FlatModel, flat_layout
 
 
 def param_spec(config):
@@ -98,6 +99,14 @@ class Activations:
         self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add
         self.grads = None                  # gradient buffers, allocated on the first backward
 
+    @staticmethod
+    def scratch_bytes(ops, config, B, T):
+        """The ops' own workspaces (backends' common.workspace) at this shape: on the cpu, the
+        attention backward's d(probabilities) of one layer and layernorm_linear's normalised input
+        and its gradient (float32)."""
+        att = math.prod(ops.attention_state_shape(B, config.n_head, T)) if ops.NAME == "cpu" else 0
+        return 4 * (att + 2 * B * T * config.n_embd)
+
     def alloc_grads(self, ops, config, dtype=np.float32):
         B, T, C = self.B, self.T, config.n_embd
         e = lambda *shape: ops.empty(shape, dtype)
@@ -109,183 +118,27 @@ class Activations:
         self.grads = True
 
 
-class GPT:
+class GPT(FlatModel):
     """GPT-2 with hand-written forward and backward passes.
 
     >>> model = GPT(GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64))
     >>> loss = model.forward(idx, targets); model.zero_grad(); model.backward()
     """
 
-    def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32"):
-        """buffer_multiple: the flat buffers (`flat_params`, `flat_grad`) are allocated zero-padded
-        to a multiple of it, so data-parallel ranks can split them into equal shards; `params` and
-        `grad` are their first num_params elements.
-        dtype: the activations' dtype. "bfloat16" (gpu backend only) is mixed precision: bf16
-        activations and matmul inputs, float32 weights, gradients, optimizer state and statistics."""
-        if not isinstance(config, GPTConfig):
-            raise ValueError(f"config must be a handgrad.GPTConfig, got {type(config).__name__}")
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-        if dtype == "bfloat16" and backend != "gpu":
-            raise ValueError(f"dtype bfloat16 needs backend 'gpu' (the {backend} backend computes in float32)")
-        self.dtype = dtype
-        self.config = config
-        self.ops = get_backend(backend)
-        self.backend = backend
-        self.spec = param_spec(config)
-        self.layout, self.num_params = flat_layout(self.spec)
-        padded = -(-self.num_params // buffer_multiple) * buffer_multiple
-        self.flat_params = self.ops.zeros((padded,))
-        self.flat_grad = self.ops.zeros((padded,))
-        self.params, self.grad = self.flat_params[:self.num_params], self.flat_grad[:self.num_params]
-        self.p = flat_views(self.params, self.layout)
-        self.g = flat_views(self.grad, self.layout)
-        self._acts = None
-        self._ready_for_backward = False
-        self._grads_zero = True  # the gradient buffer starts at zero
-        # the gradients that backward adds into even on its first pass after zero_grad(); the weight
-        # matrices listed in WRITTEN_FIRST are overwritten by it instead (see zero_grad)
-        self._accumulated_segments = [(o, int(np.prod(s))) for name, (o, s) in self.layout.items()
-                                      if not name.endswith(WRITTEN_FIRST)]
-        # gradient ranges in the order backward() finishes them: ln_f, blocks L-1 .. 0, embeddings
+    CONFIG, ACTIVATIONS, KV_CACHE = GPTConfig, Activations, KVCache
+    WRITTEN_FIRST = WRITTEN_FIRST
+    param_spec = staticmethod(param_spec)
+    init_params = staticmethod(init_params)
+
+    def _grad_buckets(self):
+        """Gradient ranges in the order backward() finishes them: ln_f, blocks L-1 .. 0, embeddings."""
         first = lambda name: self.layout[name][0]
         end = lambda name: first(name) + int(np.prod(self.layout[name][1]))
-        L = config.n_layer
-        self.grad_buckets = ([(first("ln_f.weight"), end("ln_f.bias"))]
-                             + [(first(f"h.{l}.ln_1.weight"), end(f"h.{l}.mlp.c_proj.bias"))
-                                for l in reversed(range(L))]
-                             + [(0, end("wpe.weight"))])
-        self._init_weights(seed)
+        return ([(first("ln_f.weight"), end("ln_f.bias"))]
+                + [(first(f"h.{l}.ln_1.weight"), end(f"h.{l}.mlp.c_proj.bias"))
+                   for l in reversed(range(self.config.n_layer))]
+                + [(0, end("wpe.weight"))])
 
-    # ----------------------------------------------------------------- parameters
-    def _init_weights(self, seed):
-        self.params[:] = self.ops.from_numpy(init_params(self.config, seed))
-
-    def decay_segments(self):
-        """(start, end, decay) per tensor: weight decay applies to tensors with 2+ dimensions."""
-        return [(o, o + int(np.prod(s)), len(s) >= 2) for _, (o, s) in self.layout.items()]
-
-    def state_dict(self):
-        """Copies of the weights under Hugging Face GPT-2 names and layouts (no lm_head)."""
-        return {name: self.ops.to_numpy(view).copy() for name, view in self.p.items()}
-
-    def grads(self):
-        """Copies of the gradients, under the same names and layouts as state_dict()."""
-        if self._grads_zero:
-            self.grad[:] = 0  # zero_grad() left the written-first gradients for the next backward
-        return {name: self.ops.to_numpy(view).copy() for name, view in self.g.items()}
-
-    def load_state_dict(self, state):
-        """Copy weights in from a dict of arrays; missing, extra or mis-shaped names are rejected."""
-        missing = [n for n in self.p if n not in state]
-        extra = [n for n in state if n not in self.p]
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-            if extra:
-                parts.append(f"unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
-            raise ValueError("load_state_dict: " + "; ".join(parts))
-        for name, view in self.p.items():
-            arr = np.asarray(state[name])
-            if tuple(arr.shape) != tuple(view.shape):
-                raise ValueError(f"load_state_dict: {name} has shape {tuple(arr.shape)}, "
-                                 f"expected {tuple(view.shape)}")
-            if not np.issubdtype(arr.dtype, np.floating):
-                raise ValueError(f"load_state_dict: {name} has dtype {arr.dtype}, expected a float type")
-        for name, view in self.p.items():
-            view[...] = self.ops.from_numpy(np.asarray(state[name], dtype=np.float32))
-
-    def zero_grad(self):
-        """Start the next backward from zero gradients.
-
-        The weight matrices' gradients (wte and every block's four matmul weights, 97-99% of the
-        buffer) are not cleared here: the next backward writes each of them by one GEMM instead of
-        adding (accumulate=False). Only the rest (biases, layernorm gains, wpe) is zeroed now. That
-        saves a pass over the whole buffer: for GPT-2 124M a 500 MB memset, ~55 ms of a ~1.2 s
-        step. Until that backward runs, `model.grad` holds stale values in those matrices, as
-        torch's default zero_grad(set_to_none=True) leaves no gradient; grads() returns zeros.
-        """
-        for o, n in self._accumulated_segments:
-            self.grad[o:o + n] = 0
-        self._grads_zero = True
-
-    # ----------------------------------------------------------------- forward / backward
-    def _check_tokens(self, name, x, allow_ignore):
-        if not isinstance(x, np.ndarray):
-            x = np.asarray(x)
-        if not np.issubdtype(x.dtype, np.integer):
-            raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
-        if x.ndim != 2:
-            raise ValueError(f"{name} must have shape (B, T), got shape {x.shape}")
-        B, T = x.shape
-        if B < 1 or T < 1:
-            raise ValueError(f"{name} must have B >= 1 and T >= 1, got shape {x.shape}")
-        if T > self.config.block_size:
-            raise ValueError(f"{name} has T = {T}, above block_size {self.config.block_size}; "
-                             f"use at most {self.config.block_size} positions")
-        V = self.config.vocab_size
-        lo = -1 if allow_ignore else 0
-        bad = (x < lo) | (x >= V)
-        if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
-            allowed = f"-1 (ignore) or [0, {V})" if allow_ignore else f"[0, {V})"
-            raise ValueError(f"{name}{list(where)} = {int(x[where])} is outside {allowed}")
-        return x
-
-    def _activations(self, B, T):
-        a = self._acts
-        if a is None or (a.B, a.T) != (B, T):
-            a = self._acts = None  # release the old set before allocating the new one
-            a = self._acts = Activations(self.ops, self.config, B, T, self._act_dtype())
-        return a
-
-    def _act_dtype(self):
-        if self.dtype == "bfloat16":
-            import torch
-            return torch.bfloat16
-        return np.float32
-
-    def forward(self, idx, targets=None):
-        """idx (B, T) integer token ids. With targets (B, T) (-1 = ignore) returns the mean loss as
-        a float and keeps what backward() needs; without, returns logits (B, T, V) (a copy)."""
-        if targets is not None:
-            return float(self.forward_loss(idx, targets))  # the gpu's loss is a device scalar: this waits
-        a = self.stage(idx)
-        self._layers_forward(a)
-        self._ready_for_backward = False
-        return self.ops.to_numpy(a.logits).copy()
-
-    def forward_loss(self, idx, targets):
-        """forward(idx, targets) without reading the loss: the backend's scalar (a float on the cpu,
-        a 0-dim device tensor on the gpu, so the host does not wait for the GPU)."""
-        return self.forward_staged(self.stage(idx, targets))
-
-    def stage(self, idx, targets=None, into=None):
-        """Check idx and targets and copy them into the activations of their shape (or `into`, which
-        must have it): a step's one host-to-device transfer. Returns those activations."""
-        idx = self._check_tokens("idx", idx, allow_ignore=False)
-        if targets is not None:
-            targets = self._check_tokens("targets", targets, allow_ignore=True)
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets must have the shape of idx {idx.shape}, got {targets.shape}")
-        a = self._activations(*idx.shape) if into is None else into
-        if (a.B, a.T) != idx.shape:
-            raise ValueError(f"idx has shape {idx.shape}, the activations being filled ({a.B}, {a.T})")
-        self.ops.upload_tokens(a.idx, idx)
-        if targets is not None:
-            self.ops.upload_tokens(a.targets, targets)
-        return a
-
-    def forward_staged(self, a):
-        """The forward over the tokens and targets stage() put into a; returns the mean loss as the
-        backend's scalar and keeps what backward() needs. Touches only device memory (no host
-        transfer, no allocation after the first call), so a CUDA graph can capture it."""
-        self._layers_forward(a)
-        loss = self.ops.crossentropy_forward(a.losses, a.lse, a.logits, a.targets)
-        self._acts = a
-        self._ready_for_backward = True
-        return loss
 
     def _layers_forward(self, a):
         """Embeddings, the blocks, ln_f and the logits into a.logits, from the tokens in a.idx."""

@@ -21,9 +21,8 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-from ..config import GPTConfig
 from ..files import save_safetensors
-from ..models.gpt2 import GPT
+from ..models import get_family
 
 
 CKPT_DIR = "ckpt"
@@ -191,10 +190,17 @@ def resolve(path):
 
 
 def load_model(path, backend="cpu"):
-    """A GPT with the weights of a checkpoint (or of a run directory's newest checkpoint)."""
+    """The model (of the family state.json names) with the weights of a checkpoint, or of a run
+    directory's newest checkpoint."""
     ckpt = resolve(path)
     state = read_state(ckpt)
-    model = GPT(GPTConfig(**state["model_config"]), backend=backend)
+    try:
+        family = get_family(state.get("arch", "gpt2"))  # checkpoints before model.arch are GPT-2's
+        config = family.config(**state["model_config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt / 'state.json'}: not a model this handgrad can build ({e}); "
+                              f"use a checkpoint written by handgrad train") from None
+    model = family.model(config, backend=backend)
     _load_weights(ckpt, model)
     return model
 

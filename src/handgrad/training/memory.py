@@ -4,8 +4,8 @@ line) when the machine cannot hold it.
 The count per process: the flat parameter and gradient buffers (float32), AdamW's two moments
 (float32; a 1/world_size slice under ZeRO-1), every activation buffer of one (batch_size,
 block_size) forward and backward (counted by handing the family's Activations class an allocator
-that only adds up sizes, so the count follows the model's own buffers), the backend's largest
-scratch buffer, and the runtime itself (Python, NumPy, Numba's compiled kernels, the BLAS), a
+that only adds up sizes, so the count follows the model's own buffers), the ops' scratch buffers
+(Activations.scratch_bytes), and the runtime itself (Python, NumPy, Numba's compiled kernels, the BLAS), a
 constant measured on this project's machines: the peak resident memory of a `tiny` run (0.1M
 parameters), 270 MB on the Intel Xeon of 2026-11-23 (see tests/test_memory.py, which checks the
 whole count against measured runs).
@@ -26,7 +26,9 @@ class _CountingOps:
 
     def __init__(self, ops):
         self.ops, self.bytes = ops, 0
-        self.attention_state_shape, self.LSE_DTYPE = ops.attention_state_shape, ops.LSE_DTYPE
+
+    def __getattr__(self, name):  # shapes and dtypes (attention_state_shape, LSE_DTYPE, ...): the backend's
+        return getattr(self.ops, name)
 
     def empty(self, shape, dtype=np.float32):
         try:
@@ -49,11 +51,10 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     counter = _CountingOps(ops)
     acts = family.activations(counter, config, batch_size, block_size, act_dtype)
     acts.alloc_grads(counter, config, act_dtype)
-    # the largest scratch: the cpu attention's backward keeps one layer's d(probabilities)
-    state = math.prod(ops.attention_state_shape(batch_size, config.n_head, block_size)) * 4
+    scratch = family.activations.scratch_bytes(ops, config, batch_size, block_size)  # the ops' workspaces
     parts = {"parameters": 4 * padded, "gradients": 4 * padded,
              "AdamW moments": 8 * (padded // world_size if zero_stage == 1 else padded),
-             "activations": counter.bytes + (state if backend == "cpu" else 0)}
+             "activations": counter.bytes + scratch}
     if backend == "cpu":
         parts["runtime"] = RUNTIME_BYTES
     return parts

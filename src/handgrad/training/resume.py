@@ -32,7 +32,7 @@ class Checkpointing:
             self.dp.gather(self.opt.v, opt.v)
         if not self.dp.is_main:
             return None
-        state = {"config": self.config.to_dict(), "model_config": self.gpt_config.to_dict(),
+        state = {"config": self.config.to_dict(), "arch": self.family.arch, "model_config": self.gpt_config.to_dict(),
                  "rng": {"data": self.data_rng.bit_generator.state, "sample": self.sample_rng.bit_generator.state},
                  "data": {"data_dir": str(self.data_dir.resolve()), "identity": self.identity,
                           "batches_drawn": self.step * t.grad_accum_steps},

@@ -38,6 +38,9 @@ class Trainer(Checkpointing, RunLoop):
         if resume:
             check_same_data(self.run_dir, self.data_dir, self.train_data)
         self.family = get_family(config.model.arch)
+        if self.family.arch == "llama" and backend == "gpu":
+            raise ConfigError("model.arch llama: the gpu backend has no rmsnorm, rope, swiglu or grouped-query "
+                              "attention kernels yet; train it with --device cpu")
         self.gpt_config = config.gpt_config(self.train_data.vocab_size)
         # count what the run will hold before allocating any of it; refuse what cannot fit
         memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,

@@ -12,10 +12,16 @@ from .attention import attention_decode_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward
+from .gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward,
+                            gqa_attention_state_shape)
 from .layernorm import layernorm_backward, layernorm_forward
 from .layernorm_linear import layernorm_linear_backward, layernorm_linear_forward
 from .linear import linear_backward, linear_forward
 from .residual import residual_backward, residual_forward
+from .rmsnorm import rmsnorm_backward, rmsnorm_forward
+from .rmsnorm_linear import rmsnorm_linear_backward, rmsnorm_linear_forward
+from .rope import rope_backward, rope_cache, rope_forward
+from .swiglu import swiglu_backward, swiglu_forward
 
 NAME = "cpu"
 LSE_DTYPE = np.float64  # the cross-entropy's saved logsumexp (see crossentropy_forward)

@@ -1,0 +1,341 @@
+"""Grouped-query causal self-attention (Llama's) on a fused qkv (B, T, (NH + 2*NKV)*hs).
+
+Layout (rope.py's): a row holds the NH query heads, then the NKV key heads, then the NKV value
+heads, each head hs contiguous values. Query head h reads key/value head g = h // G, G = NH // NKV:
+consecutive query heads share a kv head, as transformers' repeat_kv (and repeat_interleave) pair
+them. NKV = NH is multi-head attention (and then the layout is attention.py's (B, T, 3C));
+NKV = 1 is multi-query. k and v are never repeated in memory: every product reads head g in place.
+
+Per query head h:  S = q_h k_g^T / sqrt(hs),  P = softmax(S, S[t, s] = -inf for s > t),  y_h = P v_g.
+
+What the forward keeps for the backward is the logsumexp of every score row, lse (B, NH, T) in
+qkv's dtype, not the probabilities (B, NH, T, T) attention.py keeps: the backward recomputes P
+block by block as exp(S * scale - lse), so the saved state is linear in T (the scratch is a
+workspace, shared by every layer).
+
+On MKL, as in attention.py, Numba kernels run heads in parallel, each thread calling MKL on its
+own thread, in causal blocks of CAUSAL_BLOCK query rows: block [r0, r1) multiplies only keys
+[0, r1). The forward runs one item per query head (B*NH); the backward one per kv head (B*NKV),
+looping over its G query heads inside, so that the dk and dv sums over the group have one writer
+(no races, no partials); it stacks the group's rows of each block, so that dk and dv take the
+whole group's share in one product each. Scratch: (B*NH, CAUSAL_BLOCK, T) for the scores (shared
+by both directions) and as much for dP in the backward, reused by every layer. On numpy's
+OpenBLAS the products go through blas.gemm over (B, NKV) on strided views, one query head of each
+group at a time, with (B, NKV, T, T) scratch.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from . import blas
+from .attention import CAUSAL_BLOCK, _exp, _row_max, softmax_backward_row
+from .blas import NO_TRANS, TRANS, _cblas_gemm, gemm_at, restore_threads, single_threaded
+from .common import HEAVY, kernel, serial_kernel, workspace
+from .mathfn import sum64
+
+
+# ---------------------------------------------------------------- one row
+@serial_kernel
+def _softmax_row_lse(a, n, end, scale):
+    """a[:n] = softmax(a[:n] * scale) in place, a[n:end] = 0; returns the row's logsumexp
+    log(sum(exp(a[:n] * scale))) in float64. The same arithmetic as attention.softmax_row."""
+    mx = _row_max(a, n) * scale
+    for s in range(n):
+        a[s] = _exp(a[s] * scale - mx)
+    total = sum64(a, n)
+    inv = a.dtype.type(1.0 / total)
+    for s in range(n):
+        a[s] *= inv
+    a[n:end] = 0
+    return mx + np.log(total)
+
+
+@serial_kernel
+def _probabilities_row(a, n, end, scale, lse):
+    """a[:n] = exp(a[:n] * scale - lse) in place (the forward's probabilities, from the scores and
+    the row's logsumexp), a[n:end] = 0."""
+    m = a.dtype.type(lse)
+    for s in range(n):
+        a[s] = _exp(a[s] * scale - m)
+    a[n:end] = 0
+
+
+@njit(inline="always")
+def _gemm_add_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one):
+    """c += op(a) @ op(b): blas.gemm_at with beta = 1."""
+    _cblas_gemm(mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, one, pc, ldc)
+
+
+@njit(inline="always")
+def _at(x, b, col):
+    """Address of x[b, 0, col] in a C-contiguous (B, T, W) array."""
+    return x.ctypes.data + (b * x.shape[1] * x.shape[2] + col) * x.itemsize
+
+
+# ---------------------------------------------------------------- per head, on MKL
+@kernel(min_parallel=HEAVY)
+def _forward_heads(mkl, out, lse, qkv, scores, NH, NKV, scale, block):
+    """gqa_attention_forward with every array C-contiguous; scores is (B*NH, rows, T) scratch,
+    one block of score rows per query head."""
+    B, T, W = qkv.shape
+    hs = W // (NH + 2 * NKV)
+    C, G, isz, one = NH * hs, NH // NKV, qkv.itemsize, qkv.dtype.type(1.0)
+    for bh in prange(B * NH):
+        previous = single_threaded(mkl)
+        b = bh // NH
+        h = bh - b * NH
+        pq, po = _at(qkv, b, h * hs), _at(out, b, h * hs)
+        pk, pv = _at(qkv, b, (NH + h // G) * hs), _at(qkv, b, (NH + NKV + h // G) * hs)
+        ps = scores.ctypes.data + bh * scores.shape[1] * T * isz
+        for r0 in range(0, T, block):
+            r1 = min(T, r0 + block)
+            # S[r0:r1, :r1] = q[r0:r1] k[:r1]^T (its rows at ps, leading dimension T)
+            gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1, hs, pq + r0 * W * isz, W, pk, W, ps, T, one)
+            for t in range(r0, r1):
+                lse[b, h, t] = _softmax_row_lse(scores[bh, t - r0], t + 1, r1, scale)
+            # y[r0:r1] = P[r0:r1, :r1] v[:r1]
+            gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, ps, T, pv, W, po + r0 * C * isz, C, one)
+        restore_threads(mkl, previous)
+
+
+@kernel(min_parallel=HEAVY)
+def _backward_groups(mkl, dqkv, dout, qkv, lse, probs, dprobs, stacked, NH, NKV, scale, block):
+    """gqa_attention_backward with every array C-contiguous. Per kv head g and row block [r0, r1)
+    (keys [0, r1) only), its G query heads' rows of P and dP (then dS) are stacked in probs and
+    dprobs (B*NKV, G*rows, T), and their q and dy rows copied into stacked (B*NKV, 2, G*rows, hs),
+    so that dk[:r1] and dv[:r1] take the whole group's share in one product each."""
+    B, T, W = qkv.shape
+    hs = W // (NH + 2 * NKV)
+    C, G, isz, one = NH * hs, NH // NKV, qkv.itemsize, qkv.dtype.type(1.0)
+    for bg in prange(B * NKV):
+        previous = single_threaded(mkl)
+        b = bg // NKV
+        g = bg - b * NKV
+        k0, v0 = (NH + g) * hs, (NH + NKV + g) * hs
+        dqkv[b, :, k0:k0 + hs] = 0  # dk and dv are sums over the row blocks
+        dqkv[b, :, v0:v0 + hs] = 0
+        pk, pv, pdk, pdv = _at(qkv, b, k0), _at(qkv, b, v0), _at(dqkv, b, k0), _at(dqkv, b, v0)
+        pp = probs.ctypes.data + bg * probs.shape[1] * T * isz
+        pd = dprobs.ctypes.data + bg * dprobs.shape[1] * T * isz
+        pqs = stacked.ctypes.data + bg * 2 * stacked.shape[2] * hs * isz
+        pdys = pqs + stacked.shape[2] * hs * isz
+        for r0 in range(0, T, block):
+            r1 = min(T, r0 + block)
+            m = r1 - r0
+            for j in range(G):
+                h = g * G + j
+                pq, pdq, pdy = _at(qkv, b, h * hs), _at(dqkv, b, h * hs), _at(dout, b, h * hs)
+                pj, dj = pp + j * m * T * isz, pd + j * m * T * isz  # this head's rows of P, dP
+                # S[r0:r1, :r1] = q[r0:r1] k[:r1]^T;  dP[r0:r1, :r1] = dy[r0:r1] v[:r1]^T
+                gemm_at(mkl, NO_TRANS, TRANS, m, r1, hs, pq + r0 * W * isz, W, pk, W, pj, T, one)
+                gemm_at(mkl, NO_TRANS, TRANS, m, r1, hs, pdy + r0 * C * isz, C, pv, W, dj, T, one)
+                for t in range(r0, r1):
+                    i = j * m + t - r0
+                    _probabilities_row(probs[bg, i], t + 1, r1, scale, lse[b, h, t])
+                    softmax_backward_row(dprobs[bg, i], probs[bg, i], t + 1, r1, scale)
+                    stacked[bg, 0, i] = qkv[b, t, h * hs:(h + 1) * hs]
+                    stacked[bg, 1, i] = dout[b, t, h * hs:(h + 1) * hs]
+                # dq[r0:r1] = dS[r0:r1, :r1] k[:r1]
+                gemm_at(mkl, NO_TRANS, NO_TRANS, m, hs, r1, dj, T, pk, W, pdq + r0 * W * isz, W, one)
+            # over the group's stacked rows: dv[:r1] += P^T dy;  dk[:r1] += dS^T q
+            _gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, G * m, pp, T, pdys, hs, pdv, W, one)
+            _gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, G * m, pd, T, pqs, hs, pdk, W, one)
+        restore_threads(mkl, previous)
+
+
+def _per_head_mkl(qkv, others):
+    """in_kernel()'s MKL addresses when the per-head kernels can run (MKL is the BLAS; every array
+    C-contiguous in qkv's dtype: the kernels address them by raw pointers), else None."""
+    if any(a.dtype != qkv.dtype or not a.flags.c_contiguous for a in (qkv, *others)):
+        return None
+    return blas.in_kernel(qkv.dtype)
+
+
+# ---------------------------------------------------------------- on numpy's BLAS
+@kernel(min_parallel=HEAVY)
+def _softmax_lse_kernel(att, lse, scale):
+    """att (B, NKV, T, T) scores -> probabilities, lse (B, NKV, T) their logsumexps."""
+    B, NKV, T, _ = att.shape
+    for row in prange(B * NKV * T):
+        b = row // (NKV * T)
+        g = (row // T) % NKV
+        t = row % T
+        lse[b, g, t] = _softmax_row_lse(att[b, g, t], t + 1, T, scale)
+
+
+@kernel(min_parallel=HEAVY)
+def _recompute_backward_kernel(datt, att, lse, scale):
+    """att: scores -> probabilities (from lse); datt: dP -> dS."""
+    B, NKV, T, _ = att.shape
+    for row in prange(B * NKV * T):
+        b = row // (NKV * T)
+        g = (row // T) % NKV
+        t = row % T
+        _probabilities_row(att[b, g, t], t + 1, T, scale, lse[b, g, t])
+        softmax_backward_row(datt[b, g, t], att[b, g, t], t + 1, T, scale)
+
+
+def _grouped(x, NKV, G, hs):
+    """(B, T, NKV*G*hs) columns -> (B, NKV, G, T, hs) view: [:, g, j] is query head g*G + j."""
+    B, T, _ = x.shape
+    return x.reshape(B, T, NKV, G, hs).transpose(0, 2, 3, 1, 4)
+
+
+def _split(qkv, NH, NKV, hs):
+    """q (B, NKV, G, T, hs), k and v (B, NKV, T, hs): views of qkv's columns."""
+    q = _grouped(qkv[:, :, :NH * hs], NKV, NH // NKV, hs)
+    k, v = (_grouped(qkv[:, :, (NH + i * NKV) * hs:(NH + (i + 1) * NKV) * hs], NKV, 1, hs)[:, :, 0]
+            for i in (0, 1))
+    return q, k, v
+
+
+# ---------------------------------------------------------------- the ops
+def gqa_attention_state_shape(B, n_head, T):
+    """The shape of what gqa_attention_forward keeps for the backward: one logsumexp per score
+    row, in qkv's dtype."""
+    return (B, n_head, T)
+
+
+def _head_size(qkv, n_head, n_kv_head):
+    if qkv.ndim != 3:
+        raise ValueError(f"qkv must be (B, T, (n_head + 2*n_kv_head)*hs), got shape {qkv.shape}")
+    if n_kv_head < 1 or n_head % n_kv_head:
+        raise ValueError(f"n_head ({n_head}) must be a multiple of n_kv_head ({n_kv_head})")
+    width = n_head + 2 * n_kv_head
+    if qkv.shape[2] % width or qkv.shape[2] == 0:
+        raise ValueError(f"qkv's {qkv.shape[2]} columns are not {n_head} q + 2 x {n_kv_head} kv heads")
+    return qkv.shape[2] // width
+
+
+def _expect(name, a, shape, dtype):
+    if a.shape != tuple(shape) or a.dtype != dtype:
+        raise ValueError(f"{name} must be {tuple(shape)} {np.dtype(dtype)}, got {a.shape} {a.dtype}")
+
+
+def gqa_attention_forward(out, att, qkv, n_head, n_kv_head):
+    """out (B, T, NH*hs) = causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs).
+
+    Overwrites out and att (B, NH, T) (gqa_attention_state_shape), the logsumexp of each row of
+    scaled scores, kept for the backward. att is qkv's dtype, as out is.
+    """
+    hs = _head_size(qkv, n_head, n_kv_head)
+    B, T, _ = qkv.shape
+    _expect("out", out, (B, T, n_head * hs), qkv.dtype)
+    _expect("att", att, gqa_attention_state_shape(B, n_head, T), qkv.dtype)
+    scale, G = qkv.dtype.type(1.0 / math.sqrt(hs)), n_head // n_kv_head
+    mkl = _per_head_mkl(qkv, (out, att))
+    if mkl is not None:
+        rows = min(T, CAUSAL_BLOCK)
+        scores = workspace("gqa_scores", (B * n_kv_head, G * rows, T), qkv.dtype).reshape(B * n_head, rows, T)
+        _forward_heads(mkl, out, att, qkv, scores, n_head, n_kv_head, scale, CAUSAL_BLOCK)
+        return
+    q, k, v = _split(qkv, n_head, n_kv_head, hs)
+    y, lse = _grouped(out, n_kv_head, G, hs), att.reshape(B, n_kv_head, G, T)
+    s = workspace("gqa_scores_full", (B, n_kv_head, T, T), qkv.dtype)
+    for j in range(G):  # query head g*G + j of every group g
+        blas.gemm(q[:, :, j], k.transpose(0, 1, 3, 2), s)
+        _softmax_lse_kernel(s, lse[:, :, j], scale)
+        blas.gemm(s, v, y[:, :, j])
+
+
+def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None):
+    """With, per query head h and its kv head g, y = P v_g, P = softmax(S), S = q_h k_g^T * scale:
+        P  = exp(S * scale - lse)   (recomputed from the saved logsumexp, masked entries 0),
+        dP = dy v_g^T,   dS = P * (dP - rowsum(P * dP)) * scale   (softmax backward),
+        dq_h = dS k_g,   dk_g = sum over the group's h of dS^T q_h,   dv_g = sum of P^T dy.
+    Overwrites dqkv (B, T, (NH + 2*NKV)*hs): dq, dk and dv alike. dout is (B, T, NH*hs); att the
+    logsumexps saved by the forward. out (the forward's output) is not needed here (the sum
+    rowsum(P * dP) = rowsum(dy * y) is taken from the recomputed rows); it is accepted, as
+    attention_backward accepts it, so the backends keep one signature.
+    """
+    hs = _head_size(qkv, n_head, n_kv_head)
+    B, T, _ = qkv.shape
+    _expect("dqkv", dqkv, qkv.shape, qkv.dtype)
+    _expect("dout", dout, (B, T, n_head * hs), qkv.dtype)
+    _expect("att", att, gqa_attention_state_shape(B, n_head, T), qkv.dtype)
+    scale, G = qkv.dtype.type(1.0 / math.sqrt(hs)), n_head // n_kv_head
+    mkl = _per_head_mkl(qkv, (dqkv, dout, att))
+    if mkl is not None:
+        rows = min(T, CAUSAL_BLOCK)
+        probs = workspace("gqa_scores", (B * n_kv_head, G * rows, T), qkv.dtype)  # the forward's too
+        dprobs = workspace("gqa_dprobs", (B * n_kv_head, G * rows, T), qkv.dtype)
+        stacked = workspace("gqa_stacked", (B * n_kv_head, 2, G * rows, hs), qkv.dtype)
+        _backward_groups(mkl, dqkv, dout, qkv, att, probs, dprobs, stacked, n_head, n_kv_head, scale,
+                         CAUSAL_BLOCK)
+        return
+    q, k, v = _split(qkv, n_head, n_kv_head, hs)
+    dq, dk, dv = _split(dqkv, n_head, n_kv_head, hs)
+    dy, lse = _grouped(dout, n_kv_head, G, hs), att.reshape(B, n_kv_head, G, T)
+    p = workspace("gqa_probs_full", (B, n_kv_head, T, T), qkv.dtype)
+    dp = workspace("gqa_dprobs_full", (B, n_kv_head, T, T), qkv.dtype)
+    for j in range(G):  # query head g*G + j of every group g; dk and dv sum over j
+        blas.gemm(q[:, :, j], k.transpose(0, 1, 3, 2), p)
+        blas.gemm(dy[:, :, j], v.transpose(0, 1, 3, 2), dp)
+        _recompute_backward_kernel(dp, p, lse[:, :, j], scale)
+        blas.gemm(p.transpose(0, 1, 3, 2), dy[:, :, j], dv, 0.0 if j == 0 else 1.0)
+        blas.gemm(dp, k, dq[:, :, j])
+        blas.gemm(dp.transpose(0, 1, 3, 2), q[:, :, j], dk, 0.0 if j == 0 else 1.0)
+
+
+# ---------------------------------------------------------------- decoding (inference, forward only)
+@kernel(min_parallel=HEAVY)
+def _decode_kernel(out, qkv, k_cache, v_cache, scores, pos, NH, scale):
+    B, NKV, _, hs = k_cache.shape
+    G = NH // NKV
+    for bg in prange(B * NKV):  # one kv head and its G query heads: one writer per cache slot
+        b = bg // NKV
+        g = bg - b * NKV
+        k0 = (NH + g) * hs
+        v0 = (NH + NKV + g) * hs
+        for i in range(hs):  # append this position's key and value
+            k_cache[b, g, pos, i] = qkv[b, k0 + i]
+            v_cache[b, g, pos, i] = qkv[b, v0 + i]
+        for h in range(g * G, (g + 1) * G):
+            q0 = h * hs
+            mx = -np.inf
+            for s in range(pos + 1):  # scores of the one query against keys [0, pos]
+                dot = 0.0
+                for i in range(hs):
+                    dot += qkv[b, q0 + i] * k_cache[b, g, s, i]
+                dot *= scale
+                scores[bg, s] = dot
+                mx = max(mx, dot)
+            total = 0.0
+            for s in range(pos + 1):
+                e = np.exp(scores[bg, s] - mx)
+                scores[bg, s] = e
+                total += e
+            inv = 1.0 / total
+            for i in range(hs):
+                acc = 0.0
+                for s in range(pos + 1):
+                    acc += scores[bg, s] * v_cache[b, g, s, i]
+                out[b, q0 + i] = acc * inv
+
+
+def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_head):
+    """One decoding step: the token at position `pos` attends over the cached keys and values.
+
+    qkv (B, 1, (NH + 2*NKV)*hs) (or (B, W)) holds that token's fused projections, RoPE already
+    applied at offset pos. k_cache, v_cache (B, NKV, Tmax, hs) hold positions [0, pos); its k and v
+    are written into slot pos, then per query head h, g = h // (NH // NKV),
+        y_h = softmax(q_h K_g[:pos+1]^T / sqrt(hs)) V_g[:pos+1]
+    which is row pos of gqa_attention_forward on the whole sequence. Overwrites out (B, 1, NH*hs)
+    (or (B, NH*hs), contiguous) and slot pos of both caches. Inference only: nothing is saved.
+    Parallel over (b, kv head); float64 accumulators.
+    """
+    B, NKV, Tmax, hs = k_cache.shape
+    if NKV != n_kv_head or v_cache.shape != k_cache.shape or n_head % n_kv_head:
+        raise ValueError(f"k_cache and v_cache must both be (B, {n_kv_head}, Tmax, hs) and n_head a multiple "
+                         f"of n_kv_head, got {k_cache.shape}, {v_cache.shape} and n_head {n_head}")
+    if qkv.size != B * (n_head + 2 * NKV) * hs or out.size != B * n_head * hs:
+        raise ValueError(f"qkv must hold (B, {(n_head + 2 * NKV) * hs}) and out (B, {n_head * hs}) values, "
+                         f"got {qkv.shape} and {out.shape}")
+    if not 0 <= pos < Tmax:
+        raise ValueError(f"pos must be in [0, {Tmax}) (the cache's length), got {pos}")
+    if not (out.flags.c_contiguous and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        raise ValueError("out, k_cache and v_cache must be C-contiguous (they are written in place)")
+    scores = workspace("gqa_decode_scores", (B * NKV, Tmax), np.float64)
+    _decode_kernel(out.reshape(B, n_head * hs), qkv.reshape(B, (n_head + 2 * NKV) * hs), k_cache, v_cache,
+                   scores, pos, n_head, 1.0 / math.sqrt(hs))

@@ -1,0 +1,131 @@
+"""Rotary position embedding (RoPE), Hugging Face Llama's convention (`rotate_half`).
+
+Each head's vector x (hs,) is split in halves x1 = x[:hs/2], x2 = x[hs/2:], and pair i
+(x1[i], x2[i]) is rotated by the angle p * inv_freq[i] of its position p:
+    inv_freq[i] = theta^(-2i / hs),  i in [0, hs/2)
+    cos, sin (T_max, hs) = cos and sin of cat(freqs, freqs),  freqs[p, i] = p * inv_freq[i]
+    y = x * cos[p] + rotate_half(x) * sin[p],  rotate_half(x) = cat(-x2, x1)
+that is  y1 = x1 cos - x2 sin,  y2 = x2 cos + x1 sin  (transformers' apply_rotary_pos_emb).
+
+Layout: the ops take a (B, T, NH*hs) array whose rows hold NH heads of hs contiguous values, any
+row stride: a slice of the fused qkv buffer (B, T, (NH + 2*NKV)*hs), whose columns are the q heads
+[0, NH*hs), then the k heads [NH*hs, (NH+NKV)*hs), then the v heads (q_proj, k_proj and v_proj's
+outputs side by side). q and k take the same rotation per head, so one call on
+qkv[:, :, :(NH+NKV)*hs] with n_head = NH + NKV rotates both, in place.
+
+This is not llama2.c's (Meta's original) convention, which rotates interleaved pairs
+(x[2i], x[2i+1]); Hugging Face checkpoints of Llama have their q and k weights permuted to this one.
+"""
+import numpy as np
+from numba import prange
+
+from .common import kernel
+
+
+def rope_cache(T_max, head_dim, theta):
+    """(cos, sin), each (T_max, head_dim) float32: the tables for positions [0, T_max).
+
+    The angles follow transformers' LlamaRotaryEmbedding (rope type "default": no rope_scaling)
+    rounding step for rounding step, since transformers is the reference a checkpoint is read and
+    checked against. It computes in float32: the exponent 2i/hs, theta ** exponent, 1 / that, then
+    p * inv_freq. Division and product are correctly rounded in float32, and so was torch's float32
+    pow for every head size and theta tested (16 to 128; 1e4, 1e5, 5e5), so each step is computed
+    here in float64 and rounded to float32 where transformers rounds: inv_freq and every angle are
+    bit-identical to transformers'. cos and sin of each float32 angle are then evaluated in float64
+    and rounded to float32; torch's float32 cos/sin are within 1 ulp of that, so the tables agree
+    with transformers' to 1 ulp (about 5% of the entries differ by one). A float64 model takes the
+    same float32 tables, as transformers' does (it builds them in float32 whatever the model dtype).
+    """
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"rope needs an even head_dim, got {head_dim}")
+    if T_max < 1 or not theta > 0:
+        raise ValueError(f"rope_cache needs T_max >= 1 and theta > 0, got {T_max} and {theta}")
+    f32, f64 = np.float32, np.float64
+    exponent = (np.arange(0, head_dim, 2, dtype=f64) / head_dim).astype(f32)  # (hs/2,) 2i / hs
+    power = (f64(theta) ** exponent.astype(f64)).astype(f32)  # theta ** (2i / hs)
+    inv_freq = (1.0 / power.astype(f64)).astype(f32)
+    freqs = (np.arange(T_max, dtype=f64)[:, None] * inv_freq.astype(f64)).astype(f32)  # (T_max, hs/2)
+    emb = np.concatenate([freqs, freqs], axis=1).astype(f64)  # (T_max, hs)
+    return np.cos(emb).astype(f32), np.sin(emb).astype(f32)
+
+
+# ---------------------------------------------------------------- kernels
+# One row (b, t) per iteration: it reads both halves of a pair before writing either, so out may
+# be inp (in place). The table entries are cast to the data's dtype, and the products are rounded
+# before the add (no fused multiply-add), as in torch: a float32 forward is bit-identical to
+# transformers' apply_rotary_pos_emb on the same tables.
+@kernel
+def _rope_forward_kernel(out, inp, cos, sin, n_head, offset):
+    B, T, C = inp.shape
+    hs = C // n_head
+    half = hs // 2
+    for bt in prange(B * T):
+        b = bt // T
+        t = bt - b * T
+        p = offset + t
+        for h in range(n_head):
+            o = h * hs
+            for i in range(half):
+                c1, c2 = inp.dtype.type(cos[p, i]), inp.dtype.type(cos[p, half + i])
+                s1, s2 = inp.dtype.type(sin[p, i]), inp.dtype.type(sin[p, half + i])
+                x1, x2 = inp[b, t, o + i], inp[b, t, o + half + i]
+                out[b, t, o + i] = x1 * c1 - x2 * s1
+                out[b, t, o + half + i] = x2 * c2 + x1 * s2
+
+
+@kernel
+def _rope_backward_kernel(dinp, dout, cos, sin, n_head, offset):
+    B, T, C = dout.shape
+    hs = C // n_head
+    half = hs // 2
+    for bt in prange(B * T):
+        b = bt // T
+        t = bt - b * T
+        p = offset + t
+        for h in range(n_head):
+            o = h * hs
+            for i in range(half):
+                c1, c2 = dout.dtype.type(cos[p, i]), dout.dtype.type(cos[p, half + i])
+                s1, s2 = dout.dtype.type(sin[p, i]), dout.dtype.type(sin[p, half + i])
+                d1, d2 = dout[b, t, o + i], dout[b, t, o + half + i]
+                dinp[b, t, o + i] = d1 * c1 + d2 * s2
+                dinp[b, t, o + half + i] = d2 * c2 - d1 * s1
+
+
+def _check(name, out, inp, cos, sin, n_head, offset):
+    if inp.ndim != 3 or out.shape != inp.shape or out.dtype != inp.dtype:
+        raise ValueError(f"{name}: the two arrays must be (B, T, n_head*hs) of one shape and dtype, "
+                         f"got {out.shape} {out.dtype} and {inp.shape} {inp.dtype}")
+    T, C = inp.shape[1:]
+    if n_head < 1 or C % n_head or (C // n_head) % 2:
+        raise ValueError(f"{name}: {C} columns are not {n_head} heads of an even size")
+    hs = C // n_head
+    if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[1] != hs:
+        raise ValueError(f"{name}: cos and sin must both be (T_max, {hs}), got {cos.shape} and {sin.shape}")
+    if offset < 0 or offset + T > cos.shape[0]:
+        raise ValueError(f"{name}: positions [{offset}, {offset + T}) are outside the tables' "
+                         f"[0, {cos.shape[0]})")
+
+
+# ---------------------------------------------------------------- the ops
+def rope_forward(out, inp, cos, sin, n_head, offset=0):
+    """out = RoPE(inp) for positions [offset, offset + T).
+
+    inp, out: (B, T, n_head*hs) with unit column stride and any row stride (slices of the fused
+    qkv buffer, see the module docstring); out may be inp (in place). cos, sin: (T_max, hs) from
+    rope_cache. offset: the absolute position of row t = 0 (the KV cache's position when decoding).
+    Overwrites out.
+    """
+    _check("rope_forward", out, inp, cos, sin, n_head, offset)
+    _rope_forward_kernel(out, inp, cos, sin, n_head, offset)
+
+
+def rope_backward(dinp, dout, cos, sin, n_head, offset=0):
+    """dinp = the inverse rotation of dout (rotation by -angle), per pair (x1, x2) and position:
+        forward  y = R x,  R = [[c, -s], [s, c]]   (y1 = x1 c - x2 s,  y2 = x2 c + x1 s)
+        dx = R^T dy, and R^T = R(-angle):  dx1 = dy1 c + dy2 s,  dx2 = dy2 c - dy1 s.
+    Shapes as rope_forward's; dinp may be dout (in place, as the model runs it on dqkv's q and k
+    columns). Overwrites dinp. The forward's input is not needed (the map is linear).
+    """
+    _check("rope_backward", dinp, dout, cos, sin, n_head, offset)
+    _rope_backward_kernel(dinp, dout, cos, sin, n_head, offset)

@@ -1,0 +1,327 @@
+"""Llama-style transformers over one flat parameter buffer (`model.arch = "llama"`): SmolLM2,
+Qwen2 (q/k/v biases), Llama 3.2, the TinyStories Llamas. This file only orchestrates: the math
+lives in the ops (rmsnorm, rmsnorm_linear, rope, gqa_attention, swiglu, linear, residual, encoder,
+crossentropy).
+
+A block: x + o_proj(attn(rope(qkv(rmsnorm(x))))), then x + down(silu(gate(h)) * up(h)) with
+h = rmsnorm(x); a final RMSNorm and the lm_head (tied to embed_tokens or its own).
+
+Parameter names and shapes are Hugging Face Llama's (nn.Linear weights [out, in]). The spec lays
+q_proj, k_proj and v_proj's weights (and biases) side by side, and gate_proj with up_proj, so each
+group is one contiguous [out, in] matrix in the flat buffer: one GEMM computes the fused qkv
+(B, T, (NH + 2 NKV) hs) and the fused gate|up (B, T, 2 H) that swiglu takes.
+
+Shapes: B batch, T time, C n_embd, NH query heads, NKV key/value heads, hs head size, H
+ffn_hidden, V vocab, L layers.
+"""
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..config import LlamaConfig
+from .decode import KVCache
+from .family import Family, FlatModel, flat_layout
+
+
+def param_spec(config):
+    """The one ordered list of (name, shape): Hugging Face LlamaForCausalLM's names and layouts."""
+    C, V, H, hs = config.n_embd, config.vocab_size, config.ffn_hidden, config.head_dim
+    q, kv = config.n_head * hs, config.n_kv_head * hs
+    spec = [("model.embed_tokens.weight", (V, C))]
+    for i in range(config.n_layer):
+        p = f"model.layers.{i}."
+        spec += [(p + "input_layernorm.weight", (C,)),
+                 (p + "self_attn.q_proj.weight", (q, C)), (p + "self_attn.k_proj.weight", (kv, C)),
+                 (p + "self_attn.v_proj.weight", (kv, C))]
+        if config.qkv_bias:
+            spec += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
+                     (p + "self_attn.v_proj.bias", (kv,))]
+        spec += [(p + "self_attn.o_proj.weight", (C, q)), (p + "post_attention_layernorm.weight", (C,)),
+                 (p + "mlp.gate_proj.weight", (H, C)), (p + "mlp.up_proj.weight", (H, C)),
+                 (p + "mlp.down_proj.weight", (C, H))]
+    spec += [("model.norm.weight", (C,))]
+    if not config.tie_embeddings:
+        spec += [("lm_head.weight", (V, C))]
+    return spec
+
+
+def num_params(config):
+    """sum of param_spec's sizes, without building it."""
+    C, V, H, hs = config.n_embd, config.vocab_size, config.ffn_hidden, config.head_dim
+    qkv = (config.n_head + 2 * config.n_kv_head) * hs
+    per_block = 2 * C + qkv * C + (qkv if config.qkv_bias else 0) + C * config.n_head * hs + 3 * H * C
+    return V * C * (1 if config.tie_embeddings else 2) + config.n_layer * per_block + C
+
+
+# Gradients the first backward after zero_grad() writes by one GEMM (accumulate=False): every
+# block's matrices, and the lm_head's (the tied embed_tokens', which the embedding's backward then
+# adds to).
+WRITTEN_FIRST = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                 "up_proj.weight", "down_proj.weight", "lm_head.weight")
+
+
+def init_params(config, seed):
+    """Hugging Face Llama's initialisation (initializer_range 0.02) as one flat float32 array laid
+    out by param_spec: N(0, 0.02) for every matrix and the embedding, zero biases, unit norm gains."""
+    layout, n = flat_layout(param_spec(config))
+    rng = np.random.default_rng(seed)
+    host = np.zeros(n, dtype=np.float32)
+    for name, (o, shape) in layout.items():
+        size = int(np.prod(shape))
+        if name.endswith("norm.weight"):
+            host[o:o + size] = 1.0
+        elif len(shape) == 2:
+            host[o:o + size] = rng.standard_normal(size, dtype=np.float32) * np.float32(0.02)
+    return host
+
+
+def flops_per_token(config, T):
+    """Training FLOPs per token (forward + backward = 3x forward): 6 per matrix parameter, plus
+    attention's q k^T and P v over the causal part: a query attends to (T + 1) / 2 keys on
+    average, 2 products of 2 hs FLOPs each per key and head, times 3."""
+    # every matrix is a product's, but an untied embed_tokens (a lookup); tied, it is the lm_head's
+    n_matmul = sum(int(np.prod(s)) for name, s in param_spec(config)
+                   if len(s) == 2 and (config.tie_embeddings or name != "model.embed_tokens.weight"))
+    attn = 3 * 2 * 2 * config.n_layer * config.n_head * config.head_dim * (T + 1) / 2
+    return 6 * n_matmul + attn
+
+
+def _fused(flat, layout, first, last):
+    """The [out, in] matrix (or vector) made of param_spec's consecutive tensors first .. last."""
+    o = layout[first][0]
+    end = layout[last][0] + int(np.prod(layout[last][1]))
+    cols = layout[first][1][1:]
+    return flat[o:end].reshape((-1, *cols))
+
+
+class Activations:
+    """Every buffer one forward/backward of shape (B, T) needs, allocated once and reused."""
+
+    def __init__(self, ops, config, B, T, dtype=np.float32):
+        C, L, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
+        QKV = (NH + 2 * config.n_kv_head) * config.head_dim
+        e = lambda *shape: ops.empty(shape, dtype)
+        f32 = lambda *shape: ops.empty(shape, np.float32)
+        self.B, self.T = B, T
+        self.idx = ops.empty((B, T), np.int32)
+        self.targets = ops.empty((B, T), np.int32)
+        self.encoded = e(B, T, C)          # residual stream entering block 0
+        self.rstd1, self.rstd2 = f32(L, B, T), f32(L, B, T)
+        self.qkv = e(L, B, T, QKV)         # q and k after RoPE, v
+        self.att = f32(L, *ops.gqa_attention_state_shape(B, NH, T))  # one logsumexp per score row
+        self.atty = e(L, B, T, NH * config.head_dim)  # attention output before o_proj
+        self.res2 = e(L, B, T, C)          # residual after attention
+        self.gu = e(L, B, T, 2 * H)        # gate | up
+        self.h = e(L, B, T, H)             # silu(gate) * up
+        self.res3 = e(L, B, T, C)          # residual after the MLP
+        self.normf = e(B, T, C)
+        self.rstdf = f32(B, T)
+        self.logits = e(B, T, V)           # overwritten in place by dlogits in the backward
+        self.losses = f32(B, T)
+        self.lse = ops.empty((B, T), ops.LSE_DTYPE)
+        self.proj = e(B, T, C)             # scratch: o_proj and down_proj outputs before the residual add
+        self.grads = None
+
+    @staticmethod
+    def scratch_bytes(ops, config, B, T):
+        """The ops' own workspaces at this shape (float32): grouped-query attention's scores and
+        their gradient for one block of CAUSAL_BLOCK query rows of every head, and rmsnorm_linear's
+        normalised input and its gradient."""
+        rows = min(T, 64)
+        return 4 * (2 * B * config.n_head * rows * T + 2 * B * T * config.n_embd)
+
+    def alloc_grads(self, ops, config, dtype=np.float32):
+        B, T, C, H = self.B, self.T, config.n_embd, config.ffn_hidden
+        QKV = (config.n_head + 2 * config.n_kv_head) * config.head_dim
+        e = lambda *shape: ops.empty(shape, dtype)
+        self.dres = e(B, T, C)
+        self.dnormf = e(B, T, C)
+        self.datty = e(B, T, config.n_head * config.head_dim)
+        self.dqkv = e(B, T, QKV)
+        self.dgu = e(B, T, 2 * H)
+        self.dh = e(B, T, H)
+        self.grads = True
+
+
+class Llama(FlatModel):
+    """A Llama-style transformer with hand-written forward and backward passes.
+
+    >>> model = Llama(LlamaConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_kv_head=2,
+    ...                           n_embd=64, ffn_hidden=176))
+    >>> loss = model.forward(idx, targets); model.zero_grad(); model.backward()
+    """
+
+    CONFIG, ACTIVATIONS = LlamaConfig, Activations
+    WRITTEN_FIRST = WRITTEN_FIRST
+    param_spec = staticmethod(param_spec)
+    init_params = staticmethod(init_params)
+
+    def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32"):
+        if backend != "cpu":
+            raise ValueError("model.arch llama runs on the cpu backend only (its gpu kernels are not written "
+                             "yet); use --device cpu")
+        super().__init__(config, backend, seed, buffer_multiple=buffer_multiple, dtype=dtype)
+        c = config
+        self.cos, self.sin = self.ops.rope_cache(c.block_size, c.head_dim, c.rope_theta)
+        flat = lambda buf: SimpleNamespace(**{  # the fused [out, in] groups, per layer
+            key: [_fused(buf, self.layout, f"model.layers.{l}.{first}", f"model.layers.{l}.{last}")
+                  for l in range(c.n_layer)]
+            for key, first, last in (("qkv", "self_attn.q_proj.weight", "self_attn.v_proj.weight"),
+                                     ("qkv_bias", "self_attn.q_proj.bias", "self_attn.v_proj.bias"),
+                                     ("gu", "mlp.gate_proj.weight", "mlp.up_proj.weight"))
+            if c.qkv_bias or key != "qkv_bias"})
+        self.fp, self.fg = flat(self.params), flat(self.grad)
+        self.lm_head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
+
+    def _grad_buckets(self):
+        """Gradient ranges in the order backward() finishes them: the final norm (and an untied
+        lm_head), blocks L-1 .. 0, then embed_tokens."""
+        first = lambda name: self.layout[name][0]
+        end = lambda name: first(name) + int(np.prod(self.layout[name][1]))
+        c = self.config
+        last = "model.norm.weight" if c.tie_embeddings else "lm_head.weight"
+        return ([(first("model.norm.weight"), end(last))]
+                + [(first(f"model.layers.{l}.input_layernorm.weight"), end(f"model.layers.{l}.mlp.down_proj.weight"))
+                   for l in reversed(range(c.n_layer))]
+                + [(0, end("model.embed_tokens.weight"))])
+
+    def _layers_forward(self, a):
+        """Embedding, the blocks, the final norm and the logits into a.logits, from a.idx."""
+        ops, p, fp, c = self.ops, self.p, self.fp, self.config
+        NH, NKV, rot = c.n_head, c.n_kv_head, (c.n_head + c.n_kv_head) * c.head_dim
+        ops.encoder_forward(a.encoded, a.idx, p["model.embed_tokens.weight"])
+        x = a.encoded
+        for l in range(c.n_layer):
+            h = f"model.layers.{l}."
+            ops.rmsnorm_linear_forward(a.qkv[l], a.rstd1[l], x, p[h + "input_layernorm.weight"], fp.qkv[l].T,
+                                       fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps)
+            qk = a.qkv[l][:, :, :rot]  # q and k heads: one rotation per head, in place
+            ops.rope_forward(qk, qk, self.cos, self.sin, NH + NKV)
+            ops.gqa_attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, NKV)
+            ops.linear_forward(a.proj, a.atty[l], p[h + "self_attn.o_proj.weight"].T)
+            ops.residual_forward(a.res2[l], x, a.proj)
+            ops.rmsnorm_linear_forward(a.gu[l], a.rstd2[l], a.res2[l], p[h + "post_attention_layernorm.weight"],
+                                       fp.gu[l].T, None, c.norm_eps)
+            ops.swiglu_forward(a.h[l], a.gu[l])
+            ops.linear_forward(a.proj, a.h[l], p[h + "mlp.down_proj.weight"].T)
+            ops.residual_forward(a.res3[l], a.res2[l], a.proj)
+            x = a.res3[l]
+        ops.rmsnorm_forward(a.normf, a.rstdf, x, p["model.norm.weight"], c.norm_eps)
+        ops.linear_forward(a.logits, a.normf, p[self.lm_head].T)
+
+    def backward(self, grads_ready=None):
+        """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss
+        (the logits buffer is overwritten by dlogits, so backward() runs once per forward).
+        grads_ready(lo, hi), if given, is called as each range of `grad_buckets` is final."""
+        ready = grads_ready or (lambda lo, hi: None)
+        buckets = iter(self.grad_buckets)
+        if not self._ready_for_backward:
+            raise RuntimeError("backward() needs a forward(idx, targets) with targets first")
+        self._ready_for_backward = False
+        ops, p, g, fp, fg, a, c = self.ops, self.p, self.g, self.fp, self.fg, self._acts, self.config
+        NH, NKV, rot = c.n_head, c.n_kv_head, (c.n_head + c.n_kv_head) * c.head_dim
+        acc = not self._grads_zero  # first backward after zero_grad(): the matrices are written, not added
+        self._grads_zero = False
+        if a.grads is None:
+            a.alloc_grads(ops, c, self._act_dtype())
+        L = c.n_layer
+        ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # dlogits, in place
+        ops.linear_backward(a.dnormf, g[self.lm_head].T, None, a.logits, a.normf, p[self.lm_head].T, acc)
+        a.dres[...] = 0
+        ops.rmsnorm_backward(a.dres, g["model.norm.weight"], a.dnormf, a.res3[L - 1], p["model.norm.weight"], a.rstdf)
+        ready(*next(buckets))
+        for l in reversed(range(L)):
+            h = f"model.layers.{l}."
+            x = a.res3[l - 1] if l > 0 else a.encoded
+            # MLP: res3 = res2 + down(swiglu(gate|up(rmsnorm(res2)))); dres holds d res3
+            ops.linear_backward(a.dh, g[h + "mlp.down_proj.weight"].T, None, a.dres, a.h[l],
+                                p[h + "mlp.down_proj.weight"].T, acc)
+            ops.swiglu_backward(a.dgu, a.dh, a.gu[l])
+            ops.rmsnorm_linear_backward(a.dres, g[h + "post_attention_layernorm.weight"], fg.gu[l].T, None, a.dgu,
+                                        a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[l],
+                                        fp.gu[l].T, acc)
+            # attention: res2 = x + o(attn(rope(qkv(rmsnorm(x))))); dres now holds d res2
+            ops.linear_backward(a.datty, g[h + "self_attn.o_proj.weight"].T, None, a.dres, a.atty[l],
+                                p[h + "self_attn.o_proj.weight"].T, acc)
+            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, NKV)
+            dqk = a.dqkv[:, :, :rot]
+            ops.rope_backward(dqk, dqk, self.cos, self.sin, NH + NKV)  # back to the pre-rotation q and k
+            ops.rmsnorm_linear_backward(a.dres, g[h + "input_layernorm.weight"], fg.qkv[l].T,
+                                        fg.qkv_bias[l] if c.qkv_bias else None, a.dqkv, x,
+                                        p[h + "input_layernorm.weight"], a.rstd1[l], fp.qkv[l].T, acc)
+            ready(*next(buckets))
+        ops.encoder_backward(g["model.embed_tokens.weight"], None, a.dres, a.idx)
+        ready(*next(buckets))
+
+
+class LlamaKVCache(KVCache):
+    """The keys (after RoPE at their absolute positions) and values of every layer, n_kv_head
+    heads each, for decoding; the context policy is KVCache's (models/decode.py)."""
+
+    def __init__(self, model, B, length=None):
+        c = model.config
+        self.NKV, self.hs, self.H = c.n_kv_head, c.head_dim, c.ffn_hidden
+        super().__init__(model, B, length, kv_heads=c.n_kv_head)
+
+    def _buffer_widths(self):
+        c, C = self.model.config, self.C
+        return {"x": C, "qkv": (c.n_head + 2 * c.n_kv_head) * c.head_dim, "atty": c.n_head * c.head_dim,
+                "proj": C, "gu": 2 * self.H, "h": self.H, "rstd": 1}
+
+    def _embed(self, s, pos):
+        self.ops.encoder_forward(s.x, s.idx, self.p["model.embed_tokens.weight"])
+
+    def _blocks(self, s, attend, pos):
+        """The residual stream s.x (B, T, C) through every block, in place; positions start at pos."""
+        ops, p, fp, c = self.ops, self.p, self.model.fp, self.model.config
+        rot = (c.n_head + c.n_kv_head) * c.head_dim
+        for l in range(self.L):
+            h = f"model.layers.{l}."
+            ops.rmsnorm_linear_forward(s.qkv, s.rstd, s.x, p[h + "input_layernorm.weight"], fp.qkv[l].T,
+                                       fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps)
+            qk = s.qkv[:, :, :rot]
+            ops.rope_forward(qk, qk, self.model.cos, self.model.sin, c.n_head + c.n_kv_head, pos)
+            attend(l, s.atty, s.qkv)
+            ops.linear_forward(s.proj, s.atty, p[h + "self_attn.o_proj.weight"].T)
+            ops.residual_forward(s.x, s.x, s.proj)
+            ops.rmsnorm_linear_forward(s.gu, s.rstd, s.x, p[h + "post_attention_layernorm.weight"], fp.gu[l].T,
+                                       None, c.norm_eps)
+            ops.swiglu_forward(s.h, s.gu)
+            ops.linear_forward(s.proj, s.h, p[h + "mlp.down_proj.weight"].T)
+            ops.residual_forward(s.x, s.x, s.proj)
+
+    def _head(self, x_last):
+        c, m = self.model.config, self.model
+        self.ops.rmsnorm_forward(self.normf, self.rstdf, x_last, self.p["model.norm.weight"], c.norm_eps)
+        self.ops.linear_forward(self.logits, self.normf, self.p[m.lm_head].T)
+        return self.ops.to_numpy(self.logits[:, 0])
+
+    def _head_buffers(self, B):
+        self.normf, self.rstdf = self.ops.empty((B, 1, self.C)), self.ops.empty((B, 1))
+
+    def _attend_prefill(self, att, T):
+        ops, c, B = self.ops, self.model.config, self.B
+        q, kv = c.n_head * c.head_dim, c.n_kv_head * c.head_dim
+
+        def attend(l, atty, qkv):
+            ops.gqa_attention_forward(atty, att, qkv, c.n_head, c.n_kv_head)
+            self.k[l, :, :, :T] = qkv[:, :, q:q + kv].reshape(B, T, c.n_kv_head, c.head_dim).swapaxes(1, 2)
+            self.v[l, :, :, :T] = qkv[:, :, q + kv:].reshape(B, T, c.n_kv_head, c.head_dim).swapaxes(1, 2)
+        return attend
+
+    def _attend_step(self, pos):
+        ops, c = self.ops, self.model.config
+
+        def attend(l, atty, qkv):
+            ops.gqa_attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, c.n_head, c.n_kv_head)
+        return attend
+
+    def _attention_state_shape(self, T):
+        return self.ops.gqa_attention_state_shape(self.B, self.model.config.n_head, T)
+
+
+Llama.KV_CACHE = LlamaKVCache  # defined after the model: its layers read the model's fused views
+
+FAMILY = Family(arch="llama", config=LlamaConfig, param_spec=param_spec, num_params=num_params,
+                init_params=init_params, flops_per_token=flops_per_token, model=Llama, activations=Activations,
+                kv_cache=LlamaKVCache, hf_architecture="LlamaForCausalLM")

@@ -1,0 +1,67 @@
+"""The Llama family's ops (RMSNorm, RMSNorm + linear, RoPE, SwiGLU, grouped-query attention), forward
+and backward, against PyTorch autograd in float64."""
+import numpy as np
+
+from .common import _ops, _randn, _rng, _t, _tol, compare
+
+
+def check_rmsnorm(B=2, T=5, C=24, eps=1e-5, dtype=np.float32, seed=0, backend="cpu", scale=1.0, offset=0.0):
+    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    import torch
+
+    from .. import torch_ref as R
+    x = (_randn(rng, (B, T, C), np.float64, scale) + offset).astype(dtype)
+    w, dout = _randn(rng, C, dtype), _randn(rng, (B, T, C), dtype)
+    out, rstd = np.empty_like(x), np.empty((B, T), dtype)
+    ops.rmsnorm_forward(out, rstd, x, w, eps)
+    dx = _randn(rng, (B, T, C), dtype)  # accumulates: start from a nonzero residual gradient
+    dx0, dw = dx.copy(), np.zeros_like(w)
+    ops.rmsnorm_backward(dx, dw, dout, x, w, rstd)
+    tx, tw = _t(x, True), _t(w, True)
+    ref = R.rmsnorm(tx, tw, eps)
+    ref.backward(_t(dout))
+    return [compare("rmsnorm", "out", out, ref.detach(), tol),
+            compare("rmsnorm", "rstd (saved)", rstd, torch.rsqrt(tx.detach().pow(2).mean(-1) + eps), tol),
+            compare("rmsnorm", "dinp (accumulated)", dx - dx0.astype(np.float64), tx.grad, tol),
+            compare("rmsnorm", "dweight", dw, tw.grad, tol)]
+
+
+def check_rmsnorm_linear(B=2, T=5, C=24, OC=40, bias=False, eps=1e-5, dtype=np.float32, seed=0, backend="cpu"):
+    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    from .. import torch_ref as R
+    x, dout = _randn(rng, (B, T, C), dtype), _randn(rng, (B, T, OC), dtype)
+    nw, w = _randn(rng, C, dtype), _randn(rng, (C, OC), dtype)
+    b = _randn(rng, OC, dtype) if bias else None
+    out, rstd = np.empty((B, T, OC), dtype), np.empty((B, T), dtype)
+    ops.rmsnorm_linear_forward(out, rstd, x, nw, w, b, eps)
+    dx = _randn(rng, (B, T, C), dtype)  # accumulates: start from a nonzero residual gradient
+    dx0 = dx.copy()
+    dnw, dw = np.zeros_like(nw), np.zeros_like(w)
+    db = np.zeros_like(b) if bias else None
+    ops.rmsnorm_linear_backward(dx, dnw, dw, db, dout, x, nw, rstd, w)
+    tx, tnw, tw = _t(x, True), _t(nw, True), _t(w, True)
+    tb = _t(b, True) if bias else None
+    ref = R.linear(R.rmsnorm(tx, tnw, eps), tw, tb)
+    ref.backward(_t(dout))
+    rows = [compare("rmsnorm_linear", "out", out, ref.detach(), tol),
+            compare("rmsnorm_linear", "dinp (accumulated)", dx - dx0.astype(np.float64), tx.grad, tol),
+            compare("rmsnorm_linear", "dnorm_weight", dnw, tnw.grad, tol),
+            compare("rmsnorm_linear", "dweight", dw, tw.grad, tol)]
+    if bias:
+        rows.append(compare("rmsnorm_linear", "dbias", db, tb.grad, tol))
+    return rows
+
+
+def check_swiglu(B=2, T=5, H=24, dtype=np.float32, seed=0, backend="cpu", scale=2.0):
+    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    from .. import torch_ref as R
+    gu, dout = _randn(rng, (B, T, 2 * H), dtype, scale), _randn(rng, (B, T, H), dtype)
+    out, dgu = np.empty((B, T, H), dtype), np.empty_like(gu)
+    ops.swiglu_forward(out, gu)
+    ops.swiglu_backward(dgu, dout, gu)
+    tgu = _t(gu, True)
+    ref = R.swiglu(tgu)
+    ref.backward(_t(dout))
+    return [compare("swiglu", "out", out, ref.detach(), tol),
+            compare("swiglu", "dgu", dgu, tgu.grad, tol)]
+
