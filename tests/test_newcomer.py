@@ -104,3 +104,16 @@ def test_a_missing_tracking_library_is_one_line(data, tmp_path, capsys, monkeypa
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"error: train.log_to {log_to}: needs the {package} package; pip install {package} "
                        f"(or pip install 'handgrad[{log_to}]'), or drop --train.log_to"]
+
+
+def test_wandb_offline_writes_its_run_without_network(data, tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is optional (pip install 'handgrad[wandb]')")
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # handgrad defaults it to offline
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.max_steps", "4",
+                "--train.eval_interval", "2", "--train.log_to", "wandb"]) == 0
+    files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    raw = files[0].read_bytes()  # the run's records (protobuf): the scalars' names are in it
+    assert all(tag.encode() in raw for tag in ("train/loss", "val/loss", "train/lr", "perf/tok_per_s"))
