@@ -183,3 +183,26 @@ class TorchLlama(torch.nn.Module):
         return logits, loss
 
     adamw = TorchGPT.adamw
+
+
+def rope(x, cos, sin, n_head, offset=0):
+    """x (B, T, n_head*hs) rotated per head as transformers' apply_rotary_pos_emb does,
+    x * cos + rotate_half(x) * sin, at positions [offset, offset + T); cos, sin (T_max, hs)."""
+    B, T, C = x.shape
+    xh = x.reshape(B, T, n_head, C // n_head).transpose(1, 2)
+    x1, x2 = xh.chunk(2, dim=-1)
+    y = xh * cos[offset:offset + T] + torch.cat((-x2, x1), dim=-1) * sin[offset:offset + T]
+    return y.transpose(1, 2).reshape(B, T, C)
+
+
+def gqa_attention(qkv, n_head, n_kv_head):
+    """Causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs): q heads, then k, then v;
+    query head h reads kv head h // (NH // NKV), k and v repeated as transformers' repeat_kv."""
+    B, T, W = qkv.shape
+    hs = W // (n_head + 2 * n_kv_head)
+    q, k, v = qkv.split([n_head * hs, n_kv_head * hs, n_kv_head * hs], dim=2)
+    q, k, v = (t.reshape(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))
+    g = n_head // n_kv_head
+    y = F.scaled_dot_product_attention(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1),
+                                       is_causal=True)
+    return y.transpose(1, 2).reshape(B, T, n_head * hs)

@@ -1,6 +1,7 @@
 """`handgrad bench learn`: does handgrad learn like PyTorch does?
 
-Trains handgrad and a PyTorch GPT-2 (torch_ref.TorchGPT, float32, eager) side by side from the same
+Trains handgrad and PyTorch (torch_ref.TorchGPT for GPT-2, transformers' LlamaForCausalLM for
+`--preset llama-char`; float32, eager) side by side from the same
 initial weights on the same batches, with the same AdamW, warmup + cosine schedule and clipping,
 and records both train-loss curves and both val losses at every evaluation. Writes
 OUT/learn-{preset}.json and OUT/learn-{preset}.png, and prints a table.
@@ -12,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import load_run_config
+from ..config import LlamaConfig, load_run_config
 from ..files import write_atomic
 from ..data.prepare import prepare
 from ..data.shards import Dataset
-from ..models.gpt2 import GPT
+from ..models import get_family
 from ..training.optim import AdamW
 from ..training.step import accumulate_gradients, lr_at
 
@@ -30,10 +31,14 @@ def _ensure_data(data_dir, source, tokenizer):
 
 
 class _TorchSide:
-    def __init__(self, gpt_config, state, t):
-        from ..torch_ref import TorchGPT, torch
+    """PyTorch from the same weights: torch_ref.TorchGPT for GPT-2, transformers' own
+    LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases) for the Llama family; float32, eager."""
+
+    def __init__(self, arch_config, state, t):
+        from ..torch_ref import TorchGPT, TorchLlama, torch
         self.torch = torch
-        self.model = TorchGPT(gpt_config, torch.float32).load_numpy(state)
+        ref = TorchLlama if isinstance(arch_config, LlamaConfig) else TorchGPT
+        self.model = ref(arch_config, torch.float32).load_numpy(state)
         self.opt = self.model.adamw(lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
 
     def loss(self, x, y):
@@ -80,7 +85,7 @@ def run_learn(preset="shakespeare-char", steps=None, data_dir=None, out_dir="doc
     data_dir = _ensure_data(data_dir or Path.home() / ".cache" / "handgrad" / f"data-{source}-{tokenizer}",
                             source, tokenizer)
     train_data, val_data = Dataset(data_dir, "train"), Dataset(data_dir, "val")
-    model = GPT(config.gpt_config(train_data.vocab_size), seed=t.seed)
+    model = get_family(config.model.arch).model(config.gpt_config(train_data.vocab_size), seed=t.seed)
     sides = {"handgrad": _HandgradSide(model, t), "pytorch": _TorchSide(model.config, model.state_dict(), t)}
     rng = np.random.Generator(np.random.PCG64([t.seed, 1]))
     record = {name: {"step": [], "loss": [], "val_step": [], "val_loss": [], "seconds": 0.0} for name in sides}

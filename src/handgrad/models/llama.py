@@ -124,11 +124,12 @@ class Activations:
 
     @staticmethod
     def scratch_bytes(ops, config, B, T):
-        """The ops' own workspaces at this shape (float32): grouped-query attention's scores and
-        their gradient for one block of CAUSAL_BLOCK query rows of every head, and rmsnorm_linear's
-        normalised input and its gradient."""
+        """The ops' own workspaces at this shape (float32): grouped-query attention's scores, their
+        gradient and the stacked rows of one block of CAUSAL_BLOCK query rows of every head, and
+        rmsnorm_linear's normalised input and its gradient."""
         rows = min(T, 64)
-        return 4 * (2 * B * config.n_head * rows * T + 2 * B * T * config.n_embd)
+        attention = 2 * B * config.n_head * rows * (T + config.head_dim)
+        return 4 * (attention + 2 * B * T * config.n_embd)
 
     def alloc_grads(self, ops, config, dtype=np.float32):
         B, T, C, H = self.B, self.T, config.n_embd, config.ffn_hidden

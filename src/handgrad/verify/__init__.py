@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 from ..config import GPTConfig, LlamaConfig
 from .common import TOL32, TOL64, Row, _ops, compare  # noqa: F401  (the tests use them from here)
-from .llama_ops import check_rmsnorm, check_rmsnorm_linear, check_swiglu
+from .llama_ops import check_gqa_attention, check_rmsnorm, check_rmsnorm_linear, check_rope, check_swiglu
 from .model import check_model_adamw, check_model_step
 from .ops import (
     check_adamw,
@@ -66,6 +66,8 @@ def run_all(backend="cpu"):
         rows += check_rmsnorm(**shape, C=96, backend=backend)
         rows += check_rmsnorm_linear(**shape, C=96, OC=344, bias=True, backend=backend)
         rows += check_swiglu(**shape, H=344, backend=backend)
+        rows += check_rope(**shape, NH=6, NKV=2, hs=16, offset=5, backend=backend)
+        rows += check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend)
         for config in VERIFY_LLAMA:
             rows += check_model_step(config, B=2, T=17, backend=backend)
             rows += check_model_adamw(config, B=2, T=17, steps=10, backend=backend)

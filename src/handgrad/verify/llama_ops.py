@@ -65,3 +65,40 @@ def check_swiglu(B=2, T=5, H=24, dtype=np.float32, seed=0, backend="cpu", scale=
     return [compare("swiglu", "out", out, ref.detach(), tol),
             compare("swiglu", "dgu", dgu, tgu.grad, tol)]
 
+
+
+def check_rope(B=2, T=5, NH=6, NKV=2, hs=16, offset=3, theta=10000.0, dtype=np.float32, seed=0, backend="cpu"):
+    """RoPE in place on the q and k columns of a fused qkv, one call over both as the model makes
+    it, at positions [offset, offset + T)."""
+    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    import torch
+
+    from .. import torch_ref as R
+    QK, W = (NH + NKV) * hs, (NH + 2 * NKV) * hs
+    cos, sin = ops.rope_cache(offset + T, hs, theta)
+    qkv, dout = _randn(rng, (B, T, W), dtype), _randn(rng, (B, T, W), dtype)
+    buf, dbuf = qkv.copy(), dout.copy()
+    qk, dqk = buf[:, :, :QK], dbuf[:, :, :QK]  # one view each, passed as out and inp: in place
+    ops.rope_forward(qk, qk, cos, sin, NH + NKV, offset)
+    ops.rope_backward(dqk, dqk, cos, sin, NH + NKV, offset)
+    tx = _t(qkv, True)
+    ref = torch.cat([R.rope(tx[:, :, :QK], _t(cos), _t(sin), NH + NKV, offset), tx[:, :, QK:]], dim=2)
+    ref.backward(_t(dout))
+    return [compare("rope", "out (in place)", buf, ref.detach(), tol),
+            compare("rope", "dinp (in place)", dbuf, tx.grad, tol)]
+
+
+def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, backend="cpu"):
+    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    from .. import torch_ref as R
+    W = (NH + 2 * NKV) * hs
+    qkv, dout = _randn(rng, (B, T, W), dtype), _randn(rng, (B, T, NH * hs), dtype)
+    out, att = np.empty((B, T, NH * hs), dtype), np.empty(ops.gqa_attention_state_shape(B, NH, T), dtype)
+    ops.gqa_attention_forward(out, att, qkv, NH, NKV)
+    dqkv = np.empty_like(qkv)
+    ops.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out)
+    tq = _t(qkv, True)
+    ref = R.gqa_attention(tq, NH, NKV)
+    ref.backward(_t(dout))
+    return [compare("gqa_attention", "out", out, ref.detach(), tol),
+            compare("gqa_attention", "dqkv", dqkv, tq.grad, tol)]
