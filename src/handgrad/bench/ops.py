@@ -162,6 +162,117 @@ class MLPBlock(_Block):
         return F.gelu(self.tx @ wf + bf, approximate="tanh") @ wp + bp
 
 
+# ---------------------------------------------------------------- the Llama family's ops (llama-mid's widths)
+NKV_HEAD, LLAMA_FF, NORM_EPS = 2, 1408, 1e-5  # llama-mid: 8 query heads on 2 kv heads, SwiGLU 1408
+
+
+class RMSNormLinearBlock(_Block):
+    """y = rmsnorm(x) @ W, fused (as every Llama block starts its attention and its MLP), d_model 512."""
+
+    def make_params(self, rng):
+        return [("w_norm", 1 + randn(rng, (D_MODEL,), 0.1)), ("w", randn(rng, (D_MODEL, D_MODEL), D_MODEL ** -0.5))]
+
+    def __init__(self, ops, torch, T, rng):
+        super().__init__(ops, torch, T, rng)
+        self.rstd = ops.empty((1, T))
+
+    def hg_forward(self):
+        (_, wn, _), (_, w, _) = self.params
+        self.ops.rmsnorm_linear_forward(self.y, self.rstd, self.x, wn, w, None, NORM_EPS)
+
+    def hg_backward(self):
+        (_, wn, dwn), (_, w, dw) = self.params
+        self.dx.fill(0.0)  # dinp accumulates (the residual stream's gradient, in the model)
+        self.ops.rmsnorm_linear_backward(self.dx, dwn, dw, None, self.dy, self.x, wn, self.rstd, w, accumulate=False)
+
+    def torch_forward(self):
+        import torch.nn.functional as F
+        wn, w = self.tparams
+        return F.rms_norm(self.tx, (D_MODEL,), wn, NORM_EPS) @ w
+
+
+class LlamaAttentionBlock(_Block):
+    """y = o(gqa_attention(rope(x @ W_qkv))): 8 query heads on 2 kv heads, head size 64, d_model 512;
+    torch: the same rotation, then scaled_dot_product_attention with enable_gqa (no repeated k, v)."""
+
+    def make_params(self, rng):
+        qkv = (N_HEAD + 2 * NKV_HEAD) * (D_MODEL // N_HEAD)
+        s = D_MODEL ** -0.5
+        return [("w_qkv", randn(rng, (D_MODEL, qkv), s)), ("w_o", randn(rng, (D_MODEL, D_MODEL), s))]
+
+    def __init__(self, ops, torch, T, rng):
+        super().__init__(ops, torch, T, rng)
+        hs, e = D_MODEL // N_HEAD, ops.empty
+        self.rot = (N_HEAD + NKV_HEAD) * hs
+        self.cos, self.sin = ops.rope_cache(T, hs, 10000.0)
+        self.qkv = e((1, T, (N_HEAD + 2 * NKV_HEAD) * hs))
+        self.att, self.a = e(ops.gqa_attention_state_shape(1, N_HEAD, T)), e((1, T, D_MODEL))
+        self.dqkv, self.da = e(self.qkv.shape), e(self.a.shape)
+        self.tcos, self.tsin = torch.from_numpy(self.cos), torch.from_numpy(self.sin)
+
+    def hg_forward(self):
+        (_, wq, _), (_, wo, _) = self.params
+        self.ops.linear_forward(self.qkv, self.x, wq)
+        qk = self.qkv[:, :, :self.rot]
+        self.ops.rope_forward(qk, qk, self.cos, self.sin, N_HEAD + NKV_HEAD)
+        self.ops.gqa_attention_forward(self.a, self.att, self.qkv, N_HEAD, NKV_HEAD)
+        self.ops.linear_forward(self.y, self.a, wo)
+
+    def hg_backward(self):
+        (_, wq, dwq), (_, wo, dwo) = self.params
+        self.ops.linear_backward(self.da, dwo, None, self.dy, self.a, wo, accumulate=False)
+        self.ops.gqa_attention_backward(self.dqkv, self.da, self.qkv, self.att, N_HEAD, NKV_HEAD)
+        dqk = self.dqkv[:, :, :self.rot]
+        self.ops.rope_backward(dqk, dqk, self.cos, self.sin, N_HEAD + NKV_HEAD)
+        self.ops.linear_backward(self.dx, dwq, None, self.dqkv, self.x, wq, accumulate=False)
+
+    def torch_forward(self):
+        import torch.nn.functional as F
+
+        from .. import torch_ref
+        wq, wo = self.tparams
+        B, T, _ = self.tx.shape
+        hs = D_MODEL // N_HEAD
+        qkv = self.tx @ wq
+        qk = torch_ref.rope(qkv[:, :, :self.rot], self.tcos, self.tsin, N_HEAD + NKV_HEAD)
+        q, k = qk.split([N_HEAD * hs, NKV_HEAD * hs], dim=2)
+        v = qkv[:, :, self.rot:]
+        q, k, v = (t.reshape(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return y.transpose(1, 2).reshape(B, T, D_MODEL) @ wo
+
+
+class SwiGLUBlock(_Block):
+    """y = down(silu(gate(x)) * up(x)), gate|up one product, d_model 512, hidden 1408 (llama-mid)."""
+
+    def make_params(self, rng):
+        return [("w_gu", randn(rng, (D_MODEL, 2 * LLAMA_FF), D_MODEL ** -0.5)),
+                ("w_down", randn(rng, (LLAMA_FF, D_MODEL), LLAMA_FF ** -0.5))]
+
+    def __init__(self, ops, torch, T, rng):
+        super().__init__(ops, torch, T, rng)
+        self.gu, self.h = ops.empty((1, T, 2 * LLAMA_FF)), ops.empty((1, T, LLAMA_FF))
+        self.dgu, self.dh = ops.empty(self.gu.shape), ops.empty(self.h.shape)
+
+    def hg_forward(self):
+        (_, wgu, _), (_, wd, _) = self.params
+        self.ops.linear_forward(self.gu, self.x, wgu)
+        self.ops.swiglu_forward(self.h, self.gu)
+        self.ops.linear_forward(self.y, self.h, wd)
+
+    def hg_backward(self):
+        (_, wgu, dwgu), (_, wd, dwd) = self.params
+        self.ops.linear_backward(self.dh, dwd, None, self.dy, self.h, wd, accumulate=False)
+        self.ops.swiglu_backward(self.dgu, self.dh, self.gu)
+        self.ops.linear_backward(self.dx, dwgu, None, self.dgu, self.x, wgu, accumulate=False)
+
+    def torch_forward(self):
+        import torch.nn.functional as F
+        wgu, wd = self.tparams
+        gate, up = (self.tx @ wgu).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ wd
+
+
 def bench_block(cls, label, ops, torch, T, repeat):
     """Check, then time forward and backward of one block; two result rows (fwd, bwd)."""
     block = cls(ops, torch, T, np.random.default_rng(T))
@@ -184,8 +295,12 @@ def bench_ops(backend, repeat, as_json):
     rows = [bench_matmul(ops, torch, n, repeat) for n in MATMUL_SIZES]
     for r in rows:
         r["fraction_of_peak"] = r["handgrad"] / peak["median_gflops"]
-    for cls, label in ((AttentionBlock, f"attention C={D_MODEL} NH={N_HEAD}"),
-                       (MLPBlock, f"mlp C={D_MODEL} F={D_FF}")):
+    blocks = [(AttentionBlock, f"attention C={D_MODEL} NH={N_HEAD}"), (MLPBlock, f"mlp C={D_MODEL} F={D_FF}")]
+    if hasattr(ops, "rmsnorm_linear_forward"):  # the Llama family's ops (the cpu backend has them)
+        blocks += [(RMSNormLinearBlock, f"rmsnorm+linear C={D_MODEL}"),
+                   (LlamaAttentionBlock, f"rope+gqa attention C={D_MODEL} NH={N_HEAD} NKV={NKV_HEAD}"),
+                   (SwiGLUBlock, f"swiglu mlp C={D_MODEL} F={LLAMA_FF}")]
+    for cls, label in blocks:
         for T in BLOCK_T:
             rows += bench_block(cls, label, ops, torch, T, repeat)
     result = {"backend": backend, "environment": environment(torch), "sgemm_peak": peak,
