@@ -256,3 +256,17 @@ def test_single_process_does_not_import_torch(data_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, "train", "--data", str(data_dir), "--out", str(tmp_path / "r"),
                            *RUN, "--train.max_steps", "1"], capture_output=True, text=True, env=_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_llama_two_ranks_zero1_equal_one_process(data_dir, tmp_path):
+    """The Llama family under torchrun: 2 ranks with ZeRO-1 reach one process's weights (the
+    flat buffer, its gradient buckets and the sharded moments are the families' shared machinery)."""
+    llama = ["--model.arch", "llama", "--model.n_kv_head", "1", "--model.ffn_hidden", "64", "--train.max_steps", "3",
+             "--train.checkpoint_interval", "3"]
+    handgrad(data_dir, tmp_path / "single", "--train.batch_size", 2 * B, *llama)
+    handgrad(data_dir, tmp_path / "zero", "--train.batch_size", B, "--train.zero_stage", 1, *llama, nproc=2)
+    state = json.loads((ckpt(tmp_path / "zero", 3) / "state.json").read_text())
+    assert state["arch"] == "llama"
+    assert rel(flat(ckpt(tmp_path / "zero", 3)), flat(ckpt(tmp_path / "single", 3))) < 1e-6
+    assert rel(flat(ckpt(tmp_path / "zero", 3), "optim.safetensors"),
+               flat(ckpt(tmp_path / "single", 3), "optim.safetensors")) < 1e-5
