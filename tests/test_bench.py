@@ -43,7 +43,8 @@ def test_bench_train_tiny_json_with_profile():
     # the matmul floor replays every product of a step: per layer, blas.gemm 4 times in the
     # forward (qkv, proj, fc, mlp proj) and 8 in the backward, plus the lm_head's 1 + 2; attention's
     # q k^T and P v (2 more gemms forward, 4 backward), or on MKL its two per-head kernels. The
-    # flop counts attention's products in full either way.
+    # flop counts the products as computed: at T = 64 the per-head kernels' one 64-row block is the
+    # full T x T too, so the count is the same either way (test_matmul_floor_counts_... below).
     mm = row["profile"]["matmuls"]
     m = row["config"]["model"]
     L, C, V, B, T = m["n_layer"], m["n_embd"], m["vocab_size"], 8, 64
@@ -54,7 +55,32 @@ def test_bench_train_tiny_json_with_profile():
     table = bench_train.format_row(row) + bench_train.format_footer(result)  # what the table prints
     assert "handgrad/pytorch: tok/s" in table and "outside the ops" in table and "sgemm peak" in table
     assert "in BLAS" in table and "outside BLAS" in table
+    # the model's FLOPs, the count `handgrad train` uses for MFU (causal attention as half), and
+    # the floor's own throughput, of the products as computed, labelled apart
+    from handgrad.config import GPTConfig
+    from handgrad.models.gpt2 import flops_per_token
+    assert row["flops_per_token"] == flops_per_token(GPTConfig(**m), T)
+    assert "MFLOP/token (the model's: causal attention as half)" in table
+    assert "6·L·C·(T+1) for attention's causal half" in table and "GFLOP/s of the products as computed" in table
     assert f"matmul floor: the step's {mm['calls']} BLAS calls" in table and "pytorch's step / that floor" in table
+
+
+def test_matmul_floor_counts_the_per_head_kernels_products_as_they_run():
+    """The floor's flop (its own GFLOP/s) counts attention's per-head products causal in blocks, as
+    the kernels run them: at T <= the block, the full T x T; at mid's T = 256 in 64-row blocks,
+    10/16 of it (the attention module's docstring); never less than the causal part."""
+    from handgrad.backends.cpu.attention import CAUSAL_BLOCK
+    B, C = 8, 512
+    full_fwd, full_bwd = 4 * B * 64 * 64 * C, 8 * B * 64 * 64 * C
+    assert bench_train._head_kernel_flop(True, B, 64, C, 64) == full_fwd
+    assert bench_train._head_kernel_flop(False, B, 64, C, 64) == full_bwd
+    assert bench_train._head_kernel_flop(True, B, 256, C, 64) * 16 == 10 * 4 * B * 256 * 256 * C
+    assert bench_train._head_kernel_flop(False, B, 256, C, 64) * 16 == 10 * 8 * B * 256 * 256 * C
+    for T in (1, 37, 64, 100, 256, 1000):
+        causal = T * (T + 1) // 2  # (query, key) pairs the mask keeps
+        fwd = bench_train._head_kernel_flop(True, B, T, C, CAUSAL_BLOCK)
+        assert 4 * B * causal * C <= fwd <= 4 * B * T * T * C
+        assert bench_train._head_kernel_flop(False, B, T, C, CAUSAL_BLOCK) == 2 * fwd  # dP, dq like S, y; dv, dk mirror them
 
 
 def test_bench_train_unknown_preset():

@@ -70,6 +70,24 @@ def test_unknown_verb_and_bad_backend_are_usage_errors():
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "--steps", "3"]])
+def test_bench_without_what_names_the_choices(capsys, argv):
+    """issue 24: `handgrad bench` alone said `the following arguments are required: what`, naming
+    a variable; it says what to give instead, in one line, exit 2, as every usage error."""
+    from handgrad.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("error: handgrad bench needs what to benchmark: ops, train or learn; "
+                            "see `handgrad bench --help`\n")
+    with pytest.raises(SystemExit) as e:  # a wrong choice keeps argparse's own words, which name them
+        main(["bench", "nope"])
+    assert e.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
 def test_info_json():
     out = subprocess.run([sys.executable, "-m", "handgrad", "info", "--json"], capture_output=True, text=True,
                          timeout=300)

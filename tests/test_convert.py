@@ -265,6 +265,88 @@ def test_hf_export_carries_a_bpe_tokenizer(hf_model, tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok.encode("a quick dog") == bpe.encode("a quick dog")
     assert tok.eos_token == "<|endoftext|>"
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["bos_token_id"] == cfg["eos_token_id"] == bpe.eot_id == 0  # not vocab_size - 1
+
+
+UNICODE_TEXT = "Ünïcödé → ok; naïve café 漢字 🙂 e\u0301\n"
+
+
+def _tiny_run(tmp_path, kind):
+    """A handgrad run (weights-only checkpoint + the data's tokenizer.json, as `convert` writes one)
+    of a char tokenizer prepared from a unicode corpus, or of the byte tokenizer."""
+    from helpers import prepared_char_data
+
+    from handgrad.data.tokenizer import ByteTokenizer, load_tokenizer
+    from handgrad.interop.convert import write_handgrad
+    if kind == "char":
+        data = prepared_char_data(tmp_path, UNICODE_TEXT * 40 + "the quick brown fox\n" * 40)
+        tok, tok_file = load_tokenizer(data), data / "tokenizer.json"
+    else:
+        (tmp_path / "data").mkdir()
+        tok = ByteTokenizer()
+        tok_file = tok.save(tmp_path / "data")
+    config = handgrad.GPTConfig(block_size=T, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=8)
+    write_handgrad(tmp_path / "run", config, handgrad.GPT(config, seed=3).state_dict(), tokenizer=tok_file)
+    return tmp_path / "run", tok
+
+
+@pytest.mark.parametrize("kind", ["char", "byte"])
+def test_hf_export_of_a_char_or_byte_run_writes_its_tokenizer(tmp_path, capsys, kind):
+    """issue 24: a char or byte run's export carries its tokenizer as Hugging Face's own
+    tokenizer.json, which AutoTokenizer loads and which encodes (unicode included) to handgrad's ids
+    and decodes back; config.json has no bos/eos id, since neither tokenizer has an end-of-text token
+    (not vocab_size - 1, an ordinary character); and the command says what it wrote."""
+    run, tok = _tiny_run(tmp_path, kind)
+    assert cli(["convert", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert (f"wrote model.safetensors, config.json, tokenizer.json + tokenizer_config.json (the {kind} "
+            f"tokenizer, {tok.vocab_size} {'characters' if kind == 'char' else 'tokens'}, same ids); "
+            f"bos_token_id = eos_token_id = null (the {kind} tokenizer has no end-of-text token)") in out
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in (UNICODE_TEXT, "the quick\n\n brown  fox ", ""):
+        ids = tok.encode(text)
+        assert hf.encode(text) == ids, text
+        assert hf(text)["input_ids"] == ids
+        assert hf.decode(ids) == text
+    assert (hf.bos_token, hf.eos_token) == (None, None)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["bos_token_id"] is None and cfg["eos_token_id"] is None
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert model.config.bos_token_id is None and model.config.eos_token_id is None
+    idx, _ = np.array([tok.encode("the fox")]), None
+    np.testing.assert_allclose(_hf_logits(model.eval(), idx), handgrad.GPT.from_pretrained(run).forward(idx),
+                               rtol=1e-4, atol=1e-5)
+    # and back: handgrad reads the exported tokenizer.json as the tokenizer it was
+    from handgrad.data.tokenizer import load_tokenizer
+    back = load_tokenizer(tmp_path / "hf")
+    assert (back.name, back.vocab_size) == (tok.name, tok.vocab_size)
+    assert back.encode(UNICODE_TEXT) == tok.encode(UNICODE_TEXT)
+    assert cli(["sample", "--run", str(tmp_path / "hf"), "--prompt", "the", "--max-new-tokens", "3",
+                "--temperature", "0"]) == 0
+
+
+def test_hf_export_says_what_it_did_not_write(hf_dir, tmp_path, capsys):
+    """No tokenizer, or one that cannot travel: the weights and config are written, the line says
+    what is missing and why, and bos/eos come from the source's config.json or are null."""
+    assert cli(["convert", str(hf_dir), str(tmp_path / "direct"), "--format", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert "wrote model.safetensors, config.json; no tokenizer came with the model" in out
+    assert "bos_token_id = eos_token_id = 0 (as the source's config.json said)" in out
+    assert json.loads((tmp_path / "direct" / "config.json").read_text())["eos_token_id"] == 0
+    assert cli(["convert", str(hf_dir), str(tmp_path / "run")]) == 0
+    assert "no tokenizer came with the model (sample with --tokenizer PATH)" in capsys.readouterr().out
+    assert cli(["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert "bos_token_id = eos_token_id = null (no tokenizer to take an end-of-text token from)" in out
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["bos_token_id"] is None and cfg["eos_token_id"] is None
+    (tmp_path / "run" / "tokenizer.json").write_text('{"type": "sentencepiece"}')  # a kind handgrad lacks
+    assert cli(["convert", str(tmp_path / "run"), str(tmp_path / "hf2"), "--format", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert "; the tokenizer was not written: " in out and "unknown tokenizer type 'sentencepiece'" in out
+    assert not (tmp_path / "hf2" / "tokenizer.json").exists()
+    assert (tmp_path / "hf2" / "model.safetensors").is_file()
 
 
 # ---------------------------------------------------------------- llm.c shards, fine-tuning, sampling

@@ -424,3 +424,52 @@ def test_training_memorises_a_batch():
     assert all(np.isfinite(losses))
     assert losses[0] == pytest.approx(np.log(config.vocab_size), rel=0.05)  # init predicts ~uniform
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+# ---------------------------------------------------------------- the FLOP count (MFU)
+def _flops_from_param_spec(config, T):
+    """Training FLOPs per token counted independently of flops_per_token: from param_spec, every
+    matrix a token is multiplied by (the blocks' four, and wte once more as the tied lm_head; wte's
+    and wpe's lookups are no products) at 2 FLOPs per weight; attention's q k^T and P v from the
+    causal mask itself, 2 * 2 * hs FLOPs per (query, key) pair it keeps, over NH heads; all of it
+    times 3 for forward + backward. Exact (Fractions)."""
+    from fractions import Fraction
+
+    from handgrad.models.gpt2 import param_spec
+    spec = dict(param_spec(config))
+    forward = 0
+    for l in range(config.n_layer):
+        for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            fan_in, fan_out = spec[f"h.{l}.{name}.weight"]
+            forward += 2 * fan_in * fan_out
+    V, C = spec["wte.weight"]
+    forward += 2 * C * V  # logits = ln_f(x) wte^T
+    pairs = int(np.tril(np.ones((T, T), dtype=np.int64)).sum())  # (query, key) pairs the mask keeps
+    hs = config.n_embd // config.n_head
+    forward += Fraction(config.n_layer * config.n_head * 2 * (2 * hs) * pairs, T)
+    return 3 * forward
+
+
+@pytest.mark.parametrize("config, T", [(TINY, 8), (TINY, 1), (GPTConfig(block_size=40, vocab_size=37, n_layer=1,
+                                                                          n_head=4, n_embd=20), 37)])
+def test_flops_per_token_is_an_independent_count_from_param_spec(config, T):
+    from handgrad.models.gpt2 import flops_per_token
+    assert flops_per_token(config, T) == _flops_from_param_spec(config, T)
+
+
+def test_flops_per_token_counts_causal_attention_as_half():
+    """issue 24: MFU read 104.5% on `mid` at block_size 1024-2048, the count taking attention over
+    the full T x T. At T = 2048 the count is the full one less exactly the masked half's products,
+    6 L C (T - 1) per token (12 L C T over all of T x T, 6 L C (T + 1) over the causal part)."""
+    from dataclasses import replace
+
+    from handgrad.config import MODEL_PRESETS
+    from handgrad.models.gpt2 import flops_per_token, param_spec
+    T = 2048
+    mid = replace(MODEL_PRESETS["mid"], block_size=T)
+    L, C = mid.n_layer, mid.n_embd
+    n_matmul = sum(int(np.prod(s)) for name, s in param_spec(mid) if len(s) == 2 and name != "wpe.weight")
+    full = 6 * n_matmul + 12 * L * C * T  # the old count (nanoGPT's estimate_mfu, PaLM's)
+    assert flops_per_token(mid, T) == full - 6 * L * C * (T - 1)
+    assert flops_per_token(mid, T) == _flops_from_param_spec(mid, T)
+    assert flops_per_token(mid, T) < full

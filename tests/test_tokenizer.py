@@ -162,6 +162,76 @@ def test_copy_without_a_tokenizer(tmp_path):
         copy_tokenizer(tmp_path, tmp_path / "run")
 
 
+# ---------------------------------------------------------------- Hugging Face's own form (to_hf_json)
+UNICODE = "naïve café — ünïcödé ✓ 漢字 🙂🚀 e\u0301 \u200b\r\n\t\x00 end"
+
+
+def _hf(tok):
+    from tokenizers import Tokenizer as HFTokenizer
+    return HFTokenizer.from_str(json.dumps(tok.to_hf_json()))
+
+
+@pytest.mark.parametrize("make", [lambda: CharTokenizer.from_texts(CORPUS + TRICKY + [UNICODE]), ByteTokenizer,
+                                  small_bpe])
+@pytest.mark.parametrize("text", TRICKY + CORPUS + [UNICODE])
+def test_hf_form_encodes_and_decodes_as_handgrad_does(make, text):
+    """Hugging Face tokenizers, loading to_hf_json(), gives handgrad's ids for a text and its text
+    for the ids (unicode: accents, combining marks, CJK, emoji, CR LF, NUL)."""
+    tok = make()
+    if tok.name == "bpe" and EOT_TEXT in text:
+        pytest.skip("a literal <|endoftext|> is the special token in Hugging Face's tokenizers (plain text in "
+                    "handgrad's, see test_bpe_literal_eot_text_is_not_the_eot_token)")
+    hf = _hf(tok)
+    ids = tok.encode(text)
+    assert hf.encode(text, add_special_tokens=False).ids == ids
+    assert hf.decode(ids, skip_special_tokens=False) == tok.decode(ids) == text
+
+
+@given(st.lists(st.integers(0, 255), max_size=12))
+def test_hf_byte_form_decodes_invalid_utf8_as_handgrad_does(ids):
+    """Any byte sequence, valid UTF-8 or not: the same text (U+FFFD where invalid) on both sides."""
+    hf = _hf(ByteTokenizer())
+    assert hf.decode(ids) == ByteTokenizer().decode(ids)
+
+
+@given(st.text(max_size=40))
+def test_hf_byte_form_any_text(text):
+    assert _hf(ByteTokenizer()).encode(text).ids == ByteTokenizer().encode(text)
+
+
+def test_hf_char_form_refuses_an_unknown_character_as_handgrad_does():
+    hf = _hf(CharTokenizer.from_texts(["abc"]))
+    with pytest.raises(Exception, match="Missing"):  # tokenizers' own error: no unknown token to map it to
+        hf.encode("abz")
+    with pytest.raises(DataError, match="not in this char tokenizer's vocabulary"):
+        CharTokenizer.from_texts(["abc"]).encode("abz")
+
+
+@pytest.mark.parametrize("make", [lambda: CharTokenizer.from_texts(CORPUS), ByteTokenizer, small_bpe])
+def test_hf_form_loads_back_as_the_same_tokenizer(tmp_path, make):
+    """A Hugging Face export's tokenizer.json (to_hf_json) is read back as the kind it came from,
+    so `handgrad sample` and `convert` take an exported directory."""
+    tok = make()
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok.to_hf_json(), ensure_ascii=False), encoding="utf-8")
+    back = load_tokenizer(tmp_path)
+    assert type(back) is type(tok)
+    assert (back.name, back.vocab_size, back.eot_id) == (tok.name, tok.vocab_size, tok.eot_id)
+    for text in CORPUS:
+        assert back.encode(text) == tok.encode(text)
+
+
+def test_hf_form_of_another_word_level_tokenizer_is_refused(tmp_path):
+    doc = CharTokenizer.from_texts(["ab"]).to_hf_json()
+    doc["model"]["vocab"] = {"hello": 0, "world": 1}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(doc))
+    with pytest.raises(DataError, match="not handgrad's char tokenizer in Hugging Face form"):
+        load_tokenizer(tmp_path)
+
+
+def test_gpt2_has_no_tokenizer_json_form():
+    assert GPT2Tokenizer.to_hf_json(object.__new__(GPT2Tokenizer)) is None  # it travels as vocab.json + merges.txt
+
+
 # ---------------------------------------------------------------- gpt2
 def test_gpt2_without_tiktoken_names_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "tiktoken", None)  # import tiktoken -> ImportError

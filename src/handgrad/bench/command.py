@@ -9,9 +9,13 @@ from .ops import bench_ops
 from .train import main as bench_train_main
 
 
+WHAT = ("ops", "train", "learn")
+
+
 def add_arguments(parser):
     """Add `handgrad bench` arguments: what to benchmark, then its options."""
-    parser.add_argument("what", choices=["ops", "train", "learn"],
+    _say_what_is_missing(parser)
+    parser.add_argument("what", choices=WHAT,
                         help="ops: matmul, attention block and MLP block, handgrad beside PyTorch; "
                              "train: whole training steps (tok/s, GFLOP/s, MFU, peak memory) beside PyTorch; "
                              "learn: train handgrad and PyTorch side by side and compare loss curves")
@@ -38,6 +42,21 @@ def add_arguments(parser):
     learn.add_argument("--data", default=None, metavar="DATA_DIR",
                        help="prepared data for `learn` (default: prepare shakespeare, char, into ~/.cache/handgrad)")
     learn.add_argument("--out", default="docs", metavar="DIR", help="where `learn` writes its JSON and plot")
+
+
+def _say_what_is_missing(parser):
+    """`handgrad bench` alone: argparse's own words would be `the following arguments are
+    required: what`, which names a variable; say what to give instead. parser.error (cli's
+    _Parser: one line, `error: ...; see `handgrad bench --help``, exit 2) does the rest."""
+    error = parser.error
+
+    def named(message):
+        missing = message.partition("the following arguments are required: ")[2]
+        if missing and "what" in missing.split(", "):
+            message = f"{parser.prog} needs what to benchmark: {', '.join(WHAT[:-1])} or {WHAT[-1]}"
+        return error(message)
+
+    parser.error = named
 
 
 def _positive_int(text):

@@ -147,8 +147,10 @@ class _HandgradWorker:
         operands and layouts, and time them: the least time any step that does these products
         on this BLAS can take. The products are the blas.gemm calls (the linears' and lm_head's,
         and attention's on numpy's BLAS) and, on MKL, attention's per-head kernels replayed with
-        the softmax off. flop counts attention's products in full, as the step's FLOP count does,
-        although the per-head kernels skip most of the masked half. It overwrites the step's
+        the softmax off. flop counts what those calls compute: blas.gemm's products as shaped
+        (attention's over the full T x T on numpy's BLAS), the per-head kernels' block-causal
+        products as they run (_head_kernel_flop). It is the floor's own throughput, not the
+        model's FLOP count (flops_per_token, causal attention as half). It overwrites the step's
         activation and gradient buffers, so it runs last (the worker exits after it)."""
         calls, heads, gemm, run_heads = [], [], blas.gemm, attention.run_heads
 
@@ -166,9 +168,9 @@ class _HandgradWorker:
         finally:
             blas.gemm, attention.run_heads = gemm, run_heads
         flop = sum(2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * int(np.prod(c.shape[:-2])) for a, b, c, _ in calls)
-        for kernel, args in heads:  # forward: q k^T and P v; backward: four products of that size
-            B, T, C3 = args[3].shape
-            flop += (4 if kernel is attention._forward_heads else 8) * B * T * T * (C3 // 3)
+        for kernel, args in heads:
+            B, T, C3 = args[3].shape  # qkv, in both kernels' arguments; args[-2] is the block
+            flop += _head_kernel_flop(kernel is attention._forward_heads, B, T, C3 // 3, args[-2])
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -179,6 +181,20 @@ class _HandgradWorker:
             times.append(time.perf_counter() - t0)
         return {"calls": len(calls) + len(heads), "attention_calls": len(heads), "flop": flop,
                 "s": float(np.median(times))}
+
+
+def _head_kernel_flop(forward, B, T, C, block):
+    """FLOPs of the products attention's per-head kernels run (attention._forward_heads,
+    _backward_heads: all heads, hs NH = C), causal in blocks of `block` query rows. Row block
+    [r0, r1): forward S = q k^T and y = P v over keys [0, r1), 2 C (r1 - r0) r1 each; backward
+    dP = dy v^T and dq = dS k over the same, dv = P^T dy and dk = dS^T q over rows [r0, T),
+    2 C (r1 - r0) (T - r0) each. With one block (T <= block) that is the full T x T."""
+    rows = cols = 0
+    for r0 in range(0, T, block):
+        r1 = min(T, r0 + block)
+        rows += (r1 - r0) * r1
+        cols += (r1 - r0) * (T - r0)
+    return 2 * B * C * (2 * rows if forward else 2 * rows + 2 * cols)
 
 
 class _TorchWorker:
@@ -389,7 +405,7 @@ def format_row(r):
     m = c["model"]
     lines = [f"\n{r['name']}: n_layer {m['n_layer']}, n_head {m['n_head']}, n_embd {m['n_embd']}, "
              f"vocab {m['vocab_size']}, B {c['batch_size']}, T {c['T']}; {r['flops_per_token'] / 1e6:.1f} "
-             f"MFLOP/token; {r['steps']} timed steps per side",
+             f"MFLOP/token (the model's: causal attention as half); {r['steps']} timed steps per side",
              f"  {'':<9} {'tok/s':>9} {'ms/step':>9} {'GFLOP/s':>8} {'MFU':>6} {'peak RSS':>10} {'(imports)':>10}"]
     for name, s in r["sides"].items():
         mfu = f"{100 * s['mfu']:.1f}%" if "mfu" in s else "?"
@@ -441,7 +457,7 @@ def format_profile(prof):
         per_head = (f" ({mm['attention_calls']} of them attention's per-head kernels without the softmax)"
                     if mm.get("attention_calls") else "")
         lines.append(f"  matmul floor: the step's {mm['calls']} BLAS calls{per_head} alone, replayed back to back, take "
-                     f"{1e3 * mm['s']:.1f} ms ({mm['flop'] / mm['s'] / 1e9:.0f} GFLOP/s), "
+                     f"{1e3 * mm['s']:.1f} ms ({mm['flop'] / mm['s'] / 1e9:.0f} GFLOP/s of the products as computed), "
                      f"{100 * mm['s'] / total:.0f}% of handgrad's step")
     return lines
 
@@ -455,6 +471,8 @@ def format_footer(result):
         f"torch {e['torch']} ({e['torch_threads']} threads)",
         f"sgemm peak ({e['handgrad_blas']} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
         f"{p1['median_gflops']:.1f} at end; MFU = GFLOP/s / the start peak",
+        "GFLOP/s and MFU count the FLOPs the model needs, as `handgrad train` does (flops_per_token: "
+        "6 x the matrix parameters + 6·L·C·(T+1) for attention's causal half)",
         "tok/s from the median step; peak RSS = the worker process's high-water mark (VmHWM), "
         "(imports) = its resident set after imports, before the model",
         f"total {result['seconds']:.0f} s",

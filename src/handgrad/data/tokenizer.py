@@ -12,9 +12,14 @@ Four kinds, each a `Tokenizer` with `name`, `vocab_size`, `eot_id`, `encode`, `d
   File: {"type": "gpt2"}.
 
 `save(dir)` writes `dir/tokenizer.json`; `load_tokenizer(dir)` reads it back; `copy_tokenizer`
-copies it from a data directory into a run directory. Text is always encoded as plain text: a
-literal "<|endoftext|>" in a document is not the separator token. `decode` never fails on ids
-that form invalid UTF-8 (it writes U+FFFD) but rejects ids outside [0, vocab_size).
+copies it from a data directory into a run directory. `to_hf_json()` is the tokenizer as Hugging
+Face tokenizers' own `tokenizer.json` with the same ids (char: a WordLevel model over one piece per
+character; byte: byte-level pieces, one per byte, no merges; bpe: its own file; gpt2: none, it
+travels as GPT-2's vocab.json + merges.txt), and `tokenizer_from_json` reads those forms back.
+
+Text is always encoded as plain text: a literal "<|endoftext|>" in a document is not the separator
+token. `decode` never fails on ids that form invalid UTF-8 (it writes U+FFFD) but rejects ids
+outside [0, vocab_size).
 """
 import json
 import shutil
@@ -31,6 +36,7 @@ TOKENIZER_FILE = "tokenizer.json"
 EOT_TEXT = "<|endoftext|>"
 TOKENIZER_NAMES = ("char", "byte", "bpe", "gpt2")
 DEFAULT_BPE_VOCAB = 4096
+HF_CHAR_PATTERN = r"[\s\S]"  # CharTokenizer.to_hf_json's pre-tokenizer: each character a piece ("." skips "\n")
 
 
 class Tokenizer:
@@ -51,6 +57,14 @@ class Tokenizer:
 
     def to_json(self) -> dict:
         raise NotImplementedError
+
+    def to_hf_json(self) -> dict | None:
+        """This tokenizer as Hugging Face tokenizers' own tokenizer.json (what
+        `tokenizers.Tokenizer.from_str` and transformers' PreTrainedTokenizerFast load), giving the
+        same ids for every text and the same text for every id sequence (but for a literal
+        "<|endoftext|>" in a bpe tokenizer's text: Hugging Face reads it as the special token);
+        None where there is no such form."""
+        return None
 
     def save(self, data_dir) -> Path:
         """Write `data_dir/tokenizer.json`; returns its path."""
@@ -107,6 +121,18 @@ class CharTokenizer(Tokenizer):
     def to_json(self) -> dict:
         return {"type": "char", "chars": self.chars}
 
+    def to_hf_json(self) -> dict:
+        """A WordLevel model whose vocabulary is `chars` (token i = chars[i]) after a pre-tokenizer
+        that isolates every character. It has no unknown token, so a character outside the
+        vocabulary raises, as encode does; the decoder joins the pieces with nothing between."""
+        from tokenizers import Regex
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+        tok = HFTokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(self.chars)}))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(HF_CHAR_PATTERN), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        return json.loads(tok.to_str())
+
 
 class ByteTokenizer(Tokenizer):
     """One id per UTF-8 byte."""
@@ -121,6 +147,19 @@ class ByteTokenizer(Tokenizer):
 
     def to_json(self) -> dict:
         return {"type": "byte"}
+
+    def to_hf_json(self) -> dict:
+        """GPT-2's byte-level form without merges: the ByteLevel pre-tokenizer (no regex split, no
+        prefix space) turns the UTF-8 bytes into one printable stand-in character each
+        (bytes_to_unicode), a BPE model with no merges maps stand-in b to id b, and the ByteLevel
+        decoder turns ids back into bytes, invalid UTF-8 becoming U+FFFD as in decode."""
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+        stand_in = bytes_to_unicode()
+        tok = HFTokenizer(models.BPE(vocab={stand_in[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return json.loads(tok.to_str())
 
 
 class BPETokenizer(Tokenizer):
@@ -160,6 +199,9 @@ class BPETokenizer(Tokenizer):
     def to_json(self) -> dict:
         return json.loads(self._tok.to_str())
 
+    def to_hf_json(self) -> dict:
+        return self.to_json()  # already Hugging Face's own file
+
 
 class GPT2Tokenizer(Tokenizer):
     """GPT-2's tokenizer from `tiktoken` (50257 ids, "<|endoftext|>" = 50256)."""
@@ -192,11 +234,54 @@ class GPT2Tokenizer(Tokenizer):
         return {"type": "gpt2"}
 
 
+def bytes_to_unicode():
+    """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py), as Hugging Face's
+    ByteLevel pre-tokenizer maps bytes."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _from_hf_form(doc, where) -> Tokenizer | None:
+    """The char or byte tokenizer whose to_hf_json() `doc` is (as in a Hugging Face export), or
+    None where doc is some other Hugging Face tokenizer file."""
+    model = doc.get("model")
+    if not isinstance(model, dict):
+        return None
+    vocab, pre = model.get("vocab"), doc.get("pre_tokenizer") or {}
+    if model.get("type") == "WordLevel":
+        ok = isinstance(vocab, dict) and all(type(i) is int for i in vocab.values())
+        chars = sorted(vocab, key=vocab.get) if ok else None
+        if (chars is None or sorted(vocab.values()) != list(range(len(chars))) or doc.get("normalizer")
+                or pre.get("type") != "Split" or (pre.get("pattern") or {}).get("Regex") != HF_CHAR_PATTERN
+                or any(len(c) != 1 for c in chars) or chars != sorted(chars)):
+            raise DataError(f"{where}: a WordLevel tokenizer that is not handgrad's char tokenizer in Hugging "
+                            f"Face form (one token per character, ids in code point order); handgrad reads "
+                            f"char, byte and byte-level BPE tokenizers")
+        return CharTokenizer(chars)
+    stand_in = bytes_to_unicode()
+    if (model.get("type") == "BPE" and not model.get("merges") and not doc.get("added_tokens")
+            and pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space") and not doc.get("normalizer")
+            and vocab == {stand_in[b]: b for b in range(256)}):
+        return ByteTokenizer()
+    return None
+
+
 def tokenizer_from_json(doc, where="tokenizer.json") -> Tokenizer:
-    """The tokenizer a `tokenizer.json` document describes; `where` names the file in errors."""
+    """The tokenizer a `tokenizer.json` document describes; `where` names the file in errors.
+    Handgrad's own files, and Hugging Face tokenizers files: a byte-level BPE with <|endoftext|>
+    (handgrad's bpe), and the char and byte tokenizers as to_hf_json() writes them."""
     if not isinstance(doc, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(doc).__name__}; re-run handgrad prepare")
     kind = doc.get("type")
+    if kind is None and "model" in doc and (tok := _from_hf_form(doc, where)) is not None:
+        return tok
     if kind is None and "model" in doc:  # a Hugging Face tokenizers file: handgrad's bpe
         from tokenizers import Tokenizer as HFTokenizer
         try:

@@ -9,7 +9,9 @@ arrays under handgrad's names and layouts (= Hugging Face GPT-2's: Conv1D weight
   listed in model.safetensors.index.json). On import a `transformer.` key prefix is optional, the
   `attn.bias` / `attn.masked_bias` buffers are ignored and a stored lm_head.weight must equal wte
   (GPT-2 ties them). float32, float16 and bfloat16 tensors are read. An export is what
-  GPT2LMHeadModel.save_pretrained writes, and GPT2LMHeadModel.from_pretrained loads it.
+  GPT2LMHeadModel.save_pretrained writes, and GPT2LMHeadModel.from_pretrained loads it, with the
+  run's tokenizer where transformers.AutoTokenizer loads it (hf.py: _export_hf_tokenizer) and
+  bos/eos ids only where that tokenizer has an end-of-text token.
 * **llmc**: llm.c's model file (train_gpt2.c's gpt2_build_from_checkpoint): a 256 x int32 header
   (magic 20240326, version 3 = float32 or 5 = bfloat16, maxT, V, L, NH, C, Vp), then the tensors
   in llm.c's order with nn.Linear's [out, in] layout and wte padded to Vp rows (padding ignored on
@@ -93,14 +95,20 @@ def from_pretrained(path, backend="cpu"):
 
 
 def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=None):
-    """Write (config, weights) to dst in format fmt; tokenizer is a tokenizer.json path or None."""
+    """Write (config, weights) to dst in format fmt; tokenizer is a tokenizer.json path or None.
+    Returns (the path written, one line saying what was written, and what was not and why)."""
+    info = info or {}
     if fmt not in FORMATS:
         raise ConvertError(f"--format {fmt}: unknown format; choose from {', '.join(FORMATS)}")
     if fmt == "hf":
-        return write_hf(dst, config, weights, tokenizer)
+        return write_hf(dst, config, weights, tokenizer, eot_id=info.get("eot_id"))
     if fmt == "llmc":
-        return write_llmc(dst, config, weights, version=(info or {}).get("llmc_version", 3),
-                          padded_vocab=(info or {}).get("padded_vocab_size"))
+        version = info.get("llmc_version", 3)
+        path = write_llmc(dst, config, weights, version=version, padded_vocab=info.get("padded_vocab_size"))
+        dtype = "float32" if version == 3 else "bfloat16"
+        left = (f"; not the tokenizer, which an llm.c model file cannot hold (sample with --tokenizer {tokenizer})"
+                if tokenizer else "; no tokenizer came with the model (an llm.c model file cannot hold one)")
+        return path, f"wrote an llm.c model file (version {version}, {dtype}){left}"
     return write_handgrad(dst, config, weights, tokenizer, source=info)
 
 
@@ -117,15 +125,20 @@ def read_handgrad(path):
 
 
 def write_handgrad(dst, config, weights, tokenizer=None, source=None):
-    """A run directory with one weights-only checkpoint (step 0) and, if known, the tokenizer."""
+    """A run directory with one weights-only checkpoint (step 0) and, if known, the tokenizer.
+    Returns (dst, one line saying what was written)."""
     check_weights(config, weights, "weights")
     tmp = prepare_dir(dst)
     try:
         save_weights(tmp, 0, config, weights, {"converted_from": {k: v for k, v in (source or {}).items()
                                                                    if k in ("format", "path")}})
+        what = "wrote a run directory: a weights-only checkpoint (step 0)"
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-        return publish_dir(tmp, dst)
+            what += f" and tokenizer.json (copied from {tokenizer})"
+        else:
+            what += "; no tokenizer came with the model (sample with --tokenizer PATH)"
+        return publish_dir(tmp, dst), what
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -161,10 +174,11 @@ def main(args):
     info["path"] = str(args.src)
     if args.llmc_dtype:  # else an llm.c source keeps its version, and anything else gets 3 (float32)
         info["llmc_version"] = 3 if args.llmc_dtype == "float32" else 5
-    dst = save_pretrained(args.dst, config, weights, args.format, info.get("tokenizer"), info)
+    dst, what = save_pretrained(args.dst, config, weights, args.format, info.get("tokenizer"), info)
     n = sum(int(np.prod(s)) for _, s in param_spec(config))
     print(f"{args.src} ({info['format']}) -> {dst} ({args.format}): {n / 1e6:.2f}M parameters, "
           f"n_layer {config.n_layer}, n_head {config.n_head}, n_embd {config.n_embd}, "
           f"vocab {config.vocab_size}, block_size {config.block_size}")
+    print(f"  {what}")
     return 0
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data.tokenizer import GPT2Tokenizer
+from ..data.sources import DataError
+from ..data.tokenizer import EOT_TEXT, GPT2Tokenizer, bytes_to_unicode, load_tokenizer
 from .common import ConvertError, check_weights, make_gpt_config, prepare_dir, publish_dir
 
 
@@ -121,64 +122,97 @@ def read_hf(path):
         raise ConvertError(f"{lm_head[0]}: tensor lm_head.weight differs from wte.weight; handgrad's GPT-2 ties "
                            f"them (an untied lm_head is not supported)")
     tok = d / "tokenizer.json"
-    return config, weights, {"tokenizer": str(tok) if tok.is_file() else None}
+    eos = cfg.get("eos_token_id")
+    eot = eos if type(eos) is int and 0 <= eos < config.vocab_size else None
+    return config, weights, {"tokenizer": str(tok) if tok.is_file() else None, "eot_id": eot}
 
 
-def hf_config(config):
-    """config.json for GPT2LMHeadModel (GPT-2's own defaults, dropout included)."""
+def hf_config(config, eot_id=None):
+    """config.json for GPT2LMHeadModel (GPT-2's own defaults, dropout included). bos_token_id and
+    eos_token_id are the tokenizer's end-of-text id, or null where there is none (left out,
+    GPT2Config would fill in GPT-2's 50256: an ordinary token of another vocabulary, or none)."""
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
             "n_embd": config.n_embd, "n_head": config.n_head, "n_layer": config.n_layer,
             "n_positions": config.block_size, "n_ctx": config.block_size, "vocab_size": config.vocab_size,
             "n_inner": None, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
             "attn_pdrop": 0.1, "embd_pdrop": 0.1, "resid_pdrop": 0.1, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": True, "bos_token_id": config.vocab_size - 1,
-            "eos_token_id": config.vocab_size - 1, "torch_dtype": "float32"}
+            "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
+            "torch_dtype": "float32"}
 
 
-def write_hf(dst, config, weights, tokenizer=None):
-    """dst/config.json + dst/model.safetensors (transformer.* keys, as save_pretrained writes),
-    and dst/tokenizer.json when the run's tokenizer is a Hugging Face one."""
+def write_hf(dst, config, weights, tokenizer=None, eot_id=None):
+    """dst/model.safetensors (transformer.* keys, as save_pretrained writes), dst/config.json, and
+    the tokenizer in a form Hugging Face loads (_export_hf_tokenizer).
+
+    tokenizer is a tokenizer file (handgrad's tokenizer.json, any kind) or None. config.json's
+    bos/eos ids are the tokenizer's end-of-text id; with no tokenizer, eot_id (what the source's
+    own config said) or, for a 50257-token model, GPT-2's 50256 (such a model is GPT-2's
+    vocabulary, as llm.c's are); else null. Returns (dst, what): one line saying what was
+    written, and what was not and why."""
     from safetensors.numpy import save_file
     check_weights(config, weights, "weights")
     tmp = prepare_dir(dst)
     try:
         save_file({f"transformer.{k}": np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
                   str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config(config), indent=2) + "\n")
+        tok, written, why_not = None, None, "no tokenizer came with the model"
         if tokenizer is not None:
-            _export_hf_tokenizer(Path(tokenizer), tmp)
-        return publish_dir(tmp, dst)
+            try:
+                tok = load_tokenizer(tokenizer)
+                written = _export_hf_tokenizer(tok, tmp, config)
+            except (ConvertError, DataError) as e:
+                why_not = f"the tokenizer was not written: {e}"
+        eot, eot_why = _end_of_text(config, tok, eot_id)
+        (tmp / "config.json").write_text(json.dumps(hf_config(config, eot), indent=2) + "\n")
+        what = ("wrote model.safetensors, config.json" + (f", {written}" if written else f"; {why_not}")
+                + f"; bos_token_id = eos_token_id = {'null' if eot is None else eot} ({eot_why})")
+        return publish_dir(tmp, dst), what
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _export_hf_tokenizer(src, out_dir):
-    """A Hugging Face tokenizer.json (handgrad's bpe) travels as is, with a tokenizer_config.json
-    so AutoTokenizer loads it; the gpt2 tokenizer travels as GPT-2's vocab.json + merges.txt, made
-    from tiktoken's ranks. char and byte tokenizers have no Hugging Face form and stay behind."""
-    doc = json.loads(src.read_text(encoding="utf-8"))
-    if isinstance(doc, dict) and "model" in doc and doc.get("type") is None:
-        shutil.copyfile(src, out_dir / "tokenizer.json")
-        (out_dir / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-             "bos_token": "<|endoftext|>", "model_max_length": 1 << 30}, indent=2) + "\n")
-    elif isinstance(doc, dict) and doc.get("type") == "gpt2":
-        write_gpt2_vocab(GPT2Tokenizer()._enc, out_dir)
+def _end_of_text(config, tok, eot_id):
+    """(the bos/eos id for config.json or None, the words that say where it came from)."""
+    V = config.vocab_size
+    if tok is not None:
+        if tok.eot_id is None:
+            return None, f"the {tok.name} tokenizer has no end-of-text token"
+        if tok.eot_id < V:
+            return tok.eot_id, f"the {tok.name} tokenizer's <|endoftext|>"
+    if eot_id is not None and 0 <= eot_id < V:
+        return eot_id, "as the source's config.json said"
+    if V == GPT2Tokenizer.VOCAB_SIZE:
+        return V - 1, f"GPT-2's <|endoftext|>: no tokenizer, and {V} tokens is GPT-2's vocabulary"
+    return None, "no tokenizer to take an end-of-text token from"
 
 
-def bytes_to_unicode():
-    """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+def _export_hf_tokenizer(tok, out_dir, config):
+    """Write tok where Hugging Face loads it; returns what was written, in words.
+
+    char, byte and bpe: Hugging Face tokenizers' own tokenizer.json (Tokenizer.to_hf_json: the
+    same ids as handgrad's, char and byte included), with a tokenizer_config.json so that
+    transformers.AutoTokenizer loads it as a PreTrainedTokenizerFast that neither adds tokens nor
+    cleans up spaces; bos/eos tokens only where the tokenizer has <|endoftext|>. gpt2: GPT-2's
+    vocab.json + merges.txt, made from tiktoken's ranks (AutoTokenizer builds GPT-2's tokenizer
+    from them)."""
+    if isinstance(tok, GPT2Tokenizer):
+        write_gpt2_vocab(tok._enc, out_dir)
+        return "vocab.json + merges.txt (GPT-2's tokenizer, from tiktoken)"
+    doc = tok.to_hf_json()
+    if doc is None:
+        raise ConvertError(f"the {tok.name} tokenizer has no Hugging Face form")
+    (out_dir / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False) + "\n", encoding="utf-8")
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.block_size,
+                "clean_up_tokenization_spaces": False}
+    if tok.eot_id is not None:
+        settings.update(bos_token=EOT_TEXT, eos_token=EOT_TEXT)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    size = f"{tok.vocab_size} characters" if tok.name == "char" else f"{tok.vocab_size} tokens"
+    more = (f"; more than the model's {config.vocab_size}: ids from {config.vocab_size} up have no embedding"
+            if tok.vocab_size > config.vocab_size else "")
+    return f"tokenizer.json + tokenizer_config.json (the {tok.name} tokenizer, {size}, same ids{more})"
 
 
 def write_gpt2_vocab(encoding, out_dir):

@@ -64,11 +64,29 @@ def num_params(config):
 
 
 def flops_per_token(config, T):
-    """Training FLOPs per token (forward + backward = 3x forward): 6 N plus attention's 6 L T C
-    (q k^T and P v, counted over the full T x T as computed)."""
+    """Training FLOPs per token at context T: the matrix products the model needs, forward and
+    backward (3x the forward: the backward's two products per forward product), causal attention
+    counted over its causal half only.
+
+    Forward, per token:
+    * the weights: 2 FLOPs (a multiply and an add) per weight of every matrix product, 2 N, with N
+      the matrix parameters of c_attn, c_proj, c_fc and mlp.c_proj in every block and wte once,
+      as the tied lm_head. wpe (like wte's lookup) is an addition of rows, no product; biases and
+      layernorm gains are elementwise.
+    * attention, per layer: the query at position t (1-based) scores against keys 1..t only, and
+      over a window of T positions that is (1 + 2 + ... + T) / T = (T + 1) / 2 keys on average.
+      Per key, q k^T takes 2 hs FLOPs and P v another 2 hs per head, 2 * 2 C over the NH heads
+      (hs NH = C): 2 * 2 C (T + 1) / 2 = 2 C (T + 1).
+    Training: 3 * (2 N + 2 L C (T + 1)) = 6 N + 6 L C (T + 1).
+
+    The full T x T products (nanoGPT's estimate_mfu, PaLM's 6 N + 12 L C T) count 6 L C (T - 1)
+    more: the masked half, which no causal model needs (the gpu's flash kernels and the cpu's
+    per-head kernels skip it but for the blocks on the diagonal; only the cpu's path on numpy's
+    OpenBLAS computes it, then masks it). llm.c's 6 N + 6 L C T is this count with (T + 1) / 2
+    taken as T / 2 (and every parameter in N)."""
     n_matmul = sum(int(np.prod(s)) for name, s in param_spec(config)
                    if len(s) == 2 and name != "wpe.weight")
-    return 6 * n_matmul + 12 * config.n_layer * T * config.n_embd
+    return 6 * n_matmul + 6 * config.n_layer * config.n_embd * (T + 1)
 
 
 class Activations:

@@ -109,7 +109,7 @@ def save_checkpoint(run_dir, step, model, optimizer, state):
     `state` is a JSON-able dict (config, RNG states, data position); step and the optimizer's
     scalars are added here. Returns the checkpoint's directory.
     """
-    weights = model.state_dict()
+    weights = {n: model.ops.to_numpy(v) for n, v in model.p.items()}  # views on the cpu: no copy of the weights
     moments = {f"exp_avg.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.m), model).items()}
     moments.update({f"exp_avg_sq.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.v), model).items()})
     final = _write_checkpoint(checkpoint_dir(run_dir, step),
