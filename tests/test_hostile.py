@@ -205,3 +205,17 @@ def test_prepare_on_a_full_disk_leaves_nothing(tmp_path, small_fs, capsys):
     line = one_error_line(capsys)
     assert "data" in line and "No space left on device" in line
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
+
+
+def test_convert_into_a_full_disk_or_an_owned_output(tmp_path, data, small_fs, capsys):
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.max_steps", "1"]) == 0
+    with lock_output(tmp_path / "hf"):
+        assert cli(["convert", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 2
+    capsys.readouterr()
+    _fill(small_fs, 4096)
+    for fmt in ("hf", "handgrad", "llmc"):
+        assert cli(["convert", str(run), str(small_fs / fmt), "--format", fmt]) == 2
+        line = one_error_line(capsys)
+        assert "No space left on device" in line and f"nothing was written to {small_fs / fmt}" in line
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]  # no partial export, no lock file left

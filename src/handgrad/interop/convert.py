@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import lock_output
 from ..models.gpt2 import GPT, param_spec
 from ..training.checkpoint import load_weights, read_state, resolve, save_weights
 from .common import ConvertError, check_weights, make_gpt_config, prepare_dir, publish_dir
@@ -174,7 +175,13 @@ def main(args):
     info["path"] = str(args.src)
     if args.llmc_dtype:  # else an llm.c source keeps its version, and anything else gets 3 (float32)
         info["llmc_version"] = 3 if args.llmc_dtype == "float32" else 5
-    dst, what = save_pretrained(args.dst, config, weights, args.format, info.get("tokenizer"), info)
+    try:
+        with lock_output(args.dst):  # one process writes DST; a second one stops with this one's pid
+            dst, what = save_pretrained(args.dst, config, weights, args.format, info.get("tokenizer"), info)
+    except OSError as e:  # a full disk, a lost mount: the temporary output is gone, DST was never made
+        where = e.filename or args.dst
+        raise ConvertError(f"{where}: write failed ({e.strerror or e}); nothing was written to {args.dst}; "
+                           f"free space or choose another DST") from None
     n = sum(int(np.prod(s)) for _, s in param_spec(config))
     print(f"{args.src} ({info['format']}) -> {dst} ({args.format}): {n / 1e6:.2f}M parameters, "
           f"n_layer {config.n_layer}, n_head {config.n_head}, n_embd {config.n_embd}, "

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..data.sources import DataError
 from ..data.tokenizer import EOT_TEXT, GPT2Tokenizer, bytes_to_unicode, load_tokenizer
+from ..files import save_safetensors
 from .common import ConvertError, check_weights, make_gpt_config, prepare_dir, publish_dir
 
 
@@ -150,12 +151,11 @@ def write_hf(dst, config, weights, tokenizer=None, eot_id=None):
     own config said) or, for a 50257-token model, GPT-2's 50256 (such a model is GPT-2's
     vocabulary, as llm.c's are); else null. Returns (dst, what): one line saying what was
     written, and what was not and why."""
-    from safetensors.numpy import save_file
     check_weights(config, weights, "weights")
     tmp = prepare_dir(dst)
     try:
-        save_file({f"transformer.{k}": np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
-                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors({f"transformer.{k}": np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
+                         tmp / "model.safetensors", metadata={"format": "pt"})
         tok, written, why_not = None, None, "no tokenizer came with the model"
         if tokenizer is not None:
             try:
