@@ -31,7 +31,8 @@ def add_arguments(parser):
                              f"{ROW_BUDGET_S:g} s, {MIN_REPEAT} to {MAX_REPEAT})")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--preset", default=None,
-                        help="train: shape(s) to time, comma-separated, from tiny, shakespeare-char, mid, gpt2-124m "
+                        help="train: shape(s) to time, comma-separated, from tiny, shakespeare-char, mid, gpt2-124m, "
+                             "llama-mid, smollm2-135m "
                              "(default tiny,mid,gpt2-124m); learn: the run preset (default shakespeare-char)")
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help="train: timed steps per side (default: as many as fit in about 12 s); "

@@ -1,10 +1,11 @@
 """`handgrad bench train`: whole training steps, handgrad beside PyTorch eager, in one run.
 
 A step is what `handgrad train` does per optimizer step with one micro-batch: zero the gradients,
-forward, backward, global gradient norm and clipping, AdamW. The PyTorch side is the same GPT-2
-(same weights, same batches, fp32) as a nanoGPT user runs it: torch.addmm linears,
-scaled_dot_product_attention, F.layer_norm, F.gelu, F.cross_entropy, clip_grad_norm_, and
-torch.optim.AdamW with its default (foreach) implementation.
+forward, backward, global gradient norm and clipping, AdamW. The PyTorch side is the same model
+(same weights, same batches, fp32) as its users run it: for GPT-2 nanoGPT's torch.addmm linears,
+scaled_dot_product_attention, F.layer_norm, F.gelu, F.cross_entropy; for the Llama family
+(`--preset llama-mid,smollm2-135m`) transformers' own LlamaForCausalLM with SDPA attention over
+grouped heads; then clip_grad_norm_ and torch.optim.AdamW(fused=True).
 
 Each side runs in its own worker process, so each one's peak resident memory is its own and the
 handgrad process never imports torch (training on CPU does not need it). The parent measures the
@@ -25,10 +26,10 @@ from dataclasses import asdict
 import numpy as np
 
 from ..backends.cpu import attention, blas
-from ..config import GPTConfig, load_run_config
+from ..config import LlamaConfig, load_run_config
 from ..machine import BackgroundLoad, environment, sgemm_peak
 from ..models.family import flat_layout
-from ..models.gpt2 import GPT, flops_per_token, init_params, param_spec
+from ..models import get_family
 from ..training.optim import AdamW
 from ..training.step import accumulate_gradients
 from .common import SETTLE_S
@@ -40,6 +41,8 @@ SHAPES = {
     "shakespeare-char": dict(preset="shakespeare-char", vocab_size=65, batch_size=12, T=64),
     "mid": dict(preset="mid", vocab_size=8192, batch_size=8, T=256),
     "gpt2-124m": dict(preset="gpt2-124m", vocab_size=50257, batch_size=4, T=64),
+    "llama-mid": dict(preset="llama-mid", vocab_size=8192, batch_size=8, T=256),
+    "smollm2-135m": dict(preset="smollm2-135m", vocab_size=49152, batch_size=4, T=256),
 }
 
 
@@ -111,7 +114,7 @@ class _Profiler:
 class _HandgradWorker:
     def __init__(self, config, t, flat):
         self.accumulate = accumulate_gradients  # what the trainer runs per step
-        self.model = GPT(config, seed=0)
+        self.model = _model_family(config).model(config, seed=0)
         self.model.params[:] = flat
         self.opt = AdamW(self.model, lr=t["lr"], betas=(t["beta1"], t["beta2"]), weight_decay=t["weight_decay"])
         self.grad_clip = t["grad_clip"]
@@ -183,6 +186,11 @@ class _HandgradWorker:
                 "s": float(np.median(times))}
 
 
+def _model_family(config):
+    """The model family of an architecture config."""
+    return get_family("llama" if isinstance(config, LlamaConfig) else "gpt2")
+
+
 def _head_kernel_flop(forward, B, T, C, block):
     """FLOPs of the products attention's per-head kernels run (attention._forward_heads,
     _backward_heads: all heads, hs NH = C), causal in blocks of `block` query rows. Row block
@@ -198,13 +206,21 @@ def _head_kernel_flop(forward, B, T, C, block):
 
 
 class _TorchWorker:
+    """PyTorch eager as its users run it: GPT-2 with addmm and scaled_dot_product_attention
+    (torch_ref.TorchGPT, fast=True); the Llama family as transformers' own LlamaForCausalLM with its
+    SDPA attention (grouped heads, no repeat); fused AdamW."""
+
     def __init__(self, config, t, flat):
-        from ..torch_ref import TorchGPT, torch
+        from ..torch_ref import TorchGPT, TorchLlama, torch
         self.torch = torch
-        layout, _ = flat_layout(param_spec(config))
+        layout, _ = flat_layout(_model_family(config).param_spec(config))
         state = {n: flat[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in layout.items()}
-        self.model = TorchGPT(config, torch.float32, fast=True).load_numpy(state)
-        self.opt = self.model.adamw(lr=t["lr"], weight_decay=t["weight_decay"], betas=(t["beta1"], t["beta2"]))
+        if isinstance(config, LlamaConfig):
+            self.model = TorchLlama(config, torch.float32, attn_implementation="sdpa").load_numpy(state)
+        else:
+            self.model = TorchGPT(config, torch.float32, fast=True).load_numpy(state)
+        self.opt = self.model.adamw(lr=t["lr"], weight_decay=t["weight_decay"], betas=(t["beta1"], t["beta2"]),
+                                    fused=True)
         self.grad_clip = t["grad_clip"]
 
     def prepare(self, x, y):
@@ -225,8 +241,9 @@ def worker(side, spec):
     if side == "pytorch":
         from .. import torch_ref  # noqa: F401  (torch is loaded before the baseline is read)
     before = _memory()
-    config = GPTConfig(**spec["model"])
-    flat = init_params(config, spec["seed"])
+    family = get_family(spec["arch"])
+    config = family.config(**spec["model"])
+    flat = family.init_params(config, spec["seed"])
     rng = np.random.default_rng(spec["seed"])
     B, T = spec["batch_size"], spec["T"]
     tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
@@ -300,7 +317,7 @@ def _spec(name):
     shape = SHAPES[name]
     rc = load_run_config(shape["preset"])
     t = rc.train
-    return {"model": asdict(rc.gpt_config(shape["vocab_size"])),
+    return {"arch": rc.model.arch, "model": asdict(rc.gpt_config(shape["vocab_size"])),
             "batch_size": shape["batch_size"], "T": shape["T"], "seed": t.seed,
             "train": {"lr": t.lr, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
                       "grad_clip": t.grad_clip}}
@@ -325,7 +342,7 @@ def _check_losses(name, a, b):
 def bench_shape(name, steps, profile):
     """Warm up, then alternate timed chunks of the two sides; one result dict."""
     spec = _spec(name)
-    config = GPTConfig(**spec["model"])
+    config = get_family(spec["arch"]).config(**spec["model"])
     tokens_per_step = spec["batch_size"] * spec["T"]
     sides = [_Side(s, spec) for s in SIDES]
     try:
@@ -352,7 +369,7 @@ def bench_shape(name, steps, profile):
                 memory[s.name] = s.close()
             except (SystemExit, BrokenPipeError, OSError):
                 s.proc.kill()
-    flops = flops_per_token(config, spec["T"])
+    flops = get_family(spec["arch"]).flops_per_token(config, spec["T"])
     result = {"name": name, "config": spec, "tokens_per_step": tokens_per_step, "flops_per_token": flops,
               "steps": steps, "loss_max_rel_diff": err, "first_loss": [hg.losses[0], pt.losses[0]],
               "background_cores": load.cores, "sides": {}}
