@@ -14,6 +14,12 @@ One rung per layer, as in the rest of handgrad:
     GELU()                              nn.GELU(approximate="tanh")                -
     CausalSelfAttention(C, NH)          nanoGPT's CausalSelfAttention, no dropout  c_attn, c_proj (Linear)
     CrossEntropyLoss()                  nn.CrossEntropyLoss(ignore_index=-1)       -
+  the Llama family (transformers' modeling_llama):
+    RMSNorm(C, eps=1e-6)                LlamaRMSNorm(C, eps)                       weight (C)
+    SwiGLU(C, H, bias=False)            LlamaMLP (hidden_act "silu")               gate_proj, up_proj, down_proj (Linear)
+    CausalSelfAttention(C, NH,          LlamaAttention (grouped-query, RoPE)       q_proj, k_proj, v_proj, o_proj
+      n_kv_head=NKV, rope_theta=1e4)                                               (Linear)
+    apply_rope(q, k, cos, sin)          apply_rotary_pos_emb(q, k, cos, sin)       -
 
 Weight layout. handgrad's ops take GPT-2's Conv1D layout W [in, out] (out = x @ W). These modules
 keep nn.Linear's layout [out, in] (out = x @ weight.T) and hand the ops the transposed view
@@ -23,7 +29,8 @@ nn.Embedding's (V, C) weight, and a Hugging Face GPT-2 Conv1D weight loads as we
 
 Backends. The backend is picked from the tensors' device (`backend_for`); only "cpu" is wired here
 (the gpu backend runs handgrad.GPT, not these Functions yet). A tensor on another device raises
-NotImplementedError naming the missing backend.
+NotImplementedError naming the missing backend; a CUDA tensor given to one of the Llama family's
+ops (rmsnorm, swiglu, rope, gqa_attention), which have no gpu kernels yet, says so.
 
 dtypes: float32 and float64 (gradcheck); anything else raises TypeError. Double backward is not
 supported (the backwards are hand-written kernels, marked once_differentiable).
@@ -35,10 +42,16 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .backends import BACKENDS, get_backend
+from .backends.cpu import rope as cpu_rope
 from .backends.cpu.crossentropy import IGNORE_INDEX
 from .backends.cpu.layernorm import EPS
 
 FLOATS = (torch.float32, torch.float64)
+
+# The ops with no gpu kernels yet, and what a user calls them by: a CUDA tensor given to one gets
+# this op's own message (from _check), not backend_for's general one.
+CPU_ONLY = {"rmsnorm": "RMSNorm", "swiglu": "SwiGLU", "rope": "apply_rope",
+            "gqa_attention": "CausalSelfAttention (grouped-query)"}
 
 # How each backend sees a tensor's memory, without a copy. The CPU ops take NumPy arrays (a
 # contiguous CPU tensor's .numpy() shares its storage). A GPU backend adds its entry here.
@@ -76,7 +89,11 @@ def _check(op, **tensors):
     if len({t.device for t in given.values()}) > 1:
         raise ValueError(f"{op}: all tensors must be on one device, got "
                          + ", ".join(f"{k} on {t.device}" for k, t in given.items()))
-    ops = backend_for(next(iter(given.values())).device)
+    device = next(iter(given.values())).device
+    if device.type == "cuda" and op in CPU_ONLY:
+        raise NotImplementedError(f"handgrad.torch.{CPU_ONLY[op]}: the gpu backend has no {op} kernels yet; "
+                                  f"use CPU tensors (.cpu())")
+    ops = backend_for(device)
     for k, t in given.items():
         if t.dtype not in FLOATS:
             raise TypeError(f"{op}: {k} has dtype {t.dtype}; handgrad's kernels take torch.float32 or "
@@ -327,6 +344,194 @@ def cross_entropy(logits, targets):
     return CrossEntropyFunction.apply(logits, targets)
 
 
+# ---------------------------------------------------------------- rmsnorm (the Llama family)
+class RMSNormFunction(torch.autograd.Function):
+    """out (..., C) = x (..., C) * rstd * weight (C), rstd = 1 / sqrt(mean_c(x^2) + eps): Llama's
+    RMSNorm (no mean subtracted, no bias). rstd (...) is kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ops = _check("rmsnorm", x=x, weight=weight)
+        _check_shape("rmsnorm", "weight", weight, (x.shape[-1],))
+        x, weight = _contiguous(x, weight)
+        out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1])  # rstd (...,)
+        ops.rmsnorm_forward(_v(out), _v(rstd), _v(x), _v(weight), float(eps))
+        ctx.save_for_backward(x, weight)
+        ctx.ops, ctx.rstd = ops, rstd
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        x, weight = ctx.saved_tensors
+        dx, dweight = torch.zeros_like(x), torch.zeros_like(weight)  # the op accumulates (+=) into both
+        ctx.ops.rmsnorm_backward(_v(dx), _v(dweight), _v(dout.contiguous()), _v(x), _v(weight), _v(ctx.rstd))
+        return _needed(ctx, dx, dweight, None)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """transformers' LlamaRMSNorm (F.rms_norm(x, (C,), weight, eps)) through handgrad's kernels."""
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+# ---------------------------------------------------------------- swiglu
+class SwiGLUFunction(torch.autograd.Function):
+    """out (..., H) = silu(gate) * up, gu (..., 2H) = [gate | up] on the last axis (one linear's
+    output whose first H columns are gate_proj's and last H up_proj's)."""
+
+    @staticmethod
+    def forward(ctx, gu):
+        ops = _check("swiglu", gu=gu)
+        if gu.dim() == 0 or gu.shape[-1] % 2:
+            raise ValueError(f"swiglu: gu must be (..., 2H) = [gate | up] (an even last axis), got {tuple(gu.shape)}")
+        (gu,) = _contiguous(gu)
+        out = gu.new_empty(gu.shape[:-1] + (gu.shape[-1] // 2,))
+        ops.swiglu_forward(_v(out), _v(gu))
+        ctx.save_for_backward(gu)
+        ctx.ops = ops
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        (gu,) = ctx.saved_tensors
+        dgu = torch.empty_like(gu)  # overwritten: dgate in the first H columns, dup in the last H
+        ctx.ops.swiglu_backward(_v(dgu), _v(dout.contiguous()), _v(gu))
+        return dgu
+
+
+def swiglu(gu):
+    """F.silu(gate) * up for gu = cat([gate, up], -1) (..., 2H) -> (..., H), through handgrad's kernel."""
+    return SwiGLUFunction.apply(gu)
+
+
+# ---------------------------------------------------------------- rope
+def _per_sequence(cos, sin, B):
+    """[(batch rows, cos (T_max, hs), sin (T_max, hs))]: one entry for tables all sequences share,
+    one per sequence for (B, T_max, hs) tables (B > 1)."""
+    if cos.dim() == 2:
+        return [(slice(None), cos, sin)]
+    if cos.shape[0] == 1:
+        return [(slice(None), cos[0], sin[0])]
+    return [(slice(b, b + 1), cos[b], sin[b]) for b in range(B)]
+
+
+class RoPEFunction(torch.autograd.Function):
+    """out (B, T, NH*hs) = x rotated as transformers' apply_rotary_pos_emb rotates (rotate_half),
+    x's rows holding n_head heads of hs contiguous values, at positions [offset, offset + T).
+
+    cos, sin: (T_max, hs) tables (rope_cache's), or per sequence (B, T_max, hs) or (1, T_max, hs)
+    (LlamaRotaryEmbedding's, for position_ids (B, T)); position t of x takes row offset + t. They
+    are constants (no gradient), float32 or float64 whatever x's dtype (the kernel casts each entry
+    to it). The backward is the inverse rotation (rotation by -angle) of dout."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, n_head, offset=0):
+        ops = _check("rope", x=x)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            raise ValueError("rope: cos and sin are constant tables and get no gradient; pass them detached")
+        if cos.device != x.device or sin.device != x.device:
+            raise ValueError(f"rope: cos and sin must be on x's device {x.device}, got {cos.device} and {sin.device}")
+        if cos.dtype not in FLOATS or sin.dtype != cos.dtype:
+            raise TypeError(f"rope: cos and sin must share one dtype, float32 or float64, got {cos.dtype} and {sin.dtype}")
+        if x.dim() != 3:
+            raise ValueError(f"rope: x must be (B, T, n_head*hs), got {tuple(x.shape)}")
+        if cos.shape != sin.shape or cos.dim() not in (2, 3) or (cos.dim() == 3 and cos.shape[0] not in (1, x.shape[0])):
+            raise ValueError(f"rope: cos and sin must both be (T_max, hs), (1, T_max, hs) or ({x.shape[0]}, T_max, hs), "
+                             f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        x, cos, sin = _contiguous(x, cos, sin)
+        out = torch.empty_like(x)
+        for rows, c, s in _per_sequence(cos, sin, x.shape[0]):
+            ops.rope_forward(_v(out[rows]), _v(x[rows]), _v(c), _v(s), n_head, offset)  # checks heads, positions
+        ctx.ops, ctx.tables, ctx.n_head, ctx.offset = ops, (cos, sin), n_head, offset
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        dout = dout.contiguous()
+        dx = torch.empty_like(dout)  # overwritten
+        for rows, c, s in _per_sequence(*ctx.tables, dout.shape[0]):
+            ctx.ops.rope_backward(_v(dx[rows]), _v(dout[rows]), _v(c), _v(s), ctx.n_head, ctx.offset)
+        return dx, None, None, None, None
+
+
+def rope(x, cos, sin, n_head, offset=0):
+    """RoPE over x (B, T, n_head*hs) in handgrad's layout (each row the heads side by side, as a
+    q_proj or k_proj output is) at positions [offset, offset + T) of the tables cos, sin."""
+    return RoPEFunction.apply(x, cos, sin, n_head, offset)
+
+
+def _rope_heads(x, cos, sin, unsqueeze_dim, offset):
+    """rope on x (B, NH, T, hs) (unsqueeze_dim 1) or (B, T, NH, hs) (unsqueeze_dim 2), same shape back."""
+    if x.dim() != 4 or unsqueeze_dim not in (1, 2):
+        raise ValueError(f"apply_rope: q and k must be (B, heads, T, hs) with unsqueeze_dim=1 or (B, T, heads, hs) "
+                         f"with unsqueeze_dim=2, got {tuple(x.shape)} and unsqueeze_dim={unsqueeze_dim}")
+    heads_first = unsqueeze_dim == 1
+    x = x.transpose(1, 2) if heads_first else x  # (B, T, NH, hs)
+    B, T, NH, hs = x.shape
+    y = rope(x.reshape(B, T, NH * hs), cos, sin, NH, offset).view(B, T, NH, hs)
+    return y.transpose(1, 2) if heads_first else y
+
+
+def apply_rope(q, k, cos, sin, unsqueeze_dim=1, *, position_offset=0):
+    """transformers' apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim) through handgrad's kernel:
+    (q_embed, k_embed), with the same call.
+
+    q (B, NH, T, hs) and k (B, NKV, T, hs), or (B, T, NH, hs) and (B, T, NKV, hs) with
+    unsqueeze_dim=2. cos, sin: LlamaRotaryEmbedding's (B, T, hs) or (1, T, hs), or rope_cache's
+    (T_max, hs) tables; position t takes their row position_offset + t. A q or k that is the
+    transposed view of a (B, T, heads*hs) projection, as in LlamaAttention, goes in without a copy.
+    """
+    return tuple(_rope_heads(t, cos, sin, unsqueeze_dim, position_offset) for t in (q, k))
+
+
+def rope_cache(T, head_dim, theta=10000.0):
+    """(cos, sin), each (T, head_dim) float32 CPU tensors: the RoPE tables of positions [0, T), equal to
+    transformers' LlamaRotaryEmbedding's (rope type "default") to 1 ulp (backends/cpu/rope.py says why)."""
+    cos, sin = cpu_rope.rope_cache(T, head_dim, theta)
+    return torch.from_numpy(cos), torch.from_numpy(sin)
+
+
+# ---------------------------------------------------------------- grouped-query causal self-attention
+class GQAAttentionFunction(torch.autograd.Function):
+    """out (B, T, NH*hs) = causal grouped-query attention over qkv (B, T, (NH + 2*NKV)*hs) =
+    [NH q heads | NKV k heads | NKV v heads]: query head h reads kv head h // (NH / NKV) (as
+    transformers' repeat_kv pairs them), scale 1/sqrt(hs); k and v are never repeated in memory.
+    Only the logsumexp of each score row, (B, NH, T), is kept: the backward recomputes the
+    probabilities from it."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, n_kv_head):
+        ops = _check("gqa_attention", qkv=qkv)
+        width = n_head + 2 * n_kv_head
+        if n_kv_head < 1 or n_head % n_kv_head or qkv.dim() != 3 or qkv.shape[2] % width or qkv.shape[2] == 0:
+            raise ValueError(f"gqa_attention: qkv must be (B, T, (n_head + 2*n_kv_head)*hs) with n_head={n_head} "
+                             f"a multiple of n_kv_head={n_kv_head}, got {tuple(qkv.shape)}")
+        (qkv,) = _contiguous(qkv)
+        B, T, W = qkv.shape
+        out = qkv.new_empty(B, T, n_head * (W // width))
+        lse = qkv.new_empty(ops.gqa_attention_state_shape(B, n_head, T))
+        ops.gqa_attention_forward(_v(out), _v(lse), _v(qkv), n_head, n_kv_head)
+        ctx.save_for_backward(qkv)
+        ctx.ops, ctx.lse, ctx.heads = ops, lse, (n_head, n_kv_head)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        (qkv,) = ctx.saved_tensors
+        dqkv = torch.empty_like(qkv)  # overwritten: dq, dk and dv
+        ctx.ops.gqa_attention_backward(_v(dqkv), _v(dout.contiguous()), _v(qkv), _v(ctx.lse), *ctx.heads)
+        return dqkv, None, None
+
+
+def gqa_attention(qkv, n_head, n_kv_head):
+    """Causal grouped-query attention over the fused qkv (B, T, (n_head + 2*n_kv_head)*hs) ->
+    (B, T, n_head*hs), no projections, no RoPE (rotate q and k first)."""
+    return GQAAttentionFunction.apply(qkv, n_head, n_kv_head)
+
+
 # ---------------------------------------------------------------- modules
 def _linear_init(weight, bias):
     """nn.Linear.reset_parameters, draw for draw: same seed, same weights as nn.Linear."""
@@ -428,25 +633,105 @@ class GELU(nn.Module):
         return f"approximate={self.approximate!r}"
 
 
-class CausalSelfAttention(nn.Module):
-    """nanoGPT's CausalSelfAttention (without dropout): x (B, T, C) -> c_attn -> causal attention
-    over n_head heads -> c_proj -> (B, T, C). c_attn and c_proj are handgrad Linears with nn.Linear's
-    parameter names and layout, so a nanoGPT block's `attn.*` weights load unchanged. For your own
-    projections (or a fused ln_1 + c_attn, LayerNormLinear) call causal_attention(qkv, n_head)."""
+class RMSNorm(nn.Module):
+    """Drop-in for transformers' LlamaRMSNorm(hidden_size, eps=1e-6): weight (C), initialised to
+    ones, so its state_dict loads unchanged. The mean of squares is accumulated in float64
+    (LlamaRMSNorm's is float32)."""
 
-    def __init__(self, n_embd, n_head, bias=True, device=None, dtype=None):
+    def __init__(self, hidden_size, eps=1e-6, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self):
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class SwiGLU(nn.Module):
+    """Drop-in for transformers' LlamaMLP (hidden_act "silu"): x (..., C) ->
+    down_proj(silu(gate_proj(x)) * up_proj(x)). gate_proj, up_proj (Linear C -> H) and down_proj
+    (Linear H -> C) are handgrad Linears named as LlamaMLP's, without bias (mlp_bias=False; bias=True
+    gives all three one, as mlp_bias=True does), so a LlamaMLP's state_dict loads unchanged.
+
+    gate and up are two products, concatenated into gu (..., 2H) = [gate | up] for the swiglu
+    kernel: one copy of the (..., 2H) activations per call. One product on the stacked weight would
+    copy the two (H, C) weights on every call instead (they are separate parameters)."""
+
+    def __init__(self, n_embd, hidden, bias=False, device=None, dtype=None):
+        super().__init__()
+        self.n_embd, self.hidden = n_embd, hidden
+        self.gate_proj = Linear(n_embd, hidden, bias, device, dtype)
+        self.up_proj = Linear(n_embd, hidden, bias, device, dtype)
+        self.down_proj = Linear(hidden, n_embd, bias, device, dtype)
+
+    def forward(self, x):
+        gu = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # (..., 2H) = [gate | up]
+        return self.down_proj(swiglu(gu))
+
+    def extra_repr(self):
+        return f"n_embd={self.n_embd}, hidden={self.hidden}"
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal self-attention, x (B, T, C) -> (B, T, C), in one of two forms.
+
+    n_kv_head=None: nanoGPT's CausalSelfAttention (without dropout): c_attn -> causal attention over
+    n_head heads -> c_proj. c_attn and c_proj are handgrad Linears with nn.Linear's parameter names
+    and layout, so a nanoGPT block's `attn.*` weights load unchanged. For your own projections (or a
+    fused ln_1 + c_attn, LayerNormLinear) call causal_attention(qkv, n_head). bias defaults to True.
+
+    n_kv_head=NKV: transformers' LlamaAttention, grouped-query (n_head a multiple of NKV, head size
+    hs = C / n_head): q_proj (C -> NH*hs), k_proj and v_proj (C -> NKV*hs), o_proj (NH*hs -> C),
+    named as LlamaAttention's so its state_dict loads; bias defaults to False (attention_bias=False;
+    bias=True gives all four one, as attention_bias=True does). RoPE with rope_theta (default 10000)
+    rotates q and k at positions [0, T), from tables rope_cache computes once for the longest T seen
+    (LlamaRotaryEmbedding's to 1 ulp); then gqa_attention, which reads each kv head in place for its
+    NH / NKV query heads (no repeat_kv copy). The q, k and v products are concatenated into one qkv
+    (B, T, (NH + 2*NKV)*hs) for the kernel: one copy of the activations per call.
+    """
+
+    def __init__(self, n_embd, n_head, bias=None, device=None, dtype=None, *, n_kv_head=None, rope_theta=None):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"CausalSelfAttention: n_embd={n_embd} must be divisible by n_head={n_head}")
-        self.n_embd, self.n_head = n_embd, n_head
-        self.c_attn = Linear(n_embd, 3 * n_embd, bias, device, dtype)
-        self.c_proj = Linear(n_embd, n_embd, bias, device, dtype)
+        self.n_embd, self.n_head, self.n_kv_head = n_embd, n_head, n_kv_head
+        if n_kv_head is None:
+            if rope_theta is not None:
+                raise ValueError("CausalSelfAttention: rope_theta is for Llama's attention; give n_kv_head too")
+            bias = True if bias is None else bias
+            self.c_attn = Linear(n_embd, 3 * n_embd, bias, device, dtype)
+            self.c_proj = Linear(n_embd, n_embd, bias, device, dtype)
+            return
+        hs = n_embd // n_head
+        if n_kv_head < 1 or n_head % n_kv_head or hs % 2:
+            raise ValueError(f"CausalSelfAttention: n_head={n_head} must be a multiple of n_kv_head={n_kv_head}, "
+                             f"and the head size {hs} even (RoPE)")
+        bias = False if bias is None else bias
+        self.head_size, self.rope_theta = hs, 10000.0 if rope_theta is None else float(rope_theta)
+        self.q_proj = Linear(n_embd, n_head * hs, bias, device, dtype)
+        self.k_proj = Linear(n_embd, n_kv_head * hs, bias, device, dtype)
+        self.v_proj = Linear(n_embd, n_kv_head * hs, bias, device, dtype)
+        self.o_proj = Linear(n_head * hs, n_embd, bias, device, dtype)
+        self._rope = None  # (cos, sin) (T_max, hs): not buffers, so the state_dict is LlamaAttention's
 
     def forward(self, x):
-        return self.c_proj(causal_attention(self.c_attn(x), self.n_head))
+        if self.n_kv_head is None:
+            return self.c_proj(causal_attention(self.c_attn(x), self.n_head))
+        if self._rope is None or self._rope[0].shape[0] < x.shape[1]:
+            self._rope = rope_cache(x.shape[1], self.head_size, self.rope_theta)
+        cos, sin = self._rope
+        q = rope(self.q_proj(x), cos, sin, self.n_head)  # (B, T, NH*hs)
+        k = rope(self.k_proj(x), cos, sin, self.n_kv_head)  # (B, T, NKV*hs)
+        qkv = torch.cat([q, k, self.v_proj(x)], dim=-1)  # (B, T, (NH + 2*NKV)*hs)
+        return self.o_proj(gqa_attention(qkv, self.n_head, self.n_kv_head))
 
     def extra_repr(self):
-        return f"n_embd={self.n_embd}, n_head={self.n_head}"
+        if self.n_kv_head is None:
+            return f"n_embd={self.n_embd}, n_head={self.n_head}"
+        return f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}, rope_theta={self.rope_theta}"
 
 
 class CrossEntropyLoss(nn.Module):
@@ -465,7 +750,10 @@ class CrossEntropyLoss(nn.Module):
 
 __all__ = [
     "backend_for", "layernorm", "linear", "layernorm_linear", "gelu", "causal_attention", "cross_entropy",
+    "rms_norm", "swiglu", "rope", "apply_rope", "rope_cache", "gqa_attention",
     "LayerNormFunction", "LinearFunction", "LayerNormLinearFunction", "GELUFunction",
     "CausalAttentionFunction", "CrossEntropyFunction",
+    "RMSNormFunction", "SwiGLUFunction", "RoPEFunction", "GQAAttentionFunction",
     "LayerNorm", "Linear", "LayerNormLinear", "GELU", "CausalSelfAttention", "CrossEntropyLoss",
+    "RMSNorm", "SwiGLU",
 ]
