@@ -7,6 +7,9 @@
 3. A tiny nanoGPT-style model assembled from handgrad.torch modules trains with torch.optim.AdamW
    step for step like its twin built from torch modules.
 4. Errors: devices without a backend, dtypes, targets, unsupported module options.
+5. The Llama family (RMSNorm, SwiGLU, RoPE, grouped-query CausalSelfAttention): gradcheck in 1., and
+   in float32 beside transformers' LlamaRMSNorm, LlamaMLP, apply_rotary_pos_emb (on its
+   LlamaRotaryEmbedding's tables) and LlamaAttention, each loading the other's state_dict.
 """
 import copy
 
@@ -75,6 +78,43 @@ def _gc_cross_entropy(shape, V, ignored=(0, 3)):
     return (lambda z: 2.5 * H.cross_entropy(z, t)), (randn(*shape, V, dtype=F64, scale=3.0, requires_grad=True),)
 
 
+def _gc_rms_norm(shape, eps):
+    C = shape[-1]
+    return (lambda x, w: H.rms_norm(x, w, eps)), (randn(*shape, dtype=F64, scale=2.0, requires_grad=True),
+                                                 randn(C, seed=1, dtype=F64, requires_grad=True))
+
+
+def _gc_swiglu(shape):
+    return H.swiglu, (randn(*shape, dtype=F64, scale=3.0, requires_grad=True),)
+
+
+def _gc_rope(B, T, NH, hs, offset, per_sequence=False):
+    """float32 tables (rope_cache's) on float64 x; per_sequence: (B, T_max, hs) tables, sequence b
+    starting at position 3b (as LlamaRotaryEmbedding's for position_ids that differ per row)."""
+    cos, sin = H.rope_cache(offset + T + 3 * B, hs, 1e4)
+    if per_sequence:
+        cos, sin = (torch.stack([t[3 * b:3 * b + offset + T] for b in range(B)]) for t in (cos, sin))
+    return (lambda x: H.rope(x, cos, sin, NH, offset)), (randn(B, T, NH * hs, dtype=F64, requires_grad=True),)
+
+
+def _gc_apply_rope(B, NH, NKV, T, hs):
+    cos, sin = (t[None].to(F64) for t in H.rope_cache(T, hs, 1e4))  # (1, T, hs), as LlamaRotaryEmbedding's
+    return (lambda q, k: H.apply_rope(q, k, cos, sin)), (randn(B, NH, T, hs, dtype=F64, requires_grad=True),
+                                                         randn(B, NKV, T, hs, seed=1, dtype=F64, requires_grad=True))
+
+
+def _gc_gqa_attention(B, T, NH, NKV, hs):
+    return ((lambda qkv: H.gqa_attention(qkv, NH, NKV)),
+            (randn(B, T, (NH + 2 * NKV) * hs, dtype=F64, scale=0.5, requires_grad=True),))
+
+
+def _gc_llama_attention(B, T, C, NH, NKV):
+    """The whole module (projections, RoPE, grouped-query attention) as a function of x."""
+    torch.manual_seed(0)
+    attn = H.CausalSelfAttention(C, NH, n_kv_head=NKV, bias=True, dtype=F64)
+    return attn, (randn(B, T, C, dtype=F64, requires_grad=True),)
+
+
 GRADCHECK = {
     "layernorm-BTC-T1-C6": lambda: _gc_layernorm((2, 1, 6)),
     "layernorm-NC-C7": lambda: _gc_layernorm((5, 7)),
@@ -91,6 +131,19 @@ GRADCHECK = {
     "cross_entropy-NV-V37": lambda: _gc_cross_entropy((7,), 37),
     "cross_entropy-BTV": lambda: _gc_cross_entropy((2, 3), 37, ignored=(4,)),
     "cross_entropy-all-ignored": lambda: _gc_cross_entropy((3,), 5, ignored=(0, 1, 2)),
+    "rms_norm-BTC-T1-C6": lambda: _gc_rms_norm((2, 1, 6), 1e-6),
+    "rms_norm-NC-C7-eps1e-5": lambda: _gc_rms_norm((5, 7), 1e-5),
+    "swiglu-BTH-T1-H5": lambda: _gc_swiglu((2, 1, 10)),
+    "swiglu-NH-H7": lambda: _gc_swiglu((5, 14)),
+    "rope-T1-NH6-hs16-offset3": lambda: _gc_rope(2, 1, 6, 16, 3),
+    "rope-T5-NH2-hs24-per-sequence": lambda: _gc_rope(2, 5, 2, 24, 1, per_sequence=True),
+    "apply_rope-NH6-NKV2-T5-hs16": lambda: _gc_apply_rope(1, 6, 2, 5, 16),
+    "gqa_attention-NH6-NKV2-hs16-T1": lambda: _gc_gqa_attention(2, 1, 6, 2, 16),
+    "gqa_attention-NH6-NKV2-hs16-T5": lambda: _gc_gqa_attention(1, 5, 6, 2, 16),
+    "gqa_attention-NH6-NKV3-hs24-T7": lambda: _gc_gqa_attention(1, 7, 6, 3, 24),
+    "gqa_attention-MQA-NH3-hs4": lambda: _gc_gqa_attention(2, 3, 3, 1, 4),
+    "gqa_attention-MHA-NH2-hs4": lambda: _gc_gqa_attention(2, 3, 2, 2, 4),
+    "llama_attention-C96-NH6-NKV2-T5": lambda: _gc_llama_attention(1, 5, 96, 6, 2),
 }
 
 
@@ -250,7 +303,8 @@ def test_noncontiguous_inputs_and_upstream_gradients():
 
 
 @pytest.mark.parametrize("fn", [H.gelu, lambda x: H.layernorm(x, torch.ones(6), torch.zeros(6)),
-                                lambda x: H.linear(x, torch.ones(3, 6))], ids=["gelu", "layernorm", "linear"])
+                                lambda x: H.linear(x, torch.ones(3, 6)), lambda x: H.rms_norm(x, torch.ones(6)),
+                                H.swiglu], ids=["gelu", "layernorm", "linear", "rms_norm", "swiglu"])
 def test_empty_batch(fn):
     x = torch.zeros(0, 6, requires_grad=True)
     fn(x).sum().backward()
@@ -398,8 +452,186 @@ def test_bad_arguments_raise():
             make()
 
 
+def test_llama_bad_arguments_raise():
+    with pytest.raises(ValueError, match="multiple of n_kv_head=4"):
+        H.gqa_attention(torch.zeros(1, 2, 14 * 4), 6, 4)
+    with pytest.raises(ValueError, match=r"\(n_head \+ 2\*n_kv_head\)\*hs"):
+        H.gqa_attention(torch.zeros(1, 2, 51), 6, 2)
+    with pytest.raises(ValueError, match="even last axis"):
+        H.swiglu(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="weight must have shape"):
+        H.rms_norm(torch.zeros(2, 6), torch.ones(5))
+    cos, sin = H.rope_cache(8, 16)
+    with pytest.raises(ValueError, match="no gradient"):
+        H.rope(torch.zeros(1, 2, 32), cos.clone().requires_grad_(), sin, 2)
+    with pytest.raises(ValueError, match="outside the tables"):
+        H.rope(torch.zeros(1, 2, 32), cos, sin, 2, offset=7)
+    with pytest.raises(ValueError, match=r"\(3, T_max, hs\)"):
+        H.rope(torch.zeros(3, 2, 32), cos[None].expand(2, 8, 16), sin[None].expand(2, 8, 16), 2)
+    with pytest.raises(ValueError, match="unsqueeze_dim"):
+        H.apply_rope(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), cos, sin, unsqueeze_dim=0)
+    for make in (lambda: H.CausalSelfAttention(96, 6, rope_theta=1e4),  # RoPE without n_kv_head
+                 lambda: H.CausalSelfAttention(96, 6, n_kv_head=4),  # 6 q heads over 4 kv heads
+                 lambda: H.CausalSelfAttention(18, 6, n_kv_head=2)):  # head size 3: odd, no RoPE pairs
+        with pytest.raises(ValueError):
+            make()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_tensor_raises_for_llama_ops():
+    """The Llama family's ops have no gpu kernels yet: each says so, naming what the user called."""
+    x, cos, sin = torch.randn(1, 2, 32, device="cuda"), *(t.cuda() for t in H.rope_cache(4, 16))
+    calls = {"RMSNorm": lambda: H.RMSNorm(32, device="cuda")(x), "SwiGLU": lambda: H.swiglu(x),
+             "apply_rope": lambda: H.rope(x, cos, sin, 2),
+             "CausalSelfAttention": lambda: H.gqa_attention(torch.randn(1, 2, 48, device="cuda"), 1, 1)}
+    for name, call in calls.items():
+        with pytest.raises(NotImplementedError, match=f"handgrad.torch.{name}.*gpu backend has no"):
+            call()
+
+
 def test_float64_ops_exist_in_the_backend():
     """Each Function runs its float64 path (gradcheck relies on it): outputs come back float64."""
     x = randn(2, 3, 6, dtype=F64)
     assert H.gelu(x).dtype == F64 and H.causal_attention(randn(1, 2, 6, dtype=F64), 1).dtype == F64
     assert np.isfinite(H.cross_entropy(x.view(6, 6), torch.arange(6)).item())
+    assert H.rms_norm(x, torch.ones(6, dtype=F64)).dtype == F64 and H.swiglu(x).dtype == F64
+    assert H.gqa_attention(randn(1, 2, 12, dtype=F64), 2, 1).dtype == F64
+
+
+# ---------------------------------------------------------------- 5. the Llama family beside transformers
+TOL_HF = 1e-5  # float32, relative to the largest reference magnitude
+
+
+def modeling_llama():
+    return pytest.importorskip("transformers.models.llama.modeling_llama")
+
+
+def llama_config(C, NH, NKV, intermediate=40, theta=1e4, bias=False, eps=1e-6):
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(hidden_size=C, num_attention_heads=NH, num_key_value_heads=NKV,
+                                    intermediate_size=intermediate, rope_theta=theta, max_position_embeddings=64,
+                                    attention_bias=bias, mlp_bias=bias, rms_norm_eps=eps, attn_implementation="eager")
+
+
+def randomize_llama(model, seed=0):
+    """Random parameters at a trained model's scale: matrices ~ N(0, 1/fan_in) (a softmax that is
+    neither flat nor saturated), vectors (norm weights, biases) ~ 1 + N(0, 0.25)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(r / p.shape[1] ** 0.5 if p.dim() == 2 else 1.0 + 0.5 * r)
+    return model
+
+
+def beside_transformers(op, mine, theirs, x, call_theirs=lambda m, x: m(x), tol=TOL_HF):
+    """Load theirs' (randomized) state_dict into mine, strictly; run both on x and backward one random
+    upstream gradient; compare the output, dx and every parameter's gradient."""
+    mine.load_state_dict(randomize_llama(theirs).state_dict())
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    out, ref = mine(xs[0]), call_theirs(theirs, xs[1])
+    dout = randn(*out.shape, seed=5)
+    out.backward(dout)
+    ref.backward(dout)
+    rows = [compare(op, "out", out.detach().numpy(), ref.detach().numpy(), tol),
+            compare(op, "dx", xs[0].grad.numpy(), xs[1].grad.numpy(), tol)]
+    theirs_params = dict(theirs.named_parameters())
+    assert set(theirs_params) == {n for n, _ in mine.named_parameters()}
+    rows += [compare(op, f"d{n}", p.grad.numpy(), theirs_params[n].grad.numpy(), tol)
+             for n, p in mine.named_parameters()]
+    return rows
+
+
+@pytest.mark.parametrize("shape, eps", [((2, 1, 6), 1e-6), ((2, 13, 96), 1e-5), ((67, 24), 1e-6)],
+                         ids=["T1-C6", "T13-C96-eps1e-5", "NC-BT67"])
+def test_rmsnorm_float32_matches_llama_rmsnorm(shape, eps):
+    C = shape[-1]
+    theirs = modeling_llama().LlamaRMSNorm(C, eps=eps)
+    assert_rows(beside_transformers("RMSNorm", H.RMSNorm(C, eps=eps), theirs, randn(*shape, scale=2.0)))
+
+
+@pytest.mark.parametrize("B, T, C, I, bias", [(2, 1, 96, 40, False), (2, 13, 96, 40, False), (1, 7, 6, 10, True)],
+                         ids=["T1-C96-H40", "T13-C96-H40", "T7-C6-H10-mlp_bias"])
+def test_swiglu_float32_matches_llama_mlp(B, T, C, I, bias):
+    theirs = modeling_llama().LlamaMLP(llama_config(C, 6, 2, intermediate=I, bias=bias))
+    assert_rows(beside_transformers("SwiGLU", H.SwiGLU(C, I, bias=bias), theirs, randn(B, T, C)))
+
+
+@pytest.mark.parametrize("B, T, NH, NKV, hs, heads_first", [(2, 1, 6, 2, 16, True), (2, 13, 6, 3, 24, True),
+                                                            (2, 13, 6, 2, 16, False)],
+                         ids=["T1-NH6-NKV2-hs16", "T13-NH6-NKV3-hs24", "T13-unsqueeze_dim2"])
+def test_apply_rope_float32_matches_transformers(B, T, NH, NKV, hs, heads_first):
+    """On LlamaRotaryEmbedding's (B, T, hs) tables for position_ids that start at 3b in row b; q and k
+    are views of (B, T, heads*hs) projections, as LlamaAttention makes them."""
+    modeling = modeling_llama()
+    positions = torch.arange(T)[None] + 3 * torch.arange(B)[:, None]
+    q0, k0 = randn(B, T, NH * hs, scale=2.0), randn(B, T, NKV * hs, seed=1, scale=2.0)
+    cos, sin = modeling.LlamaRotaryEmbedding(llama_config(NH * hs, NH, NKV))(q0, positions)
+    dim = 1 if heads_first else 2
+    rows, grads = [], [randn(B, T, NH * hs, seed=2), randn(B, T, NKV * hs, seed=3)]
+    leaves = [[t.clone().requires_grad_() for t in (q0, k0)] for _ in range(2)]
+    outs = []
+    for fn, (q, k) in zip((H.apply_rope, modeling.apply_rotary_pos_emb), leaves):
+        views = [t.view(B, T, -1, hs).transpose(1, 2) if heads_first else t.view(B, T, -1, hs) for t in (q, k)]
+        outs.append(fn(*views, cos, sin, dim))
+    for (a, b), d in zip(zip(*outs), grads):  # q_embed, then k_embed
+        assert a.shape == b.shape
+        d = d.view(B, T, -1, hs).transpose(1, 2) if heads_first else d.view(B, T, -1, hs)
+        a.backward(d)
+        b.backward(d)
+        rows.append(compare("apply_rope", f"out {tuple(a.shape)}", a.detach().numpy(), b.detach().numpy(), TOL_HF))
+    rows += [compare("apply_rope", f"d{n}", a.grad.numpy(), b.grad.numpy(), TOL_HF)
+             for n, a, b in zip("qk", *leaves)]
+    assert_rows(rows)
+
+
+def test_rope_cache_and_offset_match_llama_rotary_embedding():
+    """rope_cache's tables are LlamaRotaryEmbedding's (to 1 ulp), and apply_rope at position_offset 9 on
+    them is transformers' at position_ids 9..."""
+    modeling, T, off, hs = modeling_llama(), 5, 9, 24
+    config = llama_config(6 * hs, 6, 2, theta=5e5)
+    cos, sin = H.rope_cache(off + T, hs, 5e5)
+    q, k = randn(2, 6, T, hs, scale=2.0), randn(2, 2, T, hs, seed=1, scale=2.0)
+    hf_cos, hf_sin = modeling.LlamaRotaryEmbedding(config)(q, torch.arange(off + T)[None])
+    rows = [compare("rope_cache", "cos", cos.numpy(), hf_cos[0].numpy(), 2.4e-7),
+            compare("rope_cache", "sin", sin.numpy(), hf_sin[0].numpy(), 2.4e-7)]
+    ours = H.apply_rope(q, k, cos, sin, position_offset=off)
+    ref = modeling.apply_rotary_pos_emb(q, k, hf_cos[:, off:], hf_sin[:, off:])
+    rows += [compare("apply_rope", f"{n} at offset {off}", a.numpy(), b.numpy(), TOL_HF)
+             for n, a, b in zip("qk", ours, ref)]
+    assert_rows(rows)
+
+
+def hf_attention_call(config):
+    """LlamaAttention's forward as LlamaModel calls it: positions 0..T-1 in every row, and an explicit
+    causal mask (eager attention adds no mask of its own)."""
+    rotary = modeling_llama().LlamaRotaryEmbedding(config)
+
+    def call(attn, x):
+        B, T, _ = x.shape
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        return attn(x, position_embeddings=rotary(x, torch.arange(T)[None].expand(B, T)), attention_mask=mask)[0]
+    return call
+
+
+@pytest.mark.parametrize("B, T, C, NH, NKV, theta, bias", [
+    (2, 1, 96, 6, 2, 1e4, False), (2, 13, 96, 6, 2, 1e4, False), (2, 13, 144, 6, 3, 5e5, False),
+    (1, 7, 144, 6, 3, 1e4, True), (1, 5, 96, 6, 6, 1e4, False)],
+    ids=["T1-NH6-NKV2-hs16", "T13-NH6-NKV2-hs16", "T13-NH6-NKV3-hs24-theta5e5", "T7-hs24-attention_bias", "MHA"])
+def test_llama_attention_float32_matches_transformers(B, T, C, NH, NKV, theta, bias):
+    config = llama_config(C, NH, NKV, theta=theta, bias=bias)
+    theirs = modeling_llama().LlamaAttention(config, layer_idx=0)
+    mine = H.CausalSelfAttention(C, NH, n_kv_head=NKV, rope_theta=theta, bias=bias)
+    assert_rows(beside_transformers("LlamaAttention", mine, theirs, randn(B, T, C), hf_attention_call(config)))
+
+
+def test_llama_modules_state_dicts_load_both_ways():
+    """Same keys and shapes as transformers' modules (strict loads), the defaults included: RMSNorm's
+    eps 1e-6, SwiGLU's and Llama attention's no-bias projections, GPT-2 attention still with bias."""
+    modeling, config = modeling_llama(), llama_config(96, 6, 2)
+    for mine, theirs in [(H.RMSNorm(96), modeling.LlamaRMSNorm(96)), (H.SwiGLU(96, 40), modeling.LlamaMLP(config)),
+                         (H.CausalSelfAttention(96, 6, n_kv_head=2), modeling.LlamaAttention(config, 0))]:
+        mine.load_state_dict(theirs.state_dict())
+        theirs.load_state_dict(mine.state_dict())
+    assert H.RMSNorm(96).eps == modeling.LlamaRMSNorm(96).variance_epsilon
+    assert H.CausalSelfAttention(6, 3).c_attn.bias is not None

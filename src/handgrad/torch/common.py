@@ -1,0 +1,87 @@
+"""What every Function of handgrad.torch shares: the backend a tensor's device picks, tensors as the
+backend's arrays without copies, and the checks that turn a bad argument into one clear error."""
+import torch
+
+from ..backends import BACKENDS, get_backend
+
+
+FLOATS = (torch.float32, torch.float64)
+
+
+# The ops with no gpu kernels yet, and what a user calls them by: a CUDA tensor given to one gets
+# this op's own message (from _check), not backend_for's general one.
+CPU_ONLY = {"rmsnorm": "RMSNorm", "swiglu": "SwiGLU", "rope": "apply_rope",
+            "gqa_attention": "CausalSelfAttention (grouped-query)"}
+
+
+# How each backend sees a tensor's memory, without a copy. The CPU ops take NumPy arrays (a
+# contiguous CPU tensor's .numpy() shares its storage). A GPU backend adds its entry here.
+_VIEWS = {"cpu": lambda t: t.detach().numpy()}
+
+
+def backend_for(device):
+    """The handgrad backend module for a torch device ("cpu", "cuda:0", a torch.device)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        raise NotImplementedError(
+            "handgrad.torch: CUDA tensors are not passed to the 'cuda' backend (handgrad's gpu backend) by these "
+            "autograd Functions yet; train on the GPU with handgrad.GPT(config, backend='gpu') or "
+            "`handgrad train --device gpu`, or move the tensors to the CPU with .cpu()")
+    if kind not in BACKENDS:
+        raise NotImplementedError(
+            f"handgrad.torch: tensors on device {str(device)!r} need handgrad's {kind!r} backend, which "
+            f"does not exist yet (available: {', '.join(BACKENDS)}); move the tensors and the module "
+            f"to the CPU with .cpu()")
+    if kind not in _VIEWS:
+        raise NotImplementedError(f"handgrad.torch: the {kind!r} backend exists but handgrad.torch does "
+                                  f"not pass it tensors yet (add it to handgrad.torch._VIEWS)")
+    return get_backend(kind)
+
+
+def _v(t):
+    """The backend's array view of tensor t (None stays None). t must be contiguous."""
+    return None if t is None else _VIEWS[t.device.type](t)
+
+
+def _check(op, **tensors):
+    """The backend for these float tensors (None skipped), after checking that they share one
+    device with a handgrad backend and one dtype, float32 or float64."""
+    given = {k: t for k, t in tensors.items() if t is not None}
+    if len({t.device for t in given.values()}) > 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got "
+                         + ", ".join(f"{k} on {t.device}" for k, t in given.items()))
+    device = next(iter(given.values())).device
+    if device.type == "cuda" and op in CPU_ONLY:
+        raise NotImplementedError(f"handgrad.torch.{CPU_ONLY[op]}: the gpu backend has no {op} kernels yet; "
+                                  f"use CPU tensors (.cpu())")
+    ops = backend_for(device)
+    for k, t in given.items():
+        if t.dtype not in FLOATS:
+            raise TypeError(f"{op}: {k} has dtype {t.dtype}; handgrad's kernels take torch.float32 or "
+                            f"torch.float64")
+    if len({t.dtype for t in given.values()}) > 1:
+        raise TypeError(f"{op}: all tensors must have one dtype, got "
+                        + ", ".join(f"{k} {t.dtype}" for k, t in given.items()))
+    return ops
+
+
+def _check_shape(op, name, t, shape):
+    if t is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _contiguous(*ts):
+    return [None if t is None else t.contiguous() for t in ts]
+
+
+def _needed(ctx, *grads):
+    """Each gradient, or None where autograd did not ask for it."""
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
+
+
+def _check_linear_weight(op, weight, bias, C):
+    if weight.dim() != 2 or weight.shape[1] != C:
+        raise ValueError(f"{op}: weight must have shape (out_features, {C}) (nn.Linear's [out, in] "
+                         f"layout), got {tuple(weight.shape)}")
+    _check_shape(op, "bias", bias, (weight.shape[0],))
+
