@@ -220,3 +220,13 @@ def test_convert_into_a_full_disk_or_an_owned_output(tmp_path, data, small_fs, c
         line = one_error_line(capsys)
         assert "No space left on device" in line and f"nothing was written to {small_fs / fmt}" in line
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]  # no partial export, no lock file left
+
+
+def test_tensorboard_events_on_a_full_disk_stop_in_one_line(data, small_fs, capsys):
+    pytest.importorskip("tensorboardX")
+    run = small_fs / "run"
+    _fill(small_fs, 40 * 1024)
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.max_steps", "3000",
+                "--train.checkpoint_interval", "0", "--train.log_to", "tensorboard"]) == 2
+    line = one_error_line(capsys)  # no traceback from a writer thread: the events are written in the loop
+    assert "No space left on device" in line and "no checkpoint was completed" in line

@@ -1,13 +1,14 @@
 """Experiment tracking (`train.log_to`): the scalars of metrics.jsonl (loss, val loss, lr, grad
 norm, tok/s, MFU) also to TensorBoard or Weights & Biases, with the run's config.
 
-TensorBoard event files are written by tensorboardX (RUN_DIR/tb; `tensorboard --logdir RUN_DIR/tb`);
+TensorBoard event files are written by tensorboardX's EventsWriter (RUN_DIR/tb; `tensorboard --logdir RUN_DIR/tb`);
 on resume, events past the checkpoint are purged, as metrics.jsonl's lines are. wandb runs offline
 (WANDB_MODE=offline, files under RUN_DIR/wandb, `wandb sync` uploads them) unless WANDB_MODE says
 otherwise. Both libraries are optional: asking for one that is not installed is a ConfigError
 naming the package to install.
 """
 import os
+import time
 
 from ..config import ConfigError
 
@@ -24,16 +25,29 @@ def _require(module, package, log_to):
 
 
 class TensorBoard:
+    """Event files through tensorboardX's synchronous EventsWriter (its SummaryWriter writes from a
+    background thread, where a failed write, a full disk, dies as a traceback while the run goes
+    on): here a failed write is an OSError in the training loop, which stops in one line."""
+
     def __init__(self, run_dir, config, step):
-        tensorboardX = _require("tensorboardX", "tensorboardX", "tensorboard")
-        self.writer = tensorboardX.SummaryWriter(str(run_dir / "tb"), purge_step=step + 1 if step else None)
-        self.writer.add_text("config", "```\n" + "\n".join(f"{s}.{k} = {v}" for s, d in config.to_dict().items()
-                                                          for k, v in d.items()) + "\n```", 0)
+        _require("tensorboardX", "tensorboardX", "tensorboard")
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.summary import scalar, text
+        self.Event, self.scalar = Event, scalar
+        (run_dir / "tb").mkdir(exist_ok=True)
+        self.writer = EventsWriter(str(run_dir / "tb" / "events"))
+        if step:  # resumed: TensorBoard drops this run's events past the checkpoint (as metrics.jsonl's lines)
+            self.writer.write_event(Event(wall_time=time.time(), step=step + 1,
+                                          session_log=SessionLog(status=SessionLog.START)))
+        lines = "\n".join(f"{s}.{k} = {v}" for s, d in config.to_dict().items() for k, v in d.items())
+        self.writer.write_event(Event(wall_time=time.time(), step=0, summary=text("config", f"```\n{lines}\n```")))
 
     def log(self, rec):
         for key, tag in SCALARS.items():
             if rec.get(key) is not None:
-                self.writer.add_scalar(tag, rec[key], rec["step"])
+                self.writer.write_event(self.Event(wall_time=time.time(), step=rec["step"],
+                                                   summary=self.scalar(tag, rec[key])))
 
     def flush(self):
         self.writer.flush()
