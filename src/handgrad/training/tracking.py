@@ -7,6 +7,7 @@ on resume, events past the checkpoint are purged, as metrics.jsonl's lines are. 
 otherwise. Both libraries are optional: asking for one that is not installed is a ConfigError
 naming the package to install.
 """
+import contextlib
 import os
 import time
 
@@ -36,24 +37,43 @@ class TensorBoard:
         from tensorboardX.summary import scalar, text
         self.Event, self.scalar = Event, scalar
         (run_dir / "tb").mkdir(exist_ok=True)
-        self.writer = EventsWriter(str(run_dir / "tb" / "events"))
-        if step:  # resumed: TensorBoard drops this run's events past the checkpoint (as metrics.jsonl's lines)
-            self.writer.write_event(Event(wall_time=time.time(), step=step + 1,
-                                          session_log=SessionLog(status=SessionLog.START)))
+        self.dir = run_dir / "tb"
+        with self._naming_the_file():
+            self.writer = EventsWriter(str(self.dir / "events"))
         lines = "\n".join(f"{s}.{k} = {v}" for s, d in config.to_dict().items() for k, v in d.items())
-        self.writer.write_event(Event(wall_time=time.time(), step=0, summary=text("config", f"```\n{lines}\n```")))
+        with self._naming_the_file():
+            if step:  # resumed: TensorBoard drops this run's events past the checkpoint (as metrics.jsonl's lines)
+                self.writer.write_event(Event(wall_time=time.time(), step=step + 1,
+                                              session_log=SessionLog(status=SessionLog.START)))
+            self.writer.write_event(Event(wall_time=time.time(), step=0,
+                                          summary=text("config", f"```\n{lines}\n```")))
+            self.writer.flush()
+
+    @contextlib.contextmanager
+    def _naming_the_file(self):
+        """An OSError from the writer (which names no file) as one naming the event file."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename:
+                raise
+            where = getattr(getattr(self, "writer", None), "_file_name", None) or str(self.dir)
+            raise OSError(e.errno, e.strerror or str(e), where) from None
 
     def log(self, rec):
-        for key, tag in SCALARS.items():
-            if rec.get(key) is not None:
-                self.writer.write_event(self.Event(wall_time=time.time(), step=rec["step"],
-                                                   summary=self.scalar(tag, rec[key])))
+        with self._naming_the_file():
+            for key, tag in SCALARS.items():
+                if rec.get(key) is not None:
+                    self.writer.write_event(self.Event(wall_time=time.time(), step=rec["step"],
+                                                       summary=self.scalar(tag, rec[key])))
 
     def flush(self):
-        self.writer.flush()
+        with self._naming_the_file():
+            self.writer.flush()
 
     def close(self):
-        self.writer.close()
+        with self._naming_the_file():
+            self.writer.close()
 
 
 class WandB:
