@@ -1,5 +1,5 @@
 """Saved-state cost at T=256 (docs/PERFORMANCE.md): attention.py (keeps (B,NH,T,T) probabilities) vs
-n_kv_head = n_head (keeps (B,NH,T) logsumexps, recomputes P in the backward). mid's shape."""
+gqa_attention.py with n_kv_head = n_head (keeps (B,NH,T) logsumexps, recomputes P in the backward). mid's shape."""
 import time, numpy as np
 from handgrad.backends import cpu as ops
 B, T, NH, hs = 8, 256, 8, 64
