@@ -1,10 +1,10 @@
 """What a model family is, and what every family shares.
 
-A family (GPT-2 today, in models/gpt2.py) is one module that turns an architecture config into
+A family (GPT-2 in models/gpt2.py, Llama in models/llama.py) is one module that turns an architecture config into
 parameters, a forward and a backward pass, and decoding, by calling the backend's ops. It
 provides, as a `Family` record (models/__init__.py lists them by `model.arch`):
 
-    arch             the name `model.arch` picks it by ("gpt2")
+    arch             the name `model.arch` picks it by ("gpt2", "llama")
     config           its architecture dataclass (config.py; vocab_size and block_size included)
     param_spec       config -> the one ordered list of (name, shape) that lays out the flat
                      parameter and gradient buffers, checkpoints and state_dict(); the names are
