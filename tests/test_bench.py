@@ -52,7 +52,10 @@ def test_bench_train_tiny_json_with_profile():
     assert mm["calls"] == 12 * L + 3 + (2 * L if per_head else 6 * L)
     assert mm["attention_calls"] == (2 * L if per_head else 0)
     assert mm["flop"] == 3 * (L * (2 * B * T * 12 * C * C + 4 * B * T * T * C) + 2 * B * T * C * V)
-    assert 0 < mm["s"] < row["profile"]["step_s"]
+    # the floor (the step's products alone) and the profiled step are two timings of tiny shapes on
+    # a shared machine: noise can put the floor above the step (seen in CI: 12.8 against 11.3 ms),
+    # so this bounds the floor by a few steps rather than by one
+    assert 0 < mm["s"] < 3 * row["profile"]["step_s"]
     table = bench_train.format_row(row) + bench_train.format_footer(result)  # what the table prints
     assert "handgrad/pytorch: tok/s" in table and "outside the ops" in table and "sgemm peak" in table
     assert "in BLAS" in table and "outside BLAS" in table

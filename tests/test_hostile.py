@@ -50,10 +50,17 @@ def test_num_params_counts_param_spec_without_building_it(C, L, V, T):
     assert num_params(config) == sum(int(np.prod(s)) for _, s in param_spec(config))
 
 
+# The child's own high-water mark (VmHWM, of its address space since exec). Not ru_maxrss: Linux
+# keeps that across exec, so a child of a large parent (pytest with torch loaded) reports the
+# parent's size at fork.
+PEAK = ("import sys; from handgrad.cli import main; rc = main(sys.argv[1:]); "
+        "print('PEAK', next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')), "
+        "file=sys.stderr); sys.exit(rc)")
+
+
 def _peak_rss(argv):
     """Run `handgrad ARGV` in a fresh process; its peak resident memory in bytes, and its stderr."""
-    code = ("import resource, sys; from handgrad.cli import main; rc = main(sys.argv[1:]); "
-            "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
+    code = PEAK
     r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     peak = next(int(line.split()[1]) for line in r.stderr.splitlines() if line.startswith("PEAK"))
@@ -95,9 +102,7 @@ def test_memory_refusal_names_the_need_the_machine_and_what_to_lower():
 
 def test_impossible_sizes_are_refused_before_any_allocation(tmp_path, data):
     for flags in (["--model.n_layer", "1000000000"], ["--model.n_embd", "1048576", "--model.n_head", "1"]):
-        code = ("import resource, sys; from handgrad.cli import main; rc = main(sys.argv[1:]); "
-                "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
-        r = subprocess.run([sys.executable, "-c", code, "train", "--data", str(data), "--out", str(tmp_path / "r"),
+        r = subprocess.run([sys.executable, "-c", PEAK, "train", "--data", str(data), "--out", str(tmp_path / "r"),
                             *SMALL, *flags], capture_output=True, text=True, timeout=120)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and lines[0].startswith("error: the run needs"), r.stderr
