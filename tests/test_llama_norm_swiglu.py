@@ -2,23 +2,24 @@
 autograd in float64, over a matrix of awkward shapes: T = 1, B*T prime, B*T above the 32-row
 reduction block and not a multiple of it, C and H not powers of two (H not a multiple of 64).
 
-The torch references are written here as plain expressions (they move to torch_ref.py when the
-ops are exported from the backend). Hugging Face's LlamaRMSNorm computes the statistics in float32
-(it casts the input to float32 and the normalized value back before multiplying by the weight);
-for float32 inputs that is the expression below, and test_rmsnorm_matches_transformers checks it.
+The checks are handgrad verify's (verify/llama_ops.py), the references torch_ref's. Hugging Face's
+LlamaRMSNorm computes the statistics in float32 (it casts the input to float32 and the normalized
+value back before multiplying by the weight); for float32 inputs that is torch_ref.rmsnorm, and
+test_rmsnorm_matches_transformers checks it.
 """
 import types
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from handgrad.backends.cpu.linear import linear_backward, linear_forward
 from handgrad.backends.cpu.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from handgrad.backends.cpu.rmsnorm_linear import rmsnorm_linear_backward, rmsnorm_linear_forward
 from handgrad.backends.cpu.swiglu import swiglu_backward, swiglu_forward
+from handgrad import torch_ref
 from handgrad.verify import TOL32, TOL64, compare
+from handgrad.verify.llama_ops import check_rmsnorm, check_rmsnorm_linear, check_swiglu
 
 from helpers import assert_rows, forced_kernels
 
@@ -30,21 +31,6 @@ ops = types.SimpleNamespace(rmsnorm_forward=rmsnorm_forward, rmsnorm_backward=rm
                             rmsnorm_linear_backward=rmsnorm_linear_backward,
                             swiglu_forward=swiglu_forward, swiglu_backward=swiglu_backward,
                             linear_forward=linear_forward, linear_backward=linear_backward)
-
-
-# ---------------------------------------------------------------- torch references
-def torch_rmsnorm(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def torch_swiglu(gu):
-    gate, up = gu.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def torch_linear(x, w, b=None):
-    y = x @ w
-    return y + b if b is not None else y
 
 
 # ---------------------------------------------------------------- helpers
@@ -67,64 +53,6 @@ def case(id_, dtypes=(F32,), **shape):
 
 def cases(*groups):
     return [p for g in groups for p in g]
-
-
-# ---------------------------------------------------------------- checks (verify.py's style)
-def check_rmsnorm(B=2, T=5, C=24, eps=1e-5, dtype=F32, seed=0, scale=1.0, offset=0.0):
-    rng, tol = np.random.default_rng(seed), _tol(dtype)
-    x = (_randn(rng, (B, T, C), F64, scale) + offset).astype(dtype)
-    w, dout = _randn(rng, C, dtype), _randn(rng, (B, T, C), dtype)
-    out, rstd = np.full_like(x, np.nan), np.full((B, T), np.nan, dtype)
-    ops.rmsnorm_forward(out, rstd, x, w, eps)
-    dx = _randn(rng, (B, T, C), dtype)  # accumulates: start from a nonzero residual gradient
-    dx0, dw = dx.copy(), np.zeros_like(w)
-    ops.rmsnorm_backward(dx, dw, dout, x, w, rstd)
-    tx, tw = _t(x, True), _t(w, True)
-    ref = torch_rmsnorm(tx, tw, eps)
-    ref.backward(_t(dout))
-    ref_rstd = torch.rsqrt(tx.detach().pow(2).mean(-1) + eps)
-    return [compare("rmsnorm", "out", out, ref.detach(), tol),
-            compare("rmsnorm", "rstd (saved)", rstd, ref_rstd, tol),
-            compare("rmsnorm", "dinp (accumulated)", dx - dx0.astype(F64), tx.grad, tol),
-            compare("rmsnorm", "dweight", dw, tw.grad, tol)]
-
-
-def check_rmsnorm_linear(B=2, T=5, C=24, OC=40, bias=True, eps=1e-5, dtype=F32, seed=0):
-    rng, tol = np.random.default_rng(seed), _tol(dtype)
-    x, dout = _randn(rng, (B, T, C), dtype), _randn(rng, (B, T, OC), dtype)
-    nw, w = _randn(rng, C, dtype), _randn(rng, (C, OC), dtype)
-    b = _randn(rng, OC, dtype) if bias else None
-    out, rstd = np.empty((B, T, OC), dtype), np.empty((B, T), dtype)
-    ops.rmsnorm_linear_forward(out, rstd, x, nw, w, b, eps)
-    dx = _randn(rng, (B, T, C), dtype)  # accumulates: start from a nonzero residual gradient
-    dx0 = dx.copy()
-    dnw, dw = np.zeros_like(nw), np.zeros_like(w)
-    db = np.zeros_like(b) if bias else None
-    ops.rmsnorm_linear_backward(dx, dnw, dw, db, dout, x, nw, rstd, w)
-    tx, tnw, tw = _t(x, True), _t(nw, True), _t(w, True)
-    tb = _t(b, True) if bias else None
-    ref = torch_linear(torch_rmsnorm(tx, tnw, eps), tw, tb)
-    ref.backward(_t(dout))
-    rows = [compare("rmsnorm_linear", "out", out, ref.detach(), tol),
-            compare("rmsnorm_linear", "dinp (accumulated)", dx - dx0.astype(F64), tx.grad, tol),
-            compare("rmsnorm_linear", "dnorm_weight", dnw, tnw.grad, tol),
-            compare("rmsnorm_linear", "dweight", dw, tw.grad, tol)]
-    if bias:
-        rows.append(compare("rmsnorm_linear", "dbias", db, tb.grad, tol))
-    return rows
-
-
-def check_swiglu(B=2, T=5, H=24, dtype=F32, seed=0, scale=2.0):
-    rng, tol = np.random.default_rng(seed), _tol(dtype)
-    gu, dout = _randn(rng, (B, T, 2 * H), dtype, scale), _randn(rng, (B, T, H), dtype)
-    out, dgu = np.full((B, T, H), np.nan, dtype), np.full_like(gu, np.nan)  # both overwritten
-    ops.swiglu_forward(out, gu)
-    ops.swiglu_backward(dgu, dout, gu)
-    tgu = _t(gu, True)
-    ref = torch_swiglu(tgu)
-    ref.backward(_t(dout))
-    return [compare("swiglu", "out", out, ref.detach(), tol),
-            compare("swiglu", "dgu", dgu, tgu.grad, tol)]
 
 
 # ---------------------------------------------------------------- rmsnorm
@@ -289,7 +217,7 @@ def test_swiglu_extreme_gates(dtype):
     swiglu_backward(dgu, dout, gu)
     assert np.isfinite(out).all() and np.isfinite(dgu).all(), (out, dgu)
     tgu = _t(gu, True)
-    ref = torch_swiglu(tgu)
+    ref = torch_ref.swiglu(tgu)
     ref.backward(_t(dout))
     # float32: exp32 is ~1 ulp; results below ~1e-38 are denormals (or flushed to 0 past -104)
     rtol, atol = (1e-5, 1e-36) if dtype == F32 else (1e-12, 1e-300)

@@ -12,7 +12,7 @@ def check_rmsnorm(B=2, T=5, C=24, eps=1e-5, dtype=np.float32, seed=0, backend="c
     from .. import torch_ref as R
     x = (_randn(rng, (B, T, C), np.float64, scale) + offset).astype(dtype)
     w, dout = _randn(rng, C, dtype), _randn(rng, (B, T, C), dtype)
-    out, rstd = np.empty_like(x), np.empty((B, T), dtype)
+    out, rstd = np.full_like(x, np.nan), np.full((B, T), np.nan, dtype)  # both overwritten
     ops.rmsnorm_forward(out, rstd, x, w, eps)
     dx = _randn(rng, (B, T, C), dtype)  # accumulates: start from a nonzero residual gradient
     dx0, dw = dx.copy(), np.zeros_like(w)
@@ -32,7 +32,7 @@ def check_rmsnorm_linear(B=2, T=5, C=24, OC=40, bias=False, eps=1e-5, dtype=np.f
     x, dout = _randn(rng, (B, T, C), dtype), _randn(rng, (B, T, OC), dtype)
     nw, w = _randn(rng, C, dtype), _randn(rng, (C, OC), dtype)
     b = _randn(rng, OC, dtype) if bias else None
-    out, rstd = np.empty((B, T, OC), dtype), np.empty((B, T), dtype)
+    out, rstd = np.full((B, T, OC), np.nan, dtype), np.full((B, T), np.nan, dtype)  # both overwritten
     ops.rmsnorm_linear_forward(out, rstd, x, nw, w, b, eps)
     dx = _randn(rng, (B, T, C), dtype)  # accumulates: start from a nonzero residual gradient
     dx0 = dx.copy()
@@ -56,7 +56,7 @@ def check_swiglu(B=2, T=5, H=24, dtype=np.float32, seed=0, backend="cpu", scale=
     ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
     from .. import torch_ref as R
     gu, dout = _randn(rng, (B, T, 2 * H), dtype, scale), _randn(rng, (B, T, H), dtype)
-    out, dgu = np.empty((B, T, H), dtype), np.empty_like(gu)
+    out, dgu = np.full((B, T, H), np.nan, dtype), np.full_like(gu, np.nan)  # both overwritten
     ops.swiglu_forward(out, gu)
     ops.swiglu_backward(dgu, dout, gu)
     tgu = _t(gu, True)
