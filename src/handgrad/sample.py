@@ -8,7 +8,7 @@ import numpy as np
 from .data.tokenizer import load_tokenizer
 from .interop.convert import foreign_format, load_pretrained, model_tokenizer_path
 from .models.decode import SampleError, check_sampling, generate
-from .models.gpt2 import GPT
+from .models import family_of
 from .training.checkpoint import load_model
 
 
@@ -110,7 +110,7 @@ def main(args, file=None):
             tok_path = args.tokenizer or _tokenizer_dir(args.run)
         else:
             config, weights, info = load_pretrained(args.run)
-            model = GPT(config)
+            model = family_of(config).model(config)
             model.load_state_dict(weights)
             tok_path = args.tokenizer or model_tokenizer_path(args.run, info, config)
         tokenizer = load_tokenizer(tok_path)

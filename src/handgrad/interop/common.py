@@ -4,8 +4,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..config import GPTConfig
-from ..models.gpt2 import param_spec
+from ..models import family_of, get_family
 
 
 class ConvertError(ValueError):
@@ -13,8 +12,8 @@ class ConvertError(ValueError):
 
 
 def check_weights(config, weights, where):
-    """Every tensor of param_spec(config) present with its shape, nothing else."""
-    spec = dict(param_spec(config))
+    """Every tensor of the family's param_spec(config) present with its shape, nothing else."""
+    spec = dict(family_of(config).param_spec(config))
     for name, shape in spec.items():
         if name not in weights:
             raise ConvertError(f"{where}: tensor {name} is missing")
@@ -26,11 +25,23 @@ def check_weights(config, weights, where):
         raise ConvertError(f"{where}: unexpected tensor {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
 
 
-def make_gpt_config(where, **fields):
+def make_config(where, arch="gpt2", **fields):
+    """The architecture config of family `arch` from fields, or a ConvertError naming `where`."""
     try:
-        return GPTConfig(**fields)
+        return get_family(arch).config(**fields)
     except (TypeError, ValueError) as e:
         raise ConvertError(f"{where}: {e}") from None
+
+
+def describe(config):
+    """One line of a config's architecture, for convert's report."""
+    n = family_of(config).num_params(config)
+    line = (f"{n / 1e6:.2f}M parameters, {family_of(config).arch}, n_layer {config.n_layer}, n_head {config.n_head}, "
+            f"n_embd {config.n_embd}, vocab {config.vocab_size}, block_size {config.block_size}")
+    if hasattr(config, "n_kv_head"):
+        line += (f", n_kv_head {config.n_kv_head}, ffn_hidden {config.ffn_hidden}, rope_theta {config.rope_theta:g}"
+                 f", {'tied' if config.tie_embeddings else 'untied'}" + (", qkv bias" if config.qkv_bias else ""))
+    return line
 
 
 def prepare_dir(dst):

@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from ..files import lock_output
-from ..models.gpt2 import GPT, param_spec
+from ..models import family_of
 from ..training.checkpoint import load_weights, read_state, resolve, save_weights
-from .common import ConvertError, check_weights, make_gpt_config, prepare_dir, publish_dir
+from .common import ConvertError, check_weights, describe, make_config, prepare_dir, publish_dir
 from .hf import read_hf, write_hf
 from .llmc import LLMC_MAGIC, read_llmc, write_llmc
 
@@ -90,7 +90,7 @@ def load_pretrained(path):
 def from_pretrained(path, backend="cpu"):
     """A model with the weights at `path`, in any supported format (handgrad.GPT.from_pretrained)."""
     config, weights, _ = load_pretrained(path)
-    model = GPT(config, backend=backend)
+    model = family_of(config).model(config, backend=backend)
     model.load_state_dict(weights)
     return model
 
@@ -117,7 +117,7 @@ def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=N
 def read_handgrad(path):
     ckpt = resolve(path)
     state = read_state(ckpt)
-    config = make_gpt_config(ckpt / "state.json", **state["model_config"])
+    config = make_config(ckpt / "state.json", state.get("arch", "gpt2"), **state["model_config"])
     weights = load_weights(ckpt)
     check_weights(config, weights, ckpt / "model.safetensors")
     tok = next((p / "tokenizer.json" for p in (Path(path), ckpt, ckpt.parent.parent)
@@ -182,10 +182,7 @@ def main(args):
         where = e.filename or args.dst
         raise ConvertError(f"{where}: write failed ({e.strerror or e}); nothing was written to {args.dst}; "
                            f"free space or choose another DST") from None
-    n = sum(int(np.prod(s)) for _, s in param_spec(config))
-    print(f"{args.src} ({info['format']}) -> {dst} ({args.format}): {n / 1e6:.2f}M parameters, "
-          f"n_layer {config.n_layer}, n_head {config.n_head}, n_embd {config.n_embd}, "
-          f"vocab {config.vocab_size}, block_size {config.block_size}")
+    print(f"{args.src} ({info['format']}) -> {dst} ({args.format}): {describe(config)}")
     print(f"  {what}")
     return 0
 

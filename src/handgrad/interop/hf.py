@@ -9,7 +9,7 @@ import numpy as np
 from ..data.sources import DataError
 from ..data.tokenizer import EOT_TEXT, GPT2Tokenizer, bytes_to_unicode, load_tokenizer
 from ..files import save_safetensors
-from .common import ConvertError, check_weights, make_gpt_config, prepare_dir, publish_dir
+from .common import ConvertError, check_weights, make_config, prepare_dir, publish_dir
 
 
 HF_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
@@ -106,7 +106,7 @@ def read_hf(path):
         raise ConvertError(f"{cfg_path}: field {missing[0]} is missing")
     if cfg.get("n_inner") not in (None, 4 * cfg["n_embd"]):
         raise ConvertError(f"{cfg_path}: n_inner = {cfg['n_inner']} is not supported (handgrad's MLP is 4 * n_embd)")
-    config = make_gpt_config(cfg_path, block_size=cfg["n_positions"], vocab_size=cfg["vocab_size"],
+    config = make_config(cfg_path, block_size=cfg["n_positions"], vocab_size=cfg["vocab_size"],
                          n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])
     weights, lm_head = {}, None
     for f in _hf_weight_files(d):

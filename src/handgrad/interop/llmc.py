@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import ConvertError, check_weights, make_gpt_config
+from .common import ConvertError, check_weights, make_config
 from .hf import bf16_to_f32, f32_to_bf16
 
 
@@ -48,7 +48,7 @@ def read_llmc(path):
     maxT, V, L, NH, C, Vp = (int(x) for x in h[2:8])
     if Vp < V:
         raise ConvertError(f"{path}: header padded_vocab_size {Vp} is below vocab_size {V}")
-    config = make_gpt_config(path, block_size=maxT, vocab_size=V, n_layer=L, n_head=NH, n_embd=C)
+    config = make_config(path, block_size=maxT, vocab_size=V, n_layer=L, n_head=NH, n_embd=C)
     order = _llmc_order(config)
     sizes = [Vp * C, maxT * C] + [L * int(np.prod(s)) for _, s, _ in order] + [C, C]
     count = sum(sizes)

@@ -12,3 +12,11 @@ def get_family(arch) -> Family:
     if arch not in FAMILIES:
         raise ValueError(f"model.arch: unknown architecture {arch!r}; choose from {', '.join(FAMILIES)}")
     return FAMILIES[arch]
+
+
+def family_of(config) -> Family:
+    """The family whose architecture config `config` is (a GPTConfig or a LlamaConfig)."""
+    for family in FAMILIES.values():
+        if isinstance(config, family.config):
+            return family
+    raise ValueError(f"not a model config: {type(config).__name__}")

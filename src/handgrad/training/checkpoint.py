@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
 from ..files import save_safetensors
-from ..models import get_family
+from ..models import family_of, get_family
 
 
 CKPT_DIR = "ckpt"
@@ -130,7 +130,7 @@ def save_weights(run_dir, step, config, weights, info=None):
     """A weights-only checkpoint (no optimizer state): what `handgrad convert` writes. It loads
     with load_model (sample, --init-from) but cannot be --resume'd."""
     from dataclasses import asdict
-    doc = dict(info or {}, step=step, model_config=asdict(config), weights_only=True)
+    doc = dict(info or {}, step=step, arch=family_of(config).arch, model_config=asdict(config), weights_only=True)
     return _write_checkpoint(checkpoint_dir(run_dir, step),
                              {"model.safetensors": {k: np.ascontiguousarray(v, dtype=np.float32)
                                                     for k, v in weights.items()}}, doc)

@@ -9,6 +9,7 @@ from ..backends.cpu import set_threads
 from ..config import CHOICES, RUN_PRESETS, SECTIONS, ConfigError, load_run_config
 from ..interop.convert import load_pretrained
 from ..machine import cores_available, sgemm_peak
+from ..models import family_of
 from .distributed import DataParallel
 from .rundir import TrainError, resolve_config
 from .trainer import Trainer
@@ -40,22 +41,31 @@ def add_arguments(parser, preset=None):
 
 
 def pretrained_config(path, config, overrides):
-    """The run config with the pretrained model's architecture; its weights. model.n_layer, n_head
-    and n_embd come from the model (an override that disagrees is an error); model.block_size may
-    be smaller than the model's, never larger."""
+    """The run config with the pretrained model's architecture; its weights. model.arch and the
+    architecture keys come from the model (an override that disagrees is an error); model.block_size
+    may be smaller than the model's, never larger."""
     pre, weights, _ = load_pretrained(path)
-    for key in ("n_layer", "n_head", "n_embd"):
+    arch = family_of(pre).arch
+    keys = [f.name for f in fields(pre) if f.name not in ("vocab_size", "block_size")]
+    for key, value in [("arch", arch)] + [(k, getattr(pre, k)) for k in keys]:
         asked = (overrides or {}).get(f"model.{key}")
-        if asked is not None and int(asked) != getattr(pre, key):
-            raise ConfigError(f"model.{key}: {asked} differs from the --init-from model's {getattr(pre, key)}; "
+        if asked is not None and str(asked).lower() != str(value).lower() and not _same_number(asked, value):
+            raise ConfigError(f"model.{key}: {asked} differs from the --init-from model's {value}; "
                               f"drop --model.{key}")
-        setattr(config.model, key, getattr(pre, key))
+        setattr(config.model, key, value)
     if config.model.block_size > pre.block_size:
         if (overrides or {}).get("model.block_size") is not None:
             raise ConfigError(f"model.block_size: {config.model.block_size} is above the --init-from model's "
                               f"{pre.block_size}; use at most {pre.block_size}")
         config.model.block_size = pre.block_size
     return config, weights
+
+
+def _same_number(a, b):
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return False
 
 
 def main(args):

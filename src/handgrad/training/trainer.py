@@ -10,7 +10,7 @@ import numpy as np
 from ..config import ConfigError
 from ..data.shards import Dataset
 from ..data.tokenizer import load_tokenizer
-from ..models import get_family
+from ..models import family_of, get_family
 from ..models.decode import generate
 from .device_loop import DeviceLoop, check_cuda_graph
 from .distributed import DataParallel
@@ -82,17 +82,19 @@ class Trainer(Checkpointing, RunLoop):
 
 
     def _load_pretrained(self, path, weights):
-        """Pretrained weights (from pretrained_config) into the fresh model; wpe keeps its first
-        block_size rows (nanoGPT's crop_block_size)."""
-        if self.gpt_config.vocab_size != weights["wte.weight"].shape[0]:
-            raise TrainError(f"--init-from {path}: the model has {weights['wte.weight'].shape[0]} tokens but "
+        """Pretrained weights (from pretrained_config) into the fresh model; GPT-2's wpe keeps its
+        first block_size rows (nanoGPT's crop_block_size)."""
+        embed = self.model.spec[0][0]  # the token embedding comes first in every family's spec
+        if self.gpt_config.vocab_size != weights[embed].shape[0]:
+            raise TrainError(f"--init-from {path}: the model has {weights[embed].shape[0]} tokens but "
                              f"{self.data_dir} has vocab_size {self.gpt_config.vocab_size}; prepare the data "
-                             f"with the model's tokenizer")
-        weights = dict(weights, **{"wpe.weight": weights["wpe.weight"][:self.gpt_config.block_size]})
+                             f"with the model's tokenizer (handgrad prepare SOURCE --tokenizer {path})")
+        if "wpe.weight" in weights:
+            weights = dict(weights, **{"wpe.weight": weights["wpe.weight"][:self.gpt_config.block_size]})
         self.model.load_state_dict(weights)
         c = self.gpt_config
-        self.log(f"initialised from {path}: n_layer {c.n_layer}, n_head {c.n_head}, n_embd {c.n_embd}, "
-                 f"block_size {c.block_size}")
+        self.log(f"initialised from {path}: {family_of(c).arch}, n_layer {c.n_layer}, n_head {c.n_head}, "
+                 f"n_embd {c.n_embd}, block_size {c.block_size}")
 
 
     def train_step(self):
