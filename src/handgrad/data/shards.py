@@ -1,8 +1,18 @@
 """llm.c token shards and `Dataset`, which reads them back for training (memory-mapped).
 
-Shard format (llm.c dev/data/data_common.py): a header of 256 little-endian int32, [0] = 20240520
-(magic), [1] = 1 (version: uint16 tokens), [2] = the token count, the rest 0; then the tokens as
-little-endian uint16. A DATA_DIR is described in data/prepare.py."""
+Shard format (llm.c dev/data/data_common.py, write_datafile): a header of 256 little-endian int32,
+[0] = the magic, [1] = the version, [2] = the token count, the rest 0; then the tokens. llm.c has
+two kinds and handgrad writes both:
+
+* magic 20240520, version 1: little-endian uint16 tokens (llm.c's "gpt-2"), for every vocabulary
+  of at most 65,536 ids;
+* magic 20240801, version 7: little-endian uint32 tokens (llm.c's "llama-3"), for larger ones
+  (Qwen2's 151,665 tokens); ids stay below 2**31, since batches are int32.
+
+write_shard picks the kind from the array (uint32: the uint32 shard; any other integers: uint16).
+A shard is read only when its magic and version are one of these two pairs and its size is the
+header plus count tokens of that width (a uint16 header over uint32 data is refused as corrupt).
+A DATA_DIR is described in data/prepare.py."""
 import json
 import os
 from pathlib import Path
@@ -12,35 +22,58 @@ import numpy as np
 from .sources import DataError
 
 
-MAGIC, VERSION = 20240520, 1  # llm.c's shard header: magic number, version 1 = uint16 tokens
+MAGIC, VERSION = 20240520, 1  # llm.c's uint16 shard ("gpt-2"): magic number, version
+MAGIC_U32, VERSION_U32 = 20240801, 7  # llm.c's uint32 shard ("llama-3")
+KINDS = {MAGIC: (VERSION, np.dtype("<u2")), MAGIC_U32: (VERSION_U32, np.dtype("<u4"))}  # magic -> (version, tokens)
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-SHARD_TOKENS = 100_000_000  # tokens per shard file (200 MB), as llm.c's fineweb.py
-MAX_VOCAB = 1 << 16  # token ids are stored as uint16
+SHARD_TOKENS = 100_000_000  # tokens per shard file (200 MB in uint16), as llm.c's fineweb.py
+MAX_VOCAB = 1 << 16  # the largest vocabulary whose ids fit uint16 shards
+MAX_VOCAB_U32 = 1 << 31  # uint32 shards: ids stay below 2**31 (batches are int32)
 META_FILE = "meta.json"
-FORMAT = "llm.c shard v1 (magic 20240520, uint16)"
 SPLITS = ("train", "val")
 CHECK_CHUNK = 1 << 24  # tokens per vectorised range check
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The shard token type of a vocabulary: uint16 up to 65,536 ids, else uint32."""
+    if not 0 < vocab_size <= MAX_VOCAB_U32:
+        raise ValueError(f"vocab_size {vocab_size} must be in [1, {MAX_VOCAB_U32}]")
+    return np.dtype("<u2") if vocab_size <= MAX_VOCAB else np.dtype("<u4")
+
+
+def shard_format(vocab_size: int) -> str:
+    """meta.json's "format" of the shards of a vocabulary (see token_dtype)."""
+    dtype = token_dtype(vocab_size)
+    magic = MAGIC if dtype.itemsize == 2 else MAGIC_U32
+    return f"llm.c shard v{KINDS[magic][0]} (magic {magic}, {dtype.name})"
+
+
+FORMAT = shard_format(MAX_VOCAB)  # "llm.c shard v1 (magic 20240520, uint16)"
+
+
 # ---------------------------------------------------------------- shards
 def write_shard(path, tokens: np.ndarray) -> None:
-    """Write `tokens` (1-D, ids in [0, 65535]) as an llm.c shard: header + uint16, fsync'd, via tmp+rename."""
+    """Write `tokens` (1-D ids) as an llm.c shard, fsync'd, via tmp+rename: a uint32 array as a
+    uint32 shard, any other integer array as a uint16 one (ids in [0, 65535])."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= MAX_VOCAB):
-        raise ValueError(f"token ids must lie in [0, {MAX_VOCAB}) to fit uint16")
+    magic = MAGIC_U32 if tokens.dtype == np.uint32 else MAGIC
+    version, dtype = KINDS[magic]
+    if magic == MAGIC and tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= MAX_VOCAB):
+        raise ValueError(f"token ids must lie in [0, {MAX_VOCAB}) to fit uint16 (pass a uint32 array for a "
+                         f"uint32 shard)")
     if tokens.size >= 2**31:
         raise ValueError(f"{tokens.size} tokens do not fit one shard's int32 count")
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = MAGIC, VERSION, tokens.size
+    header[:3] = magic, version, tokens.size
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(header.tobytes())
-            f.write(np.ascontiguousarray(tokens, dtype="<u2").data)  # a failed write keeps its errno (tofile's not)
+            f.write(np.ascontiguousarray(tokens, dtype=dtype).data)  # a failed write keeps its errno (tofile's not)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -50,7 +83,8 @@ def write_shard(path, tokens: np.ndarray) -> None:
 
 
 def read_shard(path) -> np.ndarray:
-    """The tokens of an llm.c shard as a read-only uint16 memmap (no copy), after checking its header and size."""
+    """The tokens of an llm.c shard as a read-only uint16 or uint32 memmap (no copy), after
+    checking its header and size."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -64,20 +98,22 @@ def read_shard(path) -> np.ndarray:
         raise DataError(f"{path}: shard file missing; re-run handgrad prepare") from None
     except OSError as e:  # unreadable (permissions, I/O error)
         raise DataError(f"{path}: cannot read the shard ({e.strerror or e}); check the file") from None
-    if header[0] != MAGIC:
-        raise DataError(f"{path}: not a handgrad/llm.c token shard (magic {header[0]}, expected {MAGIC}); "
-                        f"re-run handgrad prepare")
-    if header[1] != VERSION:
-        raise DataError(f"{path}: shard version {header[1]} is not supported (expected {VERSION}, uint16 tokens); "
-                        f"re-run handgrad prepare")
-    count = int(header[2])
-    expected = HEADER_BYTES + 2 * count
+    magic, version, count = (int(v) for v in header[:3])
+    if magic not in KINDS:
+        raise DataError(f"{path}: not a handgrad/llm.c token shard (magic {magic}, expected {MAGIC}), nor a "
+                        f"uint32 one (magic {MAGIC_U32}); re-run handgrad prepare")
+    expected_version, dtype = KINDS[magic]
+    if version != expected_version:
+        raise DataError(f"{path}: shard version {version} is not supported (expected {expected_version} with magic "
+                        f"{magic}, {dtype.name} tokens); re-run handgrad prepare")
+    expected = HEADER_BYTES + dtype.itemsize * count
     if count < 0 or size != expected:
         raise DataError(f"{path}: {size} bytes, but its header counts {count} tokens ({expected} bytes); "
-                        f"the file is truncated or corrupt; re-run handgrad prepare")
+                        f"the file is truncated or corrupt (magic {magic}: {dtype.name} tokens); "
+                        f"re-run handgrad prepare")
     if count == 0:
-        return np.zeros(0, dtype=np.uint16)
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
 # ---------------------------------------------------------------- reading a data dir
@@ -94,7 +130,8 @@ def load_meta(data_dir) -> dict:
     if not isinstance(meta, dict):
         raise DataError(f"{path}: expected a JSON object; {hint}")
     checks = {
-        "vocab_size": lambda v: type(v) is int and 0 < v <= MAX_VOCAB,
+        "vocab_size": lambda v: type(v) is int and (0 < v <= MAX_VOCAB or (  # a larger one: uint32 shards
+            MAX_VOCAB < v <= MAX_VOCAB_U32 and meta.get("format") == shard_format(v))),
         "train_tokens": lambda v: type(v) is int and v >= 0,
         "val_tokens": lambda v: type(v) is int and v >= 0,
         "shards": lambda v: isinstance(v, dict) and all(

@@ -1,6 +1,6 @@
 """Tokenizers: text <-> token ids, and their one file, `tokenizer.json`, in a data or run directory.
 
-Four kinds, each a `Tokenizer` with `name`, `vocab_size`, `eot_id`, `encode`, `decode`, `save`:
+Five kinds, each a `Tokenizer` with `name`, `vocab_size`, `eot_id`, `encode`, `decode`, `save`:
 
 * `char`: one id per character; the vocabulary is the sorted set of the corpus's characters plus
   "\\n" (the document separator). File: {"type": "char", "chars": [...]}.
@@ -10,15 +10,27 @@ Four kinds, each a `Tokenizer` with `name`, `vocab_size`, `eot_id`, `encode`, `d
   Hugging Face `tokenizer.json` itself, so other tools can load it (it has no top-level "type").
 * `gpt2`: GPT-2's BPE through `tiktoken` (optional, imported only here); "<|endoftext|>" = 50256.
   File: {"type": "gpt2"}.
+* `hf`: any other Hugging Face tokenizers file, e.g. a Llama, SmolLM2 or Qwen2 model's
+  `tokenizer.json` (`HFTokenizer`; `.hf` is the `tokenizers.Tokenizer`, `.config` the model
+  directory's `tokenizer_config.json` or {}). vocab_size counts the added tokens (a model's
+  embedding may be larger: Qwen2 pads). `eot_id` is the model's end-of-sequence token: the
+  tokenizer_config.json's `eos_token`, else config.json's then generation_config.json's
+  `eos_token_id`, else a special token named <|endoftext|>, </s>, <|end_of_text|> or <|im_end|>,
+  else None. Files: the `tokenizer.json` as it came, and `tokenizer_config.json` (with `eos_token`
+  filled in where it came from elsewhere, and a `chat_template.jinja` beside the model folded in
+  as `chat_template`).
 
-`save(dir)` writes `dir/tokenizer.json`; `load_tokenizer(dir)` reads it back; `copy_tokenizer`
-copies it from a data directory into a run directory. `to_hf_json()` is the tokenizer as Hugging
+`save(dir)` writes `dir/tokenizer.json` (hf: and `tokenizer_config.json`); `load_tokenizer(dir)`
+reads it back (also a model directory or a tokenizer.json path); `copy_tokenizer` copies them from a
+data directory into a run directory. A Hugging Face file is bpe when it is a byte-level BPE whose
+one added token is <|endoftext|> (handgrad's own, and GPT-2's), char or byte when it is their
+to_hf_json() form, otherwise hf. `to_hf_json()` is the tokenizer as Hugging
 Face tokenizers' own `tokenizer.json` with the same ids (char: a WordLevel model over one piece per
 character; byte: byte-level pieces, one per byte, no merges; bpe: its own file; gpt2: none, it
 travels as GPT-2's vocab.json + merges.txt), and `tokenizer_from_json` reads those forms back.
 
-Text is always encoded as plain text: a literal "<|endoftext|>" in a document is not the separator
-token. `decode` never fails on ids that form invalid UTF-8 (it writes U+FFFD) but rejects ids
+Text is always encoded as plain text, without added special tokens: a literal "<|endoftext|>" (or,
+for hf, "</s>", "<|im_end|>", ... any special token) in a document stays text, not that token. `decode` never fails on ids that form invalid UTF-8 (it writes U+FFFD) but rejects ids
 outside [0, vocab_size).
 """
 import json
@@ -33,7 +45,9 @@ from .sources import DataError
 
 
 TOKENIZER_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "tokenizer_config.json"  # hf: the model's tokenizer settings (eos_token, chat_template)
 EOT_TEXT = "<|endoftext|>"
+EOS_NAMES = (EOT_TEXT, "</s>", "<|end_of_text|>", "<|im_end|>")  # hf: end-of-sequence tokens by name
 TOKENIZER_NAMES = ("char", "byte", "bpe", "gpt2")
 DEFAULT_BPE_VOCAB = 4096
 HF_CHAR_PATTERN = r"[\s\S]"  # CharTokenizer.to_hf_json's pre-tokenizer: each character a piece ("." skips "\n")
@@ -42,7 +56,7 @@ HF_CHAR_PATTERN = r"[\s\S]"  # CharTokenizer.to_hf_json's pre-tokenizer: each ch
 class Tokenizer:
     """The interface every tokenizer implements; `encode_batch` may be overridden for speed."""
 
-    name: str  # "char", "byte", "bpe" or "gpt2"
+    name: str  # "char", "byte", "bpe", "gpt2" or "hf"
     vocab_size: int  # ids lie in [0, vocab_size)
     eot_id: int | None  # the document-separator token, or None (char, byte)
 
@@ -54,6 +68,10 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def separator(self) -> list[int]:
+        """The ids prepare puts between two documents: the end-of-text token, else "\\n\\n"."""
+        return [self.eot_id] if self.eot_id is not None else self.encode("\n\n")
 
     def to_json(self) -> dict:
         raise NotImplementedError
@@ -234,6 +252,75 @@ class GPT2Tokenizer(Tokenizer):
         return {"type": "gpt2"}
 
 
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizers file as it came (`text`), with the model's tokenizer_config.json
+    (`config`) and the eos_token_id's of its config.json / generation_config.json (`eos_ids`)."""
+
+    name = "hf"
+
+    def __init__(self, text: str, config: dict | None = None, eos_ids: Sequence = (), where="tokenizer.json"):
+        from tokenizers import Tokenizer as HFTokenizerFile
+        try:
+            self.hf = HFTokenizerFile.from_str(text)
+        except Exception as e:  # tokenizers raises a plain Exception for a bad file
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"{where}: not a valid Hugging Face tokenizer file ({reason}); "
+                            f"re-run handgrad prepare") from None
+        self.hf.encode_special_tokens = True  # a literal "</s>" in text is plain text
+        self._text, self.config = text, dict(config or {})
+        ids = self.hf.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(self.hf.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
+        self.eot_id = self._find_eot(eos_ids, where)
+
+    def _find_eot(self, eos_ids, where) -> int | None:
+        eos = self.config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str) and eos:
+            if (i := self.hf.token_to_id(eos)) is None:
+                raise DataError(f"{Path(where).with_name(HF_CONFIG_FILE)}: eos_token {eos!r} is not a token of "
+                                f"{where}; fix or remove eos_token")
+            return i
+        for i in eos_ids:
+            if type(i) is int and 0 <= i < self.vocab_size:
+                return i
+        special = {t.content: i for i, t in self.hf.get_added_tokens_decoder().items() if t.special}
+        return next((special[n] for n in EOS_NAMES if n in special), None)
+
+    def separator(self) -> list[int]:
+        return [self.eot_id] if self.eot_id is not None else []  # no end-of-sequence token: nothing
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(self._check_ids(ids).tolist(), skip_special_tokens=False)
+
+    def to_json(self) -> dict:
+        return json.loads(self._text)
+
+    def to_hf_json(self) -> dict:
+        return self.to_json()
+
+    def saved_config(self) -> dict:
+        """tokenizer_config.json as save() writes it: `config`, with eos_token set to the eot token
+        where the config did not name it (so that loading the saved pair finds the same eot_id)."""
+        config = dict(self.config)
+        if self.eot_id is not None and self.config.get("eos_token") in (None, ""):
+            config["eos_token"] = self.hf.id_to_token(self.eot_id)
+        return config
+
+    def save(self, data_dir) -> Path:
+        """Write `data_dir/tokenizer.json` (the file as it came) and `data_dir/tokenizer_config.json`."""
+        path = Path(data_dir) / TOKENIZER_FILE
+        path.write_text(self._text, encoding="utf-8")
+        (Path(data_dir) / HF_CONFIG_FILE).write_text(json.dumps(self.saved_config(), indent=2, ensure_ascii=False)
+                                                     + "\n", encoding="utf-8")
+        return path
+
+
 def bytes_to_unicode():
     """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py), as Hugging Face's
     ByteLevel pre-tokenizer maps bytes."""
@@ -255,15 +342,16 @@ def _from_hf_form(doc, where) -> Tokenizer | None:
     if not isinstance(model, dict):
         return None
     vocab, pre = model.get("vocab"), doc.get("pre_tokenizer") or {}
-    if model.get("type") == "WordLevel":
+    if (model.get("type") == "WordLevel" and isinstance(pre, dict) and pre.get("type") == "Split"
+            and (pre.get("pattern") or {}).get("Regex") == HF_CHAR_PATTERN):  # char's form, or a broken one
         ok = isinstance(vocab, dict) and all(type(i) is int for i in vocab.values())
         chars = sorted(vocab, key=vocab.get) if ok else None
         if (chars is None or sorted(vocab.values()) != list(range(len(chars))) or doc.get("normalizer")
                 or pre.get("type") != "Split" or (pre.get("pattern") or {}).get("Regex") != HF_CHAR_PATTERN
                 or any(len(c) != 1 for c in chars) or chars != sorted(chars)):
             raise DataError(f"{where}: a WordLevel tokenizer that is not handgrad's char tokenizer in Hugging "
-                            f"Face form (one token per character, ids in code point order); handgrad reads "
-                            f"char, byte and byte-level BPE tokenizers")
+                            f"Face form (one token per character, ids in code point order); re-export it "
+                            f"with handgrad convert")
         return CharTokenizer(chars)
     stand_in = bytes_to_unicode()
     if (model.get("type") == "BPE" and not model.get("merges") and not doc.get("added_tokens")
@@ -273,26 +361,31 @@ def _from_hf_form(doc, where) -> Tokenizer | None:
     return None
 
 
-def tokenizer_from_json(doc, where="tokenizer.json") -> Tokenizer:
+def _is_bpe(doc) -> bool:
+    """Whether a Hugging Face file is handgrad's bpe: a byte-level BPE whose one added token is
+    <|endoftext|> (handgrad's own files, id 0; GPT-2's, id 50256)."""
+    added, model, pre = doc.get("added_tokens"), doc.get("model"), doc.get("pre_tokenizer")
+    return (isinstance(model, dict) and model.get("type") == "BPE" and isinstance(pre, dict)
+            and pre.get("type") == "ByteLevel" and isinstance(added, list) and len(added) == 1
+            and isinstance(added[0], dict) and added[0].get("content") == EOT_TEXT)
+
+
+def tokenizer_from_json(doc, where="tokenizer.json", text=None, settings_dir=None) -> Tokenizer:
     """The tokenizer a `tokenizer.json` document describes; `where` names the file in errors.
-    Handgrad's own files, and Hugging Face tokenizers files: a byte-level BPE with <|endoftext|>
-    (handgrad's bpe), and the char and byte tokenizers as to_hf_json() writes them."""
+    Handgrad's own files, and any Hugging Face tokenizers file: handgrad's bpe, the char and byte
+    tokenizers as to_hf_json() writes them, otherwise hf (kept as `text`, the file as read, with
+    the model's settings in `settings_dir`)."""
     if not isinstance(doc, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(doc).__name__}; re-run handgrad prepare")
     kind = doc.get("type")
     if kind is None and "model" in doc and (tok := _from_hf_form(doc, where)) is not None:
         return tok
-    if kind is None and "model" in doc:  # a Hugging Face tokenizers file: handgrad's bpe
-        from tokenizers import Tokenizer as HFTokenizer
-        try:
-            tok = BPETokenizer(HFTokenizer.from_str(json.dumps(doc)))
-        except Exception as e:  # tokenizers raises a plain Exception for a bad file
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"{where}: not a valid Hugging Face tokenizer file ({reason}); "
-                            f"re-run handgrad prepare") from None
-        if tok.eot_id is None:
-            raise DataError(f"{where}: this BPE tokenizer has no {EOT_TEXT} token; re-run handgrad prepare")
-        return tok
+    if kind is None and "model" in doc and _is_bpe(doc):
+        hf = HFTokenizer(json.dumps(doc), where=where)  # checks the file
+        return BPETokenizer(hf.hf)
+    if kind is None and "model" in doc:
+        config, eos_ids = _model_settings(Path(settings_dir)) if settings_dir is not None else ({}, ())
+        return HFTokenizer(text or json.dumps(doc, ensure_ascii=False), config, eos_ids, where)
     if kind == "char":
         chars = doc.get("chars")
         try:
@@ -329,9 +422,38 @@ def load_gpt2_files(vocab_file, merges_file) -> "BPETokenizer":
     return BPETokenizer(tok)
 
 
+def _read_object(path: Path) -> dict | None:
+    """A JSON object file beside a tokenizer.json, or None where there is none."""
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e}); fix or remove it") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(doc).__name__}; fix or remove it")
+    return doc
+
+
+def _model_settings(d: Path) -> tuple[dict, list]:
+    """(tokenizer_config.json, with special_tokens_map.json's tokens and chat_template.jinja's
+    template where it lacks them; the eos_token_id's of config.json and generation_config.json)."""
+    config = _read_object(d / HF_CONFIG_FILE) or {}
+    for key, value in (_read_object(d / "special_tokens_map.json") or {}).items():
+        config.setdefault(key, value)
+    if "chat_template" not in config and (d / "chat_template.jinja").is_file():
+        config["chat_template"] = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    eos_ids = []
+    for name in ("config.json", "generation_config.json"):
+        value = (_read_object(d / name) or {}).get("eos_token_id")
+        eos_ids += value if isinstance(value, list) else [value]
+    return config, eos_ids
+
+
 def load_tokenizer(path) -> Tokenizer:
-    """The tokenizer saved in a data or run directory (or the `tokenizer.json` file itself); also
-    GPT-2's vocab.json + merges.txt in a directory, and "gpt2" for GPT-2's through tiktoken."""
+    """The tokenizer saved in a data or run directory, or a Hugging Face model directory (or the
+    `tokenizer.json` file itself, reading the model's settings beside it); also GPT-2's vocab.json +
+    merges.txt in a directory, and "gpt2" for GPT-2's through tiktoken."""
     if str(path) == "gpt2":
         return GPT2Tokenizer()
     d = Path(path)
@@ -343,14 +465,16 @@ def load_tokenizer(path) -> Tokenizer:
         raise DataError(f"{file}: no tokenizer file; point at a directory made by handgrad prepare "
                         f"(or a run directory trained on one)")
     try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
+        text = file.read_text(encoding="utf-8")
+        doc = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{file}: not valid JSON ({e}); re-run handgrad prepare") from None
-    return tokenizer_from_json(doc, where=str(file))
+    return tokenizer_from_json(doc, str(file), text, file.parent)
 
 
 def copy_tokenizer(src_dir, dst_dir) -> Path:
-    """Copy the tokenizer file of `src_dir` into `dst_dir` (created if needed); returns the copy's path."""
+    """Copy the tokenizer file of `src_dir` (and its tokenizer_config.json, if any) into `dst_dir`
+    (created if needed); returns the copy's path."""
     src = _tokenizer_path(src_dir)
     if not src.is_file():
         raise DataError(f"{src}: no tokenizer file to copy; run handgrad prepare to make the data directory")
@@ -358,5 +482,9 @@ def copy_tokenizer(src_dir, dst_dir) -> Path:
     dst_dir.mkdir(parents=True, exist_ok=True)
     dst = dst_dir / TOKENIZER_FILE
     shutil.copyfile(src, dst)
+    if (src.parent / HF_CONFIG_FILE).is_file():
+        shutil.copyfile(src.parent / HF_CONFIG_FILE, dst_dir / HF_CONFIG_FILE)
+    else:
+        (dst_dir / HF_CONFIG_FILE).unlink(missing_ok=True)
     return dst
 
