@@ -1,10 +1,17 @@
 """`handgrad sample`: text from a run, a Hugging Face directory or an llm.c model file, streamed
-as it is decoded (the decoding itself, with its KV cache, is models/decode.py)."""
+as it is decoded (the decoding itself, with its KV cache, is models/decode.py).
+
+`--chat`: the prompt (--prompt, or stdin) is one user turn, rendered with the chat template of the
+run (its chat.json, copied from chat data: data/chat.py) or of the Hugging Face directory, with
+add_generation_prompt; the reply is generated until the template's end-of-turn token and printed
+alone."""
 import sys
 import time
 
 import numpy as np
 
+from .data.chat import load_chat_format
+from .data.sources import DataError
 from .data.tokenizer import load_tokenizer
 from .interop.convert import foreign_format, load_pretrained, model_tokenizer_path
 from .models.decode import SampleError, check_sampling, generate
@@ -64,6 +71,9 @@ def add_arguments(parser):
     parser.add_argument("--top-p", type=float, default=None, metavar="P",
                         help="sample only from the smallest set of tokens with probability >= P")
     parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling (default 1337)")
+    parser.add_argument("--chat", action="store_true",
+                        help="a chat model: --prompt (or stdin) is a user turn in the run's chat template; print "
+                             "the assistant's reply, up to its end-of-turn token")
     parser.add_argument("--num-samples", type=int, default=1, metavar="N",
                         help="samples to draw, in one batch (default 1)")
 
@@ -82,6 +92,13 @@ def _prompt_ids(prompt, tokenizer, block_size):
         return list(tokenizer.encode("\n")), False
     if prompt == "":
         raise SampleError("empty prompt: give some text or omit --prompt to sample unconditionally")
+    _check_utf8(prompt)
+    ids = list(tokenizer.encode(prompt))
+    _note_length(ids, block_size)
+    return ids, True
+
+
+def _check_utf8(prompt):
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
@@ -89,11 +106,36 @@ def _prompt_ids(prompt, tokenizer, block_size):
         what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"unpaired surrogate U+{c:04X}"
         raise SampleError(f"--prompt is not valid UTF-8 ({what} at character {e.start}); pass UTF-8 text, "
                           f"e.g. convert it with `iconv -t utf-8`") from None
-    ids = list(tokenizer.encode(prompt))
+
+
+def _note_length(ids, block_size):
     if len(ids) > block_size:
         print(f"note: the prompt is {len(ids)} tokens; the model sees only its last {block_size} "
               f"(block_size)", file=sys.stderr)
-    return ids, True
+
+
+def _chat_prompt(prompt, tok_path, block_size):
+    """(prompt ids, end-of-turn id) of --chat: the user turn (`prompt`, else stdin) in the chat
+    template, asking for the assistant's reply."""
+    text = sys.stdin.read().rstrip("\n") if prompt is None else prompt
+    if not text.strip():
+        raise SampleError("--chat: empty user turn; pass --prompt TEXT or the text on stdin")
+    _check_utf8(text)
+    try:
+        fmt = load_chat_format(tok_path)
+        ids = fmt.prompt_ids([{"role": "user", "content": text}])
+    except DataError as e:
+        raise SampleError(f"--chat: {e}") from None
+    _note_length(ids, block_size)
+    return ids, fmt.end_of_turn_id
+
+
+def _until(ids, stop_id):
+    """ids up to, not including, the first stop_id (all of them when stop_id is None or absent)."""
+    if stop_id is None:
+        return ids
+    hits = np.flatnonzero(np.asarray(ids) == stop_id)
+    return ids[:hits[0]] if len(hits) else ids
 
 
 def main(args, file=None):
@@ -120,7 +162,12 @@ def main(args, file=None):
         raise SampleError(f"--run {args.run}: its tokenizer.json has {tokenizer.vocab_size} tokens but the model "
                           f"{model.config.vocab_size}; put back the tokenizer.json of the data it was trained on "
                           f"(or pass --tokenizer)")
-    ids, show_prompt = _prompt_ids(args.prompt, tokenizer, model.config.block_size)
+    stop_id = None
+    if args.chat:
+        ids, stop_id = _chat_prompt(args.prompt, tok_path, model.config.block_size)
+        show_prompt = False  # print the reply alone
+    else:
+        ids, show_prompt = _prompt_ids(args.prompt, tokenizer, model.config.block_size)
     T0 = len(ids)
     prompt = np.tile(np.asarray(ids, dtype=np.int64), (args.num_samples, 1))
 
@@ -129,14 +176,15 @@ def main(args, file=None):
     t0 = time.perf_counter()
     out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                    np.random.default_rng(args.seed),
-                   on_token=lambda step, so_far: stream.update(so_far[0, shown_from:]))
-    stream.update(out[0, shown_from:], final=True)
+                   on_token=lambda step, so_far: stream.update(_until(so_far[0, shown_from:], stop_id)),
+                   stop_id=stop_id)
+    stream.update(_until(out[0, shown_from:], stop_id), final=True)
     file.write(f"\n{SEPARATOR}\n")
     for row in out[1:]:
-        file.write(tokenizer.decode([int(i) for i in row[shown_from:]]) + f"\n{SEPARATOR}\n")
+        file.write(tokenizer.decode([int(i) for i in _until(row[shown_from:], stop_id)]) + f"\n{SEPARATOR}\n")
     file.flush()
     dt = time.perf_counter() - t0
-    n = args.num_samples * args.max_new_tokens
+    n = args.num_samples * (out.shape[1] - T0)
     print(f"{n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.0f} tokens/s)", file=sys.stderr)
     return 0
 

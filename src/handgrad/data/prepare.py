@@ -6,16 +6,29 @@ A prepared DATA_DIR holds:
 * `train_000000.bin`, `train_000001.bin`, ... and `val_000000.bin`, ...: token shards in llm.c's
   format (dev/data/data_common.py): a header of 256 little-endian int32, [0] = 20240520 (magic),
   [1] = 1 (version: uint16 tokens), [2] = the token count, the rest 0; then the tokens as
-  little-endian uint16. At most SHARD_TOKENS tokens per shard; an empty split has no shards.
-* `tokenizer.json`: the tokenizer (see tokenizer.py).
+  little-endian uint16. A vocabulary above 65,536 ids uses llm.c's uint32 shards instead (magic
+  20240801, version 7; see shards.py). At most SHARD_TOKENS tokens per shard; an empty split has
+  no shards.
+* `tokenizer.json`: the tokenizer (see tokenizer.py); for a Hugging Face model's tokenizer (kind
+  hf) also its `tokenizer_config.json`.
 * `meta.json`: the sources as given, the tokenizer, vocab_size, eot_id, token counts, the split
   settings, the shard names, the format and the handgrad version.
 
-How the corpus becomes shards: the documents (see sources.py) are tokenized one by one, shuffled
-with the seed, and joined with the tokenizer's "<|endoftext|>" token (bpe, gpt2) or with "\\n\\n"
-(char, byte) between consecutive documents. The last `val_fraction` of that token stream (rounded
+The tokenizer (--tokenizer) is one of char, byte, bpe, gpt2 (built here), or a path that
+load_tokenizer reads: a Hugging Face model directory or its tokenizer.json (kind hf: the corpus in
+that model's vocabulary), or another data or run directory (its tokenizer, reused).
+
+How the corpus becomes shards: the documents (see sources.py) are tokenized one by one, without
+special tokens, shuffled with the seed, and joined with the tokenizer's separator between
+consecutive documents (Tokenizer.separator: the end-of-text token of bpe and gpt2, the model's
+end-of-sequence token for hf, "\\n\\n" for char and byte; nothing for an hf tokenizer with no
+end-of-sequence token, which main() notes). The last `val_fraction` of that token stream (rounded
 down, at least one token when the fraction is above 0) is the val split, the rest the train split.
 The same sources, options and seed give a byte-identical DATA_DIR.
+
+`--format chat` reads one chats.jsonl of conversations instead, renders them with the --tokenizer
+model's chat template and stores, beside the token shards, the mask of assistant tokens (the only
+ones the loss counts) and where each conversation starts: data/chat.py describes that directory.
 
 Everything is written into a hidden temporary directory beside DATA_DIR, which is renamed into
 place only when complete, so a failure never leaves a DATA_DIR that looks valid. DATA_DIR must
@@ -36,7 +49,18 @@ import numpy as np
 
 from .. import __version__
 from ..files import lock_output
-from .shards import FORMAT, MAGIC, MAX_VOCAB, META_FILE, SHARD_TOKENS, read_shard, write_shard
+from .shards import (
+    FORMAT,
+    MAGIC,
+    MAX_VOCAB,
+    META_FILE,
+    SHARD_TOKENS,
+    read_shard,
+    shard_format,
+    token_dtype,
+    write_shard,
+)
+from .chat import build_chat_data, summary as chat_summary
 from .sources import DataError, Document, iter_documents, resolve_sources
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
@@ -46,9 +70,11 @@ from .tokenizer import (
     CharTokenizer,
     GPT2Tokenizer,
     Tokenizer,
+    load_tokenizer,
 )
 
 
+FORMATS = ("text", "chat")
 ENCODE_BATCH = 64  # documents per encode_batch call (bpe and gpt2 encode a batch in parallel)
 
 
@@ -71,15 +97,16 @@ def _batched(items: Iterable, n: int) -> Iterator[list]:
 
 
 def _check_options(out: Path, tokenizer: str, vocab_size, val_fraction, seed) -> None:
-    if tokenizer not in TOKENIZER_NAMES:
-        raise DataError(f"--tokenizer {tokenizer}: unknown tokenizer; choose from {', '.join(TOKENIZER_NAMES)}")
+    if tokenizer not in TOKENIZER_NAMES and not Path(tokenizer).expanduser().exists():
+        raise DataError(f"--tokenizer {tokenizer}: unknown tokenizer, and no such file or directory; choose "
+                        f"from {', '.join(TOKENIZER_NAMES)}, or give a Hugging Face model directory or tokenizer.json")
     if vocab_size is not None:
         if tokenizer != "bpe":
             raise DataError(f"--vocab-size applies only to --tokenizer bpe ({tokenizer}'s vocabulary is "
                             f"fixed); drop it")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 257 <= vocab_size <= MAX_VOCAB:
             raise DataError(f"--vocab-size {vocab_size}: must be an integer from 257 (256 bytes + <|endoftext|>) "
-                            f"to {MAX_VOCAB} (token ids are stored as uint16)")
+                            f"to {MAX_VOCAB} (so that the ids fit uint16 shards)")
     if not isinstance(val_fraction, (int, float)) or not math.isfinite(val_fraction) or not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction}: must be in [0, 1), e.g. 0.1")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -97,30 +124,31 @@ def _check_options(out: Path, tokenizer: str, vocab_size, val_fraction, seed) ->
 
 
 def _build_tokenizer(name: str, documents, vocab_size) -> Tokenizer:
-    """The tokenizer; char and bpe read the corpus once to build their vocabulary."""
+    """The tokenizer --tokenizer names: char and bpe read the corpus (`documents()`, an iterator of
+    Document) once to build their vocabulary; a path is loaded (load_tokenizer)."""
+    if name not in TOKENIZER_NAMES:
+        return load_tokenizer(Path(name).expanduser())
     if name == "byte":
         return ByteTokenizer()
     if name == "gpt2":
         return GPT2Tokenizer()
     texts = (d.text for d in _progress(documents(), "reading" if name == "char" else "training bpe"))
     if name == "char":
-        tok = CharTokenizer.from_texts(texts)
-        if tok.vocab_size > MAX_VOCAB:
-            raise DataError(f"the corpus has {tok.vocab_size} distinct characters, more than the {MAX_VOCAB} ids "
-                            f"a uint16 shard holds; use --tokenizer byte or bpe")
-        return tok
+        return CharTokenizer.from_texts(texts)
     return BPETokenizer.train(texts, vocab_size or DEFAULT_BPE_VOCAB)
 
 
 def _token_stream(tok: Tokenizer, documents, seed: int, sources) -> tuple[np.ndarray, int]:
-    """(the shuffled, joined token stream as uint16, the number of documents)."""
+    """(the shuffled token stream, documents joined by tok.separator(), as the shards' token type
+    (shards.token_dtype); the number of documents)."""
+    dtype = token_dtype(tok.vocab_size)
     arrays = []
     for batch in _batched(_progress(documents(), "tokenizing"), ENCODE_BATCH):
-        arrays += [np.asarray(ids, dtype=np.uint16) for ids in tok.encode_batch([d.text for d in batch])]
+        arrays += [np.asarray(ids, dtype=dtype) for ids in tok.encode_batch([d.text for d in batch])]
     if not arrays:
         raise DataError(f"no text in {' '.join(map(str, sources))}: every file and document is empty; "
                         f"check the SOURCE arguments")
-    sep = np.asarray([tok.eot_id] if tok.eot_id is not None else tok.encode("\n\n"), dtype=np.uint16)
+    sep = np.asarray(tok.separator(), dtype=dtype)
     parts = []
     for i, k in enumerate(np.random.default_rng(seed).permutation(len(arrays))):
         if i:
@@ -178,8 +206,9 @@ def _llmc_shard_files(specs: Sequence[str]) -> list[Path] | None:
 
 
 def import_llmc_shards(files: Sequence[Path], out: Path, tokenizer: str | None) -> dict:
-    """llm.c token shards (GPT-2 tokens) as a data directory: each shard copied byte for byte, those
-    with "val" in their name as the val split, the rest as train; tokenizer gpt2, no tokenizing."""
+    """llm.c token shards (GPT-2 tokens, uint16) as a data directory: each shard copied byte for
+    byte, those with "val" in their name as the val split, the rest as train; tokenizer gpt2, no
+    tokenizing."""
     if tokenizer not in (None, "gpt2"):
         raise DataError(f"--tokenizer {tokenizer}: llm.c shards hold GPT-2 tokens; drop --tokenizer or pass gpt2")
     splits = {"train": [f for f in files if "val" not in f.name], "val": [f for f in files if "val" in f.name]}
@@ -215,10 +244,15 @@ def import_llmc_shards(files: Sequence[Path], out: Path, tokenizer: str | None) 
 
 
 def prepare(sources: Sequence[str], out, tokenizer: str | None = None, vocab_size: int | None = None,
-            val_fraction: float = 0.1, seed: int = 1337, shard_tokens: int = SHARD_TOKENS) -> dict:
+            val_fraction: float = 0.1, seed: int = 1337, shard_tokens: int = SHARD_TOKENS,
+            format: str = "text", block_size: int | None = None) -> dict:
     """Tokenize `sources` into a new data directory `out` (see the module docstring); returns its meta.
-    Sources that are all llm.c token shards are imported as they are (import_llmc_shards)."""
+    Sources that are all llm.c token shards are imported as they are (import_llmc_shards).
+    format "chat": one chats.jsonl of conversations (data/chat.py), block_size its truncation."""
     out = Path(out)
+    if format != "text" or block_size is not None:
+        return _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens, format,
+                             block_size)
     shard_files = _llmc_shard_files(sources)
     tokenizer = tokenizer or ("gpt2" if shard_files is not None else "char")
     _check_options(out, tokenizer, vocab_size, val_fraction, seed)
@@ -242,9 +276,6 @@ def _prepare_text(sources, out, tokenizer, vocab_size, val_fraction, seed, shard
         return iter_documents(resolved)
 
     tok = _build_tokenizer(tokenizer, documents, vocab_size)
-    if tok.vocab_size > MAX_VOCAB:
-        raise DataError(f"--tokenizer {tokenizer}: {tok.vocab_size} ids do not fit uint16 shards "
-                        f"(at most {MAX_VOCAB})")
     stream, n_docs = _token_stream(tok, documents, seed, sources)
     n_val = int(len(stream) * val_fraction)
     if val_fraction > 0 and n_val == 0:
@@ -254,7 +285,7 @@ def _prepare_text(sources, out, tokenizer, vocab_size, val_fraction, seed, shard
     meta = {"source": [str(s) for s in sources], "tokenizer": tok.name, "vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id, "documents": n_docs, "train_tokens": len(splits["train"]),
             "val_tokens": len(splits["val"]), "val_fraction": val_fraction, "seed": seed,
-            "format": FORMAT, "handgrad_version": __version__}
+            "format": shard_format(tok.vocab_size), "handgrad_version": __version__}
 
     def write_shards(tmp: Path) -> dict:
         shards = {}
@@ -270,6 +301,31 @@ def _prepare_text(sources, out, tokenizer, vocab_size, val_fraction, seed, shard
     return _write_data_dir(out, meta, write_shards)
 
 
+def _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens, format, block_size):
+    """prepare() of --format chat: conversations rendered with the --tokenizer model's chat
+    template, the loss on assistant tokens only (data/chat.py)."""
+    if format != "chat":
+        raise DataError(f"--format {format}: unknown format; choose text or chat" if format not in FORMATS else
+                        "--block-size applies only to --format chat (text windows are cut at train time); drop it")
+    if len(sources) != 1:
+        raise DataError(f"--format chat: give one chats.jsonl SOURCE, got {len(sources)}")
+    if vocab_size is not None:
+        raise DataError("--vocab-size: --format chat uses the model's own tokenizer; drop it")
+    if tokenizer is None or tokenizer in TOKENIZER_NAMES:
+        raise DataError(f"--format chat: --tokenizer {tokenizer} is not a model's tokenizer; pass the model's "
+                        f"directory (its tokenizer.json and chat template)")
+    _check_options(out, "byte", None, val_fraction, seed)  # the output and split options (chat.py checks the tokenizer)
+    try:
+        lock = lock_output(out)
+    except OSError as e:
+        raise DataError(f"{out}: cannot create the output directory ({e.strerror or e}); "
+                        f"choose another --out") from None
+    with lock:
+        _check_options(out, "byte", None, val_fraction, seed)
+        meta, write_contents = build_chat_data(sources[0], tokenizer, val_fraction, seed, block_size, shard_tokens)
+        return _write_data_dir(out, meta, write_contents)
+
+
 # ---------------------------------------------------------------- the command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the arguments of `handgrad prepare`."""
@@ -279,10 +335,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DATA_DIR",
                         help="directory to create for the shards, tokenizer.json and meta.json (must not exist, "
                              "or be empty)")
-    parser.add_argument("--tokenizer", default=None, choices=TOKENIZER_NAMES,
+    parser.add_argument("--tokenizer", default=None, metavar="{char,byte,bpe,gpt2,PATH}",
                         help="char: one token per character; byte: UTF-8 bytes (256); bpe: byte-level BPE trained "
-                             "on the corpus; gpt2: GPT-2's 50257 tokens via tiktoken (default char; llm.c token "
-                             "shards given as SOURCE are imported as they are, as gpt2)")
+                             "on the corpus; gpt2: GPT-2's 50257 tokens via tiktoken; PATH: a Hugging Face model "
+                             "directory or tokenizer.json (that model's vocabulary, its end-of-sequence token "
+                             "between documents), or a data/run directory (default char; llm.c token shards "
+                             "given as SOURCE are imported as they are, as gpt2)")
     parser.add_argument("--vocab-size", type=int, default=None, metavar="N",
                         help=f"bpe only: vocabulary size, <|endoftext|> included (default {DEFAULT_BPE_VOCAB})")
     parser.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
@@ -290,12 +348,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "validation; in [0, 1) (default 0.1)")
     parser.add_argument("--seed", type=int, default=1337, metavar="S",
                         help="seed of the document shuffle (default 1337)")
+    parser.add_argument("--format", default="text", choices=FORMATS,
+                        help="text: documents joined into one token stream (default); chat: a chats.jsonl of "
+                             "{\"messages\": [...]} conversations, rendered with --tokenizer's chat template, the "
+                             "loss on assistant tokens only")
+    parser.add_argument("--block-size", type=int, default=None, metavar="N",
+                        help="chat only: cut conversations to N + 1 tokens (the model's block_size; default 1024)")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run `handgrad prepare`; DataError propagates for the CLI to print. Returns the exit status."""
     meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                   val_fraction=args.val_fraction, seed=args.seed)
+                   val_fraction=args.val_fraction, seed=args.seed, format=args.format, block_size=args.block_size)
+    if meta.get("kind") == "chat":
+        print(chat_summary(meta), file=sys.stderr)
+    if meta.get("kind") != "chat" and meta["tokenizer"] == "hf" and meta["eot_id"] is None:
+        print(f"note: --tokenizer {args.tokenizer} has no end-of-sequence token (no eos_token, eos_token_id or "
+              f"</s>-like special token); documents are joined with nothing between them", file=sys.stderr)
     if args.vocab_size is not None and meta["vocab_size"] < args.vocab_size:
         print(f"note: the corpus supports only {meta['vocab_size']} BPE tokens (asked {args.vocab_size})",
               file=sys.stderr)

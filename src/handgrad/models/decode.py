@@ -265,7 +265,7 @@ def _as_rng(rng):
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, rng=None,
-             on_token=None):
+             on_token=None, stop_id=None):
     """Continue each row of prompt_ids (a list of ints, or a (B, T0) array) by max_new_tokens tokens.
 
     Returns the int64 ids (B, T0 + max_new_tokens), prompt included. Sampling is as in
@@ -274,6 +274,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     (B, T0 + step + 1) view: copy it to keep it). Bad arguments raise SampleError (a ValueError).
     The prompt (its newest block_size tokens, if it is longer) is prefilled once; past block_size
     tokens the window policy of the module docstring applies.
+    stop_id: generation ends once every row has produced this token (a chat's end of turn); the
+    result is then shorter, and a row that stopped earlier goes on sampling: cut it at its first stop_id.
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     idx = _check_prompt(prompt_ids, model.config)
@@ -285,11 +287,16 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
         return out
     cache = model.KV_CACHE(model, B, length=min(model.config.block_size, T0 + max_new_tokens - 1))
     logits = cache.prefill(idx[:, -model.config.block_size:])
+    stopped = np.zeros(B, dtype=bool)  # (B,)
     for step in range(max_new_tokens):
         t = T0 + step
         out[:, t] = sample_logits(logits, temperature, top_k, top_p, rng)
         if on_token is not None:
             on_token(step, out[:, :t + 1])
+        if stop_id is not None:
+            stopped |= out[:, t] == stop_id
+            if stopped.all():
+                return out[:, :t + 1]
         if step + 1 < max_new_tokens:
             logits = cache.advance(out[:, :t + 1])
     return out

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError
-from ..data.shards import Dataset
+from ..data.chat import CHAT_FILE, open_dataset
 from ..data.tokenizer import load_tokenizer
+from ..files import write_atomic
 from ..models import family_of, get_family
 from ..models.decode import generate
 from .device_loop import DeviceLoop, check_cuda_graph
@@ -32,7 +33,8 @@ class Trainer(Checkpointing, RunLoop):
         self.dp = dp if dp is not None else DataParallel()
         self.data_dir, self.run_dir, self.config = Path(data_dir), Path(run_dir), config
         self.log = log if self.dp.is_main else (lambda *a, **k: None)
-        self.train_data, self.val_data = Dataset(data_dir, "train"), Dataset(data_dir, "val")
+        # chat data (data/chat.py): whole conversations, the loss on assistant tokens only
+        self.train_data, self.val_data = open_dataset(data_dir, "train"), open_dataset(data_dir, "val")
         t = config.train
         check_data(config, self.data_dir, self.train_data, self.val_data)
         if resume:
@@ -72,6 +74,8 @@ class Trainer(Checkpointing, RunLoop):
         if self.dp.is_main:
             init_run_dir(self.run_dir, self.data_dir, config, self.train_data, self.dp.world_size,
                          resumed_step=self.step if resume else None)
+            if (self.data_dir / CHAT_FILE).is_file():  # the chat template, for sample --chat
+                write_atomic(self.run_dir / CHAT_FILE, (self.data_dir / CHAT_FILE).read_text(encoding="utf-8"))
         self.tracker = open_tracker(t.log_to, self.run_dir, config, self.step) if self.dp.is_main else None
         # every rank starts from rank 0's weights (resumed ones are equal already: checked above)
         self.dp.broadcast(self.model.flat_params)

@@ -1,0 +1,450 @@
+"""Conversations for fine-tuning (SFT): reading chats.jsonl, rendering it with the model's chat
+template, the mask of assistant tokens, and the chat data directory with its `ChatDataset`.
+
+Input (`handgrad prepare chats.jsonl --format chat --tokenizer HF_DIR --out DATA`): one JSON object
+per line, `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}` (the
+OpenAI / Hugging Face convention); blank lines are skipped. A line that is not JSON, a role other
+than these three, an assistant turn with no text, a conversation without an assistant turn, or one
+the template refuses (its raise_exception) stops prepare with one line naming the file and line.
+
+Rendering. The template is the model's own: `chat_template.jinja` or tokenizer_config.json's
+`chat_template` in the tokenizer's directory, rendered as transformers' apply_chat_template does
+(a jinja2 ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, loopcontrols, the
+`tojson` filter, `raise_exception`, `strftime_now`; variables `messages`, `add_generation_prompt`
+and the special tokens bos_token, eos_token, unk_token, pad_token; `{% generation %}` blocks render
+their body). A tokenizer with no template gets a default: ChatML (CHATML_TEMPLATE) when it has the
+special tokens <|im_start|> and <|im_end|>, else PLAIN_TEMPLATE ("User: ...\\n", "Assistant: ..."
+followed by the eos token). The rendered text is tokenised with the tokenizer's special tokens
+recognised (as apply_chat_template tokenises it, add_special_tokens=False).
+
+The assistant mask. The template is applied prefix by prefix: for an assistant turn k, the text
+of messages[:k] with add_generation_prompt=True ends where the turn's own text begins, and the
+text of messages[:k+1] ends where it ends (both must be prefixes of the whole conversation's text,
+else the template is refused as not prefix-stable). A token is an assistant token when its
+character span overlaps such a turn's span, up to and including the first end-of-turn token in
+it: the turn's content and its end-of-turn token, nothing the template writes after that. The
+end-of-turn token is the first special token the template writes after an assistant turn's content
+(<|im_end|> for ChatML, </s> for Llama 2); generation stops at it (`handgrad sample --chat`).
+
+A chat DATA_DIR is a text one (data/prepare.py) plus:
+* `{split}_mask_000000.bin`, ...: llm.c shards beside the token shards, position for position:
+  mask[i] = 1 when token i is an assistant token (the model learns to predict it from tokens
+  [0, i)), else 0. So a batch's target y[t] = tokens[t + 1] where mask[t + 1] = 1, else -1: the
+  cross-entropy ignores -1, and the loss is the mean over the assistant tokens of the batch (with
+  grad_accum_steps > 1 or several ranks, the mean of the micro-batches' means: a micro-batch with
+  few assistant tokens weighs as much as one with many).
+* `conversations.safetensors`: per split ("train", "val") int64 offsets (n + 1,): conversation j is
+  tokens [offsets[j], offsets[j + 1]) of the split's shards read in order (none crosses a shard).
+* `chat.json`: the template used, its special tokens and the end-of-turn token (copied into run
+  directories, where `sample --chat` reads it), and `tokenizer_config.json` when the model has one.
+* meta.json's "kind": "chat" and "chat": counts, the block size, the mask shards' names.
+
+Conversations longer than --block-size + 1 tokens are cut to that length at prepare time (the
+count is printed); those left with no assistant token are dropped (counted too). The conversations
+are shuffled with the seed and the last val_fraction of them (at least one) form the val split.
+
+Batches are whole conversations, one per row, padded: row b is a conversation drawn uniformly with
+the rng, its first T + 1 tokens, padded to T with the end-of-turn token and target -1. Padding is
+exact: causal attention never lets a conversation see another, and padded positions add nothing
+to the loss. Packing several conversations per row would waste no compute on padding, but
+handgrad's attention has no document mask, so a packed conversation would attend to the ones
+before it; padding pays for exactness with the compute of the padded positions.
+"""
+import json
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from safetensors import SafetensorError
+from safetensors.numpy import load_file
+
+from .. import __version__
+from ..files import save_safetensors
+from .shards import SHARD_TOKENS, Dataset, load_meta, read_shard, shard_format, token_dtype, write_shard
+from .sources import DataError
+from .tokenizer import TOKENIZER_FILE, load_tokenizer
+
+
+CHAT_FILE = "chat.json"
+INDEX_FILE = "conversations.safetensors"
+CONFIG_FILE = "tokenizer_config.json"
+ROLES = ("system", "user", "assistant")
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+DEFAULT_BLOCK_SIZE = 1024
+CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                   "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                   "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+PLAIN_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
+                  "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n' }}"
+                  "{% else %}{{ 'Assistant: ' + message['content'] + eos_token + '\\n' }}{% endif %}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>")
+
+
+# ---------------------------------------------------------------- the template
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    from datetime import datetime
+    return datetime.now().strftime(fmt)
+
+
+def compile_template(text: str, where: str):
+    """The jinja2 template, in transformers' apply_chat_template environment."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    try:
+        return env.from_string(text)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise DataError(f"{where}: the chat template is not valid jinja2 (line {e.lineno}: {e.message})") from None
+
+
+def _token_text(value):
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatFormat:
+    """A chat template with its special tokens, over the Hugging Face tokenizer it renders for.
+
+    hf: a tokenizers.Tokenizer that recognises special tokens in text; template: the jinja2 text;
+    special: {"bos_token": ..., "eos_token": ...}; where: names the tokenizer in errors."""
+
+    def __init__(self, hf, template: str, special: dict, where: str, source: str):
+        self.hf, self.template, self.special, self.where, self.source = hf, template, dict(special), where, source
+        self._compiled = compile_template(template, where)
+        self.end_of_turn = self._find_end_of_turn()
+        self.end_of_turn_id = int(hf.token_to_id(self.end_of_turn))
+
+    def render(self, messages, add_generation_prompt=False) -> str:
+        """The template's text for `messages`; DataError (no location) when the template raises."""
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special)
+        except Exception as e:  # raise_exception, a missing key, a type error in the template
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"the chat template refuses this conversation ({reason})") from None
+
+    def _find_end_of_turn(self) -> str:
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes"}]
+        try:
+            start, whole = self.render(probe[:1], True), self.render(probe)
+        except DataError as e:
+            raise DataError(f"{self.where}: {e} for a plain user/assistant exchange; cannot use it") from None
+        tail = whole[len(start):] if whole.startswith(start) else ""
+        after = tail[tail.find("Yes") + 3:] if "Yes" in tail else ""
+        specials = [t.content for t in self.hf.get_added_tokens_decoder().values() if t.special]
+        found = sorted((after.find(s), s) for s in specials if s in after)
+        if not found:
+            raise DataError(f"{self.where}: the chat template writes no special token after an assistant turn, so "
+                            f"a reply could not end; add an eos_token the template uses, or a chat_template")
+        return found[0][1]
+
+    def encode(self, messages) -> tuple[np.ndarray, np.ndarray]:
+        """(ids (n,) int64, mask (n,) uint8) of one conversation: mask[i] = 1 on assistant tokens
+        (see the module docstring). DataError (no location) where the template cannot be used."""
+        text = self.render(messages)
+        spans = []
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before, upto = self.render(messages[:k], add_generation_prompt=True), self.render(messages[:k + 1])
+            if not (upto.startswith(before) and text.startswith(upto)):
+                raise DataError(f"the chat template renders message {k + 1} differently once later messages "
+                                f"follow (not prefix-stable), so its tokens cannot be located; use another "
+                                f"chat_template")
+            spans.append((len(before), len(upto)))
+        enc = self.hf.encode(text, add_special_tokens=False)
+        ids = np.asarray(enc.ids, dtype=np.int64)  # (n,)
+        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)  # (n, 2) character spans
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        for a, b in spans:
+            inside = np.flatnonzero((offsets[:, 0] < b) & (offsets[:, 1] > a))
+            ends = inside[ids[inside] == self.end_of_turn_id]
+            mask[inside[inside <= ends[0]] if len(ends) else inside] = 1
+        return ids, mask
+
+    def prompt_ids(self, messages) -> list[int]:
+        """The ids that ask the model for the next assistant turn (add_generation_prompt=True)."""
+        return self.hf.encode(self.render(messages, add_generation_prompt=True), add_special_tokens=False).ids
+
+    def to_json(self) -> dict:
+        return {"chat_template": self.template, "special_tokens": self.special, "template_source": self.source,
+                "end_of_turn": self.end_of_turn, "end_of_turn_id": self.end_of_turn_id}
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: cannot read it as JSON ({getattr(e, 'strerror', None) or e})") from None
+
+
+def load_chat_format(path) -> ChatFormat:
+    """The chat format of a Hugging Face model directory, a tokenizer.json, or a chat data or run
+    directory (its chat.json). Its tokenizer.json must be a Hugging Face tokenizers file."""
+    from tokenizers import Tokenizer as HFTokenizer
+    path = Path(path)
+    d, file = (path, path / TOKENIZER_FILE) if path.is_dir() else (path.parent, path)
+    hint = "chat needs a Hugging Face tokenizer (a model directory's tokenizer.json)"
+    if not file.is_file():
+        raise DataError(f"{file}: no tokenizer file; {hint}")
+    doc = _read_json(file)
+    if not isinstance(doc, dict) or "model" not in doc:
+        raise DataError(f"{file}: not a Hugging Face tokenizers file; {hint}")
+    try:
+        hf = HFTokenizer.from_str(json.dumps(doc))
+    except Exception as e:  # tokenizers raises a plain Exception for a bad file
+        raise DataError(f"{file}: not a valid Hugging Face tokenizer file ({str(e).splitlines()[0]})") from None
+    hf.encode_special_tokens = False  # the template's special tokens are special
+    if (d / CHAT_FILE).is_file():
+        saved = _read_json(d / CHAT_FILE)
+        if not (isinstance(saved, dict) and isinstance(saved.get("chat_template"), str)
+                and isinstance(saved.get("special_tokens"), dict)):
+            raise DataError(f"{d / CHAT_FILE}: missing or invalid chat_template/special_tokens; prepare the "
+                            f"data again")
+        return ChatFormat(hf, saved["chat_template"], saved["special_tokens"], str(d / CHAT_FILE),
+                          saved.get("template_source", CHAT_FILE))
+    config = _read_json(d / CONFIG_FILE) if (d / CONFIG_FILE).is_file() else {}
+    config = config if isinstance(config, dict) else {}
+    extra = _read_json(d / "special_tokens_map.json") if (d / "special_tokens_map.json").is_file() else {}
+    special = {}
+    for name in SPECIAL_NAMES:
+        value = _token_text(config.get(name)) or (_token_text(extra.get(name)) if isinstance(extra, dict) else None)
+        if value is not None:
+            special[name] = value
+    template, source = config.get("chat_template"), CONFIG_FILE
+    if isinstance(template, list):  # several named templates: the "default" one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if (d / "chat_template.jinja").is_file():
+        template, source = (d / "chat_template.jinja").read_text(encoding="utf-8"), "chat_template.jinja"
+    if template is not None and not isinstance(template, str):
+        raise DataError(f"{d / CONFIG_FILE}: chat_template must be a string; fix the file")
+    vocab = hf.get_vocab(with_added_tokens=True)
+    if template is None and "<|im_start|>" in vocab and "<|im_end|>" in vocab:
+        template, source = CHATML_TEMPLATE, "default ChatML"
+    elif template is None:
+        template, source = PLAIN_TEMPLATE, "default plain"
+        special.setdefault("eos_token", next((t for t in EOS_CANDIDATES if t in vocab), None))
+        if special["eos_token"] is None:
+            raise DataError(f"{file}: no chat_template and no eos_token to end assistant turns with; add "
+                            f"eos_token (or a chat_template) to {d / CONFIG_FILE}")
+    return ChatFormat(hf, template, special, str(file), source)
+
+
+# ---------------------------------------------------------------- reading chats.jsonl
+def read_conversations(path):
+    """(line number, messages) for each non-blank line of a chats.jsonl, checked (module docstring)."""
+    path = Path(path)
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e}); give a chats.jsonl file") from None
+    with f:
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, _check_line(line, f"{path}:{lineno}")
+        except UnicodeDecodeError:
+            raise DataError(f"{path}:{lineno + 1}: not UTF-8 text; save the file as UTF-8") from None
+
+
+def _check_line(line: str, where: str) -> list:
+    try:
+        doc = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one "
+                        f"{{\"messages\": [...]}} object") from None
+    messages = doc.get("messages") if isinstance(doc, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: expected an object with a non-empty \"messages\" list")
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: message {i} must be an object with a string \"content\"")
+        if m.get("role") not in ROLES:
+            raise DataError(f"{where}: message {i} has role {m.get('role')!r}; roles are system, user and assistant")
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise DataError(f"{where}: message {i} is an empty assistant turn; give it text or drop it")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: the conversation has no assistant turn, so nothing to learn; add one or drop "
+                        f"the line")
+    return messages
+
+
+# ---------------------------------------------------------------- building a chat data directory
+def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_size: int | None,
+                    shard_tokens: int = SHARD_TOKENS) -> tuple[dict, callable]:
+    """(meta, write_contents) of a chat data directory for prepare's _write_data_dir: every
+    conversation of `source` encoded and checked before anything is written."""
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise DataError(f"--block-size {block_size}: must be a positive integer (the model's block_size)")
+    if tokenizer is None:
+        raise DataError("--format chat: pass --tokenizer HF_DIR (the model's directory, with its tokenizer.json "
+                        "and chat template)")
+    fmt, tok = load_chat_format(tokenizer), load_tokenizer(tokenizer)
+    convs, truncated, dropped = [], 0, 0
+    for lineno, messages in read_conversations(source):
+        try:
+            ids, mask = fmt.encode(messages)
+        except DataError as e:
+            raise DataError(f"{source}:{lineno}: {e}") from None
+        if len(ids) > block_size + 1:
+            ids, mask, truncated = ids[:block_size + 1], mask[:block_size + 1], truncated + 1
+        if not mask[1:].any():
+            dropped += 1
+            continue
+        convs.append((ids, mask))
+    if not convs:
+        raise DataError(f"{source}: no conversation with an assistant token to learn from")
+    order = np.random.default_rng(seed).permutation(len(convs))
+    n_val = int(len(convs) * val_fraction)
+    n_val = max(n_val, 1) if val_fraction > 0 else 0
+    if n_val >= len(convs):
+        raise DataError(f"{source}: {len(convs)} conversation(s) leave none for training with --val-fraction "
+                        f"{val_fraction}; add conversations or lower --val-fraction")
+    n_train = len(convs) - n_val
+    splits = {"train": [convs[k] for k in order[:n_train]], "val": [convs[k] for k in order[n_train:]]}
+    groups = {split: _shard_groups([len(ids) for ids, _ in c], shard_tokens) for split, c in splits.items()}
+    names = {split: [f"{split}_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
+    mask_names = {split: [f"{split}_mask_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
+    count = {split: sum(len(ids) for ids, _ in c) for split, c in splits.items()}
+    meta = {"source": [str(source)], "kind": "chat", "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id, "documents": len(convs), "train_tokens": count["train"],
+            "val_tokens": count["val"], "val_fraction": val_fraction, "seed": seed,
+            "chat": {"block_size": block_size, "truncated": truncated, "dropped": dropped,
+                     "conversations": {s: len(c) for s, c in splits.items()},
+                     "assistant_tokens": {s: int(sum(m[1:].sum() for _, m in c)) for s, c in splits.items()},
+                     "template": fmt.source, "end_of_turn": fmt.end_of_turn, "mask_shards": mask_names,
+                     "batches": "one conversation per row, padded"},
+            "format": shard_format(tok.vocab_size), "handgrad_version": __version__}
+    dtype = token_dtype(tok.vocab_size)  # uint16, or uint32 above 65,536 ids
+
+    def write_contents(tmp: Path) -> dict:
+        index = {}
+        for split, convs_ in splits.items():
+            for group, name, mask_name in zip(groups[split], names[split], mask_names[split]):
+                write_shard(tmp / name, np.concatenate([convs_[j][0] for j in group]).astype(dtype))
+                write_shard(tmp / mask_name, np.concatenate([convs_[j][1] for j in group]).astype(np.uint16))
+            index[split] = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in convs_])]).astype(np.int64)
+        save_safetensors(index, tmp / INDEX_FILE)
+        tok.save(tmp)  # tokenizer.json (and an hf tokenizer's tokenizer_config.json)
+        (tmp / CHAT_FILE).write_text(json.dumps(fmt.to_json(), indent=1) + "\n", encoding="utf-8")
+        return names
+
+    return meta, write_contents
+
+
+def _shard_groups(lengths: list[int], shard_tokens: int) -> list[list[int]]:
+    """Consecutive conversations grouped into shards of at most shard_tokens tokens (a longer
+    conversation gets a shard of its own); none crosses a shard. An empty split has no shard."""
+    groups, size = [], shard_tokens
+    for j, n in enumerate(lengths):
+        if size + n > shard_tokens:
+            groups.append([])
+            size = 0
+        groups[-1].append(j)
+        size += n
+    return groups
+
+
+def summary(meta: dict) -> str:
+    """prepare's note on a chat data directory: conversations per split, truncated and dropped."""
+    c = meta["chat"]
+    return (f"chat: {c['conversations']['train']:,} train / {c['conversations']['val']:,} val conversations, "
+            f"{c['assistant_tokens']['train']:,} assistant tokens in train; {c['truncated']:,} truncated to "
+            f"{c['block_size'] + 1} tokens (--block-size {c['block_size']}), {c['dropped']:,} dropped with no "
+            f"assistant token left; end of turn {c['end_of_turn']} ({c['template']} template)")
+
+
+# ---------------------------------------------------------------- reading it back
+def is_chat(data_dir) -> bool:
+    return load_meta(data_dir).get("kind") == "chat"
+
+
+def open_dataset(data_dir, split: str) -> Dataset:
+    """A split of any prepared data directory: ChatDataset for chat data, else Dataset."""
+    return ChatDataset(data_dir, split) if is_chat(data_dir) else Dataset(data_dir, split)
+
+
+class ChatDataset(Dataset):
+    """One split of a chat data directory: whole conversations, one per batch row, padded."""
+
+    def __init__(self, data_dir, split: str):
+        super().__init__(data_dir, split)
+        hint = "re-run handgrad prepare --format chat"
+        chat = self.meta.get("chat")
+        names = chat.get("mask_shards", {}).get(split) if isinstance(chat, dict) else None
+        if not isinstance(names, list) or len(names) != len(self.shards) or \
+                not all(isinstance(n, str) and Path(n).name == n for n in names):
+            raise DataError(f"{self.data_dir}: meta.json's chat.mask_shards does not list one mask shard per "
+                            f"{split} shard; {hint}")
+        self.masks = [read_shard(self.data_dir / n) for n in names]
+        for name, mask, n in zip(names, self.masks, self.lengths):
+            if len(mask) != n:
+                raise DataError(f"{self.data_dir / name}: {len(mask)} positions for a shard of {n} tokens; {hint}")
+        try:
+            offsets = load_file(str(self.data_dir / INDEX_FILE))[split]
+        except (OSError, SafetensorError, KeyError) as e:
+            raise DataError(f"{self.data_dir / INDEX_FILE}: cannot read the {split} offsets ({e}); {hint}") from None
+        bounds = np.concatenate([[0], np.cumsum(self.lengths)])  # (n_shards + 1,)
+        shard = np.searchsorted(bounds, offsets[:-1], side="right") - 1  # (n,) each conversation's shard
+        if (offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != self.num_tokens or np.any(np.diff(offsets) < 1)
+                or np.any(offsets[1:] > bounds[np.minimum(shard + 1, len(bounds) - 1)])):
+            raise DataError(f"{self.data_dir / INDEX_FILE}: the {split} offsets do not cut its shards into "
+                            f"conversations; {hint}")
+        self.offsets, self.conv_shard, self.shard_start = offsets.astype(np.int64), shard, bounds[:-1]
+        self.num_conversations = len(offsets) - 1
+        self.pad_id = int(_read_json(self.data_dir / CHAT_FILE).get("end_of_turn_id", 0)) \
+            if (self.data_dir / CHAT_FILE).is_file() else 0
+
+    def get_batch(self, B: int, T: int, rng: np.random.Generator,
+                  rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """x, y (B, T) int32: B conversations drawn uniformly with `rng` only, one per row, each its
+        first T + 1 tokens; y[b, t] = x's next token where it is an assistant token, else -1;
+        padding: x = the end-of-turn id, y = -1. `rows` as in Dataset.get_batch."""
+        if B < 1 or T < 1:
+            raise ValueError(f"B and T must be positive, got B={B}, T={T}")
+        if self.num_conversations == 0:
+            raise DataError(f"{self.data_dir}: the {self.split} split has no conversation (prepared with "
+                            f"--val-fraction 0?); prepare the data again with a val fraction above 0")
+        picks = rng.integers(0, self.num_conversations, size=B)  # (B,)
+        if rows is not None:
+            picks = picks[rows]
+        x = np.full((len(picks), T), self.pad_id, dtype=np.int32)
+        y = np.full((len(picks), T), -1, dtype=np.int32)
+        for b, j in enumerate(picks):
+            s = self.conv_shard[j]
+            lo = self.offsets[j] - self.shard_start[s]
+            n = min(int(self.offsets[j + 1] - self.offsets[j]), T + 1)
+            ids, mask = self.shards[s][lo:lo + n], self.masks[s][lo:lo + n]  # (n,)
+            x[b, :n - 1] = ids[:-1]
+            y[b, :n - 1] = np.where(mask[1:] == 1, ids[1:].astype(np.int32), -1)  # int32: -1 fits
+        return x, y
