@@ -194,7 +194,9 @@ def test_bad_hf_directories(hf_dir, tmp_path, capsys):
         return d
 
     out = tmp_path / "out"
-    _fails(capsys, make("llama", dict(cfg, model_type="llama")), out, match="model_type is 'llama', not 'gpt2'")
+    mistral = dict(cfg, model_type="mistral", architectures=["MistralForCausalLM"])
+    _fails(capsys, make("mistral", mistral), out, match='architectures = "MistralForCausalLM" (model_type "mistral") '
+           'is not one handgrad reads; it reads GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM')
     _fails(capsys, make("nofield", {k: v for k, v in cfg.items() if k != "n_head"}), out, match="field n_head")
     missing = {k: v for k, v in tensors.items() if k != "transformer.h.1.mlp.c_fc.bias"}
     _fails(capsys, make("missing", weights=missing), out, match="tensor h.1.mlp.c_fc.bias is missing")
@@ -210,7 +212,7 @@ def test_bad_hf_directories(hf_dir, tmp_path, capsys):
     _fails(capsys, make("gelu", dict(cfg, activation_function="relu")), out, match="activation_function")
     _fails(capsys, tmp_path / "absent", out, match="no such file or directory")
     (tmp_path / "empty").mkdir()
-    _fails(capsys, tmp_path / "empty", out, match="neither a Hugging Face GPT-2 directory")
+    _fails(capsys, tmp_path / "empty", out, match="neither a Hugging Face model directory")
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert cli(["convert", str(hf_dir), str(out)]) == 2

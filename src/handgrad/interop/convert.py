@@ -1,9 +1,11 @@
-"""Models in and out: Hugging Face GPT-2 directories (hf.py), llm.c model files (llmc.py), handgrad
-runs (here); format detection, `from_pretrained` and `handgrad convert`.
+"""Models in and out: Hugging Face GPT-2 directories (hf.py) and Llama / Qwen2 ones (hf_llama.py),
+llm.c model files (llmc.py), llama2.c model files (llama2c.py), handgrad runs (here); format
+detection, `from_pretrained` and `handgrad convert`.
 
-Every format is read into one common form, (GPTConfig, weights), the weights a dict of float32
-arrays under handgrad's names and layouts (= Hugging Face GPT-2's: Conv1D weights [in, out], no
-`transformer.` prefix, no lm_head), and written from it:
+Every format is read into one common form, (config, weights): the config a family's architecture
+config (GPTConfig or LlamaConfig), the weights a dict of float32 arrays under the family's
+param_spec names and layouts (llama: Hugging Face LlamaForCausalLM's own; gpt2: Hugging Face
+GPT-2's: Conv1D weights [in, out], no `transformer.` prefix, no lm_head), and written from it:
 
 * **hf**: a directory with config.json (model_type "gpt2") and model.safetensors (or shards
   listed in model.safetensors.index.json). On import a `transformer.` key prefix is optional, the
@@ -11,11 +13,18 @@ arrays under handgrad's names and layouts (= Hugging Face GPT-2's: Conv1D weight
   (GPT-2 ties them). float32, float16 and bfloat16 tensors are read. An export is what
   GPT2LMHeadModel.save_pretrained writes, and GPT2LMHeadModel.from_pretrained loads it, with the
   run's tokenizer where transformers.AutoTokenizer loads it (hf.py: _export_hf_tokenizer) and
-  bos/eos ids only where that tokenizer has an end-of-text token.
+  bos/eos ids only where that tokenizer has an end-of-text token. A directory whose config.json
+  names LlamaForCausalLM or Qwen2ForCausalLM is a llama-family model (hf_llama.py: the fields it
+  maps, the ones it refuses); a llama run exports as one of those two (Qwen2 when it has q/k/v
+  biases), with generation_config.json, and an imported directory's tokenizer files byte for byte.
 * **llmc**: llm.c's model file (train_gpt2.c's gpt2_build_from_checkpoint): a 256 x int32 header
   (magic 20240326, version 3 = float32 or 5 = bfloat16, maxT, V, L, NH, C, Vp), then the tensors
   in llm.c's order with nn.Linear's [out, in] layout and wte padded to Vp rows (padding ignored on
   import, zero on export).
+* **llama2c**: llama2.c's model file (run.c's legacy format: 7 x int32 header, float32 tensors, q/k
+  rows in interleaved-pair RoPE order; detected by its header and exact size), a Llama model. An
+  export is a directory: model.bin, and with a tokenizer llama2.c's tokenizer.bin and handgrad's
+  tokenizer.json (`./run DST/model.bin -z DST/tokenizer.bin`); see llama2c.py.
 * **handgrad**: a run directory (its newest checkpoint) or a checkpoint directory; an export is a
   run directory holding one weights-only checkpoint (step 0), so `handgrad sample --run DST` and
   `handgrad train --init-from DST` take it.
@@ -33,15 +42,17 @@ from ..models import family_of
 from ..training.checkpoint import load_weights, read_state, resolve, save_weights
 from .common import ConvertError, check_weights, describe, make_config, prepare_dir, publish_dir
 from .hf import read_hf, write_hf
+from .hf_llama import is_hf_llama, read_hf_llama, write_hf_llama
+from .llama2c import is_llama2c, read_llama2c, size_mismatch, write_llama2c
 from .llmc import LLMC_MAGIC, read_llmc, write_llmc
 
 
-FORMATS = ("handgrad", "hf", "llmc")
+FORMATS = ("handgrad", "hf", "llmc", "llama2c")
 
 
 # ---------------------------------------------------------------- detection and the common form
 def detect_format(path):
-    """'hf', 'llmc' or 'handgrad' for a path, or a ConvertError saying what it is not."""
+    """'hf', 'llmc', 'llama2c' or 'handgrad' for a path, or a ConvertError saying what it is not."""
     path = Path(path)
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory")
@@ -52,8 +63,13 @@ def detect_format(path):
             head = np.frombuffer(f.read(8).ljust(8, b"\0"), dtype="<i4")
         if head[0] == LLMC_MAGIC:
             return "llmc"
-        raise ConvertError(f"{path}: not an llm.c model file (magic {head[0]}, expected {LLMC_MAGIC}); "
-                           f"pass an llm.c .bin model, a Hugging Face GPT-2 directory or a handgrad run")
+        if is_llama2c(path):
+            return "llama2c"
+        if (reason := size_mismatch(path)) is not None:
+            raise ConvertError(reason)
+        raise ConvertError(f"{path}: not an llm.c model file (magic {head[0]}, expected {LLMC_MAGIC}) nor a "
+                           f"llama2.c one; pass an llm.c or llama2.c .bin model, a Hugging Face model directory "
+                           f"or a handgrad run")
     if (path / "state.json").is_file() or (path / "ckpt").is_dir():
         return "handgrad"
     if (path / "config.json").is_file():
@@ -64,13 +80,16 @@ def detect_format(path):
         if isinstance(doc, dict) and "train" in doc and "model" in doc and "model_type" not in doc:
             return "handgrad"  # a run directory without a checkpoint yet
         return "hf"
-    raise ConvertError(f"{path}: neither a Hugging Face GPT-2 directory (no config.json) nor a handgrad run "
+    if is_llama2c(path):  # a directory holding model.bin, as an export writes it
+        return "llama2c"
+    raise ConvertError(f"{path}: neither a Hugging Face model directory (no config.json) nor a handgrad run "
                        f"(no ckpt/ or state.json)")
 
 
 def foreign_format(path):
-    """'hf' or 'llmc' where path is plainly one of those, else None (no error): lets a command that
-    takes handgrad runs also take the other formats, keeping its own errors for everything else."""
+    """'hf', 'llmc' or 'llama2c' where path is plainly one of those, else None (no error): lets a
+    command that takes handgrad runs also take the other formats, keeping its own errors for
+    everything else."""
     try:
         fmt = detect_format(path)
     except ConvertError:
@@ -79,12 +98,19 @@ def foreign_format(path):
 
 
 def load_pretrained(path):
-    """(GPTConfig, weights, info) from any supported format; info says the format and where a
+    """(config, weights, info) from any supported format; info says the format and where a
     tokenizer.json lies (or None)."""
     fmt = detect_format(path)
-    config, weights, info = {"hf": read_hf, "llmc": read_llmc, "handgrad": read_handgrad}[fmt](path)
+    config, weights, info = {"hf": _read_hf, "llmc": read_llmc, "llama2c": read_llama2c,
+                              "handgrad": read_handgrad}[fmt](path)
     info["format"] = fmt
     return config, weights, info
+
+
+def _read_hf(path):
+    """A Hugging Face directory by its config.json's architecture: Llama or Qwen2 (hf_llama.py),
+    else GPT-2 (hf.py, which names the architectures handgrad reads when it is none of them)."""
+    return read_hf_llama(path) if is_hf_llama(path) else read_hf(path)
 
 
 def from_pretrained(path, backend="cpu"):
@@ -102,7 +128,8 @@ def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=N
     if fmt not in FORMATS:
         raise ConvertError(f"--format {fmt}: unknown format; choose from {', '.join(FORMATS)}")
     if fmt == "hf":
-        return write_hf(dst, config, weights, tokenizer, eot_id=info.get("eot_id"))
+        write = write_hf_llama if family_of(config).arch == "llama" else write_hf
+        return write(dst, config, weights, tokenizer, eot_id=info.get("eot_id"))
     if fmt == "llmc":
         version = info.get("llmc_version", 3)
         path = write_llmc(dst, config, weights, version=version, padded_vocab=info.get("padded_vocab_size"))
@@ -110,6 +137,8 @@ def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=N
         left = (f"; not the tokenizer, which an llm.c model file cannot hold (sample with --tokenizer {tokenizer})"
                 if tokenizer else "; no tokenizer came with the model (an llm.c model file cannot hold one)")
         return path, f"wrote an llm.c model file (version {version}, {dtype}){left}"
+    if fmt == "llama2c":
+        return write_llama2c(dst, config, weights, tokenizer, source=info.get("path"))
     return write_handgrad(dst, config, weights, tokenizer, source=info)
 
 
@@ -162,10 +191,13 @@ def model_tokenizer_path(src, info, config):
 
 # ---------------------------------------------------------------- the verb
 def add_arguments(parser):
-    parser.add_argument("src", metavar="SRC", help="a Hugging Face GPT-2 directory, an llm.c model file, "
-                                                   "or a handgrad run or checkpoint directory (detected)")
+    parser.add_argument("src", metavar="SRC", help="a Hugging Face directory (GPT-2, Llama, Qwen2), an llm.c or "
+                                                   "llama2.c model file, or a handgrad run or checkpoint "
+                                                   "directory (detected)")
     parser.add_argument("dst", metavar="DST", help="where to write (must not exist, or be an empty directory)")
-    parser.add_argument("--format", default="handgrad", choices=FORMATS, help="DST's format (default handgrad)")
+    parser.add_argument("--format", default="handgrad", choices=FORMATS,
+                        help="DST's format (default handgrad); llama2c writes DST as a directory of model.bin "
+                             "and tokenizer.bin: ./run DST/model.bin -z DST/tokenizer.bin")
     parser.add_argument("--llmc-dtype", default=None, choices=["float32", "bfloat16"],
                         help="llm.c output: version 3 (float32, the default) or 5 (bfloat16)")
 

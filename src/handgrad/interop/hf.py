@@ -1,5 +1,7 @@
 """Hugging Face GPT-2 directories in and out: config.json, model.safetensors (or pytorch-free
-sharded safetensors), tokenizer files. Safetensors are read by hand, bfloat16 included."""
+sharded safetensors), tokenizer files. Safetensors are read by hand, bfloat16 included. What every
+Hugging Face directory shares (config.json, the weight files, the tokenizer export) lives here too;
+hf_llama.py reads and writes Llama and Qwen2 ones with it."""
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +15,7 @@ from .common import ConvertError, check_weights, make_config, prepare_dir, publi
 
 
 HF_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+HF_ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM")  # what handgrad reads
 
 
 # ---------------------------------------------------------------- safetensors, bfloat16 included
@@ -83,7 +86,9 @@ def _hf_weight_files(d):
     raise ConvertError(f"{d}: no model.safetensors")
 
 
-def read_hf(path):
+def read_hf_config(path):
+    """(the directory, its config.json's path, the config as a dict) of a Hugging Face model path
+    (the directory or a file in it)."""
     d = Path(path)
     d = d.parent if d.is_file() else d
     cfg_path = d / "config.json"
@@ -91,9 +96,20 @@ def read_hf(path):
         cfg = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConvertError(f"{cfg_path}: cannot read ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("model_type") != "gpt2":
-        got = cfg.get("model_type") if isinstance(cfg, dict) else None
-        raise ConvertError(f"{cfg_path}: model_type is {got!r}, not 'gpt2'; handgrad reads GPT-2 models only")
+    if not isinstance(cfg, dict):
+        raise ConvertError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    return d, cfg_path, cfg
+
+
+def read_hf(path):
+    """A Hugging Face GPT-2 directory (Llama and Qwen2 ones: hf_llama.py)."""
+    d, cfg_path, cfg = read_hf_config(path)
+    if cfg.get("model_type") != "gpt2":
+        arch = cfg.get("architectures")
+        arch = arch[0] if isinstance(arch, list) and len(arch) == 1 else arch
+        model_type = json.dumps(cfg.get("model_type"))
+        raise ConvertError(f"{cfg_path}: architectures = {json.dumps(arch)} (model_type {model_type}) is not one "
+                           f"handgrad reads; it reads {', '.join(HF_ARCHITECTURES)}")
     unsupported = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "layer_norm_epsilon": (1e-5,),
                    "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
                    "add_cross_attention": (False,), "tie_word_embeddings": (True,)}

@@ -1,0 +1,216 @@
+"""Hugging Face Llama and Qwen2 directories in and out (LlamaForCausalLM, Qwen2ForCausalLM), as
+handgrad's llama family (models/llama.py), whose parameter names and [out, in] layouts are Hugging
+Face's own: the weights go in and out under their names, untouched.
+
+In: config.json's fields map to config.LlamaConfig (hidden_size -> n_embd, num_hidden_layers ->
+n_layer, num_attention_heads -> n_head, num_key_value_heads -> n_kv_head, intermediate_size ->
+ffn_hidden, rope_theta (or transformers 5's rope_parameters.rope_theta), rms_norm_eps -> norm_eps,
+tie_word_embeddings, max_position_embeddings -> block_size, vocab_size; Qwen2 -> qkv_bias), a field
+missing from it taking transformers' default for the class. What the family cannot express is
+refused with one line naming the field: another activation, scaled RoPE, sliding windows in
+effect, biases other than Qwen2's q/k/v, a head_dim other than hidden_size / num_attention_heads,
+a tied model whose stored lm_head differs from its embedding. rotary_emb.inv_freq buffers are
+ignored; a tied model's stored lm_head.weight (equal to the embedding) is dropped.
+
+Out: what save_pretrained writes (model.safetensors in float32, no lm_head.weight when tied,
+config.json, generation_config.json) for LlamaForCausalLM, or Qwen2ForCausalLM when the model has
+q/k/v biases, and the tokenizer: a Hugging Face directory's own tokenizer files copied byte for
+byte, else handgrad's tokenizer in Hugging Face form (hf._export_hf_tokenizer).
+"""
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from ..data.sources import DataError
+from ..data.tokenizer import load_tokenizer
+from ..files import save_safetensors
+from .common import ConvertError, check_weights, make_config, prepare_dir, publish_dir
+from .hf import _end_of_text, _export_hf_tokenizer, _hf_weight_files, read_hf_config, read_safetensors
+
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}  # -> model_type
+SIZES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+         "intermediate_size": "ffn_hidden", "vocab_size": "vocab_size", "max_position_embeddings": "block_size"}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# the verbatim tokenizer files of a Hugging Face directory, tokenizer.json first
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def llama_kind(cfg):
+    """'llama' or 'qwen2' for a config.json dict this module reads (by its architectures, else its
+    model_type), else None."""
+    arch = cfg.get("architectures")
+    if isinstance(arch, list) and arch:
+        return ARCHITECTURES.get(arch[0]) if len(arch) == 1 else None
+    return cfg.get("model_type") if cfg.get("model_type") in ARCHITECTURES.values() else None
+
+
+def is_hf_llama(path):
+    """Whether path is a Hugging Face Llama or Qwen2 directory (no error: read_hf says what else it is)."""
+    try:
+        return llama_kind(read_hf_config(path)[2]) is not None
+    except ConvertError:
+        return False
+
+
+# ---------------------------------------------------------------- in
+def _cannot(cfg_path, field, value, what, has):
+    return ConvertError(f"{cfg_path}: {field} = {json.dumps(value)}: handgrad's llama family cannot express "
+                        f"{what}; {has}")
+
+
+def llama_config(cfg, cfg_path, kind):
+    """config.LlamaConfig from a config.json dict, or the ConvertError naming the field it cannot take."""
+    missing = [k for k in SIZES if cfg.get(k) is None]
+    if missing:
+        raise ConvertError(f"{cfg_path}: field {missing[0]} is missing")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise _cannot(cfg_path, "hidden_act", cfg["hidden_act"], "this activation", "its MLP is SwiGLU (silu)")
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(field)
+        kind_of = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+        if rope is not None and kind_of != "default":
+            raise _cannot(cfg_path, field, rope, "scaled RoPE", "it has plain RoPE (rope_scaling null)")
+    n_layer = cfg["num_hidden_layers"]
+    if kind == "qwen2" and cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None \
+            and cfg.get("max_window_layers", 28) < n_layer:
+        raise _cannot(cfg_path, "use_sliding_window", True, "sliding-window attention",
+                      "its attention is full causal (use_sliding_window false)")
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
+        raise _cannot(cfg_path, "layer_types", layer_types, "sliding-window attention",
+                      "its attention is full causal in every layer")
+    biases = ([("attention_bias", "biases on q/k/v/o")] if kind == "llama" else []) + [("mlp_bias", "MLP biases")]
+    for field, what in biases:  # (Qwen2's q/k/v biases are fixed by its architecture, not by a field)
+        if cfg.get(field):
+            raise _cannot(cfg_path, field, cfg[field], what, "its only biases are Qwen2's, on q/k/v")
+    C, NH = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg.get("head_dim") is not None and isinstance(C, int) and isinstance(NH, int) and NH > 0 \
+            and cfg["head_dim"] * NH != C:
+        raise _cannot(cfg_path, "head_dim", cfg["head_dim"], "a head_dim other than hidden_size / "
+                      "num_attention_heads", f"its heads are {C} / {NH} wide")
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    kv = cfg.get("num_key_value_heads")
+    return make_config(cfg_path, "llama", **{ours: cfg[theirs] for theirs, ours in SIZES.items()},
+                       n_kv_head=NH if kv is None else kv, rope_theta=float(theta),
+                       norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                       tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2")
+
+
+def read_hf_llama(path):
+    """(LlamaConfig, weights under param_spec's names, info) from a Hugging Face Llama or Qwen2
+    directory: the weights from model.safetensors or the shards its index lists, float32, float16
+    or bfloat16 on disk, float32 here."""
+    d, cfg_path, cfg = read_hf_config(path)
+    kind = llama_kind(cfg)
+    if kind is None:
+        raise ConvertError(f"{cfg_path}: not a LlamaForCausalLM or Qwen2ForCausalLM config")
+    config = llama_config(cfg, cfg_path, kind)
+    weights, lm_head = {}, None
+    for f in _hf_weight_files(d):
+        for name, arr in read_safetensors(f).items():
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name.endswith("self_attn.o_proj.bias"):
+                raise ConvertError(f"{f}: tensor {name}: handgrad's llama family cannot express a bias on "
+                                   f"o_proj; its only biases are on q/k/v (Qwen2)")
+            if name == "lm_head.weight" and config.tie_embeddings:
+                lm_head = (f, arr)
+                continue
+            weights[name] = arr
+    check_weights(config, weights, d)
+    if lm_head is not None and not np.array_equal(lm_head[1], weights["model.embed_tokens.weight"]):
+        raise ConvertError(f"{lm_head[0]}: tensor lm_head.weight differs from model.embed_tokens.weight though "
+                           f"{cfg_path} says tie_word_embeddings = true; set it to false to keep both")
+    eos = cfg.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    tok = d / "tokenizer.json"
+    return config, weights, {"tokenizer": str(tok) if tok.is_file() else None,
+                             "eot_id": eos if type(eos) is int and 0 <= eos < config.vocab_size else None}
+
+
+# ---------------------------------------------------------------- out
+def hf_llama_config(config, eot_id=None):
+    """config.json for LlamaForCausalLM, or Qwen2ForCausalLM where the model has q/k/v biases. rope_theta
+    and rope_scaling are the fields transformers 4 reads and transformers 5 still takes."""
+    qwen2 = config.qkv_bias
+    doc = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+           "model_type": "qwen2" if qwen2 else "llama", "hidden_size": config.n_embd,
+           "intermediate_size": config.ffn_hidden, "num_hidden_layers": config.n_layer,
+           "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
+           "head_dim": config.head_dim, "hidden_act": "silu", "max_position_embeddings": config.block_size,
+           "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta, "rope_scaling": None,
+           "tie_word_embeddings": config.tie_embeddings, "vocab_size": config.vocab_size,
+           "initializer_range": 0.02, "attention_dropout": 0.0, "use_cache": True,
+           "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32"}
+    if qwen2:
+        doc.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.n_layer)
+    else:
+        doc.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    return doc
+
+
+def write_hf_llama(dst, config, weights, tokenizer=None, eot_id=None):
+    """dst/model.safetensors (float32, Hugging Face's names), config.json, generation_config.json and
+    the tokenizer (_write_tokenizer). bos/eos ids: the tokenizer's end-of-text token, else eot_id
+    (the source's config.json's eos), else null. Returns (dst, one line saying what was written,
+    and what was not and why)."""
+    check_weights(config, weights, "weights")
+    tmp = prepare_dir(dst)
+    try:
+        save_safetensors({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
+                         tmp / "model.safetensors", metadata={"format": "pt"})
+        tok, written, why_not = _write_tokenizer(tokenizer, tmp, config)
+        eot, eot_why = _end_of_text(config, tok, eot_id)
+        (tmp / "config.json").write_text(json.dumps(hf_llama_config(config, eot), indent=2) + "\n")
+        generation = {"_from_model_config": True, "bos_token_id": eot, "eos_token_id": eot}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        arch = hf_llama_config(config)["architectures"][0]
+        what = (f"wrote {arch}: model.safetensors, config.json, generation_config.json"
+                + (f", {written}" if written else f"; {why_not}")
+                + f"; bos_token_id = eos_token_id = {'null' if eot is None else eot} ({eot_why})")
+        return publish_dir(tmp, dst), what
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_tokenizer(tokenizer, out_dir, config):
+    """(the tokenizer handgrad read, or None; what was written, or None; why not). A Hugging Face
+    directory's own tokenizer files (a tokenizer.json with tokenizer_config.json beside it) are
+    copied byte for byte; otherwise handgrad's tokenizer is written in Hugging Face form, and a
+    Hugging Face tokenizer.json handgrad cannot read is copied byte for byte with a plain
+    tokenizer_config.json."""
+    if tokenizer is None:
+        return None, None, "no tokenizer came with the model"
+    src = Path(tokenizer)
+    src = src / "tokenizer.json" if src.is_dir() else src
+    if src.name == "tokenizer.json" and (src.parent / "tokenizer_config.json").is_file():
+        copied = [n for n in HF_TOKENIZER_FILES if (src.parent / n).is_file()]
+        for name in copied:
+            shutil.copyfile(src.parent / name, out_dir / name)
+        return None, f"{' + '.join(copied)} (copied byte for byte from {src.parent})", None
+    try:
+        tok = load_tokenizer(tokenizer)
+        return tok, _export_hf_tokenizer(tok, out_dir, config), None
+    except (ConvertError, DataError) as e:
+        if not _is_hf_tokenizer_file(src):
+            return None, None, f"the tokenizer was not written: {e}"
+    shutil.copyfile(src, out_dir / "tokenizer.json")
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.block_size,
+                "clean_up_tokenization_spaces": False}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    return None, (f"tokenizer.json (copied byte for byte from {src}: a Hugging Face tokenizer handgrad's "
+                  f"tokenizers do not read) + a plain tokenizer_config.json"), None
+
+
+def _is_hf_tokenizer_file(path):
+    """Whether path is a Hugging Face tokenizers file (a JSON object with a "model")."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("model"), dict) and "type" not in doc
