@@ -214,6 +214,40 @@ def test_sample_from_an_hf_llama_directory_and_export_its_char_tokenizer(char_ll
     assert hf_tok("the quick")["input_ids"] == tok.encode("the quick")
 
 
+def test_a_padded_vocabulary_fine_tunes_and_samples_only_the_tokenizers_ids(char_llama, tmp_path, capsys):
+    """An embedding with rows past the tokenizer (Qwen2 pads 151,665 tokens to 151,936): the run
+    keeps the model's vocab_size (model.vocab_size), sampling never picks a padding row, and data
+    with more ids than the model is refused in one line."""
+    root, data, _ = char_llama
+    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    d = _save(_hf_model("qwen2", True, vocab=vocab + 9, seed=3), tmp_path / "padded", torch.float32, False)
+    shutil.copyfile(data / "tokenizer.json", d / "tokenizer.json")
+    with torch.no_grad():  # make the padding rows the likeliest tokens: an unmasked sampler would pick them
+        model = transformers.Qwen2ForCausalLM.from_pretrained(d)
+        model.model.embed_tokens.weight[vocab:] = 10 * model.model.norm.weight
+        model.save_pretrained(d)
+    run = tmp_path / "run"
+    args = ["train", "--data", str(data), "--out", str(run), "--init-from", str(d), "--model.block_size", "16",
+            "--train.max_steps", "2", "--train.batch_size", "2", "--train.eval_interval", "0",
+            "--train.sample_interval", "2", "--train.sample_tokens", "8", "--train.checkpoint_interval", "2"]
+    assert cli(args) == 0
+    assert f"vocab_size {vocab + 9} (the data's {vocab} ids and 9 rows of padding)" in capsys.readouterr().out
+    assert read_state(resolve(run))["model_config"]["vocab_size"] == vocab + 9
+    for src in (d, run):
+        assert cli(["sample", "--run", str(src), "--prompt", "the", "--max-new-tokens", "20", "--seed", "1"]) == 0
+    tok = handgrad.data.tokenizer.load_tokenizer(data)
+    ids = generate(handgrad.from_pretrained(d), [tok.encode("the")], 20, rng=1)[0]
+    assert ids.max() >= vocab  # unmasked, the padding rows win
+    assert generate(handgrad.from_pretrained(d), [tok.encode("the")], 20, rng=1, vocab=vocab)[0].max() < vocab
+    small = _save(_hf_model("llama", True, vocab=vocab - 1), tmp_path / "small", torch.float32, False)
+    capsys.readouterr()
+    assert cli(["train", "--data", str(data), "--out", str(tmp_path / "run2"), "--init-from", str(small),
+                "--model.block_size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert f"the model has {vocab - 1} tokens but" in err and "--tokenizer" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run2").exists()
+
+
 # ---------------------------------------------------------------- refusals: one line, exit 2, nothing written
 def _fails(capsys, src, dst, match):
     assert cli(["convert", str(src), str(dst)]) == 2

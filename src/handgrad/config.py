@@ -89,13 +89,15 @@ MODEL_PRESETS = {
 # ---------------------------------------------------------------- training runs
 @dataclass
 class ModelSection:
-    """The architecture a run trains; vocab_size comes from the prepared data."""
+    """The architecture a run trains; vocab_size is the prepared data's unless set (a pretrained
+    model's padded embedding, from --init-from)."""
 
     arch: str = "gpt2"  # model family (handgrad.models): gpt2 or llama
     n_layer: int = 2  # transformer blocks
     n_head: int = 2  # attention heads; must divide n_embd
     n_embd: int = 64  # width of the residual stream
     block_size: int = 64  # context length in tokens
+    vocab_size: int = 0  # rows of the embedding and the logits; 0: the data's; more pads it (Qwen2: 151,936 for 151,665)
     # llama only (given for gpt2, an error):
     n_kv_head: int = 0  # key/value heads; must divide n_head; 0: n_head
     ffn_hidden: int = 0  # SwiGLU width; 0: the multiple of 64 nearest 8/3 n_embd
@@ -139,8 +141,8 @@ class TrainSection:
 SECTIONS = {"model": ModelSection, "train": TrainSection}
 ARCHS = ("gpt2", "llama")  # the model families' names, as handgrad.models.FAMILIES lists them (a test checks)
 # model.* keys each family has (the rest is the other family's: given explicitly, an error)
-ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size"),
-             "llama": ("arch", "n_layer", "n_head", "n_embd", "block_size", "n_kv_head", "ffn_hidden", "rope_theta",
+ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size"),
+             "llama": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_kv_head", "ffn_hidden", "rope_theta",
                        "norm_eps", "tie_embeddings", "qkv_bias")}
 # the keys that take one of a few words: checked at load time, listed by `handgrad train --help`
 CHOICES = {"model.arch": ARCHS, "train.on_nan": ("stop", "skip"), "train.dtype": ("float32", "bfloat16"),
@@ -162,8 +164,13 @@ class RunConfig:
 
     def gpt_config(self, vocab_size):
         """The architecture config of model.arch's family (GPTConfig or LlamaConfig), with the
-        data's vocab_size."""
+        data's vocab_size, or model.vocab_size where set (never below the data's)."""
         m = self.model
+        if m.vocab_size and m.vocab_size < vocab_size:
+            raise ConfigError(f"model.vocab_size: {m.vocab_size} is below the data's vocab_size {vocab_size} (the "
+                              f"data has token ids the model has no embedding for); prepare the data with the "
+                              f"model's tokenizer, or raise model.vocab_size")
+        vocab_size = m.vocab_size or vocab_size
         if m.arch == "llama":
             return LlamaConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer, n_head=m.n_head,
                                n_embd=m.n_embd, n_kv_head=m.n_kv_head or m.n_head,
@@ -300,6 +307,8 @@ def validate_run_config(config):
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key}: must be positive, got {getattr(m, key)}")
+    if m.vocab_size < 0:
+        raise ConfigError(f"model.vocab_size: must be >= 0 (0 = the data's), got {m.vocab_size}")
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}); "
                           f"pick n_head from the divisors of n_embd")

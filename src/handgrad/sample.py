@@ -16,7 +16,7 @@ from .data.tokenizer import load_tokenizer
 from .interop.convert import foreign_format, load_pretrained, model_tokenizer_path
 from .models.decode import SampleError, check_sampling, generate
 from .models import family_of
-from .training.checkpoint import load_model
+from .training.checkpoint import CheckpointError, load_model, read_state, resolve
 
 
 SEPARATOR = "---------------"
@@ -130,6 +130,14 @@ def _chat_prompt(prompt, tok_path, block_size):
     return ids, fmt.end_of_turn_id
 
 
+def _pads_vocab(run):
+    """Whether a run's config sets model.vocab_size (an embedding padded past its tokenizer)."""
+    try:
+        return bool(read_state(resolve(run))["config"]["model"].get("vocab_size"))
+    except (CheckpointError, KeyError, TypeError, AttributeError):
+        return False
+
+
 def _until(ids, stop_id):
     """ids up to, not including, the first stop_id (all of them when stop_id is None or absent)."""
     if stop_id is None:
@@ -146,10 +154,12 @@ def main(args, file=None):
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, cli=True)
     if args.num_samples < 1:
         raise SampleError(f"--num-samples must be >= 1, got {args.num_samples}")
+    padded = True  # a model from elsewhere may pad its embedding past its tokenizer (Qwen2's)
     try:
         if foreign_format(args.run) is None:
             model = load_model(args.run)
             tok_path = args.tokenizer or _tokenizer_dir(args.run)
+            padded = _pads_vocab(args.run)
         else:
             config, weights, info = load_pretrained(args.run)
             model = family_of(config).model(config)
@@ -158,7 +168,8 @@ def main(args, file=None):
         tokenizer = load_tokenizer(tok_path)
     except FileNotFoundError as e:
         raise SampleError(f"--run {args.run}: {e}") from None
-    if tokenizer.vocab_size != model.config.vocab_size:
+    if tokenizer.vocab_size > model.config.vocab_size or (tokenizer.vocab_size < model.config.vocab_size
+                                                          and not padded):
         raise SampleError(f"--run {args.run}: its tokenizer.json has {tokenizer.vocab_size} tokens but the model "
                           f"{model.config.vocab_size}; put back the tokenizer.json of the data it was trained on "
                           f"(or pass --tokenizer)")
@@ -177,7 +188,7 @@ def main(args, file=None):
     out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                    np.random.default_rng(args.seed),
                    on_token=lambda step, so_far: stream.update(_until(so_far[0, shown_from:], stop_id)),
-                   stop_id=stop_id)
+                   stop_id=stop_id, vocab=tokenizer.vocab_size)
     stream.update(_until(out[0, shown_from:], stop_id), final=True)
     file.write(f"\n{SEPARATOR}\n")
     for row in out[1:]:

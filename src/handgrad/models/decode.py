@@ -265,7 +265,7 @@ def _as_rng(rng):
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, rng=None,
-             on_token=None, stop_id=None):
+             on_token=None, stop_id=None, vocab=None):
     """Continue each row of prompt_ids (a list of ints, or a (B, T0) array) by max_new_tokens tokens.
 
     Returns the int64 ids (B, T0 + max_new_tokens), prompt included. Sampling is as in
@@ -276,6 +276,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     tokens the window policy of the module docstring applies.
     stop_id: generation ends once every row has produced this token (a chat's end of turn); the
     result is then shorter, and a row that stopped earlier goes on sampling: cut it at its first stop_id.
+    vocab: only ids below it are sampled (the tokenizer's size, where the embedding has rows of
+    padding past it that no token decodes from: Qwen2's 151,936 for 151,665 tokens).
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     idx = _check_prompt(prompt_ids, model.config)
@@ -290,7 +292,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     stopped = np.zeros(B, dtype=bool)  # (B,)
     for step in range(max_new_tokens):
         t = T0 + step
-        out[:, t] = sample_logits(logits, temperature, top_k, top_p, rng)
+        out[:, t] = sample_logits(logits[:, :vocab], temperature, top_k, top_p, rng)
         if on_token is not None:
             on_token(step, out[:, :t + 1])
         if stop_id is not None:

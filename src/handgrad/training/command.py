@@ -46,7 +46,7 @@ def pretrained_config(path, config, overrides):
     may be smaller than the model's, never larger."""
     pre, weights, _ = load_pretrained(path)
     arch = family_of(pre).arch
-    keys = [f.name for f in fields(pre) if f.name not in ("vocab_size", "block_size")]
+    keys = [f.name for f in fields(pre) if f.name != "block_size"]  # vocab_size: the model's, padded or not
     for key, value in [("arch", arch)] + [(k, getattr(pre, k)) for k in keys]:
         asked = (overrides or {}).get(f"model.{key}")
         if asked is not None and str(asked).lower() != str(value).lower() and not _same_number(asked, value):

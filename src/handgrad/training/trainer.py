@@ -43,7 +43,11 @@ class Trainer(Checkpointing, RunLoop):
         if self.family.arch == "llama" and backend == "gpu":
             raise ConfigError("model.arch llama: the gpu backend has no rmsnorm, rope, swiglu or grouped-query "
                               "attention kernels yet; train it with --device cpu")
-        self.gpt_config = config.gpt_config(self.train_data.vocab_size)
+        if init_from is not None and self.train_data.vocab_size > config.model.vocab_size:
+            raise TrainError(f"--init-from {init_from[0]}: the model has {config.model.vocab_size} tokens but "
+                             f"{self.data_dir} has vocab_size {self.train_data.vocab_size}; prepare the data with "
+                             f"the model's tokenizer (handgrad prepare SOURCE --tokenizer {init_from[0]})")
+        self.gpt_config = config.gpt_config(self.train_data.vocab_size)  # model.vocab_size may pad the data's
         # count what the run will hold before allocating any of it; refuse what cannot fit
         memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
                           self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0)
@@ -88,17 +92,14 @@ class Trainer(Checkpointing, RunLoop):
     def _load_pretrained(self, path, weights):
         """Pretrained weights (from pretrained_config) into the fresh model; GPT-2's wpe keeps its
         first block_size rows (nanoGPT's crop_block_size)."""
-        embed = self.model.spec[0][0]  # the token embedding comes first in every family's spec
-        if self.gpt_config.vocab_size != weights[embed].shape[0]:
-            raise TrainError(f"--init-from {path}: the model has {weights[embed].shape[0]} tokens but "
-                             f"{self.data_dir} has vocab_size {self.gpt_config.vocab_size}; prepare the data "
-                             f"with the model's tokenizer (handgrad prepare SOURCE --tokenizer {path})")
         if "wpe.weight" in weights:
             weights = dict(weights, **{"wpe.weight": weights["wpe.weight"][:self.gpt_config.block_size]})
         self.model.load_state_dict(weights)
         c = self.gpt_config
         self.log(f"initialised from {path}: {family_of(c).arch}, n_layer {c.n_layer}, n_head {c.n_head}, "
-                 f"n_embd {c.n_embd}, block_size {c.block_size}")
+                 f"n_embd {c.n_embd}, block_size {c.block_size}, vocab_size {c.vocab_size}"
+                 + (f" (the data's {self.train_data.vocab_size} ids and {c.vocab_size - self.train_data.vocab_size} "
+                    f"rows of padding)" if c.vocab_size > self.train_data.vocab_size else ""))
 
 
     def train_step(self):
@@ -168,6 +169,6 @@ class Trainer(Checkpointing, RunLoop):
         tok = load_tokenizer(self.run_dir)
         start = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n")
         ids = generate(self.model, np.array([start]), self.config.train.sample_tokens,
-                       temperature=1.0, top_k=None, rng=self.sample_rng)
+                       temperature=1.0, top_k=None, rng=self.sample_rng, vocab=tok.vocab_size)
         return tok.decode(ids[0, len(start):].tolist())
 
