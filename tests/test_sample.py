@@ -273,6 +273,20 @@ def test_text_stream_prints_what_decode_of_everything_gives(data, cuts):
     assert printed == decode(ids)
 
 
+def test_text_stream_keeps_the_spaces_a_sentencepiece_decoder_strips_at_the_start():
+    """Llama 2's and llama2.c's decoders drop the space of a text's first word ("▁the" -> "the"),
+    so the new ids decoded alone would lose a space at every step."""
+    from tokenizers import Tokenizer, decoders, models
+    words = ["▁the", "▁cat", "▁sat", ".", "▁on", "▁a", "▁mat"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="."))
+    tok.decoder = decoders.Metaspace()
+    ids = [0, 1, 2, 4, 5, 6, 3]
+    assert tok.decode([1]) == "cat"  # the decoder strips the first word's space
+    printed, pieces = stream_pieces(tok.decode, ids)
+    assert printed == tok.decode(ids) == "the cat sat on a mat."
+    assert pieces[:3] == ["the", " cat", " sat"]
+
+
 # ---------------------------------------------------------------- `handgrad sample`
 class ByteTokenizer:
     """Bytes 0..255 plus an end-of-text token 256, like the data helpers' byte tokenizer."""

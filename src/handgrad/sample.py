@@ -29,17 +29,27 @@ class TextStream:
     A token may end inside a multi-byte UTF-8 character; its decoded text then ends in U+FFFD
     (the tokenizer's replacement character), which is held back until a later token completes it.
     Only the ids since the last complete character are decoded again, so a step costs O(1) ids.
-    (This assumes decode(a + b) == decode(a) + decode(b) when a ends on a character boundary, true
-    of byte-level and character tokenizers.)
+    They are decoded with one id of context before them, whose own text is then cut off: a
+    SentencePiece-style decoder (Llama 2's, llama2.c's) strips the space a word begins with only at
+    the start of a text, so decoding the new ids alone would glue the words together.
     """
 
     def __init__(self, decode, file=None):
         self.decode, self.file = decode, file if file is not None else sys.stdout
         self.start = 0   # ids before this index are printed in full
-        self.shown = 0   # characters of decode(ids[start:]) already printed
+        self.shown = 0   # characters of the text of ids[start:] already printed
+
+    def _text(self, ids):
+        """The text ids[start:] adds to ids[:start]."""
+        new = [int(i) for i in ids[self.start:]]
+        if self.start == 0:
+            return self.decode(new)
+        context = self.decode([int(ids[self.start - 1])])
+        text = self.decode([int(ids[self.start - 1])] + new)
+        return text[len(context):] if text.startswith(context) else self.decode(new)
 
     def update(self, ids, final=False):
-        text = self.decode([int(i) for i in ids[self.start:]])
+        text = self._text(ids)
         stable = text if final else text.rstrip("\ufffd")
         if len(stable) > self.shown:
             self.file.write(stable[self.shown:])
