@@ -369,3 +369,15 @@ def test_hf_model_dir_trains_on_chat_data_and_samples_its_reply(dirs, data, tmp_
     if ref.convert_tokens_to_ids("<|im_end|>") in ids:
         ids = ids[:ids.index(ref.convert_tokens_to_ids("<|im_end|>"))]
     assert out == f"{ref.decode(ids)}\n{SEPARATOR}\n"
+    # the model's tokenizer settings (chat template, eos) travel through convert: HF -> run -> HF
+    assert cli(["convert", str(hf_dir), str(tmp_path / "conv")]) == 0
+    assert "tokenizer_config.json" in capsys.readouterr().out
+    assert cli(["sample", "--run", str(tmp_path / "conv"), "--chat", "--prompt", "Tell me a story.",
+                "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out == out
+    assert cli(["convert", str(tmp_path / "conv"), str(tmp_path / "back"), "--format", "hf"]) == 0
+    back = json.loads((tmp_path / "back" / "tokenizer_config.json").read_text())
+    assert back["chat_template"] == CHATML and back["eos_token"] == "<|im_end|>"
+    assert hf_tokenizer(tmp_path / "back").apply_chat_template([{"role": "user", "content": "Hi."}],
+                                                               tokenize=False) == ref.apply_chat_template(
+        [{"role": "user", "content": "Hi."}], tokenize=False)

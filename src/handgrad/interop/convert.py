@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.sources import DataError
+from ..data.tokenizer import load_tokenizer
 from ..files import lock_output
 from ..models import family_of
 from ..training.checkpoint import load_weights, read_state, resolve, save_weights
@@ -164,14 +166,29 @@ def write_handgrad(dst, config, weights, tokenizer=None, source=None):
                                                                    if k in ("format", "path")}})
         what = "wrote a run directory: a weights-only checkpoint (step 0)"
         if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-            what += f" and tokenizer.json (copied from {tokenizer})"
+            tok = _hf_tokenizer(tokenizer)
+            if tok is not None:  # the file as it came, with its settings: the chat template, the eos token
+                tok.save(tmp)
+                what += f" and tokenizer.json + tokenizer_config.json (the Hugging Face tokenizer of {tokenizer})"
+            else:
+                shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+                what += f" and tokenizer.json (copied from {tokenizer})"
         else:
             what += "; no tokenizer came with the model (sample with --tokenizer PATH)"
         return publish_dir(tmp, dst), what
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _hf_tokenizer(path):
+    """The tokenizer at path where it is a Hugging Face one (kind hf: its tokenizer_config.json and
+    the model's eos ids travel with it), else None."""
+    try:
+        tok = load_tokenizer(path)
+    except DataError:
+        return None
+    return tok if tok.name == "hf" else None
 
 
 def model_tokenizer_path(src, info, config):

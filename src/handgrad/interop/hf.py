@@ -196,7 +196,8 @@ def _end_of_text(config, tok, eot_id):
         if tok.eot_id is None:
             return None, f"the {tok.name} tokenizer has no end-of-text token"
         if tok.eot_id < V:
-            return tok.eot_id, f"the {tok.name} tokenizer's <|endoftext|>"
+            text = tok.hf.id_to_token(tok.eot_id) if hasattr(tok, "hf") else EOT_TEXT
+            return tok.eot_id, f"the {tok.name} tokenizer's {text}"
     if eot_id is not None and 0 <= eot_id < V:
         return eot_id, "as the source's config.json said"
     if V == GPT2Tokenizer.VOCAB_SIZE:
@@ -222,9 +223,12 @@ def _export_hf_tokenizer(tok, out_dir, config):
     (out_dir / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False) + "\n", encoding="utf-8")
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.block_size,
                 "clean_up_tokenization_spaces": False}
-    if tok.eot_id is not None:
+    if hasattr(tok, "saved_config"):  # a Hugging Face tokenizer: its own settings (chat template, eos) win
+        settings.update(tok.saved_config())
+    elif tok.eot_id is not None:
         settings.update(bos_token=EOT_TEXT, eos_token=EOT_TEXT)
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n",
+                                                   encoding="utf-8")
     size = f"{tok.vocab_size} characters" if tok.name == "char" else f"{tok.vocab_size} tokens"
     more = (f"; more than the model's {config.vocab_size}: ids from {config.vocab_size} up have no embedding"
             if tok.vocab_size > config.vocab_size else "")
