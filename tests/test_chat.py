@@ -285,6 +285,11 @@ def test_truncation_is_counted(dirs, tmp_path, capsys):
     assert c["truncated"] + c["dropped"] >= sum(n > 25 for n in lengths) > 0
     assert c["conversations"]["train"] + c["conversations"]["val"] == 10 - c["dropped"]
     assert "truncated to 25 tokens" in chat.summary(meta)
+    # padded rows: a split with fewer tokens than block_size + 1 still trains (text data could not)
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["val_tokens"] < 65
+    assert cli(["train", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "run"), *MODEL,
+                "--model.block_size", "64", "--train.max_steps", "1", "--train.eval_interval", "1",
+                "--train.eval_steps", "1"]) == 0
 
 
 # ---------------------------------------------------------------- train, then sample --chat

@@ -64,12 +64,13 @@ def read_json(path):
 
 def check_data(config, data_dir, train_data, val_data):
     """Before anything is written: every token id < vocab_size, windows of block_size + 1 tokens
-    fit, and tokenizer.json has meta.json's vocab_size (samples are decoded with it)."""
+    fit (text data; chat data pads each conversation to block_size), and tokenizer.json has meta.json's vocab_size (samples are decoded with it)."""
     T = config.model.block_size
     for ds in (train_data, val_data):
         ds.check_tokens()
         longest = max(ds.lengths, default=0)
-        if ds.num_tokens and longest < T + 1:
+        padded = hasattr(ds, "num_conversations")  # chat data: rows are conversations padded to T
+        if ds.num_tokens and longest < T + 1 and not padded:
             raise TrainError(f"model.block_size {T} is too large for the {ds.split} split of {data_dir}: "
                              f"its longest shard has {longest} tokens; use at most {longest - 1}")
     if not train_data.num_tokens:
