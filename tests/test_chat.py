@@ -18,7 +18,7 @@ from handgrad.data.sources import DataError
 from handgrad.models.llama import Llama
 from handgrad.sample import SEPARATOR
 from handgrad.config import LlamaConfig
-from handgrad.training.checkpoint import load_model
+from handgrad.training.checkpoint import load_model, read_state, resolve
 
 transformers = pytest.importorskip("transformers")
 
@@ -359,8 +359,9 @@ def test_hf_model_dir_trains_on_chat_data_and_samples_its_reply(dirs, data, tmp_
         vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=True)).eval()
     hf.save_pretrained(hf_dir)
     assert cli(["train", "--init-from", str(hf_dir), "--data", str(data), "--out", str(tmp_path / "run"),
-                "--model.block_size", "48", "--train.max_steps", "2", "--train.batch_size", "2",
+                "--train.max_steps", "2", "--train.batch_size", "2",
                 "--train.sample_interval", "0", "--train.eval_interval", "0"]) == 0
+    assert read_state(resolve(tmp_path / "run"))["model_config"]["block_size"] == 48  # the data's, not the model's 64
     capsys.readouterr()
     assert cli(["sample", "--run", str(hf_dir), "--chat", "--prompt", "Tell me a story.", "--temperature", "0",
                 "--max-new-tokens", "12"]) == 0

@@ -227,12 +227,14 @@ def test_a_padded_vocabulary_fine_tunes_and_samples_only_the_tokenizers_ids(char
         model.model.embed_tokens.weight[vocab:] = 10 * model.model.norm.weight
         model.save_pretrained(d)
     run = tmp_path / "run"
-    args = ["train", "--data", str(data), "--out", str(run), "--init-from", str(d), "--model.block_size", "16",
+    args = ["train", "--data", str(data), "--out", str(run), "--init-from", str(d),
             "--train.max_steps", "2", "--train.batch_size", "2", "--train.eval_interval", "0",
             "--train.sample_interval", "2", "--train.sample_tokens", "8", "--train.checkpoint_interval", "2"]
     assert cli(args) == 0
     assert f"vocab_size {vocab + 9} (the data's {vocab} ids and 9 rows of padding)" in capsys.readouterr().out
-    assert read_state(resolve(run))["model_config"]["vocab_size"] == vocab + 9
+    state = read_state(resolve(run))
+    assert state["model_config"]["vocab_size"] == vocab + 9
+    assert state["model_config"]["block_size"] == BLOCK  # unasked: min(the model's, 1024), as run_clm.py
     for src in (d, run):
         assert cli(["sample", "--run", str(src), "--prompt", "the", "--max-new-tokens", "20", "--seed", "1"]) == 0
     tok = handgrad.data.tokenizer.load_tokenizer(data)

@@ -11,7 +11,7 @@ from ..interop.convert import load_pretrained
 from ..machine import cores_available, sgemm_peak
 from ..models import family_of
 from .distributed import DataParallel
-from .rundir import TrainError, resolve_config
+from .rundir import TrainError, read_json, resolve_config
 from .trainer import Trainer
 
 
@@ -40,11 +40,23 @@ def add_arguments(parser, preset=None):
                                help=f"default {getattr(getattr(shown, section), f.name)}{choices}")
 
 
-def pretrained_config(path, config, overrides):
+DEFAULT_FINETUNE_BLOCK = 1024  # transformers' run_clm.py: min(the model's length, 1024) unless asked
+
+
+def pretrained_config(path, config, overrides, data_dir=None):
     """The run config with the pretrained model's architecture; its weights. model.arch and the
     architecture keys come from the model (an override that disagrees is an error); model.block_size
-    may be smaller than the model's, never larger."""
+    may be smaller than the model's, never larger. Unless a preset, file or flag sets it, it is the
+    block size chat data was prepared for, else min(the model's, 1024), as transformers' run_clm.py
+    chooses (a published model's 32,768 positions would not fit a CPU's batch)."""
     pre, weights, _ = load_pretrained(path)
+    if "block_size" not in config.given:
+        meta = Path(data_dir or "") / "meta.json"
+        meta = read_json(meta) if data_dir is not None and meta.is_file() else None  # (a bad one: Trainer says so)
+        chat = meta.get("chat") if isinstance(meta, dict) else None
+        asked = chat.get("block_size") if isinstance(chat, dict) else None
+        config.model.block_size = min(pre.block_size, asked if isinstance(asked, int) and asked > 0
+                                      else DEFAULT_FINETUNE_BLOCK)
     arch = family_of(pre).arch
     keys = [f.name for f in fields(pre) if f.name != "block_size"]  # vocab_size: the model's, padded or not
     for key, value in [("arch", arch)] + [(k, getattr(pre, k)) for k in keys]:
@@ -78,7 +90,7 @@ def main(args):
     config = resolve_config(run_dir, args.preset, args.config, overrides, args.resume)
     init_from = None
     if args.init_from is not None:
-        config, weights = pretrained_config(args.init_from, config, overrides)
+        config, weights = pretrained_config(args.init_from, config, overrides, args.data)
         init_from = (args.init_from, weights)
     dp = DataParallel(args.device, config.train.dist_timeout)
     threads = config.train.threads or (max(1, cores_available() // dp.local_world_size) if dp.world_size > 1 else 0)

@@ -64,7 +64,8 @@ def read_json(path):
 
 def check_data(config, data_dir, train_data, val_data):
     """Before anything is written: every token id < vocab_size, windows of block_size + 1 tokens
-    fit (text data; chat data pads each conversation to block_size), and tokenizer.json has meta.json's vocab_size (samples are decoded with it)."""
+    fit (text data; chat data pads each conversation to block_size), and tokenizer.json has
+    meta.json's vocab_size (samples are decoded with it)."""
     T = config.model.block_size
     for ds in (train_data, val_data):
         ds.check_tokens()
