@@ -144,13 +144,13 @@ def test_export_keeps_eos_and_a_hugging_face_tokenizer_byte_for_byte(hf_dirs, tm
     assert cli(["convert", str(src), str(tmp_path / "hf"), "--format", "hf"]) == 0
     out = capsys.readouterr().out
     assert (f"tokenizer.json + tokenizer_config.json + special_tokens_map.json (copied byte for byte from {src})"
-            f"; bos_token_id = eos_token_id = 2 (as the source's config.json said)") in out
+            f"; bos_token_id = eos_token_id = 2 (the hf tokenizer's </s>)") in out
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert filecmp.cmp(src / f, tmp_path / "hf" / f, shallow=False), f
     for f in ("config.json", "generation_config.json"):
         doc = json.loads((tmp_path / "hf" / f).read_text())
         assert (doc["bos_token_id"], doc["eos_token_id"]) == (2, 2), f
-    # through a handgrad run (which keeps tokenizer.json only): a tokenizer AutoTokenizer loads, same ids
+    # through a handgrad run (which keeps the tokenizer's files): a tokenizer AutoTokenizer loads, same ids
     assert cli(["convert", str(src), str(tmp_path / "run")]) == 0
     assert cli(["convert", str(tmp_path / "run"), str(tmp_path / "hf2"), "--format", "hf"]) == 0
     out = capsys.readouterr().out  # byte for byte while handgrad cannot read this tokenizer; in its HF form after

@@ -192,7 +192,11 @@ def _write_tokenizer(tokenizer, out_dir, config):
         copied = [n for n in HF_TOKENIZER_FILES if (src.parent / n).is_file()]
         for name in copied:
             shutil.copyfile(src.parent / name, out_dir / name)
-        return None, f"{' + '.join(copied)} (copied byte for byte from {src.parent})", None
+        try:  # read only for its end-of-text token (config.json's eos), where handgrad reads it
+            tok = load_tokenizer(src)
+        except (ConvertError, DataError):
+            tok = None
+        return tok, f"{' + '.join(copied)} (copied byte for byte from {src.parent})", None
     try:
         tok = load_tokenizer(tokenizer)
         return tok, _export_hf_tokenizer(tok, out_dir, config), None
