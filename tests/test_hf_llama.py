@@ -320,3 +320,25 @@ def test_refusals(hf_dirs, tmp_path, capsys):
     same = dict(llama_w, **{"lm_head.weight": llama_w["model.embed_tokens.weight"]})
     load_pretrained(make("idle", idle, qwen_w))
     assert "lm_head.weight" not in load_pretrained(make("tied_ok", dict(llama_cfg, tie_word_embeddings=True), same))[1]
+
+
+def test_the_readmes_stand_in_model_tool(tmp_path):
+    """tools/tiny_hf_model.py (README, "Fine-tune a published model"): a directory handgrad reads as a
+    llama model with its tokenizer and chat template, and conversations prepare accepts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from handgrad.data.chat import load_chat_format
+    from handgrad.data.prepare import prepare
+    (tmp_path / "t.txt").write_text(TEXT)
+    tool = Path(__file__).resolve().parents[1] / "tools" / "tiny_hf_model.py"
+    subprocess.run([sys.executable, str(tool), str(tmp_path / "m"), "--corpus", str(tmp_path / "t.txt"),
+                    "--vocab-size", "300", "--qwen2", "--pad-vocab", "320", "--chats", str(tmp_path / "c.jsonl")],
+                   check=True, capture_output=True)
+    config, weights, info = load_pretrained(tmp_path / "m")
+    assert config.vocab_size == 320 and config.qkv_bias and config.n_kv_head == 2
+    tok = handgrad.data.tokenizer.load_tokenizer(info["tokenizer"])
+    assert tok.vocab_size == 300 and tok.eot_id == tok.hf.token_to_id("<|im_end|>")
+    assert load_chat_format(tmp_path / "m").end_of_turn_id == tok.eot_id
+    prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", tokenizer=str(tmp_path / "m"), format="chat", block_size=256)
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["kind"] == "chat"

@@ -1,9 +1,9 @@
 """The `handgrad` command: one entry point, one verb per job.
 
-  prepare  corpus -> tokenizer -> token shards      train   a GPT on prepared data
+  prepare  corpus (or chats) -> tokenizer -> shards  train   a model on prepared data, or fine-tune one
   sample   text from a trained run                  verify  every op and the model against PyTorch
   bench    handgrad beside PyTorch on this machine  info    versions, cores, BLAS, threads, peak
-  convert  models between handgrad, Hugging Face GPT-2 and llm.c formats
+  convert  models between handgrad, Hugging Face (GPT-2, Llama, Qwen2), llm.c and llama2.c formats
 """
 import argparse
 import json
@@ -122,7 +122,8 @@ def build_parser(argv=()):
     bench.add_arguments(p)
     p.set_defaults(func=bench.main)
 
-    p = sub.add_parser("convert", help="convert a model between handgrad, Hugging Face GPT-2 and llm.c formats")
+    p = sub.add_parser("convert", help="convert a model between handgrad, Hugging Face (GPT-2, Llama, Qwen2), "
+                                           "llm.c and llama2.c formats")
     convert.add_arguments(p)
     p.set_defaults(func=convert.main)
 

@@ -64,8 +64,8 @@ class TextStream:
 def add_arguments(parser):
     parser.add_argument("--run", required=True, metavar="RUN_DIR",
                         help="a run directory (its newest complete checkpoint), one checkpoint "
-                             "directory (RUN_DIR/ckpt/step_NNNNNNNN), a Hugging Face GPT-2 directory or an "
-                             "llm.c model file")
+                             "directory (RUN_DIR/ckpt/step_NNNNNNNN), a Hugging Face GPT-2, Llama or Qwen2 "
+                             "directory, or an llm.c or llama2.c model file")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="the tokenizer, where --run has none beside it: a tokenizer.json, a directory "
                              "holding one (or GPT-2's vocab.json + merges.txt), or `gpt2` (tiktoken)")
