@@ -198,6 +198,79 @@ def prepare_a_shard(w, tmp):
     return ["prepare", str(w.A / "train_000000.bin"), "--out", str(tmp / "out")], [tmp / "out"]
 
 
+# ---------------------------------------------------------------- models from elsewhere, conversations
+def hf_llama(w, tmp, name="hf", vocab=None, edit=None, **fields):
+    """A Hugging Face Llama directory written by handgrad's exporter (a random 1-layer model with data
+    A's char tokenizer); edit(directory, config dict) may damage it, config.json is rewritten after."""
+    from handgrad.config import LlamaConfig
+    from handgrad.interop.hf_llama import write_hf_llama
+    from handgrad.models.llama import Llama
+    V = json.loads((w.A / "meta.json").read_text())["vocab_size"]
+    c = LlamaConfig(block_size=32, vocab_size=vocab or V, n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
+                    ffn_hidden=24, **fields)
+    d, _ = write_hf_llama(tmp / name, c, Llama(c, seed=0).state_dict(), tokenizer=str(w.A / "tokenizer.json"))
+    if edit is not None:
+        cfg = json.loads((d / "config.json").read_text())
+        edit(d, cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def convert_hf(edit=None, fmt="handgrad", **fields):
+    def build(w, tmp):
+        return ["convert", str(hf_llama(w, tmp, edit=edit, **fields)), str(tmp / "out"), "--format", fmt], [tmp / "out"]
+    return build
+
+
+def _missing_shard(d, cfg):
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                            "model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def init_from_smaller_vocab(w, tmp):
+    V = json.loads((w.A / "meta.json").read_text())["vocab_size"]
+    return train(w.A, tmp / "out", "--init-from", str(hf_llama(w, tmp, vocab=V - 2))), [tmp / "out"]
+
+
+def llama2c_truncated(w, tmp):
+    from handgrad.interop.convert import load_pretrained, save_pretrained
+    config, weights, _ = load_pretrained(hf_llama(w, tmp))
+    d, _ = save_pretrained(tmp / "l2c", config, weights, fmt="llama2c")
+    raw = (d / "model.bin").read_bytes()
+    (tmp / "m.bin").write_bytes(raw[:-8])
+    return ["convert", str(tmp / "m.bin"), str(tmp / "out")], [tmp / "out"]
+
+
+def chat_tokenizer(tmp):
+    """A Hugging Face tokenizer directory: byte-level BPE trained here, ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    (tmp / "tok").mkdir()
+    tok.save(str(tmp / "tok" / "tokenizer.json"))
+    (tmp / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return tmp / "tok"
+
+
+def chat_lines(*lines):
+    def build(w, tmp):
+        (tmp / "chats.jsonl").write_text("".join(line + "\n" for line in lines))
+        return ["prepare", str(tmp / "chats.jsonl"), "--format", "chat", "--tokenizer", str(chat_tokenizer(tmp)),
+                "--out", str(tmp / "out")], [tmp / "out"]
+    return build
+
+
+def _broken_tokenizer(w, tmp):
+    (tmp / "tok").mkdir()
+    (tmp / "tok" / "tokenizer.json").write_text('{"model": {"type": "BPE"')
+    return ["prepare", str(w.root / "a.txt"), "--tokenizer", str(tmp / "tok"), "--out", str(tmp / "out")], [tmp / "out"]
+
+
 # ---------------------------------------------------------------- the table
 @dataclass
 class Case:
@@ -359,6 +432,34 @@ CASES = [
     Case("prepare-missing-source", lambda w, tmp: (["prepare", str(tmp / "nope.txt"), "--out", str(tmp / "out")],
                                                    [tmp / "out"]),
          ("nope.txt",)),
+    # Hugging Face Llama directories, llama2.c files, model tokenizers, conversations
+    Case("hf-no-weights", convert_hf(edit=lambda d, cfg: (d / "model.safetensors").unlink()),
+         ("no model.safetensors",)),
+    Case("hf-index-names-a-missing-shard", convert_hf(edit=_missing_shard),
+         ("model-00002-of-00002.safetensors", "No such file")),
+    Case("hf-config-field-missing", convert_hf(edit=lambda d, cfg: cfg.pop("hidden_size")),
+         ("config.json", "field hidden_size is missing")),
+    Case("hf-config-disagrees-with-weights", convert_hf(edit=lambda d, cfg: cfg.update(hidden_size=32, head_dim=16)),
+         ("model.embed_tokens.weight has shape", "expected", "for this config")),
+    Case("hf-unknown-architecture",
+         convert_hf(edit=lambda d, cfg: cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")),
+         ("MistralForCausalLM", "is not one handgrad reads", "LlamaForCausalLM, Qwen2ForCausalLM")),
+    Case("hf-scaled-rope", convert_hf(edit=lambda d, cfg: cfg.update(rope_scaling={"rope_type": "llama3",
+                                                                                   "factor": 32.0})),
+         ("rope_scaling", "cannot express scaled RoPE")),
+    Case("hf-init-from-a-smaller-vocabulary", init_from_smaller_vocab,
+         ("--init-from", "the model has", "prepare the data with the model's tokenizer")),
+    Case("llama2c-export-of-another-rope-theta", convert_hf(fmt="llama2c", rope_theta=500000.0),
+         ("rope_theta is 500000", "choose another --format")),
+    Case("llama2c-file-size-disagrees-with-header", llama2c_truncated,
+         ("m.bin", "llama2.c header", "truncated or not a model file")),
+    Case("prepare-tokenizer-json-broken", _broken_tokenizer, ("tokenizer.json: not valid JSON",
+                                                              "point at an intact tokenizer.json")),
+    Case("chat-line-not-json", chat_lines(json.dumps({"messages": [{"role": "user", "content": "Hi."},
+                                                                   {"role": "assistant", "content": "Yes."}]}),
+                                          '{"messages": ['), ("chats.jsonl:2: not valid JSON",)),
+    Case("chat-no-assistant-turn", chat_lines(json.dumps({"messages": [{"role": "user", "content": "x"}]})),
+         ("chats.jsonl:1", "no assistant turn")),
 ]
 
 

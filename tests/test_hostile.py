@@ -227,6 +227,20 @@ def test_convert_into_a_full_disk_or_an_owned_output(tmp_path, data, small_fs, c
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]  # no partial export, no lock file left
 
 
+def test_llama_exports_into_a_full_disk_leave_nothing(tmp_path, data, small_fs, capsys):
+    """The Llama family's writers (Hugging Face LlamaForCausalLM, llama2.c's directory) on a full disk."""
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--model.arch", "llama",
+                "--model.n_head", "2", "--train.max_steps", "1"]) == 0
+    capsys.readouterr()
+    _fill(small_fs, 4096)
+    for fmt in ("hf", "llama2c"):
+        assert cli(["convert", str(run), str(small_fs / fmt), "--format", fmt]) == 2
+        line = one_error_line(capsys)
+        assert "No space left on device" in line and f"nothing was written to {small_fs / fmt}" in line
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
+
+
 def test_tensorboard_events_on_a_full_disk_stop_in_one_line(data, small_fs, capsys):
     pytest.importorskip("tensorboardX")
     run = small_fs / "run"

@@ -468,7 +468,8 @@ def load_tokenizer(path) -> Tokenizer:
         text = file.read_text(encoding="utf-8")
         doc = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{file}: not valid JSON ({e}); re-run handgrad prepare") from None
+        raise DataError(f"{file}: not valid JSON ({e}); point at an intact tokenizer.json (for a data "
+                        f"directory: re-run handgrad prepare)") from None
     return tokenizer_from_json(doc, str(file), text, file.parent)
 
 
