@@ -181,12 +181,17 @@ def write_hf(dst, config, weights, tokenizer=None, eot_id=None):
                 why_not = f"the tokenizer was not written: {e}"
         eot, eot_why = _end_of_text(config, tok, eot_id)
         (tmp / "config.json").write_text(json.dumps(hf_config(config, eot), indent=2) + "\n")
-        what = ("wrote model.safetensors, config.json" + (f", {written}" if written else f"; {why_not}")
-                + f"; bos_token_id = eos_token_id = {'null' if eot is None else eot} ({eot_why})")
-        return publish_dir(tmp, dst), what
+        return publish_dir(tmp, dst), written_line("wrote model.safetensors, config.json", written, why_not,
+                                                   eot, eot_why)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def written_line(wrote, written, why_not, eot, eot_why):
+    """The line an export prints: the files, the tokenizer's (or why it is missing), the bos/eos id."""
+    return (wrote + (f", {written}" if written else f"; {why_not}")
+            + f"; bos_token_id = eos_token_id = {'null' if eot is None else eot} ({eot_why})")
 
 
 def _end_of_text(config, tok, eot_id):

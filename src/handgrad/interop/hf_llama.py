@@ -27,7 +27,8 @@ from ..data.sources import DataError
 from ..data.tokenizer import load_tokenizer
 from ..files import save_safetensors
 from .common import ConvertError, check_weights, make_config, prepare_dir, publish_dir
-from .hf import _end_of_text, _export_hf_tokenizer, _hf_weight_files, read_hf_config, read_safetensors
+from .hf import (_end_of_text, _export_hf_tokenizer, _hf_weight_files, read_hf_config, read_safetensors,
+                 written_line)
 
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}  # -> model_type
@@ -169,10 +170,8 @@ def write_hf_llama(dst, config, weights, tokenizer=None, eot_id=None):
         generation = {"_from_model_config": True, "bos_token_id": eot, "eos_token_id": eot}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         arch = hf_llama_config(config)["architectures"][0]
-        what = (f"wrote {arch}: model.safetensors, config.json, generation_config.json"
-                + (f", {written}" if written else f"; {why_not}")
-                + f"; bos_token_id = eos_token_id = {'null' if eot is None else eot} ({eot_why})")
-        return publish_dir(tmp, dst), what
+        return publish_dir(tmp, dst), written_line(f"wrote {arch}: model.safetensors, config.json, "
+                                                   f"generation_config.json", written, why_not, eot, eot_why)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
