@@ -21,6 +21,9 @@ One rung per layer, as in the rest of handgrad:
     CausalSelfAttention(C, NH,          LlamaAttention (grouped-query, RoPE)       q_proj, k_proj, v_proj, o_proj
       n_kv_head=NKV, rope_theta=1e4)                                               (Linear)
     apply_rope(q, k, cos, sin)          apply_rotary_pos_emb(q, k, cos, sin)       -
+  LoRA (PEFT's LoraLayer on an nn.Linear):
+    LoRALinear(C, OC, r=8, alpha=2r,    nn.Linear frozen + a rank-r adapter        weight, bias (frozen),
+      dropout=0.0, bias=True)           (PEFT's lora.Linear)                       lora_A (r, C), lora_B (OC, r)
 
 Weight layout. handgrad's ops take GPT-2's Conv1D layout W [in, out] (out = x @ W). These modules
 keep nn.Linear's layout [out, in] (out = x @ weight.T) and hand the ops the transposed view
@@ -42,5 +45,6 @@ from .functions import (CausalAttentionFunction, CrossEntropyFunction, GELUFunct
                         layernorm_linear, linear)
 from .llama import (GQAAttentionFunction, RMSNormFunction, RoPEFunction, SwiGLUFunction, apply_rope,  # noqa: F401
                     gqa_attention, rms_norm, rope, rope_cache, swiglu)
+from .lora import LoRALinear, LoRALinearFunction, lora_linear  # noqa: F401
 from .modules import (GELU, CausalSelfAttention, CrossEntropyLoss, LayerNorm, LayerNormLinear, Linear,  # noqa: F401
                       RMSNorm, SwiGLU)

@@ -193,3 +193,21 @@ def check_adamw(steps=3, dtype=np.float32, seed=0, backend="cpu", lr=1e-2, weigh
     rows.append(compare("adamw", f"params after {steps} steps", params, ref, tol))
     return rows
 
+
+
+def check_lora_linear(B=2, T=5, C=24, OC=40, r=3, scale=2.0, bias=True, dtype=np.float32, seed=0, backend="cpu"):
+    """LoRA over a frozen linear: out, dinp and the adapter's gradients; the reference's frozen weight
+    has requires_grad False, and the op has no argument to write its gradient into."""
+    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    x, dout = _randn(rng, (B, T, C), dtype), _randn(rng, (B, T, OC), dtype)
+    w, a, bm = _randn(rng, (C, OC), dtype), _randn(rng, (C, r), dtype), _randn(rng, (r, OC), dtype)
+    b = _randn(rng, OC, dtype) if bias else None
+    out, xs = np.full((B, T, OC), np.nan, dtype), np.full((B, T, r), np.nan, dtype)  # both overwritten
+    ops.lora_linear_forward(out, xs, x, w, b, a, bm, scale)
+    dx, da, db = np.full_like(x, np.nan), np.zeros_like(a), np.zeros_like(bm)
+    ops.lora_linear_backward(dx, da, db, dout, x, xs, w, a, bm, scale)
+    tx, ta, tb = _t(x, True), _t(a, True), _t(bm, True)
+    ref = tx @ _t(w) + (0 if b is None else _t(b)) + scale * (tx @ ta) @ tb
+    ref.backward(_t(dout))
+    return [compare("lora_linear", "out", out, ref.detach(), tol), compare("lora_linear", "dinp", dx, tx.grad, tol),
+            compare("lora_linear", "dlora_a", da, ta.grad, tol), compare("lora_linear", "dlora_b", db, tb.grad, tol)]
