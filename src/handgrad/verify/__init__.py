@@ -18,6 +18,7 @@ from .ops import (
     check_adamw,
     check_attention,
     check_crossentropy,
+    check_dropout,
     check_encoder,
     check_gelu,
     check_layernorm,
@@ -33,7 +34,7 @@ OP_CHECKS = {
     "layernorm_linear": check_layernorm_linear, "attention": check_attention, "gelu": check_gelu,
     "residual": check_residual, "crossentropy": check_crossentropy, "adamw": check_adamw,
     "rmsnorm": check_rmsnorm, "rmsnorm_linear": check_rmsnorm_linear, "swiglu": check_swiglu,
-    "lora_linear": check_lora_linear,
+    "lora_linear": check_lora_linear, "dropout": check_dropout,
 }
 
 
@@ -64,8 +65,9 @@ def run_all(backend="cpu"):
     rows += check_adamw(backend=backend)
     rows += check_model_step(VERIFY_CONFIG, B=2, T=32, backend=backend)
     rows += check_model_adamw(VERIFY_CONFIG, B=2, T=32, steps=10, backend=backend)
-    if hasattr(_ops(backend), "lora_linear_forward"):  # (the gpu backend's is not written yet)
+    if hasattr(_ops(backend), "lora_linear_forward"):  # (the gpu backend's are not written yet)
         rows += check_lora_linear(**shape, C=96, OC=288, r=8, scale=2.0, backend=backend)
+        rows += check_dropout(**shape, C=96, p=0.2, backend=backend)
     if hasattr(_ops(backend), "rmsnorm_forward"):  # the Llama family's ops (the gpu's are not written yet)
         rows += check_rmsnorm(**shape, C=96, backend=backend)
         rows += check_rmsnorm_linear(**shape, C=96, OC=344, bias=True, backend=backend)

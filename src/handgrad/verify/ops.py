@@ -211,3 +211,17 @@ def check_lora_linear(B=2, T=5, C=24, OC=40, r=3, scale=2.0, bias=True, dtype=np
     ref.backward(_t(dout))
     return [compare("lora_linear", "out", out, ref.detach(), tol), compare("lora_linear", "dinp", dx, tx.grad, tol),
             compare("lora_linear", "dlora_a", da, ta.grad, tol), compare("lora_linear", "dlora_b", db, tb.grad, tol)]
+
+
+def check_dropout(B=2, T=5, C=24, p=0.2, seed=1234, dtype=np.float32, backend="cpu"):
+    """Dropout against autograd fed the op's own mask (regenerated from the seed in the backward)."""
+    ops, rng, tol = _ops(backend), _rng(0), _tol(dtype)
+    from ..backends.cpu.dropout import keep_mask
+    x, dout = _randn(rng, (B, T, C), dtype), _randn(rng, (B, T, C), dtype)
+    out, dx = np.full_like(x, np.nan), np.full_like(x, np.nan)  # both overwritten
+    ops.dropout_forward(out, x, p, seed)
+    ops.dropout_backward(dx, dout, p, seed)
+    tx = _t(x, True)
+    ref = tx * _t(keep_mask(x.shape, p, seed).astype(np.float64)) / (1 - p)
+    ref.backward(_t(dout))
+    return [compare("dropout", "out", out, ref.detach(), tol), compare("dropout", "dinp", dx, tx.grad, tol)]

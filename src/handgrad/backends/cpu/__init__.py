@@ -10,6 +10,7 @@ from .common import aligned_empty, aligned_zeros
 from .attention import attention_backward, attention_forward, attention_state_shape
 from .attention import attention_decode_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward
+from .dropout import dropout_backward, dropout_forward, dropout_seed
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward
 from .gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward,
