@@ -1,6 +1,7 @@
 """GPT-2's ops and AdamW, forward and backward, against PyTorch autograd in float64."""
 import numpy as np
 
+from ..backends.cpu.dropout import keep_mask
 from ..training.optim import clip_scale
 from .common import _ops, _randn, _rng, _t, _tol, compare
 
@@ -216,7 +217,6 @@ def check_lora_linear(B=2, T=5, C=24, OC=40, r=3, scale=2.0, bias=True, dtype=np
 def check_dropout(B=2, T=5, C=24, p=0.2, seed=1234, dtype=np.float32, backend="cpu"):
     """Dropout against autograd fed the op's own mask (regenerated from the seed in the backward)."""
     ops, rng, tol = _ops(backend), _rng(0), _tol(dtype)
-    from ..backends.cpu.dropout import keep_mask
     x, dout = _randn(rng, (B, T, C), dtype), _randn(rng, (B, T, C), dtype)
     out, dx = np.full_like(x, np.nan), np.full_like(x, np.nan)  # both overwritten
     ops.dropout_forward(out, x, p, seed)
