@@ -97,8 +97,26 @@ def record_sizes(out, quick=False):
             batch = [(rng.integers(0, 50257, (B, 1024)), rng.integers(0, 50257, (B, 1024)))] * accum
             loop.step(batch)
             generate(model, np.zeros((2, 1), np.int64), 2, temperature=0.0)
+        _llama_ops(dtype)
     _save(seen, out, "full-size steps, kernels not run")
     return 0
+
+
+def _llama_ops(dtype):
+    """The Llama family's gpu kernels written so far (rmsnorm's, which rmsnorm + linear uses, and
+    swiglu's) at smollm2-135m's widths (C 576, SwiGLU 1536) for one sequence of 2048 tokens."""
+    import torch
+    from handgrad.backends.gpu import rmsnorm, swiglu
+    from handgrad.backends.gpu.common import device
+    act, dev = (torch.bfloat16 if dtype == "bfloat16" else torch.float32), device()
+    T, C, H = 2048, 576, 1536
+    x, w, rstd = torch.zeros(1, T, C, dtype=act, device=dev), torch.ones(C, device=dev), torch.ones(1, T, device=dev)
+    rmsnorm.rmsnorm_forward(torch.empty_like(x), rstd, x, w, 1e-5)
+    rmsnorm.rmsnorm_backward(torch.zeros_like(x), torch.zeros_like(w), x, x, w, rstd)
+    rmsnorm.rmsnorm_recompute(torch.empty_like(x), x, rstd, w)
+    gu = torch.zeros(1, T, 2 * H, dtype=act, device=dev)
+    swiglu.swiglu_forward(torch.empty(1, T, H, dtype=act, device=dev), gu)
+    swiglu.swiglu_backward(torch.empty_like(gu), torch.zeros(1, T, H, dtype=act, device=dev), gu)
 
 
 def compile_all(path):

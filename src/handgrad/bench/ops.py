@@ -296,10 +296,12 @@ def bench_ops(backend, repeat, as_json):
     for r in rows:
         r["fraction_of_peak"] = r["handgrad"] / peak["median_gflops"]
     blocks = [(AttentionBlock, f"attention C={D_MODEL} NH={N_HEAD}"), (MLPBlock, f"mlp C={D_MODEL} F={D_FF}")]
-    if hasattr(ops, "rmsnorm_linear_forward"):  # the Llama family's ops (the cpu backend has them)
-        blocks += [(RMSNormLinearBlock, f"rmsnorm+linear C={D_MODEL}"),
-                   (LlamaAttentionBlock, f"rope+gqa attention C={D_MODEL} NH={N_HEAD} NKV={NKV_HEAD}"),
-                   (SwiGLUBlock, f"swiglu mlp C={D_MODEL} F={LLAMA_FF}")]
+    if hasattr(ops, "rmsnorm_linear_forward"):  # the Llama family's ops, as far as the backend has them
+        blocks += [(RMSNormLinearBlock, f"rmsnorm+linear C={D_MODEL}")]
+    if hasattr(ops, "gqa_attention_forward"):
+        blocks += [(LlamaAttentionBlock, f"rope+gqa attention C={D_MODEL} NH={N_HEAD} NKV={NKV_HEAD}")]
+    if hasattr(ops, "swiglu_forward"):
+        blocks += [(SwiGLUBlock, f"swiglu mlp C={D_MODEL} F={LLAMA_FF}")]
     for cls, label in blocks:
         for T in BLOCK_T:
             rows += bench_block(cls, label, ops, torch, T, repeat)

@@ -16,6 +16,9 @@ from .layernorm import layernorm_backward, layernorm_forward
 from .layernorm_linear import layernorm_linear_backward, layernorm_linear_forward
 from .linear import linear_backward, linear_forward
 from .residual import residual_backward, residual_forward
+from .rmsnorm import rmsnorm_backward, rmsnorm_forward
+from .rmsnorm_linear import rmsnorm_linear_backward, rmsnorm_linear_forward
+from .swiglu import swiglu_backward, swiglu_forward
 
 NAME = "gpu"
 LSE_DTYPE = np.float64  # the cross-entropy's saved logsumexp: split in two float32 parts, as on the cpu

@@ -1,0 +1,161 @@
+"""The gpu backend's first Llama-family ops (issue 23): RMSNorm, RMSNorm + linear and SwiGLU as
+Triton kernels, against PyTorch autograd in float64 with the same random upstream gradient, against
+the cpu backend's kernels on the same inputs, and in bf16 within 3x PyTorch's own bf16 error.
+Awkward shapes: T = 1, widths that are not powers of two, B * T prime and above the 32-row
+reduction block, several column blocks. Without CUDA the kernels run in Triton's interpreter."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, on_device
+
+from handgrad.backends import cpu
+from handgrad.backends.gpu import rmsnorm as RMS
+from handgrad.backends.gpu import rmsnorm_linear as RMSL
+from handgrad.backends.gpu import swiglu as SW
+from handgrad.verify import check_rmsnorm, check_rmsnorm_linear, check_swiglu
+
+F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
+SHAPES = [(2, 3, 48), (1, 1, 20), (1, 37, 96)] + ([(4, 256, 576)] if REAL_GPU else [])
+
+
+def randn(*shape, seed, scale=1.0, dtype=F32):
+    """float64 values exactly representable in dtype (so the reference sees what the kernel sees)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(dtype).to(F64)
+
+
+def reference(fn, inputs, dy):
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    y = fn(*leaves)
+    return y.detach(), torch.autograd.grad(y, leaves, dy)
+
+
+def empty(*shape, dtype=F32):
+    return torch.empty(shape, dtype=dtype, device=DEVICE)
+
+
+def rms_ref(x, w, eps=1e-5):
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def swiglu_ref(gu):
+    H = gu.shape[-1] // 2
+    return F.silu(gu[..., :H]) * gu[..., H:]
+
+
+# ----------------------------------------------------------------- rmsnorm
+@pytest.mark.parametrize("B,T,C", SHAPES)
+def test_rmsnorm(B, T, C):
+    x, w, dout = randn(B, T, C, seed=1), randn(C, seed=2, scale=0.5), randn(B, T, C, seed=3)
+    ref, (dx, dw) = reference(rms_ref, [x, w], dout)
+    out, rstd = empty(B, T, C).fill_(float("nan")), empty(B, T).fill_(float("nan"))
+    RMS.rmsnorm_forward(out, rstd, on_device(x), on_device(w), 1e-5)
+    assert_close(out, ref, "rmsnorm out", atol=1e-5, rtol=1e-5)
+    assert_close(rstd, torch.rsqrt(x.pow(2).mean(-1) + 1e-5), "rstd", atol=1e-6, rtol=1e-6)
+    dx0, dw0 = randn(B, T, C, seed=4), randn(C, seed=5)  # both accumulate: start from nonzero gradients
+    g_x, g_w = on_device(dx0), on_device(dw0)
+    RMS.rmsnorm_backward(g_x, g_w, on_device(dout), on_device(x), on_device(w), rstd)
+    assert_close(g_x, dx0 + dx, "rmsnorm dinp (+=)", atol=1e-5, rtol=1e-5)
+    assert_close(g_w, dw0 + dw, "rmsnorm dweight (+=)", atol=1e-4, rtol=1e-5)
+    again = on_device(dx0)
+    RMS.rmsnorm_backward(again, on_device(dw0), on_device(dout), on_device(x), on_device(w), rstd)
+    assert torch.equal(again, g_x)  # bitwise repeatable (ordered partial sums, no atomics)
+
+
+def test_rmsnorm_equals_the_cpu_backend():
+    B, T, C = 2, 5, 40
+    x, w = randn(B, T, C, seed=6).float().numpy(), randn(C, seed=7).float().numpy()
+    out, rstd = np.empty((B, T, C), np.float32), np.empty((B, T), np.float32)
+    cpu.rmsnorm_forward(out, rstd, x, w, 1e-6)
+    g_out, g_rstd = empty(B, T, C), empty(B, T)
+    RMS.rmsnorm_forward(g_out, g_rstd, on_device(x), on_device(w), 1e-6)
+    np.testing.assert_allclose(g_out.cpu().numpy(), out, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(g_rstd.cpu().numpy(), rstd, rtol=2e-6)
+
+
+def test_rmsnorm_bf16():
+    B, T, C = 1, 37, 96
+    x, w, dout = randn(B, T, C, seed=1, dtype=BF16), randn(C, seed=2, dtype=BF16), randn(B, T, C, seed=3, dtype=BF16)
+    ref, (dx, dw) = reference(rms_ref, [x, w], dout)
+    tb = [t.to(BF16).requires_grad_(True) for t in (x, w)]
+    t_out = rms_ref(*tb)
+    t_dx, t_dw = torch.autograd.grad(t_out, tb, dout.to(BF16))
+    out, rstd = empty(B, T, C, dtype=BF16), empty(B, T)
+    xd, wd = on_device(x, BF16), on_device(w)
+    RMS.rmsnorm_forward(out, rstd, xd, wd, 1e-5)
+    assert_bf16_close(out, ref, t_out, "rmsnorm out bf16")
+    g_x, g_w = empty(B, T, C, dtype=BF16).zero_(), empty(C).zero_()
+    RMS.rmsnorm_backward(g_x, g_w, on_device(dout, BF16), xd, wd, rstd)
+    assert_bf16_close(g_x, dx, t_dx, "rmsnorm dinp bf16")
+    assert_bf16_close(g_w, dw, t_dw, "rmsnorm dweight bf16")
+
+
+# ----------------------------------------------------------------- rmsnorm + linear
+@pytest.mark.parametrize("bias", [False, True])
+def test_rmsnorm_linear(bias):
+    B, T, C, OC = 1, 37, 48, 80
+    x, nw, W = randn(B, T, C, seed=1), randn(C, seed=2), randn(C, OC, seed=3, scale=0.2)
+    b = randn(OC, seed=4) if bias else None
+    dout = randn(B, T, OC, seed=5)
+    fn = (lambda x, nw, W, b: rms_ref(x, nw) @ W + b) if bias else (lambda x, nw, W: rms_ref(x, nw) @ W)
+    ref, grads = reference(fn, [x, nw, W] + ([b] if bias else []), dout)
+    out, rstd = empty(B, T, OC), empty(B, T)
+    xd, nwd, Wd = on_device(x), on_device(nw), on_device(W)
+    bd = on_device(b) if bias else None
+    RMSL.rmsnorm_linear_forward(out, rstd, xd, nwd, Wd, bd, 1e-5)
+    assert_close(out, ref, "rmsnorm_linear out", atol=1e-4, rtol=1e-4)
+    g_x, g_nw, g_W = empty(B, T, C).zero_(), empty(C).zero_(), empty(C, OC).zero_()
+    g_b = empty(OC).zero_() if bias else None
+    RMSL.rmsnorm_linear_backward(g_x, g_nw, g_W, g_b, on_device(dout), xd, nwd, rstd, Wd)
+    for got, want, name in zip([g_x, g_nw, g_W] + ([g_b] if bias else []), grads, ["dinp", "dnorm_weight", "dW", "db"]):
+        assert_close(got, want, f"rmsnorm_linear {name}", atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------- swiglu
+@pytest.mark.parametrize("B,T,H", [(2, 3, 24), (1, 1, 10), (1, 37, 1100)] + ([(4, 256, 1536)] if REAL_GPU else []))
+def test_swiglu(B, T, H):
+    gu, dout = randn(B, T, 2 * H, seed=1, scale=3.0), randn(B, T, H, seed=2)
+    ref, (dgu,) = reference(swiglu_ref, [gu], dout)
+    out = empty(B, T, H).fill_(float("nan"))
+    SW.swiglu_forward(out, on_device(gu))
+    assert_close(out, ref, "swiglu out", atol=1e-6, rtol=1e-5)
+    g = empty(B, T, 2 * H).fill_(float("nan"))
+    SW.swiglu_backward(g, on_device(dout), on_device(gu))
+    assert_close(g, dgu, "swiglu dgu", atol=1e-6, rtol=1e-5)
+    cpu_out = np.empty((B, T, H), np.float32)
+    cpu.swiglu_forward(cpu_out, gu.float().numpy())
+    np.testing.assert_allclose(out.cpu().numpy(), cpu_out, rtol=2e-6, atol=1e-7)
+
+
+def test_swiglu_extremes_and_bad_shapes():
+    gu = torch.tensor([[[-1e4, 0.0, 1e4, 3.0, 2.0, -5.0]]], dtype=F64)  # gate (-1e4, 0, 1e4), up (3, 2, -5)
+    out = empty(1, 1, 3)
+    SW.swiglu_forward(out, on_device(gu))
+    assert torch.isfinite(out).all()
+    assert_close(out, swiglu_ref(gu), "swiglu at |gate| = 1e4", atol=1e-3, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"must be \(B, T, 2H\)"):
+        SW.swiglu_forward(empty(1, 1, 4), on_device(gu))
+
+
+def test_swiglu_bf16():
+    B, T, H = 1, 37, 200
+    gu, dout = randn(B, T, 2 * H, seed=3, scale=3.0, dtype=BF16), randn(B, T, H, seed=4, dtype=BF16)
+    ref, (dgu,) = reference(swiglu_ref, [gu], dout)
+    tg = gu.to(BF16).requires_grad_(True)
+    t_out = swiglu_ref(tg)
+    (t_dgu,) = torch.autograd.grad(t_out, [tg], dout.to(BF16))
+    out, g = empty(B, T, H, dtype=BF16), empty(B, T, 2 * H, dtype=BF16)
+    SW.swiglu_forward(out, on_device(gu, BF16))
+    SW.swiglu_backward(g, on_device(dout, BF16), on_device(gu, BF16))
+    assert_bf16_close(out, ref, t_out, "swiglu out bf16")
+    assert_bf16_close(g, dgu, t_dgu, "swiglu dgu bf16")
+
+
+def test_verify_checks_run_on_the_gpu_backend():
+    """`handgrad verify --backend gpu` runs these checks (through NumPy arrays) and they pass."""
+    for rows in (check_rmsnorm(B=1, T=3, C=20, backend="gpu"), check_rmsnorm_linear(B=1, T=3, C=20, OC=24, bias=True,
+                                                                                  backend="gpu"),
+                 check_swiglu(B=1, T=3, H=12, backend="gpu")):
+        assert rows and all(r.ok for r in rows), [r.line() for r in rows if not r.ok]
