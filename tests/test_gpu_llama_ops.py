@@ -159,3 +159,51 @@ def test_verify_checks_run_on_the_gpu_backend():
                                                                                   backend="gpu"),
                  check_swiglu(B=1, T=3, H=12, backend="gpu")):
         assert rows and all(r.ok for r in rows), [r.line() for r in rows if not r.ok]
+
+
+# ----------------------------------------------------------------- rope
+from handgrad.backends.cpu import rope as CPU_ROPE  # noqa: E402
+from handgrad.backends.gpu import rope as ROPE  # noqa: E402
+from handgrad.torch_ref import rope as rope_ref  # noqa: E402
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,offset", [(2, 3, 4, 2, 16, 0), (1, 1, 3, 1, 8, 6), (1, 13, 2, 2, 6, 2)]
+                         + ([(2, 512, 9, 3, 64, 0)] if REAL_GPU else []))
+def test_rope_in_place_on_the_qk_columns_of_qkv(B, T, NH, NKV, hs, offset):
+    """One call over q and k (n_head = NH + NKV) on a slice of the fused qkv, in place, at positions
+    [offset, offset + T), forward and backward, against transformers' apply_rotary_pos_emb in
+    float64 on the same float32 tables; v's columns untouched."""
+    QK, W = (NH + NKV) * hs, (NH + 2 * NKV) * hs
+    cos, sin = ROPE.rope_cache(offset + T, hs, 10000.0)
+    ccos, csin = CPU_ROPE.rope_cache(offset + T, hs, 10000.0)
+    assert torch.equal(cos.cpu(), torch.from_numpy(ccos)) and torch.equal(sin.cpu(), torch.from_numpy(csin))
+    qkv, dout = randn(B, T, W, seed=1), randn(B, T, W, seed=2)
+    ref, (dqkv,) = reference(lambda x: torch.cat([rope_ref(x[:, :, :QK], cos.cpu().double(), sin.cpu().double(),
+                                                           NH + NKV, offset), x[:, :, QK:]], 2), [qkv], dout)
+    buf, dbuf = on_device(qkv), on_device(dout)
+    ROPE.rope_forward(buf[:, :, :QK], buf[:, :, :QK], cos, sin, NH + NKV, offset)
+    ROPE.rope_backward(dbuf[:, :, :QK], dbuf[:, :, :QK], cos, sin, NH + NKV, offset)
+    assert_close(buf, ref, "rope out (in place)", atol=1e-6, rtol=1e-6)
+    assert_close(dbuf, dqkv, "rope dinp (in place)", atol=1e-6, rtol=1e-6)
+    cpu_buf = qkv.float().numpy().copy()
+    CPU_ROPE.rope_forward(cpu_buf[:, :, :QK], cpu_buf[:, :, :QK], ccos, csin, NH + NKV, offset)
+    np.testing.assert_allclose(buf.cpu().numpy(), cpu_buf, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_bf16_and_bad_arguments():
+    B, T, NH, hs = 1, 9, 4, 16
+    cos, sin = ROPE.rope_cache(T, hs, 500000.0)
+    x, dout = randn(B, T, NH * hs, seed=3, dtype=BF16), randn(B, T, NH * hs, seed=4, dtype=BF16)
+    ref, (dx,) = reference(lambda x: rope_ref(x, cos.cpu().double(), sin.cpu().double(), NH, 0), [x], dout)
+    tx = x.to(BF16).requires_grad_(True)
+    t_out = rope_ref(tx, cos.cpu().to(BF16), sin.cpu().to(BF16), NH, 0)
+    (t_dx,) = torch.autograd.grad(t_out, [tx], dout.to(BF16))
+    out, g = empty(B, T, NH * hs, dtype=BF16), empty(B, T, NH * hs, dtype=BF16)
+    ROPE.rope_forward(out, on_device(x, BF16), cos, sin, NH)
+    ROPE.rope_backward(g, on_device(dout, BF16), cos, sin, NH)
+    assert_bf16_close(out, ref, t_out, "rope out bf16")
+    assert_bf16_close(g, dx, t_dx, "rope dinp bf16")
+    with pytest.raises(ValueError, match=r"positions \[5, 14\) are outside"):
+        ROPE.rope_forward(out, out, cos, sin, NH, offset=5)
+    with pytest.raises(ValueError, match="not 3 heads of an even size"):
+        ROPE.rope_forward(out, out, cos, sin, 3)

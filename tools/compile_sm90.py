@@ -103,10 +103,11 @@ def record_sizes(out, quick=False):
 
 
 def _llama_ops(dtype):
-    """The Llama family's gpu kernels written so far (rmsnorm's, which rmsnorm + linear uses, and
-    swiglu's) at smollm2-135m's widths (C 576, SwiGLU 1536) for one sequence of 2048 tokens."""
+    """The Llama family's gpu kernels written so far (rmsnorm's, which rmsnorm + linear uses, swiglu's
+    and rope's) at smollm2-135m's widths (C 576, SwiGLU 1536, 9 heads on 3 of 64) for one
+    sequence of 2048 tokens."""
     import torch
-    from handgrad.backends.gpu import rmsnorm, swiglu
+    from handgrad.backends.gpu import rmsnorm, rope, swiglu
     from handgrad.backends.gpu.common import device
     act, dev = (torch.bfloat16 if dtype == "bfloat16" else torch.float32), device()
     T, C, H = 2048, 576, 1536
@@ -117,6 +118,10 @@ def _llama_ops(dtype):
     gu = torch.zeros(1, T, 2 * H, dtype=act, device=dev)
     swiglu.swiglu_forward(torch.empty(1, T, H, dtype=act, device=dev), gu)
     swiglu.swiglu_backward(torch.empty_like(gu), torch.zeros(1, T, H, dtype=act, device=dev), gu)
+    cos, sin = rope.rope_cache(T, 64, 100000.0, device=dev)  # 9 query heads on 3 kv heads of 64
+    qk = torch.zeros(1, T, 15 * 64, dtype=act, device=dev)[:, :, :12 * 64]
+    rope.rope_forward(qk, qk, cos, sin, 12)
+    rope.rope_backward(qk, qk, cos, sin, 12)
 
 
 def compile_all(path):

@@ -78,8 +78,9 @@ def run_all(backend="cpu"):
         rows += check_rmsnorm(**shape, C=96, backend=backend)
         rows += check_rmsnorm_linear(**shape, C=96, OC=344, bias=True, backend=backend)
         rows += check_swiglu(**shape, H=344, backend=backend)
-    if _has_llama(backend):
+    if hasattr(_ops(backend), "rope_forward"):
         rows += check_rope(**shape, NH=6, NKV=2, hs=16, offset=5, backend=backend)
+    if _has_llama(backend):
         rows += check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend)
         for config in VERIFY_LLAMA:
             rows += check_model_step(config, B=2, T=17, backend=backend)

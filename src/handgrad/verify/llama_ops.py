@@ -75,7 +75,7 @@ def check_rope(B=2, T=5, NH=6, NKV=2, hs=16, offset=3, theta=10000.0, dtype=np.f
 
     from .. import torch_ref as R
     QK, W = (NH + NKV) * hs, (NH + 2 * NKV) * hs
-    cos, sin = ops.rope_cache(offset + T, hs, theta)
+    cos, sin = (c if isinstance(c, np.ndarray) else ops.to_numpy(c) for c in ops.rope_cache(offset + T, hs, theta))
     qkv, dout = _randn(rng, (B, T, W), dtype), _randn(rng, (B, T, W), dtype)
     buf, dbuf = qkv.copy(), dout.copy()
     qk, dqk = buf[:, :, :QK], dbuf[:, :, :QK]  # one view each, passed as out and inp: in place

@@ -18,6 +18,7 @@ from .linear import linear_backward, linear_forward
 from .residual import residual_backward, residual_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .rmsnorm_linear import rmsnorm_linear_backward, rmsnorm_linear_forward
+from .rope import rope_backward, rope_cache, rope_forward
 from .swiglu import swiglu_backward, swiglu_forward
 
 NAME = "gpu"
