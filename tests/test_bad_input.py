@@ -395,8 +395,6 @@ CASES = [
          ("model.n_embd / model.n_head = 9 must be even", "pick another n_head")),
     Case("llama-bad-rope-theta", overrides("--model.arch", "llama", "--model.rope_theta", "-1"),
          ("model.rope_theta must be a positive number",)),
-    Case("llama-on-the-gpu", overrides("--model.arch", "llama", "--device", "gpu"),
-         ("model.arch llama", "--device cpu")),
     Case("block-size-above-the-data", overrides("--model.block_size", "100000"),
          ("model.block_size 100000 is too large", "use at most")),
     Case("missing-required-flag", lambda w, tmp: (["train", "--data", str(w.A)], []),

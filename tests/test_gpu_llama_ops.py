@@ -207,3 +207,117 @@ def test_rope_bf16_and_bad_arguments():
         ROPE.rope_forward(out, out, cos, sin, NH, offset=5)
     with pytest.raises(ValueError, match="not 3 heads of an even size"):
         ROPE.rope_forward(out, out, cos, sin, 3)
+
+
+# ----------------------------------------------------------------- grouped-query attention
+import math  # noqa: E402
+
+from handgrad.backends.gpu import gqa_attention as GQA  # noqa: E402
+from handgrad.backends.gpu.attention import _Blocks  # noqa: E402
+
+
+def gqa_reference(qkv, NH, NKV):
+    """(out (B, T, NH*hs), logsumexp (B, NH, T)): softmax(q k^T / sqrt(hs) + causal mask) @ v with k
+    and v repeated per group (what the kernels must equal without repeating them)."""
+    B, T, W = qkv.shape
+    hs = W // (NH + 2 * NKV)
+    q = qkv[..., :NH * hs].reshape(B, T, NH, hs).transpose(1, 2)
+    k, v = (qkv[..., (NH + i * NKV) * hs:(NH + (i + 1) * NKV) * hs].reshape(B, T, NKV, hs).transpose(1, 2)
+            .repeat_interleave(NH // NKV, dim=1) for i in range(2))
+    s = q @ k.transpose(-1, -2) / math.sqrt(hs)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=qkv.device).triu(1), float("-inf"))
+    return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, NH * hs), s.logsumexp(-1)
+
+
+def run_gqa(qkv, dout, NH, NKV):
+    B, T, W = qkv.shape
+    hs = W // (NH + 2 * NKV)
+    out = torch.full((B, T, NH * hs), float("nan"), dtype=qkv.dtype, device=qkv.device)
+    att = torch.full(GQA.gqa_attention_state_shape(B, NH, T), float("nan"), device=qkv.device)
+    GQA.gqa_attention_forward(out, att, qkv, NH, NKV)
+    dqkv = torch.full_like(qkv, float("nan"))
+    GQA.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out)
+    return out, att, dqkv
+
+
+GQA_SHAPES = [(2, 5, 6, 2, 16), (1, 1, 4, 1, 16), (1, 17, 3, 3, 32), (1, 9, 6, 3, 16)] \
+    + ([(2, 1024, 9, 3, 64)] if REAL_GPU else [])  # B, T, NH, NKV, hs (smollm2-135m's heads on a GPU)
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs", GQA_SHAPES)
+def test_gqa_attention_against_autograd_with_repeated_kv(B, T, NH, NKV, hs):
+    g = torch.Generator().manual_seed(B * T + NH)
+    qkv = torch.randn(B, T, (NH + 2 * NKV) * hs, generator=g, dtype=F64)
+    dout = torch.randn(B, T, NH * hs, generator=g, dtype=F64)
+    x = qkv.clone().requires_grad_(True)
+    ref, lse = gqa_reference(x, NH, NKV)
+    (dref,) = torch.autograd.grad(ref, x, dout)
+    out, att, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV)
+    assert_close(out, ref.detach(), "gqa out", atol=2e-5, rtol=1e-4)
+    assert_close(att, lse.detach(), "gqa logsumexp", atol=2e-5, rtol=1e-4)
+    assert_close(dqkv, dref, "gqa dqkv", atol=2e-5, rtol=1e-4)
+    again = run_gqa(on_device(qkv), on_device(dout), NH, NKV)[2]
+    assert torch.equal(again, dqkv)  # no atomics: bitwise repeatable
+
+
+@pytest.mark.parametrize("blocks", [_Blocks(16, 32, 32, 16, num_warps=4, num_stages=1),
+                                    _Blocks(32, 16, 16, 32, num_warps=4, num_stages=1)], ids=["m16-n32", "m32-n16"])
+def test_gqa_attention_many_blocks(monkeypatch, blocks):
+    """T spanning several blocks of both sizes, with the group's sum walking them."""
+    monkeypatch.setattr(GQA, "_blocks", lambda hs, dtype: blocks)
+    B, T, NH, NKV, hs = 1, 45, 4, 2, 16
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(B, T, (NH + 2 * NKV) * hs, generator=g, dtype=F64)
+    dout = torch.randn(B, T, NH * hs, generator=g, dtype=F64)
+    x = qkv.clone().requires_grad_(True)
+    ref, _ = gqa_reference(x, NH, NKV)
+    (dref,) = torch.autograd.grad(ref, x, dout)
+    out, _, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV)
+    assert_close(out, ref.detach(), "gqa out", atol=2e-5, rtol=1e-4)
+    assert_close(dqkv, dref, "gqa dqkv", atol=2e-5, rtol=1e-4)
+
+
+def test_gqa_attention_bf16():
+    B, T, NH, NKV, hs = 1, 33, 4, 2, 32
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, T, (NH + 2 * NKV) * hs, generator=g, dtype=F64).to(BF16).to(F64)
+    dout = torch.randn(B, T, NH * hs, generator=g, dtype=F64).to(BF16).to(F64)
+    x = qkv.clone().requires_grad_(True)
+    ref, _ = gqa_reference(x, NH, NKV)
+    (dref,) = torch.autograd.grad(ref, x, dout)
+    xb = qkv.to(BF16).requires_grad_(True)
+    t_out, _ = gqa_reference(xb, NH, NKV)
+    (t_d,) = torch.autograd.grad(t_out, xb, dout.to(BF16))
+    out, _, dqkv = run_gqa(on_device(qkv, BF16), on_device(dout, BF16), NH, NKV)
+    assert_bf16_close(out, ref.detach(), t_out, "gqa out bf16")
+    assert_bf16_close(dqkv, dref, t_d, "gqa dqkv bf16")
+
+
+def test_gqa_decoding_equals_the_last_row_of_the_forward_and_the_cpu_op():
+    """Token by token through the KV cache (n_kv_head heads), each step equals that row of the full
+    forward, and the cpu op's decoding; the cache holds the kv heads once, not per query head."""
+    B, T, NH, NKV, hs = 2, 6, 6, 2, 16
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(B, T, (NH + 2 * NKV) * hs, generator=g, dtype=F32)
+    full, _ = gqa_reference(qkv.double(), NH, NKV)
+    kc, vc = torch.zeros(B, NKV, T, hs, device=DEVICE), torch.zeros(B, NKV, T, hs, device=DEVICE)
+    ckc, cvc = np.zeros((B, NKV, T, hs), np.float32), np.zeros((B, NKV, T, hs), np.float32)
+    for pos in range(T):
+        out = torch.full((B, 1, NH * hs), float("nan"), device=DEVICE)
+        GQA.gqa_attention_decode_forward(out, on_device(qkv[:, pos:pos + 1]), kc, vc, pos, NH, NKV)
+        assert_close(out[:, 0], full[:, pos], f"decode at {pos}", atol=1e-5, rtol=1e-5)
+        cout = np.empty((B, 1, NH * hs), np.float32)
+        cpu.gqa_attention_decode_forward(cout, qkv[:, pos:pos + 1].numpy().copy(), ckc, cvc, pos, NH, NKV)
+        np.testing.assert_allclose(out.cpu().numpy(), cout, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(kc.cpu().numpy(), ckc)
+    np.testing.assert_array_equal(vc.cpu().numpy(), cvc)
+
+
+def test_gqa_attention_refuses_bad_shapes():
+    att = torch.empty(1, 4, 3)
+    with pytest.raises(ValueError, match="n_head a multiple of n_kv_head"):
+        GQA.gqa_attention_forward(torch.empty(1, 3, 64), att, torch.empty(1, 3, 7 * 16), 4, 3)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        GQA.gqa_attention_forward(torch.empty(1, 3, 48), att, torch.empty(1, 3, 8 * 12), 4, 2)
+    with pytest.raises(ValueError, match="needs out="):
+        GQA.gqa_attention_backward(torch.empty(1, 3, 128), torch.empty(1, 3, 64), torch.empty(1, 3, 128), att, 4, 2)

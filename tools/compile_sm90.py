@@ -97,31 +97,29 @@ def record_sizes(out, quick=False):
             batch = [(rng.integers(0, 50257, (B, 1024)), rng.integers(0, 50257, (B, 1024)))] * accum
             loop.step(batch)
             generate(model, np.zeros((2, 1), np.int64), 2, temperature=0.0)
-        _llama_ops(dtype)
+        _llama_step(dtype, quick)
     _save(seen, out, "full-size steps, kernels not run")
     return 0
 
 
-def _llama_ops(dtype):
-    """The Llama family's gpu kernels written so far (rmsnorm's, which rmsnorm + linear uses, swiglu's
-    and rope's) at smollm2-135m's widths (C 576, SwiGLU 1536, 9 heads on 3 of 64) for one
-    sequence of 2048 tokens."""
-    import torch
-    from handgrad.backends.gpu import rmsnorm, rope, swiglu
-    from handgrad.backends.gpu.common import device
-    act, dev = (torch.bfloat16 if dtype == "bfloat16" else torch.float32), device()
-    T, C, H = 2048, 576, 1536
-    x, w, rstd = torch.zeros(1, T, C, dtype=act, device=dev), torch.ones(C, device=dev), torch.ones(1, T, device=dev)
-    rmsnorm.rmsnorm_forward(torch.empty_like(x), rstd, x, w, 1e-5)
-    rmsnorm.rmsnorm_backward(torch.zeros_like(x), torch.zeros_like(w), x, x, w, rstd)
-    rmsnorm.rmsnorm_recompute(torch.empty_like(x), x, rstd, w)
-    gu = torch.zeros(1, T, 2 * H, dtype=act, device=dev)
-    swiglu.swiglu_forward(torch.empty(1, T, H, dtype=act, device=dev), gu)
-    swiglu.swiglu_backward(torch.empty_like(gu), torch.zeros(1, T, H, dtype=act, device=dev), gu)
-    cos, sin = rope.rope_cache(T, 64, 100000.0, device=dev)  # 9 query heads on 3 kv heads of 64
-    qk = torch.zeros(1, T, 15 * 64, dtype=act, device=dev)[:, :, :12 * 64]
-    rope.rope_forward(qk, qk, cos, sin, 12)
-    rope.rope_backward(qk, qk, cos, sin, 12)
+def _llama_step(dtype, quick):
+    """A training step and decoding of smollm2-135m's shape (C 576, 9 query heads on 3 kv heads of
+    64, SwiGLU 1536, vocab 49152, T 2048; one layer when quick, as the GPT-2 steps): every Llama
+    kernel launch with the sizes a real run gives it."""
+    import numpy as np
+    from handgrad.config import LlamaConfig, load_run_config
+    from handgrad.models.decode import generate
+    from handgrad.models.llama import Llama
+    from handgrad.training.device_loop import DeviceLoop
+    from handgrad.training.optim import AdamW
+    config = LlamaConfig(block_size=2048, vocab_size=49152, n_layer=1 if quick else 2, n_head=9, n_kv_head=3,
+                         n_embd=576, ffn_hidden=1536, rope_theta=100000.0)
+    model = Llama(config, backend="gpu", dtype=dtype)
+    t = load_run_config("smollm2-135m", overrides={"train.max_steps": 3, "train.grad_accum_steps": 1}).train
+    loop = DeviceLoop(model, AdamW(model, lr=t.lr, weight_decay=t.weight_decay), t, 0)
+    rng = np.random.default_rng(0)
+    loop.step([(rng.integers(0, 49152, (1, 2048)), rng.integers(0, 49152, (1, 2048)))])
+    generate(model, np.zeros((2, 1), np.int64), 2, temperature=0.0)
 
 
 def compile_all(path):

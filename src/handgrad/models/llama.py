@@ -158,9 +158,6 @@ class Llama(FlatModel):
     init_params = staticmethod(init_params)
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32"):
-        if backend != "cpu":
-            raise ValueError("model.arch llama runs on the cpu backend only (its gpu kernels are not written "
-                             "yet); use --device cpu")
         super().__init__(config, backend, seed, buffer_multiple=buffer_multiple, dtype=dtype)
         c = config
         self.cos, self.sin = self.ops.rope_cache(c.block_size, c.head_dim, c.rope_theta)
@@ -244,7 +241,7 @@ class Llama(FlatModel):
             # attention: res2 = x + o(attn(rope(qkv(rmsnorm(x))))); dres now holds d res2
             ops.linear_backward(a.datty, g[h + "self_attn.o_proj.weight"].T, None, a.dres, a.atty[l],
                                 p[h + "self_attn.o_proj.weight"].T, acc)
-            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, NKV)
+            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, NKV, out=a.atty[l])
             dqk = a.dqkv[:, :, :rot]
             ops.rope_backward(dqk, dqk, self.cos, self.sin, NH + NKV)  # back to the pre-rotation q and k
             ops.rmsnorm_linear_backward(a.dres, g[h + "input_layernorm.weight"], fg.qkv[l].T,

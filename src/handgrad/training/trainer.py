@@ -40,9 +40,6 @@ class Trainer(Checkpointing, RunLoop):
         if resume:
             check_same_data(self.run_dir, self.data_dir, self.train_data)
         self.family = get_family(config.model.arch)
-        if self.family.arch == "llama" and backend == "gpu":
-            raise ConfigError("model.arch llama: the gpu backend has no rmsnorm, rope, swiglu or grouped-query "
-                              "attention kernels yet; train it with --device cpu")
         if init_from is not None and self.train_data.vocab_size > config.model.vocab_size:
             raise TrainError(f"--init-from {init_from[0]}: the model has {config.model.vocab_size} tokens but "
                              f"{self.data_dir} has vocab_size {self.train_data.vocab_size}; prepare the data with "

@@ -12,6 +12,8 @@ from .common import device, torch_dtype
 from .crossentropy import IGNORE_INDEX, crossentropy_backward, crossentropy_forward
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward
+from .gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward,
+                            gqa_attention_state_shape)
 from .layernorm import layernorm_backward, layernorm_forward
 from .layernorm_linear import layernorm_linear_backward, layernorm_linear_forward
 from .linear import linear_backward, linear_forward

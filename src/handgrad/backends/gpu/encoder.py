@@ -11,8 +11,8 @@ from .common import TILE, cdiv, next_pow2, rows, to_dtype, workspace
 
 @triton.jit
 def _encoder_forward_kernel(out, inp, wte, wpe, N, T, C, stride_out, stride_wte, stride_wpe, R: tl.constexpr,
-                            BLOCK_C: tl.constexpr):
-    """Tile of R positions bt = b * T + t and BLOCK_C channels: out[bt] = wte[inp[bt]] + wpe[t]."""
+                            BLOCK_C: tl.constexpr, HAS_WPE: tl.constexpr):
+    """Tile of R positions bt = b * T + t and BLOCK_C channels: out[bt] = wte[inp[bt]] (+ wpe[t])."""
     bt = tl.program_id(0) * R + tl.arange(0, R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rmask = bt < N
@@ -21,7 +21,8 @@ def _encoder_forward_kernel(out, inp, wte, wpe, N, T, C, stride_out, stride_wte,
     ix = tl.load(inp + bt, mask=rmask, other=0).to(tl.int64)
     t = (bt % T).to(tl.int64)
     e = tl.load(wte + ix[:, None] * stride_wte + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    e += tl.load(wpe + t[:, None] * stride_wpe + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_WPE:
+        e += tl.load(wpe + t[:, None] * stride_wpe + cols[None, :], mask=m, other=0.0).to(tl.float32)
     tl.store(out + bt.to(tl.int64)[:, None] * stride_out + cols[None, :], to_dtype(e, out.dtype.element_ty), mask=m)
 
 
@@ -30,14 +31,16 @@ def _col_tile(C):
     return BLOCK_C, max(1, TILE // BLOCK_C)
 
 
-def encoder_forward(out, inp, wte, wpe):
-    """out (B, T, C) = wte (V, C)[inp (B, T)] + wpe (maxT, C)[:T]. Overwrites out."""
+def encoder_forward(out, inp, wte, wpe=None):
+    """out (B, T, C) = wte (V, C)[inp (B, T)] + wpe (maxT, C)[:T] (wpe None: no positions, the Llama
+    family's embedding). Overwrites out."""
     B, T, C = out.shape
     out2, ids = rows(out), inp.view(-1)
     N = B * T
     BLOCK_C, R = _col_tile(C)
     _encoder_forward_kernel[(cdiv(N, R), cdiv(C, BLOCK_C))](
-        out2, ids, wte, wpe, N, T, C, out2.stride(0), wte.stride(0), wpe.stride(0), R=R, BLOCK_C=BLOCK_C)
+        out2, ids, wte, wte if wpe is None else wpe, N, T, C, out2.stride(0), wte.stride(0),
+        wte.stride(0) if wpe is None else wpe.stride(0), R=R, BLOCK_C=BLOCK_C, HAS_WPE=wpe is not None)
 
 
 @triton.jit
@@ -77,7 +80,8 @@ def _encoder_backward_wpe_kernel(dwpe, dout, B, T, C, stride_dwpe, stride_dout, 
 
 
 def encoder_backward(dwte, dwpe, dout, inp):
-    """dwte[v] += sum of dout[b, t] over (b, t) with inp[b, t] == v; dwpe[t] += sum_b dout[b, t].
+    """dwte[v] += sum of dout[b, t] over (b, t) with inp[b, t] == v; dwpe[t] += sum_b dout[b, t]
+    (dwpe None: a forward without positions).
 
     The forward is a gather plus a broadcast, so the backward is the matching scatter-add and sum.
     Accumulates (+=) into dwte and dwpe. No atomics, no host sync: the ids are stably sorted on the
@@ -95,5 +99,6 @@ def encoder_backward(dwte, dwpe, dout, inp):
     BLOCK_C, R = _col_tile(C)
     _encoder_backward_wte_kernel[(N, cdiv(C, BLOCK_C))](dwte, dout2, ids, order, ends, C, dwte.stride(0),
                                                        dout2.stride(0), BLOCK_C=BLOCK_C)
-    _encoder_backward_wpe_kernel[(cdiv(T, R), cdiv(C, BLOCK_C))](dwpe, dout2, B, T, C, dwpe.stride(0),
-                                                                 dout2.stride(0), R=R, BLOCK_C=BLOCK_C)
+    if dwpe is not None:
+        _encoder_backward_wpe_kernel[(cdiv(T, R), cdiv(C, BLOCK_C))](dwpe, dout2, B, T, C, dwpe.stride(0),
+                                                                     dout2.stride(0), R=R, BLOCK_C=BLOCK_C)

@@ -1,0 +1,311 @@
+"""Causal grouped-query attention on the fused qkv (B, T, (NH + 2*NKV)*hs): NH query heads share
+NKV key/value heads, query head h using kv head g = h // G, G = NH / NKV; flash attention in Triton,
+forward and backward, as attention.py is for GPT-2 (whose docstring has the method).
+
+The columns of qkv are the q heads [0, NH*hs), the k heads [NH*hs, (NH+NKV)*hs) and the v heads
+after them (q_proj, k_proj and v_proj's outputs side by side); RoPE has been applied to q and k
+(rope.py). k and v are never repeated in memory: a query head's program reads its group's kv head.
+The forward saves the row logsumexp (float32, (B, NH, T)); the backward recomputes P from it. dK
+and dV are summed over each group inside one program per (key block, b, kv head), which walks the
+G query heads of its group: no atomics, deterministic. Reference (what the tests compare to):
+softmax(q k^T / sqrt(hs) + causal mask) @ v with k and v repeated per group, in float64.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .attention import LN2, LOG2E, _DTYPES, _blocks, _dot, _dot_precision
+from .common import cdiv, interpreting
+
+
+def gqa_attention_state_shape(B, n_head, T):
+    """Shape of the `att` buffer the forward fills for the backward: the row logsumexp (float32)."""
+    return (B, n_head, T)
+
+
+def _check(qkv, n_head, n_kv_head, att, **tensors):
+    """Shapes, dtypes and layout shared by the forward and the backward; returns (B, T, hs)."""
+    if qkv.dim() != 3 or n_kv_head < 1 or n_head % n_kv_head or qkv.shape[2] % (n_head + 2 * n_kv_head):
+        raise ValueError(f"qkv must be (B, T, (n_head + 2*n_kv_head)*hs) with n_head a multiple of n_kv_head, got "
+                         f"{tuple(qkv.shape)}, n_head {n_head}, n_kv_head {n_kv_head}")
+    B, T, W = qkv.shape
+    hs = W // (n_head + 2 * n_kv_head)
+    if hs < 16 or hs & (hs - 1):
+        raise ValueError(f"gpu grouped-query attention needs a head size that is a power of two >= 16, got {hs}")
+    if qkv.dtype not in _DTYPES or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv must be float32 or bfloat16 with unit stride in its last dim, got {qkv.dtype} "
+                         f"strides {qkv.stride()}")
+    for name, (x, shape) in tensors.items():
+        if tuple(x.shape) != shape or x.dtype != qkv.dtype or x.stride(-1) != 1:
+            raise ValueError(f"{name} must be {shape} in {qkv.dtype} with unit stride in its last dim, "
+                             f"got {tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    if tuple(att.shape) != (B, n_head, T) or att.dtype != torch.float32 or not att.is_contiguous():
+        raise ValueError(f"att must be the contiguous float32 logsumexp buffer {(B, n_head, T)} "
+                         f"(gqa_attention_state_shape), got {tuple(att.shape)} {att.dtype}")
+    return B, T, hs
+
+
+# ---------------------------------------------------------------- forward
+@triton.jit
+def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
+                        stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, qk_scale,
+                        HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """One (query block, b * NH + h) per program: attention.py's online softmax, with k and v read
+    from kv head h // (NH / NKV)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) rows first
+    bh = tl.program_id(1)
+    b = bh // NH
+    h = bh % NH
+    g = h // (NH // NKV)
+    base = qkv_ptr + b.to(tl.int64) * stride_qkv_b
+    k_base = base + (NH + g) * HS
+    v_base = base + (NH + NKV + g) * HS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HS)
+    row_ok = offs_m < T
+    q = tl.load(base + h * HS + offs_m[:, None] * stride_qkv_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HS], tl.float32)
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_off = cols[:, None] * stride_qkv_t + offs_d[None, :]
+        col_ok = cols[:, None] < T
+        k = tl.load(k_base + kv_off, mask=col_ok, other=0.0)
+        v = tl.load(v_base + kv_off, mask=col_ok, other=0.0)
+        s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
+        s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    tl.store(lse_ptr + bh * T + offs_m, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
+    out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * HS
+    tl.store(out_base + offs_m[:, None] * stride_out_t + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+def gqa_attention_forward(out, att, qkv, n_head, n_kv_head):
+    """out (B, T, NH*hs) = causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs), scale
+    1/sqrt(hs). Overwrites out and att (B, NH, T) float32: the row logsumexp of the scaled, masked
+    scores, all the backward needs to recompute P."""
+    B, T, hs = _check(qkv, n_head, n_kv_head, att)
+    _check(qkv, n_head, n_kv_head, att, out=(out, (B, T, n_head * hs)))
+    cfg = _blocks(hs, qkv.dtype)
+    _gqa_forward_kernel[(cdiv(T, cfg.fwd_m), B * n_head)](
+        out, att, qkv, T, n_head, n_kv_head, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
+        LOG2E.value / hs ** 0.5, HS=hs, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, DOT_PRECISION=_dot_precision(qkv.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ---------------------------------------------------------------- backward
+@triton.jit
+def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse_ptr, T, NH, NKV,
+                            stride_qkv_b, stride_qkv_t, stride_dqkv_b, stride_dqkv_t,
+                            stride_out_b, stride_out_t, stride_dout_b, stride_dout_t, scale, qk_scale,
+                            HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
+    """One (query block, b * NH + h) per program: D = rowsum(dO * O) (stored for the dK/dV kernel),
+    then over key blocks up to the diagonal P = exp2(s - L log2 e), dP = dO v^T, dS = P * (dP - D),
+    dQ += dS k; finally dQ *= scale. k and v are kv head h // (NH / NKV)'s."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // NH
+    h = bh % NH
+    g = h // (NH // NKV)
+    base = qkv_ptr + b.to(tl.int64) * stride_qkv_b
+    k_base = base + (NH + g) * HS
+    v_base = base + (NH + NKV + g) * HS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HS)
+    row_ok = offs_m < T
+    rows = offs_m[:, None]
+    q = tl.load(base + h * HS + rows * stride_qkv_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HS + rows * stride_dout_t + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    o = tl.load(out_ptr + b.to(tl.int64) * stride_out_b + h * HS + rows * stride_out_t + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(delta_ptr + bh * T + offs_m, delta, mask=row_ok)
+    lse2 = tl.load(lse_ptr + bh * T + offs_m, mask=row_ok, other=0.0) * LOG2E
+
+    dq = tl.zeros([BLOCK_M, HS], tl.float32)
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_off = cols[:, None] * stride_qkv_t + offs_d[None, :]
+        col_ok = cols[:, None] < T
+        k = tl.load(k_base + kv_off, mask=col_ok, other=0.0)
+        v = tl.load(v_base + kv_off, mask=col_ok, other=0.0)
+        s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
+        p = tl.exp2(tl.where(rows >= cols[None, :], s, float("-inf")) - lse2[:, None])
+        dp = _dot(do, tl.trans(v), DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)
+
+    dq_base = dqkv_ptr + b.to(tl.int64) * stride_dqkv_b + h * HS
+    tl.store(dq_base + rows * stride_dqkv_t + offs_d[None, :], (dq * scale).to(dqkv_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T, NH, NKV,
+                              stride_qkv_b, stride_qkv_t, stride_dqkv_b, stride_dqkv_t,
+                              stride_dout_b, stride_dout_t, scale, qk_scale,
+                              HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr):
+    """One (key block, b * NKV + g) per program: over the G query heads of group g and, for each,
+    the query blocks from the diagonal to T (keys along rows): P^T = exp2(s^T - L log2 e),
+    dV += P^T dO, dP^T = v dO^T, dS^T = P^T * (dP^T - D), dK += dS^T q; finally dK *= scale. The
+    group's sum is taken here, in a fixed order."""
+    pid_n = tl.program_id(0)
+    bg = tl.program_id(1)
+    b = bg // NKV
+    g = bg % NKV
+    G = NH // NKV
+    base = qkv_ptr + b.to(tl.int64) * stride_qkv_b
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HS)
+    col_ok = offs_n < T
+    kv_off = offs_n[:, None] * stride_qkv_t + offs_d[None, :]
+    k = tl.load(base + (NH + g) * HS + kv_off, mask=col_ok[:, None], other=0.0)
+    v = tl.load(base + (NH + NKV + g) * HS + kv_off, mask=col_ok[:, None], other=0.0)
+
+    dk = tl.zeros([BLOCK_N, HS], tl.float32)
+    dv = tl.zeros([BLOCK_N, HS], tl.float32)
+    lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M  # the query block holding this block's first key
+    for j in range(0, G):
+        h = g * G + j
+        bh = b * NH + h
+        q_base = base + h * HS
+        do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * HS
+        for start_m in range(lo, T, BLOCK_M):
+            rows = start_m + offs_m
+            row_ok = rows < T
+            q = tl.load(q_base + rows[:, None] * stride_qkv_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_base + rows[:, None] * stride_dout_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            lse2 = tl.load(lse_ptr + bh * T + rows, mask=row_ok, other=0.0) * LOG2E
+            delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)
+            s_t = _dot(k, tl.trans(q), DOT_PRECISION) * qk_scale
+            keep = (rows[None, :] >= offs_n[:, None]) & row_ok[None, :]
+            p_t = tl.exp2(tl.where(keep, s_t, float("-inf")) - lse2[None, :])
+            dv += _dot(p_t.to(do.dtype), do, DOT_PRECISION)
+            dp_t = _dot(v, tl.trans(do), DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += _dot(ds_t.to(q.dtype), q, DOT_PRECISION)
+
+    out_ty = dqkv_ptr.dtype.element_ty
+    dbase = dqkv_ptr + b.to(tl.int64) * stride_dqkv_b
+    dkv_off = offs_n[:, None] * stride_dqkv_t + offs_d[None, :]
+    tl.store(dbase + (NH + g) * HS + dkv_off, (dk * scale).to(out_ty), mask=col_ok[:, None])
+    tl.store(dbase + (NH + NKV + g) * HS + dkv_off, dv.to(out_ty), mask=col_ok[:, None])
+
+
+def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None):
+    """With, per query head h and its kv head g, y = P v_g, P = softmax(S), S = q_h k_g^T * scale:
+        dV_g = sum over the group's h of P^T dO_h,   dP = dO_h v_g^T,
+        dS = P * (dP - D),  D = rowsum(P * dP) = rowsum(dO_h * O_h)   (softmax backward),
+        dQ_h = scale * dS k_g,   dK_g = scale * sum over the group's h of dS^T q_h,
+    with P recomputed block by block from att (B, NH, T), the forward's logsumexp. Overwrites dqkv
+    (B, T, (NH + 2*NKV)*hs). dout is (B, T, NH*hs); out, the forward's output, is required (for D).
+    Two kernels, no atomics: dQ (and D) per query block and head, then dK, dV per key block and kv
+    head, walking its group.
+    """
+    if out is None:
+        raise ValueError("gpu gqa_attention_backward needs out=, the forward's output (B, T, NH*hs), for "
+                         "D = rowsum(dout * out)")
+    B, T, hs = _check(qkv, n_head, n_kv_head, att)
+    row = (B, T, n_head * hs)
+    _check(qkv, n_head, n_kv_head, att, dout=(dout, row), out=(out, row), dqkv=(dqkv, tuple(qkv.shape)))
+    cfg = _blocks(hs, qkv.dtype)
+    scale = 1.0 / hs ** 0.5
+    prec = _dot_precision(qkv.dtype)
+    delta = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # D per row
+    strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1))
+    _gqa_backward_dq_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
+        dqkv, delta, dout, out, qkv, att, T, n_head, n_kv_head, *strides, out.stride(0), out.stride(1),
+        dout.stride(0), dout.stride(1), scale, scale * LOG2E.value,
+        HS=hs, BLOCK_M=cfg.bwd_res, BLOCK_N=cfg.bwd_stream, DOT_PRECISION=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gqa_backward_dkdv_kernel[(cdiv(T, cfg.bwd_res), B * n_kv_head)](
+        dqkv, delta, dout, qkv, att, T, n_head, n_kv_head, *strides, dout.stride(0), dout.stride(1),
+        scale, scale * LOG2E.value,
+        HS=hs, BLOCK_M=cfg.bwd_stream, BLOCK_N=cfg.bwd_res, DOT_PRECISION=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ---------------------------------------------------------------- decoding (inference, forward only)
+@triton.jit
+def _gqa_decode_kernel(out_ptr, qkv_ptr, k_ptr, v_ptr, pos, NH, NKV, stride_qkv_b, stride_out_b,
+                       stride_kb, stride_kh, stride_kt, qk_scale, HS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (b, query head h) per program over kv head g = h // (NH / NKV): the group's first head
+    writes this position's k and v into slot pos of the caches (one writer per slot); every head
+    uses them from registers, then y = softmax(q K[:pos+1]^T * scale) V[:pos+1] by an online
+    softmax in float32, as attention.py's decode kernel."""
+    bh = tl.program_id(0)
+    b = bh // NH
+    h = bh % NH
+    g = h // (NH // NKV)
+    offs_d = tl.arange(0, HS)
+    base = qkv_ptr + b.to(tl.int64) * stride_qkv_b
+    q = tl.load(base + h * HS + offs_d).to(tl.float32)
+    k_new = tl.load(base + (NH + g) * HS + offs_d)
+    v_new = tl.load(base + (NH + NKV + g) * HS + offs_d)
+    cache = b.to(tl.int64) * stride_kb + g * stride_kh  # both caches have the same layout
+    if h % (NH // NKV) == 0:
+        tl.store(k_ptr + cache + pos * stride_kt + offs_d, k_new.to(k_ptr.dtype.element_ty))
+        tl.store(v_ptr + cache + pos * stride_kt + offs_d, v_new.to(v_ptr.dtype.element_ty))
+    m_i = tl.sum(q * k_new.to(tl.float32), 0) * qk_scale
+    l_i = m_i * 0.0 + 1.0
+    acc = v_new.to(tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(0, pos, BLOCK_N):
+        cols = start + offs_n
+        ok = cols < pos
+        kv_off = cache + cols[:, None] * stride_kt + offs_d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
+        s = tl.where(ok, tl.sum(k * q[None, :], 1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        v = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        m_i = m_new
+    tl.store(out_ptr + b.to(tl.int64) * stride_out_b + h * HS + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
+
+
+def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_head):
+    """One decoding step, as the cpu op: qkv (B, 1, (NH + 2*NKV)*hs) (or (B, W)) holds the token's
+    fused projections, RoPE already applied at offset pos; k_cache, v_cache (B, NKV, Tmax, hs) hold
+    positions [0, pos) and get its k and v in slot pos; per query head h, g = h // (NH / NKV),
+        y_h = softmax(q_h K_g[:pos+1]^T / sqrt(hs)) V_g[:pos+1].
+    Overwrites out (B, 1, NH*hs) (or (B, NH*hs)) and slot pos of both caches. Inference only."""
+    B, NKV, Tmax, hs = k_cache.shape
+    if NKV != n_kv_head or tuple(v_cache.shape) != tuple(k_cache.shape) or n_head % n_kv_head:
+        raise ValueError(f"k_cache and v_cache must both be (B, {n_kv_head}, Tmax, hs) and n_head a multiple of "
+                         f"n_kv_head, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)} and n_head {n_head}")
+    if not 0 <= pos < Tmax:
+        raise ValueError(f"pos must be in [0, {Tmax}) (the cache's length), got {pos}")
+    if hs < 1 or hs & (hs - 1):
+        raise ValueError(f"gpu grouped-query attention needs a head size that is a power of two, got {hs}")
+    q2, o2 = qkv.reshape(B, (n_head + 2 * NKV) * hs), out.view(B, n_head * hs)
+    if q2.stride(-1) != 1:
+        raise ValueError(f"qkv needs unit stride in its last dim, got strides {tuple(qkv.stride())}")
+    if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("out, k_cache and v_cache must be contiguous (they are written in place)")
+    block_n = 16 if interpreting() else max(16, min(64, 8192 // hs))
+    _gqa_decode_kernel[(B * n_head,)](
+        o2, q2, k_cache, v_cache, pos, n_head, NKV, q2.stride(0), o2.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), LOG2E.value / hs ** 0.5, HS=hs, BLOCK_N=block_n,
+        num_warps=4)
