@@ -32,9 +32,9 @@ kind of view. So nn.Linear / nanoGPT state_dicts load unchanged, an lm_head can 
 nn.Embedding's (V, C) weight, and a Hugging Face GPT-2 Conv1D weight loads as weight = W.T.
 
 Backends. The backend is picked from the tensors' device (`backend_for`); only "cpu" is wired here
-(the gpu backend runs handgrad.GPT, not these Functions yet). A tensor on another device raises
-NotImplementedError naming the missing backend; a CUDA tensor given to one of the Llama family's
-ops (rmsnorm, swiglu, rope, gqa_attention), which have no gpu kernels yet, says so.
+(the gpu backend runs handgrad's models, both families, not these Functions yet). A tensor on
+another device raises NotImplementedError naming the missing backend; a CUDA tensor given to
+lora_linear, which has no gpu kernels yet, says so.
 
 dtypes: float32 and float64 (gradcheck); anything else raises TypeError. Double backward is not
 supported (the backwards are hand-written kernels, marked once_differentiable).

@@ -10,8 +10,7 @@ FLOATS = (torch.float32, torch.float64)
 
 # The ops with no gpu kernels yet, and what a user calls them by: a CUDA tensor given to one gets
 # this op's own message (from _check), not backend_for's general one.
-CPU_ONLY = {"rmsnorm": "RMSNorm", "swiglu": "SwiGLU", "rope": "apply_rope",
-            "gqa_attention": "CausalSelfAttention (grouped-query)"}
+CPU_ONLY = {"lora_linear": "LoRALinear"}
 
 
 # How each backend sees a tensor's memory, without a copy. The CPU ops take NumPy arrays (a
