@@ -8,63 +8,18 @@ logsumexp L = m + log(l) (natural log, of the scaled scores) in `att` (B, NH, T)
 recomputes P = exp(S - L) block by block. The plain torch reference is `reference` in
 tests/test_gpu_attention.py: softmax(q k^T * scale + causal mask) @ v.
 
-Kernels work in base 2 (exp2 of scores prescaled by scale * log2(e)); each program owns one
+The kernels are grouped-query attention's (gqa_attention.py): GPT-2's qkv is its layout with as
+many kv heads as query heads, and these ops launch them so. They work in base 2 (exp2 of scores
+prescaled by scale * log2(e)); each program owns one
 (batch, head) and one block of rows, so no two programs write the same element (no atomics: the
 backward is deterministic). Inputs are float32 or bfloat16; tl.dot accumulates in float32 (float32
 operands in full precision, not TF32) and results are stored in the tensors' dtype.
 """
-from typing import NamedTuple
-
 import torch
-import triton
-import triton.language as tl
 
 from .common import cdiv, interpreting
-
-LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
-LN2 = tl.constexpr(0.6931471805599453)    # ln(2):   log(x) = log2(x) * LN2
-_DTYPES = (torch.float32, torch.bfloat16)
-# Triton's interpreter stores bf16 as uint16 and its tl.dot multiplies the bit patterns
-# (triton-lang/triton#11584: bf16 arithmetic is unsupported there); widen the operands there.
-_WIDEN_DOT_OPERANDS = tl.constexpr(interpreting())
-
-
-class _Blocks(NamedTuple):
-    """Launch settings. The forward's program owns fwd_m query rows and streams fwd_n keys at a time;
-    in the backward the resident block (keys for dK/dV, queries for dQ) is bwd_res rows and the
-    streamed one bwd_stream."""
-    fwd_m: int
-    fwd_n: int
-    bwd_res: int
-    bwd_stream: int
-    num_warps: int
-    num_stages: int
-
-
-def _blocks(hs, dtype):
-    """Launch settings by dtype and head size: tiles for which ptxas reports no register spills on
-    sm_90 up to hs 256 in bf16 and hs 128 in float32 (kernels compiled without a GPU; not yet timed
-    on one). Every block is >= 16, tl.dot's minimum."""
-    if dtype == torch.bfloat16:  # tensor-core dots
-        if hs <= 64:
-            return _Blocks(128, 64, 128, 32, num_warps=8, num_stages=3)
-        if hs <= 128:
-            return _Blocks(64, 64, 64, 32, num_warps=4, num_stages=3)
-        if hs <= 256:
-            return _Blocks(64, 32, 32, 32, num_warps=8, num_stages=2)
-        return _Blocks(32, 16, 16, 16, num_warps=8, num_stages=1)
-    # float32 in full precision: FMA dots, operands and partial products all in registers
-    if hs <= 64:
-        return _Blocks(64, 32, 64, 32, num_warps=8, num_stages=2)
-    if hs <= 128:
-        return _Blocks(32, 16, 32, 32, num_warps=8, num_stages=2)
-    return _Blocks(32, 16, 16, 16, num_warps=8, num_stages=1)
-
-
-def _dot_precision(dtype):
-    """float32 operands in full precision ("ieee"), not TF32, so float32 matches float32 references;
-    bf16 operands are exact in any mode."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+from .gqa_attention import (LOG2E, _DTYPES, _Blocks, _blocks, _dot_precision, _gqa_backward_dkdv_kernel,  # noqa: F401
+                            _gqa_backward_dq_kernel, _gqa_decode_kernel, _gqa_forward_kernel)
 
 
 def attention_state_shape(B, n_head, T):
@@ -96,63 +51,7 @@ def _check(qkv, n_head, att, **rows):
     return B, T, C, hs
 
 
-@triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr):
-    """a @ b accumulated in float32. Under the interpreter bf16 operands are widened to float32 first:
-    the same products (bf16 x bf16 is exact in float32), so the same math as on the GPU."""
-    if _WIDEN_DOT_OPERANDS:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=DOT_PRECISION)
-
-
 # ---------------------------------------------------------------- forward
-@triton.jit
-def _attention_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, C,
-                              stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, qk_scale,
-                              HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr):
-    """One (query block, b * NH + h) per program. With s = q k^T * scale * log2(e) over key blocks
-    up to the diagonal, keeps m = max s, l = sum exp2(s - m), acc = sum exp2(s - m) v (rescaled by
-    exp2(m_old - m_new) when m grows); then y = acc / l and L = (m + log2 l) * ln 2."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) rows first
-    bh = tl.program_id(1)
-    b = bh // NH
-    h = bh % NH
-    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HS  # q of head h; k at +C, v at +2C
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HS)
-    row_ok = offs_m < T
-    q = tl.load(q_base + offs_m[:, None] * stride_qkv_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HS], tl.float32)
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_off = cols[:, None] * stride_qkv_t + offs_d[None, :]
-        col_ok = cols[:, None] < T
-        k = tl.load(q_base + C + kv_off, mask=col_ok, other=0.0)                  # (BLOCK_N, HS)
-        v = tl.load(q_base + 2 * C + kv_off, mask=col_ok, other=0.0)
-        s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale       # (BLOCK_M, BLOCK_N)
-        # causal mask; it also hides keys >= T from rows < T, and key 0 keeps every row's max finite
-        s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
-        m_i = m_new
-
-    acc = acc / l_i[:, None]
-    tl.store(lse_ptr + bh * T + offs_m, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
-    out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * HS
-    tl.store(out_base + offs_m[:, None] * stride_out_t + offs_d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
 def attention_forward(out, att, qkv, n_head):
     """out (B, T, C) = causal attention of qkv (B, T, 3C) with n_head heads, scale 1/sqrt(hs).
 
@@ -163,110 +62,13 @@ def attention_forward(out, att, qkv, n_head):
     cfg = _blocks(hs, qkv.dtype)
     scale = 1.0 / hs ** 0.5
     grid = (cdiv(T, cfg.fwd_m), B * n_head)
-    _attention_forward_kernel[grid](
-        out, att, qkv, T, n_head, C, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
+    _gqa_forward_kernel[grid](  # GPT-2's qkv is grouped-query attention's layout with NKV = NH
+        out, att, qkv, T, n_head, n_head, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
         scale * LOG2E.value, HS=hs, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n,
         DOT_PRECISION=_dot_precision(qkv.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---------------------------------------------------------------- backward
-@triton.jit
-def _attention_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse_ptr, T, NH, C,
-                                  stride_qkv_b, stride_qkv_t, stride_dqkv_b, stride_dqkv_t,
-                                  stride_out_b, stride_out_t, stride_dout_b, stride_dout_t,
-                                  scale, qk_scale,
-                                  HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  DOT_PRECISION: tl.constexpr):
-    """One (query block, b * NH + h) per program: D = rowsum(dO * O) (stored for the dK/dV kernel),
-    then over key blocks up to the diagonal P = exp2(s - L log2 e), dP = dO v^T,
-    dS = P * (dP - D), dQ += dS k; finally dQ *= scale."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // NH
-    h = bh % NH
-    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HS
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HS)
-    row_ok = offs_m < T
-    rows = offs_m[:, None]
-    q = tl.load(q_base + rows * stride_qkv_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HS + rows * stride_dout_t + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
-    o = tl.load(out_ptr + b.to(tl.int64) * stride_out_b + h * HS + rows * stride_out_t + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    tl.store(delta_ptr + bh * T + offs_m, delta, mask=row_ok)
-    lse2 = tl.load(lse_ptr + bh * T + offs_m, mask=row_ok, other=0.0) * LOG2E
-
-    dq = tl.zeros([BLOCK_M, HS], tl.float32)
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_off = cols[:, None] * stride_qkv_t + offs_d[None, :]
-        col_ok = cols[:, None] < T
-        k = tl.load(q_base + C + kv_off, mask=col_ok, other=0.0)
-        v = tl.load(q_base + 2 * C + kv_off, mask=col_ok, other=0.0)
-        s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
-        p = tl.exp2(tl.where(rows >= cols[None, :], s, float("-inf")) - lse2[:, None])
-        dp = _dot(do, tl.trans(v), DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)
-
-    dq_base = dqkv_ptr + b.to(tl.int64) * stride_dqkv_b + h * HS
-    tl.store(dq_base + rows * stride_dqkv_t + offs_d[None, :], (dq * scale).to(dqkv_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-
-
-@triton.jit
-def _attention_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T, NH, C,
-                                    stride_qkv_b, stride_qkv_t, stride_dqkv_b, stride_dqkv_t,
-                                    stride_dout_b, stride_dout_t, scale, qk_scale,
-                                    HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                    DOT_PRECISION: tl.constexpr):
-    """One (key block, b * NH + h) per program, over the query blocks from the diagonal to T, in
-    transposed form (keys along rows): P^T = exp2(s^T - L log2 e), dV += P^T dO, dP^T = v dO^T,
-    dS^T = P^T * (dP^T - D), dK += dS^T q; finally dK *= scale."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // NH
-    h = bh % NH
-    q_base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HS
-    do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * HS
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HS)
-    col_ok = offs_n < T
-    kv_off = offs_n[:, None] * stride_qkv_t + offs_d[None, :]
-    k = tl.load(q_base + C + kv_off, mask=col_ok[:, None], other=0.0)              # (BLOCK_N, HS)
-    v = tl.load(q_base + 2 * C + kv_off, mask=col_ok[:, None], other=0.0)
-
-    dk = tl.zeros([BLOCK_N, HS], tl.float32)
-    dv = tl.zeros([BLOCK_N, HS], tl.float32)
-    lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M  # the query block holding this block's first key
-    for start_m in range(lo, T, BLOCK_M):
-        rows = start_m + offs_m
-        row_ok = rows < T
-        q = tl.load(q_base + rows[:, None] * stride_qkv_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(do_base + rows[:, None] * stride_dout_t + offs_d[None, :], mask=row_ok[:, None],
-                     other=0.0)
-        lse2 = tl.load(lse_ptr + bh * T + rows, mask=row_ok, other=0.0) * LOG2E
-        delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)
-        s_t = _dot(k, tl.trans(q), DOT_PRECISION) * qk_scale      # (BLOCK_N, BLOCK_M)
-        keep = (rows[None, :] >= offs_n[:, None]) & row_ok[None, :]
-        p_t = tl.exp2(tl.where(keep, s_t, float("-inf")) - lse2[None, :])
-        dv += _dot(p_t.to(do.dtype), do, DOT_PRECISION)
-        dp_t = _dot(v, tl.trans(do), DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += _dot(ds_t.to(q.dtype), q, DOT_PRECISION)
-
-    out_ty = dqkv_ptr.dtype.element_ty
-    dk_base = dqkv_ptr + b.to(tl.int64) * stride_dqkv_b + C + h * HS
-    dkv_off = offs_n[:, None] * stride_dqkv_t + offs_d[None, :]
-    tl.store(dk_base + dkv_off, (dk * scale).to(out_ty), mask=col_ok[:, None])
-    tl.store(dk_base + C + dkv_off, dv.to(out_ty), mask=col_ok[:, None])
-
-
 def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
     """With y = P v, P = softmax(S), S = q k^T * scale (scale = 1/sqrt(hs)), per head:
         dV = P^T dO,   dP = dO V^T,
@@ -287,58 +89,19 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
     prec = _dot_precision(qkv.dtype)
     delta = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # D per row
     strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1))
-    _attention_backward_dq_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
-        dqkv, delta, dout, out, qkv, att, T, n_head, C, *strides, out.stride(0), out.stride(1),
+    _gqa_backward_dq_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
+        dqkv, delta, dout, out, qkv, att, T, n_head, n_head, *strides, out.stride(0), out.stride(1),
         dout.stride(0), dout.stride(1), scale, scale * LOG2E.value,
         HS=hs, BLOCK_M=cfg.bwd_res, BLOCK_N=cfg.bwd_stream, DOT_PRECISION=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _attention_backward_dkdv_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
-        dqkv, delta, dout, qkv, att, T, n_head, C, *strides, dout.stride(0), dout.stride(1),
+    _gqa_backward_dkdv_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
+        dqkv, delta, dout, qkv, att, T, n_head, n_head, *strides, dout.stride(0), dout.stride(1),
         scale, scale * LOG2E.value,
         HS=hs, BLOCK_M=cfg.bwd_stream, BLOCK_N=cfg.bwd_res, DOT_PRECISION=prec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)
-@triton.jit
-def _attention_decode_kernel(out_ptr, qkv_ptr, k_ptr, v_ptr, pos, NH, C, stride_qkv_b, stride_out_b,
-                             stride_kb, stride_kh, stride_kt, qk_scale,
-                             HS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One (b, head) per program: write this position's k and v into slot pos of the caches, then
-    y = softmax(q K[:pos+1]^T * scale) V[:pos+1] by an online softmax in float32 (base 2, as the
-    forward). The new key and value are used from registers, not read back from the cache."""
-    bh = tl.program_id(0)
-    b = bh // NH
-    h = bh % NH
-    offs_d = tl.arange(0, HS)
-    base = qkv_ptr + b.to(tl.int64) * stride_qkv_b + h * HS
-    q = tl.load(base + offs_d).to(tl.float32)
-    k_new = tl.load(base + C + offs_d)
-    v_new = tl.load(base + 2 * C + offs_d)
-    cache = b.to(tl.int64) * stride_kb + h * stride_kh  # both caches have the same layout
-    tl.store(k_ptr + cache + pos * stride_kt + offs_d, k_new.to(k_ptr.dtype.element_ty))
-    tl.store(v_ptr + cache + pos * stride_kt + offs_d, v_new.to(v_ptr.dtype.element_ty))
-    # position pos first: it is the only key when pos = 0, and it keeps m finite
-    m_i = tl.sum(q * k_new.to(tl.float32), 0) * qk_scale
-    l_i = m_i * 0.0 + 1.0
-    acc = v_new.to(tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(0, pos, BLOCK_N):
-        cols = start + offs_n
-        ok = cols < pos
-        kv_off = cache + cols[:, None] * stride_kt + offs_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)   # (BLOCK_N, HS)
-        s = tl.where(ok, tl.sum(k * q[None, :], 1) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        v = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        m_i = m_new
-    tl.store(out_ptr + b.to(tl.int64) * stride_out_b + h * HS + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
-
-
 def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head):
     """One decoding step, as the cpu op: the token at position `pos` attends over the cached keys
     and values. qkv (B, 1, 3C) (or (B, 3C)) holds its fused projections; k_cache, v_cache
@@ -362,7 +125,7 @@ def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head):
     if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("out, k_cache and v_cache must be contiguous (they are written in place)")
     block_n = 16 if interpreting() else max(16, min(64, 8192 // hs))
-    _attention_decode_kernel[(B * NH,)](
-        o2, q2, k_cache, v_cache, pos, NH, C, q2.stride(0), o2.stride(0),
+    _gqa_decode_kernel[(B * NH,)](
+        o2, q2, k_cache, v_cache, pos, NH, NH, q2.stride(0), o2.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), LOG2E.value / hs ** 0.5,
         HS=hs, BLOCK_N=block_n, num_warps=4)

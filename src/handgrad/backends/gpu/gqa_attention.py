@@ -1,6 +1,7 @@
 """Causal grouped-query attention on the fused qkv (B, T, (NH + 2*NKV)*hs): NH query heads share
 NKV key/value heads, query head h using kv head g = h // G, G = NH / NKV; flash attention in Triton,
-forward and backward, as attention.py is for GPT-2 (whose docstring has the method).
+forward and backward (attention.py's docstring has the method; GPT-2's attention is the case
+NKV = NH, and its ops launch these kernels).
 
 The columns of qkv are the q heads [0, NH*hs), the k heads [NH*hs, (NH+NKV)*hs) and the v heads
 after them (q_proj, k_proj and v_proj's outputs side by side); RoPE has been applied to q and k
@@ -10,12 +11,70 @@ and dV are summed over each group inside one program per (key block, b, kv head)
 G query heads of its group: no atomics, deterministic. Reference (what the tests compare to):
 softmax(q k^T / sqrt(hs) + causal mask) @ v with k and v repeated per group, in float64.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from .attention import LN2, LOG2E, _DTYPES, _blocks, _dot, _dot_precision
 from .common import cdiv, interpreting
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)    # ln(2):   log(x) = log2(x) * LN2
+_DTYPES = (torch.float32, torch.bfloat16)
+# Triton's interpreter stores bf16 as uint16 and its tl.dot multiplies the bit patterns
+# (triton-lang/triton#11584: bf16 arithmetic is unsupported there); widen the operands there.
+_WIDEN_DOT_OPERANDS = tl.constexpr(interpreting())
+
+
+class _Blocks(NamedTuple):
+    """Launch settings. The forward's program owns fwd_m query rows and streams fwd_n keys at a time;
+    in the backward the resident block (keys for dK/dV, queries for dQ) is bwd_res rows and the
+    streamed one bwd_stream."""
+    fwd_m: int
+    fwd_n: int
+    bwd_res: int
+    bwd_stream: int
+    num_warps: int
+    num_stages: int
+
+
+def _blocks(hs, dtype):
+    """Launch settings by dtype and head size: tiles for which ptxas reports no register spills on
+    sm_90 up to hs 256 in bf16 and hs 128 in float32 (kernels compiled without a GPU; not yet timed
+    on one). Every block is >= 16, tl.dot's minimum."""
+    if dtype == torch.bfloat16:  # tensor-core dots
+        if hs <= 64:
+            return _Blocks(128, 64, 128, 32, num_warps=8, num_stages=3)
+        if hs <= 128:
+            return _Blocks(64, 64, 64, 32, num_warps=4, num_stages=3)
+        if hs <= 256:
+            return _Blocks(64, 32, 32, 32, num_warps=8, num_stages=2)
+        return _Blocks(32, 16, 16, 16, num_warps=8, num_stages=1)
+    # float32 in full precision: FMA dots, operands and partial products all in registers
+    if hs <= 64:
+        return _Blocks(64, 32, 64, 32, num_warps=8, num_stages=2)
+    if hs <= 128:
+        return _Blocks(32, 16, 32, 32, num_warps=8, num_stages=2)
+    return _Blocks(32, 16, 16, 16, num_warps=8, num_stages=1)
+
+
+def _dot_precision(dtype):
+    """float32 operands in full precision ("ieee"), not TF32, so float32 matches float32 references;
+    bf16 operands are exact in any mode."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr):
+    """a @ b accumulated in float32. Under the interpreter bf16 operands are widened to float32 first:
+    the same products (bf16 x bf16 is exact in float32), so the same math as on the GPU."""
+    if _WIDEN_DOT_OPERANDS:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
 
 
 def gqa_attention_state_shape(B, n_head, T):
