@@ -14,10 +14,9 @@ import torch.nn.functional as F
 
 from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, on_device
 
-from handgrad.backends.gpu import attention as gpu_attention
-from handgrad.backends.gpu.attention import (
-    _Blocks, attention_backward, attention_forward, attention_state_shape,
-)
+from handgrad.backends.gpu import gqa_attention as gpu_attention  # the kernels and their launch settings
+from handgrad.backends.gpu.attention import attention_backward, attention_forward, attention_state_shape
+from handgrad.backends.gpu.gqa_attention import _Blocks
 
 TOL32 = dict(atol=2e-5, rtol=1e-4)
 

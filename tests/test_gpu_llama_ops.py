@@ -213,7 +213,7 @@ def test_rope_bf16_and_bad_arguments():
 import math  # noqa: E402
 
 from handgrad.backends.gpu import gqa_attention as GQA  # noqa: E402
-from handgrad.backends.gpu.attention import _Blocks  # noqa: E402
+from handgrad.backends.gpu.gqa_attention import _Blocks  # noqa: E402
 
 
 def gqa_reference(qkv, NH, NKV):

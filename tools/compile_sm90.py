@@ -83,8 +83,8 @@ def record_sizes(out, quick=False):
     from handgrad.training.device_loop import DeviceLoop
     from handgrad.training.optim import AdamW
     from handgrad.models.decode import generate
-    from handgrad.backends.gpu import attention
-    attention.interpreting = lambda: False  # launch parameters chosen as on a GPU (the kernels do not run)
+    from handgrad.backends.gpu import gqa_attention
+    gqa_attention.interpreting = lambda: False  # launch parameters chosen as on a GPU (the kernels do not run)
     rng = np.random.default_rng(0)
     for dtype in ("float32", "bfloat16"):
         heads = ((12, 1, 2),) if quick else ((12, 1, 2), (24, 1, 1), (6, 1, 1))  # head sizes 64, 32, 128

@@ -45,6 +45,11 @@ class Trainer(Checkpointing, RunLoop):
                              f"{self.data_dir} has vocab_size {self.train_data.vocab_size}; prepare the data with "
                              f"the model's tokenizer (handgrad prepare SOURCE --tokenizer {init_from[0]})")
         self.gpt_config = config.gpt_config(self.train_data.vocab_size)  # model.vocab_size may pad the data's
+        hs = self.gpt_config.n_embd // self.gpt_config.n_head
+        if backend == "gpu" and (hs < 16 or hs & (hs - 1)):  # the flash-attention kernels' tiles
+            raise ConfigError(f"model.n_embd / model.n_head = {hs}: the gpu backend's attention needs a head size "
+                              f"that is a power of two >= 16 (16, 32, 64, 128, 256); pick n_head so, or train with "
+                              f"--device cpu")
         # count what the run will hold before allocating any of it; refuse what cannot fit
         memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
                           self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0)

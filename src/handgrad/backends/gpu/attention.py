@@ -17,9 +17,7 @@ operands in full precision, not TF32) and results are stored in the tensors' dty
 """
 import torch
 
-from .common import cdiv, interpreting
-from .gqa_attention import (LOG2E, _DTYPES, _Blocks, _blocks, _dot_precision, _gqa_backward_dkdv_kernel,  # noqa: F401
-                            _gqa_backward_dq_kernel, _gqa_decode_kernel, _gqa_forward_kernel)
+from .gqa_attention import _DTYPES, gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward
 
 
 def attention_state_shape(B, n_head, T):
@@ -58,14 +56,8 @@ def attention_forward(out, att, qkv, n_head):
     Overwrites out and att (B, NH, T) float32: the row logsumexp L = log sum_s exp(S[t, s]) of the
     scaled, masked scores, all the backward needs to recompute P = exp(S - L).
     """
-    B, T, C, hs = _check(qkv, n_head, att, out=(out, (qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)))
-    cfg = _blocks(hs, qkv.dtype)
-    scale = 1.0 / hs ** 0.5
-    grid = (cdiv(T, cfg.fwd_m), B * n_head)
-    _gqa_forward_kernel[grid](  # GPT-2's qkv is grouped-query attention's layout with NKV = NH
-        out, att, qkv, T, n_head, n_head, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
-        scale * LOG2E.value, HS=hs, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n,
-        DOT_PRECISION=_dot_precision(qkv.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _check(qkv, n_head, att, out=(out, (qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)))
+    gqa_attention_forward(out, att, qkv, n_head, n_head)  # GPT-2's qkv: grouped-query with NKV = NH
 
 
 # ---------------------------------------------------------------- backward
@@ -83,22 +75,8 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
                          "D = rowsum(dout * out)")
     B, T, C3 = qkv.shape
     row = (B, T, C3 // 3)
-    B, T, C, hs = _check(qkv, n_head, att, dout=(dout, row), out=(out, row), dqkv=(dqkv, tuple(qkv.shape)))
-    cfg = _blocks(hs, qkv.dtype)
-    scale = 1.0 / hs ** 0.5
-    prec = _dot_precision(qkv.dtype)
-    delta = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # D per row
-    strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1))
-    _gqa_backward_dq_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
-        dqkv, delta, dout, out, qkv, att, T, n_head, n_head, *strides, out.stride(0), out.stride(1),
-        dout.stride(0), dout.stride(1), scale, scale * LOG2E.value,
-        HS=hs, BLOCK_M=cfg.bwd_res, BLOCK_N=cfg.bwd_stream, DOT_PRECISION=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _gqa_backward_dkdv_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
-        dqkv, delta, dout, qkv, att, T, n_head, n_head, *strides, dout.stride(0), dout.stride(1),
-        scale, scale * LOG2E.value,
-        HS=hs, BLOCK_M=cfg.bwd_stream, BLOCK_N=cfg.bwd_res, DOT_PRECISION=prec,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _check(qkv, n_head, att, dout=(dout, row), out=(out, row), dqkv=(dqkv, tuple(qkv.shape)))
+    gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_head, out=out)
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)
@@ -110,7 +88,7 @@ def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head):
     Overwrites out (B, 1, C) (or (B, C)) and slot pos of both caches. Inference only; float32
     accumulation whatever the tensors' dtype (float32 or bfloat16).
     """
-    B, NH, Tmax, hs = k_cache.shape
+    NH, Tmax, hs = k_cache.shape[1:]
     if NH != n_head or tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(f"k_cache and v_cache must both be (B, {n_head}, Tmax, hs), "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -118,14 +96,4 @@ def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head):
         raise ValueError(f"pos must be in [0, {Tmax}) (the cache's length), got {pos}")
     if hs < 1 or hs & (hs - 1):
         raise ValueError(f"gpu attention needs a head size that is a power of two, got {hs}")
-    C = NH * hs
-    q2, o2 = qkv.reshape(B, 3 * C), out.view(B, C)
-    if q2.stride(-1) != 1:
-        raise ValueError(f"qkv needs unit stride in its last dim, got strides {tuple(qkv.stride())}")
-    if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("out, k_cache and v_cache must be contiguous (they are written in place)")
-    block_n = 16 if interpreting() else max(16, min(64, 8192 // hs))
-    _gqa_decode_kernel[(B * NH,)](
-        o2, q2, k_cache, v_cache, pos, NH, NH, q2.stride(0), o2.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), LOG2E.value / hs ** 0.5,
-        HS=hs, BLOCK_N=block_n, num_warps=4)
+    gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_head)
