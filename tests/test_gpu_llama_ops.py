@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, on_device
+from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, empty, on_device, randn, reference
 
 from handgrad.backends import cpu
 from handgrad.backends.gpu import rmsnorm as RMS
@@ -18,22 +18,6 @@ from handgrad.verify import check_rmsnorm, check_rmsnorm_linear, check_swiglu
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 SHAPES = [(2, 3, 48), (1, 1, 20), (1, 37, 96)] + ([(4, 256, 576)] if REAL_GPU else [])
-
-
-def randn(*shape, seed, scale=1.0, dtype=F32):
-    """float64 values exactly representable in dtype (so the reference sees what the kernel sees)."""
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(dtype).to(F64)
-
-
-def reference(fn, inputs, dy):
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    y = fn(*leaves)
-    return y.detach(), torch.autograd.grad(y, leaves, dy)
-
-
-def empty(*shape, dtype=F32):
-    return torch.empty(shape, dtype=dtype, device=DEVICE)
 
 
 def rms_ref(x, w, eps=1e-5):

@@ -6,7 +6,8 @@ import json
 
 import numpy as np
 import pytest
-from gpu_helpers import REAL_GPU
+from gpu_helpers import (REAL_GPU, assert_backends_agree, assert_bf16_model_within_autocast,
+                         assert_trains_like_the_cpu_and_resumes_exactly)
 
 from handgrad import GPT, GPTConfig
 from handgrad.cli import main as cli
@@ -35,17 +36,7 @@ def test_gpu_and_cpu_backends_agree(config, B, T):
     """The same weights and batch on both backends: loss, logits and every gradient."""
     idx, targets = _batch(config, B, T)
     cpu, gpu = GPT(config, backend="cpu", seed=3), GPT(config, backend="gpu", seed=3)
-    losses = []
-    for model in (cpu, gpu):
-        losses.append(model.forward(idx, targets))
-        model.zero_grad()
-        model.backward()
-    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0])
-    np.testing.assert_allclose(gpu.forward(idx[:, :5]), cpu.forward(idx[:, :5]), rtol=0, atol=2e-5)
-    gc, gg = cpu.grads(), gpu.grads()
-    for name in gc:
-        scale = max(float(np.abs(gc[name]).max()), 1e-12)
-        assert float(np.abs(gg[name] - gc[name]).max()) <= 1e-4 * scale, name
+    assert_backends_agree(cpu, gpu, idx, targets)
 
 
 @pytest.mark.skipif(not REAL_GPU, reason="a 50-step loss curve at GPT-2 width needs a real GPU")
@@ -92,18 +83,7 @@ RUN = ["--preset", "tiny", "--model.n_layer", "1", "--model.n_embd", "32", "--mo
 
 
 def test_train_device_gpu_matches_cpu_and_resumes_exactly(data_dir, tmp_path, capsys):
-    run, cpu_run = tmp_path / "gpu", tmp_path / "cpu"
-    assert cli(["train", "--data", str(data_dir), "--out", str(run), *RUN]) == 0
-    assert "--- sample at step 3 ---" in capsys.readouterr().out
-    assert cli(["train", "--data", str(data_dir), "--out", str(cpu_run), *RUN[:-2]]) == 0
-    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-    cpu_recs = [json.loads(ln) for ln in (cpu_run / "metrics.jsonl").read_text().splitlines()]
-    np.testing.assert_allclose([r["loss"] for r in recs], [r["loss"] for r in cpu_recs], rtol=1e-5)
-    final = (run / "ckpt" / "step_00000003" / "model.safetensors").read_bytes()
-    import shutil
-    shutil.rmtree(run / "ckpt" / "step_00000003")
-    assert cli(["train", "--data", str(data_dir), "--out", str(run), "--resume", "--device", "gpu"]) == 0
-    assert (run / "ckpt" / "step_00000003" / "model.safetensors").read_bytes() == final
+    assert_trains_like_the_cpu_and_resumes_exactly(data_dir, tmp_path, RUN, capsys)
 
 
 def test_verify_backend_gpu(capsys, monkeypatch):
@@ -119,29 +99,10 @@ def test_verify_backend_gpu(capsys, monkeypatch):
 def test_bf16_mixed_precision_error_is_a_small_multiple_of_torch_autocast():
     """bf16 activations, float32 weights: the loss and the whole gradient's error against float64
     are at most 3x those of PyTorch's own bf16 autocast on the same weights and batch."""
-    import torch
     from handgrad.torch_ref import TorchGPT
     idx, targets = _batch(TINY, 2, 16)
     model = GPT(TINY, backend="gpu", seed=3, dtype="bfloat16")
-    loss = model.forward(idx, targets)
-    model.zero_grad()
-    model.backward()
-    ours = model.grads()
-    names = sorted(ours)
-
-    def torch_run(dtype, autocast):
-        ref = TorchGPT(TINY, dtype).load_numpy(model.state_dict())
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            _, out = ref(torch.from_numpy(idx), torch.from_numpy(targets))
-        out.backward()
-        grads = ref.grads_numpy()
-        return out.item(), np.concatenate([grads[n].ravel() for n in names]).astype(np.float64)
-    loss64, g64 = torch_run(torch.float64, False)
-    loss_bf, g_bf = torch_run(torch.float32, True)
-    flat = np.concatenate([ours[n].ravel() for n in names]).astype(np.float64)
-    err_ours, err_torch = np.linalg.norm(flat - g64), np.linalg.norm(g_bf - g64)
-    assert err_ours <= 3 * err_torch, (err_ours / np.linalg.norm(g64), err_torch / np.linalg.norm(g64))
-    assert abs(loss - loss64) <= 3 * abs(loss_bf - loss64) + 1e-4 * abs(loss64)
+    assert_bf16_model_within_autocast(model, TorchGPT, idx, targets)
     assert model.forward(idx).dtype == np.float32  # logits come back widened
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, on_device
+from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, empty, on_device, randn, reference
 
 from handgrad.backends.gpu import encoder as E
 from handgrad.backends.gpu import gelu as G
@@ -25,23 +25,6 @@ from handgrad.backends.gpu import residual as RES
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 EPS = LN.EPS
-
-
-def randn(*shape, seed, scale=1.0, dtype=F32):
-    """float64 values exactly representable in dtype (so the reference sees what the kernel sees)."""
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(dtype).to(F64)
-
-
-def reference(fn, inputs, dy):
-    """fn(*inputs) in float64 and the gradients of sum(fn * dy) with respect to every input."""
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    y = fn(*leaves)
-    return y.detach(), torch.autograd.grad(y, leaves, dy)
-
-
-def empty(*shape, dtype=F32):
-    return torch.empty(shape, dtype=dtype, device=DEVICE)
 
 
 def ln_ref(x, w, b):
