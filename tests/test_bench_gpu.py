@@ -27,13 +27,14 @@ def test_bench_ops_gpu_json(dtype):
     assert result["backend"] == "gpu" and result["dtype"] == dtype and result["interpreter"] == (not REAL_GPU)
     rows = result["rows"]
     names = [(r["name"].split()[0], r["phase"]) for r in rows]
-    assert names == [(op, ph) for op in ("layernorm", "gelu+bias", "attention", "crossentropy")
+    assert names == [(op, ph) for op in ("layernorm", "gelu+bias", "attention", "crossentropy", "rmsnorm", "rope",
+                                         "gqa-attention", "swiglu")
                      for ph in ("fwd", "bwd")] + [("adamw", "step")]
     for r in rows[:-1]:
         assert r["max_rel_err"] <= bench_gpu.TOLERANCE[dtype]
         assert r["ms"]["handgrad"] > 0 and r["ms"]["torch"] > 0
         assert r["ratio"]["torch"] == pytest.approx(r["ms"]["torch"] / r["ms"]["handgrad"])
-        if r["name"].startswith("attention"):
+        if "attention" in r["name"]:
             assert "sdpa" in r["ms"]
         if REAL_GPU:
             assert "torch.compile" in r["ms"], r["notes"]
@@ -47,6 +48,7 @@ def test_bench_ops_gpu_table_says_when_it_timed_the_interpreter():
     out = _bench("--repeat", "1", "--no-compile", "--dtype", "float32")
     assert out.returncode == 0, out.stderr
     assert "attention T=" in out.stdout and "sdpa" in out.stdout and "check =" in out.stdout
+    assert "gqa-attention T=" in out.stdout and "on 2 kv heads" in out.stdout
     assert ("WARNING: TRITON_INTERPRET=1" in out.stdout) == (not REAL_GPU)
 
 

@@ -2,13 +2,15 @@
 attention) scaled_dot_product_attention, in the same run, on the same tensors.
 
 Rows: layernorm, GELU with its bias fused, causal attention (the flash kernels), fused softmax +
-cross-entropy, each forward and backward; AdamW over a GPT-2-sized flat buffer. Before a row is
+cross-entropy at GPT-2's widths; RMSNorm, RoPE, grouped-query attention (beside SDPA with
+enable_gqa, which reads the kv heads without repeating them) and SwiGLU at the Llama family's
+(smollm2-135m's); each forward and backward; AdamW over a GPT-2-sized flat buffer. Before a row is
 timed, handgrad's output and gradients are checked against PyTorch eager's (a row that disagrees
 stops the run with an error: a benchmark of a wrong kernel measures nothing).
 
 Timing: on CUDA with CUDA events around `repeat` back-to-back calls (one synchronisation per
-measurement, not per call); torch's backward time is (forward + backward) - forward, since
-autograd needs a fresh graph per backward. The matmuls are cuBLAS on both sides, so they are not
+measurement, not per call); torch's backward is timed call by call, each after an untimed forward,
+since autograd needs a fresh graph per backward. The matmuls are cuBLAS on both sides, so they are not
 rows here: the whole step is `handgrad bench train`'s business.
 
 Without CUDA, under TRITON_INTERPRET=1, the same code runs at tiny shapes on CPU tensors: that
@@ -26,6 +28,10 @@ from .common import check_close
 # the interpreter (~1.5 ms per Triton program instance there)
 CUDA_SHAPE = dict(B=8, T=1024, C=768, NH=12, V=50257, P=124_439_808)
 INTERPRET_SHAPE = dict(B=1, T=16, C=64, NH=2, V=100, P=4096)
+# the Llama family's rows: smollm2-135m's widths (9 query heads on 3 kv heads, head size 64, SwiGLU
+# 1536) on a GPU; under the interpreter 4 heads on 2, head size 16 (the flash kernels' smallest tile)
+LLAMA_CUDA_SHAPE = dict(B=8, T=1024, C=576, NH=9, NKV=3, F=1536, theta=100000.0)
+LLAMA_INTERPRET_SHAPE = dict(B=1, T=16, C=64, NH=4, NKV=2, F=48, theta=10000.0)
 TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2}  # max |hg - torch| / max |torch|, over outputs and grads
 
 
@@ -203,6 +209,124 @@ class CrossEntropy(_Row):
         self.ops.crossentropy_backward(self.dlogits, self.logits, self.lse, self.targets)
 
 
+# ---------------------------------------------------------------- the Llama family's ops
+class RMSNorm(_Row):
+    def __init__(self, ops, torch, s, dtype):
+        from .. import torch_ref
+        N, C = s["B"] * s["T"], s["C"]
+        self.name = f"rmsnorm N={N} C={C}"
+        g = torch.Generator(device="cpu").manual_seed(5)
+        dev = ops.device()
+        self.x, self.dy = (torch.randn((N, C), generator=g).to(dev, dtype) for _ in range(2))
+        self.w = (1.0 + 0.1 * torch.randn(C, generator=g)).to(dev)
+        self.out, self.dx = torch.empty_like(self.x), torch.zeros_like(self.x)
+        self.rstd, self.dw = torch.empty(N, device=dev), torch.zeros_like(self.w)
+        self.ops = ops
+        self.hg_out, self.hg_grads, self.grad_names = self.out, [self.dx, self.dw], ["x", "w"]
+        self.leaves = [t.clone().requires_grad_(True) for t in (self.x, self.w)]
+        # transformers' LlamaRMSNorm: the statistics in float32, the result cast back
+        self.torch_fn = lambda x, w: (torch_ref.rmsnorm(x.float(), w, 1e-5)).to(x.dtype)
+
+    def hg_forward(self):
+        self.ops.rmsnorm_forward(self.out, self.rstd, self.x, self.w, 1e-5)
+
+    def hg_backward(self):  # accumulates (+=) into dx, dw: zeroed before the check, not per timed call
+        self.ops.rmsnorm_backward(self.dx, self.dw, self.dy, self.x, self.w, self.rstd)
+
+
+class Rope(_Row):
+    """RoPE over the q and k heads (NH + NKV of them), out of place (the model rotates qkv's q and k
+    columns in place)."""
+
+    def __init__(self, ops, torch, s, dtype):
+        from .. import torch_ref
+        B, T, NH, NKV = s["B"], s["T"], s["NH"], s["NKV"]
+        hs, heads = s["C"] // NH, NH + NKV
+        self.name = f"rope T={T} heads={heads} hs={hs}"
+        g = torch.Generator(device="cpu").manual_seed(6)
+        dev = ops.device()
+        self.x, self.dy = (torch.randn((B, T, heads * hs), generator=g).to(dev, dtype) for _ in range(2))
+        self.cos, self.sin = ops.rope_cache(T, hs, s["theta"])
+        self.out, self.dx = torch.empty_like(self.x), torch.empty_like(self.x)
+        self.ops, self.heads = ops, heads
+        self.hg_out, self.hg_grads, self.grad_names = self.out, [self.dx], ["x"]
+        self.leaves = [self.x.clone().requires_grad_(True)]
+        self.torch_fn = lambda x: torch_ref.rope(x.float(), self.cos, self.sin, heads).to(x.dtype)
+
+    def hg_forward(self):
+        self.ops.rope_forward(self.out, self.x, self.cos, self.sin, self.heads)
+
+    def hg_backward(self):
+        self.ops.rope_backward(self.dx, self.dy, self.cos, self.sin, self.heads)
+
+
+class GQAttention(_Row):
+    """Causal grouped-query attention: torch eager as transformers' eager path (k and v repeated per
+    group, the scores materialised); SDPA with enable_gqa (no repeat) beside it."""
+
+    def __init__(self, ops, torch, s, dtype):
+        F = torch.nn.functional
+        B, T, C, NH, NKV = s["B"], s["T"], s["C"], s["NH"], s["NKV"]
+        hs = C // NH
+        self.name = f"gqa-attention T={T} NH={NH} NKV={NKV}"
+        g = torch.Generator(device="cpu").manual_seed(7)
+        dev = ops.device()
+        self.qkv = torch.randn((B, T, (NH + 2 * NKV) * hs), generator=g).to(dev, dtype)
+        self.dy = torch.randn((B, T, C), generator=g).to(dev, dtype)
+        self.out, self.dqkv = torch.empty((B, T, C), device=dev, dtype=dtype), torch.empty_like(self.qkv)
+        self.state = torch.empty(ops.gqa_attention_state_shape(B, NH, T), device=dev, dtype=torch.float32)
+        self.ops, self.NH, self.NKV = ops, NH, NKV
+        self.hg_out, self.hg_grads, self.grad_names = self.out, [self.dqkv], ["qkv"]
+        self.leaves = [self.qkv.clone().requires_grad_(True)]
+
+        def heads(qkv):
+            q, k, v = qkv.split([NH * hs, NKV * hs, NKV * hs], dim=2)
+            return (t.reshape(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))
+
+        def eager(qkv):
+            q, k, v = heads(qkv)
+            k, v = (t.repeat_interleave(NH // NKV, dim=1) for t in (k, v))
+            att = (q @ k.transpose(-2, -1)) / hs ** 0.5
+            mask = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()
+            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+            return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+        def sdpa(qkv):
+            q, k, v = heads(qkv)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return y.transpose(1, 2).reshape(B, T, C)
+
+        self.torch_fn, self.sdpa = eager, sdpa
+
+    def hg_forward(self):
+        self.ops.gqa_attention_forward(self.out, self.state, self.qkv, self.NH, self.NKV)
+
+    def hg_backward(self):
+        self.ops.gqa_attention_backward(self.dqkv, self.dy, self.qkv, self.state, self.NH, self.NKV, out=self.out)
+
+
+class SwiGLU(_Row):
+    def __init__(self, ops, torch, s, dtype):
+        from .. import torch_ref
+        N, H = s["B"] * s["T"], s["F"]
+        self.name = f"swiglu N={N} H={H}"
+        g = torch.Generator(device="cpu").manual_seed(8)
+        dev = ops.device()
+        self.gu = (2.0 * torch.randn((N, 2 * H), generator=g)).to(dev, dtype)
+        self.dy = torch.randn((N, H), generator=g).to(dev, dtype)
+        self.out, self.dgu = torch.empty((N, H), device=dev, dtype=dtype), torch.empty_like(self.gu)
+        self.ops = ops
+        self.hg_out, self.hg_grads, self.grad_names = self.out, [self.dgu], ["gu"]
+        self.leaves = [self.gu.clone().requires_grad_(True)]
+        self.torch_fn = torch_ref.swiglu
+
+    def hg_forward(self):
+        self.ops.swiglu_forward(self.out, self.gu)
+
+    def hg_backward(self):
+        self.ops.swiglu_backward(self.dgu, self.dy, self.gu)
+
+
 def _compiled(torch, fn, enabled):
     """torch.compile(fn), or None with the reason when compile is off or fails."""
     if not enabled:
@@ -275,6 +399,7 @@ def bench_adamw(ops, torch, shape, repeat):
 
 
 ROWS = (LayerNorm, Gelu, Attention, CrossEntropy)
+LLAMA_ROWS = (RMSNorm, Rope, GQAttention, SwiGLU)
 
 
 def bench_ops_gpu(repeat, as_json, dtype="bfloat16", compile_torch=True):
@@ -288,15 +413,18 @@ def bench_ops_gpu(repeat, as_json, dtype="bfloat16", compile_torch=True):
         raise SystemExit(f"bench ops --backend gpu: {e}") from None
     ops = get_backend("gpu")
     shape = INTERPRET_SHAPE if interpreting() else CUDA_SHAPE
+    llama_shape = LLAMA_INTERPRET_SHAPE if interpreting() else LLAMA_CUDA_SHAPE
     repeat = repeat or (2 if interpreting() else 50)
     t_start = time.perf_counter()
     rows = []
     for cls in ROWS:
         rows += bench_row(cls, ops, torch, shape, dtype, repeat, compile_torch)
+    for cls in LLAMA_ROWS:
+        rows += bench_row(cls, ops, torch, llama_shape, dtype, repeat, compile_torch)
     rows += bench_adamw(ops, torch, shape, repeat)
     result = {"backend": "gpu", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "interpreter": interpreting(), "torch": torch.__version__, "triton": _triton_version(),
-              "dtype": dtype, "shape": shape, "tolerance_rel": TOLERANCE[dtype], "rows": rows,
+              "dtype": dtype, "shape": shape, "llama_shape": llama_shape, "tolerance_rel": TOLERANCE[dtype], "rows": rows,
               "seconds": time.perf_counter() - t_start}
     print(json.dumps(result, indent=2, default=float) if as_json else format_table(result))
     return 0
@@ -308,10 +436,12 @@ def _triton_version():
 
 
 def format_table(result):
-    s = result["shape"]
+    s, ls = result["shape"], result["llama_shape"]
     lines = [f"device   {result['device']}; torch {result['torch']}, triton {result['triton']}; "
              f"activations {result['dtype']}",
-             f"shape    B {s['B']}, T {s['T']}, C {s['C']}, heads {s['NH']}, vocab {s['V']}; AdamW over {s['P']:,}"]
+             f"shape    B {s['B']}, T {s['T']}, C {s['C']}, heads {s['NH']}, vocab {s['V']}; AdamW over {s['P']:,}",
+             f"llama    B {ls['B']}, T {ls['T']}, C {ls['C']}, heads {ls['NH']} on {ls['NKV']} kv heads, SwiGLU "
+             f"{ls['F']}, rope_theta {ls['theta']:g}"]
     if result["interpreter"]:
         lines.append("WARNING: TRITON_INTERPRET=1 on the CPU: every kernel ran in Triton's interpreter, so these "
                      "times measure the interpreter, not the kernels (a functional run only)")
@@ -332,7 +462,7 @@ def format_table(result):
         lines.append(f"{r['name']:<30} {r['phase']:<5} " + " ".join(cells) + f" {err:>8}")
     notes = {k: v for r in result["rows"] for k, v in r["notes"].items()}
     lines += ["", "each torch column: its time in ms, then its time / handgrad's (> 1: handgrad faster); "
-                  "torch's bwd = (fwd + bwd) - fwd",
+                  "torch's bwd: its backward alone, a fresh forward made untimed before each",
               f"check = max |handgrad - torch eager| / max |torch eager| over the output and gradients "
               f"(tolerance {result['tolerance_rel']:g})"]
     lines += [f"{k}: not timed, {v}" for k, v in notes.items()]
