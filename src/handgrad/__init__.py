@@ -8,7 +8,7 @@ Where things are (docs/ARCHITECTURE.md has the whole map):
     interop/                     Hugging Face and llm.c formats
     bench/                       handgrad beside PyTorch: ops, training steps, loss curves
     machine.py                   cores, BLAS, the measured sgemm peak
-    cli.py, sample.py, verify.py the commands; torch.py the ops as torch.autograd Functions
+    cli.py, sample.py, verify/   the commands; torch/ the ops as torch.autograd Functions
 """
 __version__ = "0.1.0"  # first: data/prepare.py records it, and is imported below
 

@@ -51,8 +51,8 @@ VERIFY_LLAMA = (
 
 
 def _has_llama(backend):
-    """Whether the backend has every op of the Llama family (the gpu's rope and grouped-query
-    attention are not written yet), so the llama model checks can run on it."""
+    """Whether the backend has every op of the Llama family (both backends do now), so the llama
+    model checks can run on it."""
     return all(hasattr(_ops(backend), f"{op}_forward") for op in ("rmsnorm", "swiglu", "rope", "gqa_attention"))
 
 
