@@ -31,12 +31,15 @@ weight.T, which BLAS reads in place (no copy); the weight gradient is written th
 kind of view. So nn.Linear / nanoGPT state_dicts load unchanged, an lm_head can be tied to an
 nn.Embedding's (V, C) weight, and a Hugging Face GPT-2 Conv1D weight loads as weight = W.T.
 
-Backends. The backend is picked from the tensors' device (`backend_for`); only "cpu" is wired here
-(the gpu backend runs handgrad's models, both families, not these Functions yet). A tensor on
-another device raises NotImplementedError naming the missing backend; a CUDA tensor given to
-lora_linear, which has no gpu kernels yet, says so.
+Backends. The backend is picked from the tensors' device. CPU tensors run on the cpu backend. CUDA
+tensors run on the gpu backend's Triton kernels in the Llama family's Functions (rms_norm, swiglu,
+rope, gqa_attention) and linear, so RMSNorm, SwiGLU and CausalSelfAttention(n_kv_head=...) run on
+CUDA; the other GPT-2 Functions (`backend_for`) still refuse CUDA tensors, and lora_linear, which
+has no gpu kernels yet, says so. A tensor on another device raises NotImplementedError naming the
+missing backend.
 
-dtypes: float32 and float64 (gradcheck); anything else raises TypeError. Double backward is not
+dtypes: float32 and float64 (gradcheck) on the CPU; float32 and bfloat16 on CUDA; anything else
+raises TypeError. Double backward is not
 supported (the backwards are hand-written kernels, marked once_differentiable).
 """
 from .common import FLOATS, backend_for  # noqa: F401

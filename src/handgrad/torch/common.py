@@ -6,20 +6,36 @@ from ..backends import BACKENDS, get_backend
 
 
 FLOATS = (torch.float32, torch.float64)
+# the dtypes each backend's kernels take (the gpu's: float32, and bf16 activations as its models use)
+BACKEND_FLOATS = {"cpu": FLOATS, "gpu": (torch.float32, torch.bfloat16)}
 
 
 # The ops with no gpu kernels yet, and what a user calls them by: a CUDA tensor given to one gets
 # this op's own message (from _check), not backend_for's general one.
 CPU_ONLY = {"lora_linear": "LoRALinear"}
 
+# The Functions that pass CUDA tensors to the gpu backend: handgrad.torch.llama's and the linear
+# their modules project with. The other GPT-2 ones still refuse them with backend_for's message.
+GPU_READY = frozenset({"rmsnorm", "swiglu", "rope", "gqa_attention", "linear"})
+
+# Which backend a tensor's device type goes to, for the GPU_READY Functions. The tests point "cpu"
+# at "gpu" under TRITON_INTERPRET=1, where the gpu backend's tensors are CPU tensors.
+DEVICE_BACKEND = {"cpu": "cpu", "cuda": "gpu"}
+
 
 # How each backend sees a tensor's memory, without a copy. The CPU ops take NumPy arrays (a
-# contiguous CPU tensor's .numpy() shares its storage). A GPU backend adds its entry here.
-_VIEWS = {"cpu": lambda t: t.detach().numpy()}
+# contiguous CPU tensor's .numpy() shares its storage); the gpu ops take the tensors themselves.
+_VIEWS = {"cpu": lambda t: t.detach().numpy(), "gpu": lambda t: t.detach()}
+
+
+def backend_name(t):
+    """The backend ("cpu" or "gpu") a Function that takes CUDA tensors runs tensor t's op on."""
+    return DEVICE_BACKEND.get(t.device.type, t.device.type)
 
 
 def backend_for(device):
-    """The handgrad backend module for a torch device ("cpu", "cuda:0", a torch.device)."""
+    """The handgrad backend module for a torch device ("cpu", "cuda:0", a torch.device), for the
+    Functions that pass only CPU tensors (the GPU_READY ones use _check's routing)."""
     kind = torch.device(device).type
     if kind == "cuda":
         raise NotImplementedError(
@@ -37,9 +53,14 @@ def backend_for(device):
     return get_backend(kind)
 
 
-def _v(t):
+def _v(t, backend="cpu"):
     """The backend's array view of tensor t (None stays None). t must be contiguous."""
-    return None if t is None else _VIEWS[t.device.type](t)
+    return None if t is None else _VIEWS[backend](t)
+
+
+def viewer(backend):
+    """_v for one backend: what a GPU_READY Function calls on each tensor it hands the ops."""
+    return lambda t: _v(t, backend)
 
 
 def _check(op, **tensors):
@@ -53,11 +74,16 @@ def _check(op, **tensors):
     if device.type == "cuda" and op in CPU_ONLY:
         raise NotImplementedError(f"handgrad.torch.{CPU_ONLY[op]}: the gpu backend has no {op} kernels yet; "
                                   f"use CPU tensors (.cpu())")
-    ops = backend_for(device)
+    if op in GPU_READY and device.type in DEVICE_BACKEND:
+        name = DEVICE_BACKEND[device.type]
+        ops = get_backend(name)
+    else:
+        name, ops = "cpu", backend_for(device)
+    floats = BACKEND_FLOATS[name]
     for k, t in given.items():
-        if t.dtype not in FLOATS:
-            raise TypeError(f"{op}: {k} has dtype {t.dtype}; handgrad's kernels take torch.float32 or "
-                            f"torch.float64")
+        if t.dtype not in floats:
+            raise TypeError(f"{op}: {k} has dtype {t.dtype}; handgrad's {name} kernels take "
+                            + " or ".join(str(f) for f in floats))
     if len({t.dtype for t in given.values()}) > 1:
         raise TypeError(f"{op}: all tensors must have one dtype, got "
                         + ", ".join(f"{k} {t.dtype}" for k, t in given.items()))

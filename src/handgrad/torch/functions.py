@@ -5,7 +5,7 @@ from torch.autograd.function import once_differentiable
 import torch
 
 from ..backends.cpu.crossentropy import IGNORE_INDEX
-from .common import _check, _check_linear_weight, _check_shape, _contiguous, _needed, _v
+from .common import _check, _check_linear_weight, _check_shape, _contiguous, _needed, _v, backend_name, viewer
 
 
 # ---------------------------------------------------------------- layernorm
@@ -52,6 +52,7 @@ class LinearFunction(torch.autograd.Function):
         ops = _check("linear", x=x, weight=weight, bias=bias)
         _check_linear_weight("linear", weight, bias, x.shape[-1])
         x, weight, bias = _contiguous(x, weight, bias)
+        _v = ctx.v = viewer(backend_name(x))
         out = x.new_empty(x.shape[:-1] + (weight.shape[0],))
         ops.linear_forward(_v(out), _v(x), _v(weight).T, _v(bias))  # the op's W (C, OC) = weight.T
         ctx.save_for_backward(x, weight)
@@ -67,6 +68,7 @@ class LinearFunction(torch.autograd.Function):
         dx = torch.empty_like(x) if need_x else None  # overwritten
         dweight = torch.empty_like(weight)  # overwritten (accumulate=False); the op always forms it
         dbias = weight.new_zeros(weight.shape[0]) if (ctx.has_bias and need_b) else None  # accumulated
+        _v = ctx.v
         ctx.ops.linear_backward(_v(dx), _v(dweight).T, _v(dbias), _v(dout), _v(x), _v(weight).T,
                                 accumulate=False)
         return _needed(ctx, dx, dweight, dbias)

@@ -1,11 +1,17 @@
 """The Llama family's ops as torch.autograd.Functions: RMSNorm, SwiGLU, RoPE (transformers'
-apply_rotary_pos_emb's convention) and grouped-query causal attention; CPU tensors only for now."""
+apply_rotary_pos_emb's convention) and grouped-query causal attention. CPU tensors (float32, float64) run
+on the cpu backend's kernels, CUDA tensors (float32, bfloat16) on the gpu backend's Triton kernels."""
 from torch.autograd.function import once_differentiable
 
 import torch
 
 from ..backends.cpu import rope as cpu_rope
-from .common import FLOATS, _check, _check_shape, _contiguous, _needed, _v
+from .common import _check, _check_shape, _contiguous, _needed, backend_name, viewer
+
+
+def _stats_dtype(x):
+    """The dtype of a kept statistic (rstd, logsumexp): float32, float64 for float64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 # ---------------------------------------------------------------- rmsnorm (the Llama family)
@@ -18,7 +24,8 @@ class RMSNormFunction(torch.autograd.Function):
         ops = _check("rmsnorm", x=x, weight=weight)
         _check_shape("rmsnorm", "weight", weight, (x.shape[-1],))
         x, weight = _contiguous(x, weight)
-        out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1])  # rstd (...,)
+        _v = ctx.v = viewer(backend_name(x))
+        out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=_stats_dtype(x))  # rstd (...,)
         ops.rmsnorm_forward(_v(out), _v(rstd), _v(x), _v(weight), float(eps))
         ctx.save_for_backward(x, weight)
         ctx.ops, ctx.rstd = ops, rstd
@@ -29,6 +36,7 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dout):
         x, weight = ctx.saved_tensors
         dx, dweight = torch.zeros_like(x), torch.zeros_like(weight)  # the op accumulates (+=) into both
+        _v = ctx.v
         ctx.ops.rmsnorm_backward(_v(dx), _v(dweight), _v(dout.contiguous()), _v(x), _v(weight), _v(ctx.rstd))
         return _needed(ctx, dx, dweight, None)
 
@@ -49,6 +57,7 @@ class SwiGLUFunction(torch.autograd.Function):
         if gu.dim() == 0 or gu.shape[-1] % 2:
             raise ValueError(f"swiglu: gu must be (..., 2H) = [gate | up] (an even last axis), got {tuple(gu.shape)}")
         (gu,) = _contiguous(gu)
+        _v = ctx.v = viewer(backend_name(gu))
         out = gu.new_empty(gu.shape[:-1] + (gu.shape[-1] // 2,))
         ops.swiglu_forward(_v(out), _v(gu))
         ctx.save_for_backward(gu)
@@ -60,6 +69,7 @@ class SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dout):
         (gu,) = ctx.saved_tensors
         dgu = torch.empty_like(gu)  # overwritten: dgate in the first H columns, dup in the last H
+        _v = ctx.v
         ctx.ops.swiglu_backward(_v(dgu), _v(dout.contiguous()), _v(gu))
         return dgu
 
@@ -96,9 +106,11 @@ class RoPEFunction(torch.autograd.Function):
             raise ValueError("rope: cos and sin are constant tables and get no gradient; pass them detached")
         if cos.device != x.device or sin.device != x.device:
             raise ValueError(f"rope: cos and sin must be on x's device {x.device}, got {cos.device} and {sin.device}")
-        if cos.dtype not in FLOATS or sin.dtype != cos.dtype:
-            raise TypeError(f"rope: cos and sin must share one dtype, float32 or float64, got {cos.dtype} and "
-                            f"{sin.dtype}")
+        backend = backend_name(x)
+        tables = (torch.float32,) if backend == "gpu" else (torch.float32, torch.float64)
+        if cos.dtype not in tables or sin.dtype != cos.dtype:
+            raise TypeError(f"rope: cos and sin must share one dtype, {' or '.join(map(str, tables))} on the "
+                            f"{backend} backend, got {cos.dtype} and {sin.dtype}")
         if x.dim() != 3:
             raise ValueError(f"rope: x must be (B, T, n_head*hs), got {tuple(x.shape)}")
         per_batch = cos.dim() == 3 and cos.shape[0] not in (1, x.shape[0])
@@ -106,6 +118,7 @@ class RoPEFunction(torch.autograd.Function):
             raise ValueError(f"rope: cos and sin must both be (T_max, hs), (1, T_max, hs) or ({x.shape[0]}, T_max, "
                              f"hs), got {tuple(cos.shape)} and {tuple(sin.shape)}")
         x, cos, sin = _contiguous(x, cos, sin)
+        _v = ctx.v = viewer(backend)
         out = torch.empty_like(x)
         for rows, c, s in _per_sequence(cos, sin, x.shape[0]):
             ops.rope_forward(_v(out[rows]), _v(x[rows]), _v(c), _v(s), n_head, offset)  # checks heads, positions
@@ -117,6 +130,7 @@ class RoPEFunction(torch.autograd.Function):
     def backward(ctx, dout):
         dout = dout.contiguous()
         dx = torch.empty_like(dout)  # overwritten
+        _v = ctx.v
         for rows, c, s in _per_sequence(*ctx.tables, dout.shape[0]):
             ctx.ops.rope_backward(_v(dx[rows]), _v(dout[rows]), _v(c), _v(s), ctx.n_head, ctx.offset)
         return dx, None, None, None, None
@@ -176,19 +190,22 @@ class GQAAttentionFunction(torch.autograd.Function):
                              f"a multiple of n_kv_head={n_kv_head}, got {tuple(qkv.shape)}")
         (qkv,) = _contiguous(qkv)
         B, T, W = qkv.shape
+        _v = ctx.v = viewer(backend_name(qkv))
         out = qkv.new_empty(B, T, n_head * (W // width))
-        lse = qkv.new_empty(ops.gqa_attention_state_shape(B, n_head, T))
+        lse = qkv.new_empty(ops.gqa_attention_state_shape(B, n_head, T), dtype=_stats_dtype(qkv))
         ops.gqa_attention_forward(_v(out), _v(lse), _v(qkv), n_head, n_kv_head)
-        ctx.save_for_backward(qkv)
+        ctx.save_for_backward(qkv, out)  # out: the gpu backward forms D = rowsum(dout * out) from it
         ctx.ops, ctx.lse, ctx.heads = ops, lse, (n_head, n_kv_head)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        (qkv,) = ctx.saved_tensors
+        qkv, out = ctx.saved_tensors
         dqkv = torch.empty_like(qkv)  # overwritten: dq, dk and dv
-        ctx.ops.gqa_attention_backward(_v(dqkv), _v(dout.contiguous()), _v(qkv), _v(ctx.lse), *ctx.heads)
+        _v = ctx.v
+        ctx.ops.gqa_attention_backward(_v(dqkv), _v(dout.contiguous()), _v(qkv), _v(ctx.lse), *ctx.heads,
+                                       out=_v(out))
         return dqkv, None, None
 
 
