@@ -38,3 +38,20 @@ def test_full_size_kernels_compile_for_sm90(tmp_path):
                    "_swiglu_backward_kernel", "_rope_kernel", "_gqa_forward_kernel", "_gqa_backward_dq_kernel",
                    "_gqa_backward_dkdv_kernel", "_gqa_decode_kernel"):
         assert kernel in names, f"{kernel} was not launched by the recorded step"
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this triton build has no NVIDIA backend with ptxas")
+def test_the_dropout_kernel_compiles_for_sm90(tmp_path):
+    """Dropout is not in a model's step yet (issue 20 wires it in): its launches are recorded from
+    its own tests instead, float32 and bf16, and compiled the same way."""
+    kernels = tmp_path / "kernels.json"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    test_file = Path(__file__).resolve().parent / "test_gpu_lora_dropout.py"
+    rec = subprocess.run([sys.executable, str(TOOL), "record", str(kernels), str(test_file), "-q", "-k", "dropout"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert rec.returncode == 0, rec.stdout[-3000:] + rec.stderr[-3000:]
+    out = subprocess.run([sys.executable, str(TOOL), "compile", str(kernels)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    compiled = [line for line in out.stdout.splitlines() if line.startswith("ok") and "_dropout_kernel" in line]
+    assert len(compiled) >= 2, out.stdout  # float32 and bf16 outputs

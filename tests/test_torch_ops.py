@@ -478,15 +478,14 @@ def test_llama_bad_arguments_raise():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_tensors_run_the_llama_ops_and_lora_says_it_has_no_gpu_kernels():
-    """The Llama Functions pass CUDA tensors to the gpu backend (tests/test_torch_llama_gpu.py
-    checks their values); LoRA's op has no gpu kernels at all, and says so."""
+def test_cuda_tensors_run_the_llama_and_lora_ops():
+    """The Llama Functions and LoRALinear pass CUDA tensors to the gpu backend
+    (tests/test_torch_llama_gpu.py and test_gpu_lora_dropout.py check their values)."""
     x, cos, sin = torch.randn(1, 2, 32, device="cuda"), *(t.cuda() for t in H.rope_cache(4, 16))
     for call in (lambda: H.RMSNorm(32, device="cuda")(x), lambda: H.swiglu(x), lambda: H.rope(x, cos, sin, 2),
                  lambda: H.gqa_attention(torch.randn(1, 2, 48, device="cuda"), 1, 1)):
         assert call().device.type == "cuda"
-    with pytest.raises(NotImplementedError, match="handgrad.torch.LoRALinear.*gpu backend has no"):
-        H.LoRALinear(32, 8, r=2, device="cuda")(x)
+    assert H.LoRALinear(32, 8, r=2, device="cuda")(x).device.type == "cuda"
 
 
 def test_float64_ops_exist_in_the_backend():

@@ -32,11 +32,11 @@ kind of view. So nn.Linear / nanoGPT state_dicts load unchanged, an lm_head can 
 nn.Embedding's (V, C) weight, and a Hugging Face GPT-2 Conv1D weight loads as weight = W.T.
 
 Backends. The backend is picked from the tensors' device. CPU tensors run on the cpu backend. CUDA
-tensors run on the gpu backend's Triton kernels in the Llama family's Functions (rms_norm, swiglu,
-rope, gqa_attention) and linear, so RMSNorm, SwiGLU and CausalSelfAttention(n_kv_head=...) run on
-CUDA; the other GPT-2 Functions (`backend_for`) still refuse CUDA tensors, and lora_linear, which
-has no gpu kernels yet, says so. A tensor on another device raises NotImplementedError naming the
-missing backend.
+tensors run on the gpu backend (Triton kernels, cuBLAS products) in the Llama family's Functions
+(rms_norm, swiglu, rope, gqa_attention), lora_linear and linear, so RMSNorm, SwiGLU,
+CausalSelfAttention(n_kv_head=...) and LoRALinear run on CUDA; the other GPT-2 Functions
+(`backend_for`) still refuse CUDA tensors. A tensor on another device raises NotImplementedError
+naming the missing backend.
 
 dtypes: float32 and float64 (gradcheck) on the CPU; float32 and bfloat16 on CUDA; anything else
 raises TypeError. Double backward is not

@@ -10,13 +10,9 @@ FLOATS = (torch.float32, torch.float64)
 BACKEND_FLOATS = {"cpu": FLOATS, "gpu": (torch.float32, torch.bfloat16)}
 
 
-# The ops with no gpu kernels yet, and what a user calls them by: a CUDA tensor given to one gets
-# this op's own message (from _check), not backend_for's general one.
-CPU_ONLY = {"lora_linear": "LoRALinear"}
-
-# The Functions that pass CUDA tensors to the gpu backend: handgrad.torch.llama's and the linear
-# their modules project with. The other GPT-2 ones still refuse them with backend_for's message.
-GPU_READY = frozenset({"rmsnorm", "swiglu", "rope", "gqa_attention", "linear"})
+# The Functions that pass CUDA tensors to the gpu backend: handgrad.torch.llama's, LoRA's and the
+# linear their modules project with. The other GPT-2 ones still refuse them with backend_for's message.
+GPU_READY = frozenset({"rmsnorm", "swiglu", "rope", "gqa_attention", "linear", "lora_linear"})
 
 # Which backend a tensor's device type goes to, for the GPU_READY Functions. The tests point "cpu"
 # at "gpu" under TRITON_INTERPRET=1, where the gpu backend's tensors are CPU tensors.
@@ -71,9 +67,6 @@ def _check(op, **tensors):
         raise ValueError(f"{op}: all tensors must be on one device, got "
                          + ", ".join(f"{k} on {t.device}" for k, t in given.items()))
     device = next(iter(given.values())).device
-    if device.type == "cuda" and op in CPU_ONLY:
-        raise NotImplementedError(f"handgrad.torch.{CPU_ONLY[op]}: the gpu backend has no {op} kernels yet; "
-                                  f"use CPU tensors (.cpu())")
     if op in GPU_READY and device.type in DEVICE_BACKEND:
         name = DEVICE_BACKEND[device.type]
         ops = get_backend(name)

@@ -71,7 +71,7 @@ def run_all(backend="cpu"):
     rows += check_adamw(backend=backend)
     rows += check_model_step(VERIFY_CONFIG, B=2, T=32, backend=backend)
     rows += check_model_adamw(VERIFY_CONFIG, B=2, T=32, steps=10, backend=backend)
-    if hasattr(_ops(backend), "lora_linear_forward"):  # (the gpu backend's are not written yet)
+    if hasattr(_ops(backend), "lora_linear_forward"):  # both backends have them
         rows += check_lora_linear(**shape, C=96, OC=288, r=8, scale=2.0, backend=backend)
         rows += check_dropout(**shape, C=96, p=0.2, backend=backend)
     if hasattr(_ops(backend), "rmsnorm_forward"):  # the Llama family's ops, as far as the backend has them

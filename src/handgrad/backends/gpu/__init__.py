@@ -10,6 +10,7 @@ from .adamw import HYPER_SIZE, adamw_update, global_norm, make_chunks, prepare_u
 from .attention import attention_backward, attention_decode_forward, attention_forward, attention_state_shape
 from .common import device, torch_dtype
 from .crossentropy import IGNORE_INDEX, crossentropy_backward, crossentropy_forward
+from .dropout import dropout_backward, dropout_forward, dropout_seed
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward
 from .gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward,
@@ -17,6 +18,7 @@ from .gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .layernorm_linear import layernorm_linear_backward, layernorm_linear_forward
 from .linear import linear_backward, linear_forward
+from .lora import lora_linear_backward, lora_linear_forward
 from .residual import residual_backward, residual_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .rmsnorm_linear import rmsnorm_linear_backward, rmsnorm_linear_forward

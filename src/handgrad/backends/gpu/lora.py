@@ -1,0 +1,65 @@
+"""A linear layer with a LoRA adapter over a frozen weight, as backends/cpu/lora.py (whose
+docstring has the layout and the cost):
+
+    out = inp @ W [+ b] + s * (inp @ A) @ B,    s = alpha / r,
+
+W (C, OC), A (C, r), B (r, OC) in GPT-2's Conv1D layout; nn.Linear / PEFT's [out, in] tensors go in
+as transposed views. Every product is cuBLAS's (torch.mm / addmm, fp32 accumulation), as the base
+linears'; float32 parameters meet bf16 activations as bf16 copies (linear.py's as_dtype), and the
+adapter's float32 gradients take the bf16 products through matmul_accumulate, as a weight's do.
+"""
+import torch
+
+from .common import as_dtype, rows, workspace
+from .linear import linear_forward, matmul_accumulate
+
+
+def _into(dst, a, b, accumulate):
+    """dst = a @ b (or +=), dst contiguous or a transposed contiguous view (then dst^T = b^T a^T)."""
+    if dst.is_contiguous():
+        matmul_accumulate(dst, a, b, accumulate)
+    else:
+        assert dst.t().is_contiguous(), "an adapter gradient must be contiguous or a transposed contiguous tensor"
+        matmul_accumulate(dst.t(), b.t(), a.t(), accumulate)
+
+
+def lora_linear_forward(out, xs, inp, weight, bias, lora_a, lora_b, scale, adapter_inp=None):
+    """out (B, T, OC) = inp @ weight (C, OC) [+ bias] + scale * (adapter_inp @ lora_a (C, r)) @ lora_b (r, OC).
+
+    adapter_inp defaults to inp. Overwrites out and xs (B, T, r) = scale * adapter_inp @ lora_a,
+    which the backward needs. bias may be None.
+    """
+    linear_forward(out, inp, weight, bias)
+    a2, xs2, out2 = rows(inp if adapter_inp is None else adapter_inp), rows(xs), rows(out)
+    torch.mm(a2, as_dtype(lora_a, a2.dtype, "lora_a"), out=xs2)
+    xs2.mul_(scale)
+    out2.addmm_(xs2, as_dtype(lora_b, xs2.dtype, "lora_b"))
+
+
+def lora_linear_backward(dinp, dlora_a, dlora_b, dout, inp, xs, weight, lora_a, lora_b, scale,
+                         adapter_inp=None, accumulate=True):
+    """Gradients of out = x W + b + s (a A) B with W and b frozen, as the cpu op forms them (its
+    docstring has the derivation): dx = g W^T [+ s (g B^T) A^T], dB = xs^T g, dA = s a^T (g B^T),
+    da = s (g B^T) A^T when a is an adapter_inp of its own. No gradient of W or b is formed.
+
+    Overwrites dinp (may be None). Accumulates (+=) into dlora_a (C, r) and dlora_b (r, OC), or
+    overwrites them with accumulate=False; either may be a transposed view. Returns da (N, C) when
+    adapter_inp is given (a reused scratch buffer), else None.
+    """
+    g, a = rows(dout), rows(inp if adapter_inp is None else adapter_inp)
+    A, Bm = as_dtype(lora_a, g.dtype, "lora_a"), as_dtype(lora_b, g.dtype, "lora_b")
+    _into(dlora_b, rows(xs).t(), g, accumulate)
+    gs = workspace("lora_gs", (g.shape[0], Bm.shape[0]), g.dtype, g.device)  # s g B^T (N, r)
+    torch.mm(g, Bm.t(), out=gs)
+    gs.mul_(scale)
+    _into(dlora_a, a.t(), gs, accumulate)
+    da = None
+    if adapter_inp is not None:
+        da = workspace("lora_da", a.shape, a.dtype, a.device)
+        torch.mm(gs, A.t(), out=da)
+    if dinp is not None:
+        dinp2 = rows(dinp)
+        torch.mm(g, as_dtype(weight, g.dtype, "linear_weight").t(), out=dinp2)
+        if adapter_inp is None:
+            dinp2.addmm_(gs, A.t())
+    return da
