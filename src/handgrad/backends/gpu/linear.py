@@ -9,12 +9,17 @@ from .common import as_dtype, cast_add, colsum_accumulate, rows, workspace
 
 
 def matmul_accumulate(dst, a, b, accumulate=True):
-    """dst (M, N) += a (M, K) @ b (K, N), or dst = a @ b with accumulate=False; dst contiguous.
+    """dst (M, N) += a (M, K) @ b (K, N), or dst = a @ b with accumulate=False. dst is contiguous or
+    the transposed view of a contiguous tensor (an [out, in] parameter's gradient seen as [in, out],
+    the tied lm_head's dwte.T): then its transpose is written, dst^T = b^T @ a^T.
 
     In dst's dtype: one GEMM with beta = 1 (addmm_) or straight into dst. When dst is wider than
     a and b (float32 gradients of bf16 activations) the GEMM writes a scratch buffer in their
     dtype that is then added in, as torch autocast's weight gradients are.
     """
+    if not dst.is_contiguous():
+        assert dst.t().is_contiguous(), "dst must be contiguous or a transposed contiguous tensor"
+        dst, a, b = dst.t(), b.t(), a.t()
     if dst.dtype == a.dtype:
         if accumulate:
             dst.addmm_(a, b)
@@ -53,12 +58,6 @@ def linear_backward(dinp, dweight, dbias, dout, inp, weight, accumulate=True):
     dout2, inp2 = rows(dout), rows(inp)
     if dinp is not None:
         torch.mm(dout2, as_dtype(weight, dout2.dtype, "linear_weight").t(), out=rows(dinp))
-    # a transposed dweight view: work on its transpose, dW^T = dout^T @ inp, which is contiguous
-    if dweight.is_contiguous():
-        dst, a, b = dweight, inp2.t(), dout2
-    else:
-        dst, a, b = dweight.t(), dout2.t(), inp2
-        assert dst.is_contiguous(), "dweight must be contiguous or a transposed contiguous tensor"
-    matmul_accumulate(dst, a, b, accumulate)
+    matmul_accumulate(dweight, inp2.t(), dout2, accumulate)
     if dbias is not None:
         colsum_accumulate(dbias, dout2)

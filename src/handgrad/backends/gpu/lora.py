@@ -14,15 +14,6 @@ from .common import as_dtype, rows, workspace
 from .linear import linear_forward, matmul_accumulate
 
 
-def _into(dst, a, b, accumulate):
-    """dst = a @ b (or +=), dst contiguous or a transposed contiguous view (then dst^T = b^T a^T)."""
-    if dst.is_contiguous():
-        matmul_accumulate(dst, a, b, accumulate)
-    else:
-        assert dst.t().is_contiguous(), "an adapter gradient must be contiguous or a transposed contiguous tensor"
-        matmul_accumulate(dst.t(), b.t(), a.t(), accumulate)
-
-
 def lora_linear_forward(out, xs, inp, weight, bias, lora_a, lora_b, scale, adapter_inp=None):
     """out (B, T, OC) = inp @ weight (C, OC) [+ bias] + scale * (adapter_inp @ lora_a (C, r)) @ lora_b (r, OC).
 
@@ -48,11 +39,11 @@ def lora_linear_backward(dinp, dlora_a, dlora_b, dout, inp, xs, weight, lora_a, 
     """
     g, a = rows(dout), rows(inp if adapter_inp is None else adapter_inp)
     A, Bm = as_dtype(lora_a, g.dtype, "lora_a"), as_dtype(lora_b, g.dtype, "lora_b")
-    _into(dlora_b, rows(xs).t(), g, accumulate)
+    matmul_accumulate(dlora_b, rows(xs).t(), g, accumulate)
     gs = workspace("lora_gs", (g.shape[0], Bm.shape[0]), g.dtype, g.device)  # s g B^T (N, r)
     torch.mm(g, Bm.t(), out=gs)
     gs.mul_(scale)
-    _into(dlora_a, a.t(), gs, accumulate)
+    matmul_accumulate(dlora_a, a.t(), gs, accumulate)
     da = None
     if adapter_inp is not None:
         da = workspace("lora_da", a.shape, a.dtype, a.device)
