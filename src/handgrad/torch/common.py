@@ -24,11 +24,6 @@ DEVICE_BACKEND = {"cpu": "cpu", "cuda": "gpu"}
 _VIEWS = {"cpu": lambda t: t.detach().numpy(), "gpu": lambda t: t.detach()}
 
 
-def backend_name(t):
-    """The backend ("cpu" or "gpu") a Function that takes CUDA tensors runs tensor t's op on."""
-    return DEVICE_BACKEND.get(t.device.type, t.device.type)
-
-
 def backend_for(device):
     """The handgrad backend module for a torch device ("cpu", "cuda:0", a torch.device), for the
     Functions that pass only CPU tensors (the GPU_READY ones use _check's routing)."""
@@ -54,9 +49,10 @@ def _v(t, backend="cpu"):
     return None if t is None else _VIEWS[backend](t)
 
 
-def viewer(backend):
-    """_v for one backend: what a GPU_READY Function calls on each tensor it hands the ops."""
-    return lambda t: _v(t, backend)
+def viewer(ops):
+    """_v for the backend module _check chose: what a GPU_READY Function calls on each tensor it
+    hands the ops."""
+    return lambda t: _v(t, ops.NAME)
 
 
 def _check(op, **tensors):

@@ -5,7 +5,7 @@ from torch.autograd.function import once_differentiable
 import torch
 
 from ..backends.cpu.crossentropy import IGNORE_INDEX
-from .common import _check, _check_linear_weight, _check_shape, _contiguous, _needed, _v, backend_name, viewer
+from .common import _check, _check_linear_weight, _check_shape, _contiguous, _needed, _v, viewer
 
 
 # ---------------------------------------------------------------- layernorm
@@ -52,7 +52,7 @@ class LinearFunction(torch.autograd.Function):
         ops = _check("linear", x=x, weight=weight, bias=bias)
         _check_linear_weight("linear", weight, bias, x.shape[-1])
         x, weight, bias = _contiguous(x, weight, bias)
-        _v = ctx.v = viewer(backend_name(x))
+        _v = ctx.v = viewer(ops)
         out = x.new_empty(x.shape[:-1] + (weight.shape[0],))
         ops.linear_forward(_v(out), _v(x), _v(weight).T, _v(bias))  # the op's W (C, OC) = weight.T
         ctx.save_for_backward(x, weight)

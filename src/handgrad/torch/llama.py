@@ -6,7 +6,7 @@ from torch.autograd.function import once_differentiable
 import torch
 
 from ..backends.cpu import rope as cpu_rope
-from .common import _check, _check_shape, _contiguous, _needed, backend_name, viewer
+from .common import _check, _check_shape, _contiguous, _needed, viewer
 
 
 def _stats_dtype(x):
@@ -24,7 +24,7 @@ class RMSNormFunction(torch.autograd.Function):
         ops = _check("rmsnorm", x=x, weight=weight)
         _check_shape("rmsnorm", "weight", weight, (x.shape[-1],))
         x, weight = _contiguous(x, weight)
-        _v = ctx.v = viewer(backend_name(x))
+        _v = ctx.v = viewer(ops)
         out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=_stats_dtype(x))  # rstd (...,)
         ops.rmsnorm_forward(_v(out), _v(rstd), _v(x), _v(weight), float(eps))
         ctx.save_for_backward(x, weight)
@@ -57,7 +57,7 @@ class SwiGLUFunction(torch.autograd.Function):
         if gu.dim() == 0 or gu.shape[-1] % 2:
             raise ValueError(f"swiglu: gu must be (..., 2H) = [gate | up] (an even last axis), got {tuple(gu.shape)}")
         (gu,) = _contiguous(gu)
-        _v = ctx.v = viewer(backend_name(gu))
+        _v = ctx.v = viewer(ops)
         out = gu.new_empty(gu.shape[:-1] + (gu.shape[-1] // 2,))
         ops.swiglu_forward(_v(out), _v(gu))
         ctx.save_for_backward(gu)
@@ -106,7 +106,7 @@ class RoPEFunction(torch.autograd.Function):
             raise ValueError("rope: cos and sin are constant tables and get no gradient; pass them detached")
         if cos.device != x.device or sin.device != x.device:
             raise ValueError(f"rope: cos and sin must be on x's device {x.device}, got {cos.device} and {sin.device}")
-        backend = backend_name(x)
+        backend = ops.NAME
         tables = (torch.float32,) if backend == "gpu" else (torch.float32, torch.float64)
         if cos.dtype not in tables or sin.dtype != cos.dtype:
             raise TypeError(f"rope: cos and sin must share one dtype, {' or '.join(map(str, tables))} on the "
@@ -118,7 +118,7 @@ class RoPEFunction(torch.autograd.Function):
             raise ValueError(f"rope: cos and sin must both be (T_max, hs), (1, T_max, hs) or ({x.shape[0]}, T_max, "
                              f"hs), got {tuple(cos.shape)} and {tuple(sin.shape)}")
         x, cos, sin = _contiguous(x, cos, sin)
-        _v = ctx.v = viewer(backend)
+        _v = ctx.v = viewer(ops)
         out = torch.empty_like(x)
         for rows, c, s in _per_sequence(cos, sin, x.shape[0]):
             ops.rope_forward(_v(out[rows]), _v(x[rows]), _v(c), _v(s), n_head, offset)  # checks heads, positions
@@ -190,7 +190,7 @@ class GQAAttentionFunction(torch.autograd.Function):
                              f"a multiple of n_kv_head={n_kv_head}, got {tuple(qkv.shape)}")
         (qkv,) = _contiguous(qkv)
         B, T, W = qkv.shape
-        _v = ctx.v = viewer(backend_name(qkv))
+        _v = ctx.v = viewer(ops)
         out = qkv.new_empty(B, T, n_head * (W // width))
         lse = qkv.new_empty(ops.gqa_attention_state_shape(B, n_head, T), dtype=_stats_dtype(qkv))
         ops.gqa_attention_forward(_v(out), _v(lse), _v(qkv), n_head, n_kv_head)

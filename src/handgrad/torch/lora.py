@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .common import _check, _check_linear_weight, _check_shape, _contiguous, backend_name, viewer
+from .common import _check, _check_linear_weight, _check_shape, _contiguous, viewer
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -28,7 +28,7 @@ class LoRALinearFunction(torch.autograd.Function):
         _check_shape("lora_linear", "lora_B", lora_B, (weight.shape[0], lora_A.shape[0]))
         _check_shape("lora_linear", "adapter_input", adapter_input, x.shape)
         x, weight, bias, lora_A, lora_B, adapter_input = _contiguous(x, weight, bias, lora_A, lora_B, adapter_input)
-        _v = ctx.v = viewer(backend_name(x))
+        _v = ctx.v = viewer(ops)
         out = x.new_empty(x.shape[:-1] + (weight.shape[0],))
         xs = x.new_empty(x.shape[:-1] + (lora_A.shape[0],))  # scale * a @ A^T, kept for the backward
         ops.lora_linear_forward(_v(out), _v(xs), _v(x), _v(weight).T, _v(bias), _v(lora_A).T, _v(lora_B).T,
@@ -49,7 +49,7 @@ class LoRALinearFunction(torch.autograd.Function):
                                           _v(weight).T, _v(lora_A).T, _v(lora_B).T, ctx.scale, _v(a),
                                           accumulate=False)
         if da is not None:  # the op's scratch (a NumPy array on the cpu, a tensor on the gpu): copied out
-            da = (da.clone() if isinstance(da, torch.Tensor) else torch.from_numpy(da.copy())).reshape(x.shape)
+            da = torch.as_tensor(da).clone().reshape(x.shape)
         return dx, None, None, dA, dB, None, da
 
 
