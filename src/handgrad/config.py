@@ -79,6 +79,37 @@ class LlamaConfig:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA fine-tuning (train.lora_*): rank-r adapters y = x W + (alpha / r) dropout(x) A B on the
+    `targets` linears of every block (the family's short names: models/gpt2.py, models/llama.py),
+    their base weights frozen; norms and embeddings frozen unless train_norms / train_embeddings."""
+
+    rank: int
+    alpha: float
+    targets: tuple
+    dropout: float = 0.0
+    train_norms: bool = False
+    train_embeddings: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"train.lora_rank must be a positive integer, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"train.lora_alpha must be positive, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"train.lora_dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.targets:
+            raise ValueError("train.lora_targets names no linear")
+
+    @property
+    def scale(self):
+        return self.alpha / self.rank
+
+    def to_dict(self):
+        return dict(asdict(self), targets=list(self.targets))
+
+
 MODEL_PRESETS = {
     "tiny": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64),
     "mid": GPTConfig(block_size=256, vocab_size=8192, n_layer=6, n_head=8, n_embd=512),
@@ -105,6 +136,7 @@ class ModelSection:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = True  # lm_head shares embed_tokens
     qkv_bias: bool = False  # biases on q/k/v (Qwen2)
+    dropout: float = 0.0  # training only: attention probabilities, each residual branch, the embeddings (nanoGPT's)
 
 
 @dataclass
@@ -136,15 +168,23 @@ class TrainSection:
     threads: int = 0  # BLAS and Numba threads per process; 0: this machine's cores / processes on it
     dist_timeout: float = 300.0  # seconds a rank waits on the others before giving up (torchrun runs)
     log_to: str = "none"  # also log the metrics to: none, tensorboard (RUN_DIR/tb), wandb (offline unless set up)
+    lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, base weights frozen; 0: full fine-tuning
+    lora_alpha: float = 0.0  # LoRA's alpha (the adapters' scale is alpha / rank); 0: 2 x lora_rank
+    lora_targets: str = ""  # comma-separated linears (llama: q,k,v,o,gate,up,down; gpt2: c_attn,c_proj,c_fc,mlp.c_proj); "": all
+    lora_dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
+    lora_train_norms: bool = False  # LoRA runs: also train the norm gains (and GPT-2's norm biases)
+    lora_train_embeddings: bool = False  # LoRA runs: also train the embeddings (and an untied lm_head)
 
 
 SECTIONS = {"model": ModelSection, "train": TrainSection}
 ARCHS = ("gpt2", "llama")  # the model families' names, as handgrad.models.FAMILIES lists them (a test checks)
 # model.* keys each family has (the rest is the other family's: given explicitly, an error)
-ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size"),
+ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout"),
              "llama": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_kv_head", "ffn_hidden", "rope_theta",
-                       "norm_eps", "tie_embeddings", "qkv_bias")}
+                       "norm_eps", "tie_embeddings", "qkv_bias", "dropout")}
 # the keys that take one of a few words: checked at load time, listed by `handgrad train --help`
+# train.lora_targets' names per family, in block order (models/gpt2.py and models/llama.py map them to modules)
+LORA_TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc", "mlp.c_proj"), "llama": ("q", "k", "v", "o", "gate", "up", "down")}
 CHOICES = {"model.arch": ARCHS, "train.on_nan": ("stop", "skip"), "train.dtype": ("float32", "bfloat16"),
            "train.log_to": ("none", "tensorboard", "wandb")}
 
@@ -178,6 +218,19 @@ class RunConfig:
                                norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings, qkv_bias=m.qkv_bias)
         return GPTConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer,
                          n_head=m.n_head, n_embd=m.n_embd)
+
+    def lora_config(self):
+        """train.lora_* as a LoRAConfig, or None for full fine-tuning (lora_rank 0)."""
+        t = self.train
+        if not t.lora_rank:
+            return None
+        targets = tuple(s.strip() for s in t.lora_targets.split(",") if s.strip()) or LORA_TARGETS[self.model.arch]
+        try:
+            return LoRAConfig(rank=t.lora_rank, alpha=t.lora_alpha or 2.0 * t.lora_rank, targets=targets,
+                              dropout=t.lora_dropout, train_norms=t.lora_train_norms,
+                              train_embeddings=t.lora_train_embeddings)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def default_ffn_hidden(n_embd):
@@ -336,6 +389,18 @@ def validate_run_config(config):
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(t, key) < 1:
             raise ConfigError(f"train.{key}: must be in [0, 1), got {getattr(t, key)}")
+    for key, value in (("model.dropout", m.dropout), ("train.lora_dropout", t.lora_dropout)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key}: must be in [0, 1), got {value}")
+    if t.lora_rank < 0:
+        raise ConfigError(f"train.lora_rank: must be >= 0 (0 = full fine-tuning), got {t.lora_rank}")
+    if t.lora_alpha < 0:
+        raise ConfigError(f"train.lora_alpha: must be >= 0 (0 = 2 x lora_rank), got {t.lora_alpha}")
+    known = LORA_TARGETS[m.arch]
+    for name in (s.strip() for s in t.lora_targets.split(",")):
+        if name and name not in known:
+            raise ConfigError(f"train.lora_targets: {name!r} is not a linear of model.arch {m.arch}; choose from "
+                              f"{','.join(known)}")
     return config
 
 

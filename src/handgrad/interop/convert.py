@@ -41,20 +41,23 @@ from ..data.sources import DataError
 from ..data.tokenizer import load_tokenizer
 from ..files import lock_output
 from ..models import family_of
-from ..training.checkpoint import load_weights, read_state, resolve, save_weights
+from ..models.family import flat_layout
+from ..models.lora import base_digest
+from ..training.checkpoint import load_model, load_weights, read_state, resolve, save_weights
 from .common import ConvertError, check_weights, describe, make_config, prepare_dir, publish_dir
 from .hf import read_hf, write_hf
 from .hf_llama import is_hf_llama, read_hf_llama, write_hf_llama
 from .llama2c import is_llama2c, read_llama2c, size_mismatch, write_llama2c
 from .llmc import LLMC_MAGIC, read_llmc, write_llmc
+from .peft import is_peft, read_peft, read_peft_config, resolve_base, write_peft
 
 
-FORMATS = ("handgrad", "hf", "llmc", "llama2c")
+FORMATS = ("handgrad", "hf", "llmc", "llama2c", "peft")
 
 
 # ---------------------------------------------------------------- detection and the common form
 def detect_format(path):
-    """'hf', 'llmc', 'llama2c' or 'handgrad' for a path, or a ConvertError saying what it is not."""
+    """'hf', 'llmc', 'llama2c', 'peft' or 'handgrad' for a path, or a ConvertError saying what it is not."""
     path = Path(path)
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory")
@@ -74,6 +77,8 @@ def detect_format(path):
                            f"or a handgrad run")
     if (path / "state.json").is_file() or (path / "ckpt").is_dir():
         return "handgrad"
+    if is_peft(path):
+        return "peft"
     if (path / "config.json").is_file():
         try:
             doc = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -99,13 +104,83 @@ def foreign_format(path):
     return fmt if fmt != "handgrad" else None
 
 
-def load_pretrained(path):
+def load_pretrained(path, merge=True):
     """(config, weights, info) from any supported format; info says the format and where a
-    tokenizer.json lies (or None)."""
+    tokenizer.json lies (or None). A LoRA adapter (a PEFT directory, a handgrad LoRA run) comes
+    with its base model: merge=True gives the weights with the adapter folded in (the model it
+    computes); merge=False the base's, and info["adapter"] = {"lora": LoRAConfig, "tensors": what
+    trains, under model.layout's names, "base": the base's record (path, sha256)}."""
     fmt = detect_format(path)
     config, weights, info = {"hf": _read_hf, "llmc": read_llmc, "llama2c": read_llama2c,
-                              "handgrad": read_handgrad}[fmt](path)
+                             "handgrad": read_handgrad, "peft": _read_peft}[fmt](path)
     info["format"] = fmt
+    if merge and "adapter" in info:
+        weights = lora_model(config, weights, info["adapter"]).merged_state_dict()
+    return config, weights, info
+
+
+def lora_model(config, base, adapter, backend="cpu"):
+    """A LoRA model holding base weights `base` and the adapter (load_pretrained's info["adapter"])."""
+    model = family_of(config).model(config, backend=backend, lora=adapter["lora"])
+    model.load_state_dict(base, names=[n for n, _ in model.param_spec(config)])
+    try:
+        model.load_state_dict(adapter["tensors"], names=model.layout)
+    except ValueError as e:
+        raise ConvertError(f"the adapter does not fit its base model ({e})") from None
+    return model
+
+
+def fit_weights(weights, config):
+    """Pretrained weights cut to a run's config: GPT-2's wpe keeps its first block_size rows
+    (nanoGPT's crop_block_size)."""
+    if "wpe.weight" in weights:
+        weights = dict(weights, **{"wpe.weight": weights["wpe.weight"][:config.block_size]})
+    return weights
+
+
+def load_base(model, ref):
+    """Load a LoRA model's frozen base, as its checkpoint records it (ref: {"path": where it was
+    loaded from} or {"init": "random", "seed": s}, and the "sha256" of its weights), checking the
+    digest: adapters on another base would compute something else."""
+    names = [n for n, _ in model.param_spec(model.config)]
+    if "path" in ref:
+        try:
+            _, weights, _ = load_pretrained(ref["path"])
+        except ConvertError as e:
+            raise ConvertError(f"the LoRA run's base model: {e}") from None
+        where = ref["path"]
+    else:
+        layout, _ = flat_layout(model.param_spec(model.config))
+        host = model.init_params(model.config, ref["seed"])
+        weights = {n: host[o:o + int(np.prod(shp))].reshape(shp) for n, (o, shp) in layout.items()}
+        where = f"the random initialisation of seed {ref['seed']}"
+    try:
+        model.load_state_dict(fit_weights(weights, model.config), names=names)
+    except ValueError as e:
+        raise ConvertError(f"{where}: not the base model of this LoRA run ({e})") from None
+    digest = base_digest(model)
+    if digest != ref["sha256"]:
+        raise ConvertError(f"{where}: its weights differ from the base this LoRA run's adapters were trained on "
+                           f"(SHA-256 {digest[:12]}..., recorded {ref['sha256'][:12]}...); put the original base "
+                           f"model back at that path")
+
+
+def _read_peft(path):
+    """A PEFT adapter directory: its base model (adapter_config.json's base_model_name_or_path)
+    and the adapter."""
+    fields, base = read_peft_config(path)
+    base = resolve_base(path, base)
+    if detect_format(base) == "peft":
+        raise ConvertError(f"{Path(path) / 'adapter_config.json'}: its base {base} is itself an adapter; point "
+                           f"base_model_name_or_path at a model")
+    config, weights, info = load_pretrained(base)
+    lora, tensors = read_peft(path, family_of(config).arch, config)
+    tmp = family_of(config).model(config, lora=lora)
+    tmp.load_state_dict(weights, names=[n for n, _ in tmp.param_spec(config)])
+    info["adapter"] = {"lora": lora, "tensors": tensors, "base": {"path": str(Path(base).resolve()),
+                                                                  "sha256": base_digest(tmp)}}
+    if (Path(path) / "tokenizer.json").is_file():
+        info["tokenizer"] = str(Path(path) / "tokenizer.json")
     return config, weights, info
 
 
@@ -141,6 +216,10 @@ def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=N
         return path, f"wrote an llm.c model file (version {version}, {dtype}){left}"
     if fmt == "llama2c":
         return write_llama2c(dst, config, weights, tokenizer, source=info.get("path"))
+    if fmt == "peft":
+        adapter = info["adapter"]
+        return write_peft(dst, family_of(config).arch, adapter["lora"], adapter["tensors"],
+                          adapter["base"].get("path"), tied=getattr(config, "tie_embeddings", True))
     return write_handgrad(dst, config, weights, tokenizer, source=info)
 
 
@@ -149,11 +228,18 @@ def read_handgrad(path):
     ckpt = resolve(path)
     state = read_state(ckpt)
     config = make_config(ckpt / "state.json", state.get("arch", "gpt2"), **state["model_config"])
-    weights = load_weights(ckpt)
-    check_weights(config, weights, ckpt / "model.safetensors")
     tok = next((p / "tokenizer.json" for p in (Path(path), ckpt, ckpt.parent.parent)
                 if (p / "tokenizer.json").is_file()), None)
-    return config, weights, {"tokenizer": str(tok) if tok else None}
+    info = {"tokenizer": str(tok) if tok else None}
+    if state.get("lora"):  # the adapters (and what else trained) over a base recorded by path and digest
+        model = load_model(ckpt, base=load_base)
+        names = [n for n, _ in model.param_spec(config)]
+        info["adapter"] = {"lora": model.lora, "tensors": {n: model.ops.to_numpy(model.p[n]) for n in model.layout},
+                           "base": state["base"]}
+        return config, {n: model.ops.to_numpy(model.p[n]) for n in names}, info
+    weights = load_weights(ckpt)
+    check_weights(config, weights, ckpt / "model.safetensors")
+    return config, weights, info
 
 
 def write_handgrad(dst, config, weights, tokenizer=None, source=None):
@@ -217,10 +303,37 @@ def add_arguments(parser):
                              "and tokenizer.bin: ./run DST/model.bin -z DST/tokenizer.bin")
     parser.add_argument("--llmc-dtype", default=None, choices=["float32", "bfloat16"],
                         help="llm.c output: version 3 (float32, the default) or 5 (bfloat16)")
+    parser.add_argument("--merge", action="store_true",
+                        help="SRC is a LoRA adapter (a handgrad LoRA run or a PEFT directory): fold it into its base "
+                             "model's weights, W + (alpha / r) B A, and write that model (--format hf, llmc, llama2c "
+                             "or handgrad); without it such a SRC converts only to --format peft")
+
+
+def _adapter_or_merged(args, config, weights, info):
+    """The weights convert writes: a LoRA SRC's merged (--merge) or its adapter alone (--format peft)."""
+    adapter = info.get("adapter")
+    if args.format == "peft":
+        if adapter is None:
+            raise ConvertError(f"{args.src}: a full model, no LoRA adapter to write; --format peft takes a LoRA run "
+                               f"(train.lora_rank > 0) or a PEFT directory")
+        if args.merge:
+            raise ConvertError("--merge writes the base with the adapter folded in, --format peft the adapter alone; "
+                               "pass one of them")
+        return weights
+    if adapter is None:
+        if args.merge:
+            raise ConvertError(f"--merge: {args.src} has no LoRA adapter to fold in; drop --merge")
+        return weights
+    if not args.merge:
+        raise ConvertError(f"{args.src}: a LoRA adapter (over the base {adapter['base'].get('path', 'of a random init')}); "
+                           f"pass --merge to fold it into the base's weights for --format {args.format}, or write the "
+                           f"adapter itself with --format peft")
+    return lora_model(config, weights, adapter).merged_state_dict()
 
 
 def main(args):
-    config, weights, info = load_pretrained(args.src)
+    config, weights, info = load_pretrained(args.src, merge=False)
+    weights = _adapter_or_merged(args, config, weights, info)
     info["path"] = str(args.src)
     if args.llmc_dtype:  # else an llm.c source keeps its version, and anything else gets 3 (float32)
         info["llmc_version"] = 3 if args.llmc_dtype == "float32" else 5

@@ -280,6 +280,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     padding past it that no token decodes from: Qwen2's 151,936 for 151,665 tokens).
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
+    if getattr(model, "lora", None) is not None:
+        model = model.plain()  # decoding reads plain weights: the adapters folded in
     idx = _check_prompt(prompt_ids, model.config)
     rng = _as_rng(rng)
     B, T0 = idx.shape

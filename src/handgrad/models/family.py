@@ -30,6 +30,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from ..backends import get_backend
+from . import lora as lora_parts
 
 
 @dataclass(frozen=True)
@@ -99,29 +100,49 @@ class FlatModel:
         backward(grads_ready) the gradients of the last forward's mean loss
     """
 
-    def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32"):
+    def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
+                 dropout=0.0):
         """buffer_multiple: the flat buffers (`flat_params`, `flat_grad`) are allocated zero-padded
         to a multiple of it, so data-parallel ranks can split them into equal shards; `params` and
         `grad` are their first num_params elements.
         dtype: the activations' dtype. "bfloat16" (gpu backend only) is mixed precision: bf16
-        activations and matmul inputs, float32 weights, gradients, optimizer state and statistics."""
+        activations and matmul inputs, float32 weights, gradients, optimizer state and statistics.
+        lora: a config.LoRAConfig: the base weights frozen (in `frozen_params`), adapters trained
+        (models/lora.py); None: every weight trains.
+        dropout: model.dropout, applied while `training` is set (set_training); off in evaluation
+        and sampling."""
         if not isinstance(config, self.CONFIG):
             raise ValueError(f"config must be a handgrad {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         if dtype == "bfloat16" and backend != "gpu":
             raise ValueError(f"dtype bfloat16 needs backend 'gpu' (the {backend} backend computes in float32)")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {dropout!r}")
+        if (lora is not None or dropout) and backend != "cpu":
+            raise ValueError(f"LoRA and model.dropout run on the cpu backend only so far (not {backend!r}); "
+                             f"train with --device cpu")
         self.dtype = dtype
         self.config = config
         self.ops = get_backend(backend)
         self.backend = backend
-        self.spec = self.param_spec(config)
+        self.lora, self.dropout = lora, float(dropout)
+        self.training, self.dropout_key = False, (0, 0, 0)
+        if lora is None:
+            self.spec, frozen, self.lora_blocks = self.param_spec(config), [], []
+        else:
+            self.spec, frozen, self.lora_blocks = lora_parts.split_spec(type(self), config, lora)
         self.layout, self.num_params = flat_layout(self.spec)
         padded = -(-self.num_params // buffer_multiple) * buffer_multiple
         self.flat_params = self.ops.zeros((padded,))
         self.flat_grad = self.ops.zeros((padded,))
         self.params, self.grad = self.flat_params[:self.num_params], self.flat_grad[:self.num_params]
-        self.p = flat_views(self.params, self.layout)
+        self.frozen_layout, n_frozen = flat_layout(frozen)
+        self.frozen_params = self.ops.zeros((n_frozen,))
+        trained = flat_views(self.params, self.layout)
+        self.p = flat_views(self.frozen_params, self.frozen_layout)
+        self.p = {name: self.p.get(name, trained.get(name)) for name, _ in self.param_spec(config)}
+        self.p.update((name, view) for name, view in trained.items() if name not in self.p)  # the adapters
         self.g = flat_views(self.grad, self.layout)
         self._acts = None
         self._ready_for_backward = False
@@ -130,19 +151,80 @@ class FlatModel:
         # matrices listed in WRITTEN_FIRST are overwritten by it instead (see zero_grad)
         self._accumulated_segments = [(o, int(np.prod(s))) for name, (o, s) in self.layout.items()
                                       if not name.endswith(self.WRITTEN_FIRST)]
-        self.grad_buckets = self._grad_buckets()
+        self.grad_buckets = self._grad_buckets() if lora is None else self._block_buckets()
         self._init_weights(seed)
+        self.adapters = lora_parts.adapter_records(self) if lora is not None else []
 
     # ----------------------------------------------------------------- parameters
     def _init_weights(self, seed):
-        self.params[:] = self.ops.from_numpy(self.init_params(self.config, seed))
+        host = self.init_params(self.config, seed)
+        if self.lora is None:
+            self.params[:] = self.ops.from_numpy(host)
+            return
+        for name, (o, shape) in flat_layout(self.param_spec(self.config))[0].items():
+            self.p[name][...] = self.ops.from_numpy(host[o:o + int(np.prod(shape))].reshape(shape))
+        lora_parts.init_adapters(self, seed)
+
+    def _block_buckets(self):
+        """grad_buckets from the trained tensors' names (a LoRA model): the head's (after the last
+        block), blocks L-1 .. 0, the embeddings'; each contiguous in model.spec, possibly empty."""
+        spans, seen_block = {}, False
+        for name, (o, shape) in self.layout.items():
+            l = lora_parts.layer_of(name)
+            seen_block = seen_block or l is not None
+            key = l if l is not None else (self.config.n_layer if seen_block else -1)
+            lo, hi = spans.get(key, (o, o))
+            spans[key] = (min(lo, o), max(hi, o + int(np.prod(shape))))
+        end = self.num_params
+        order = [self.config.n_layer] + list(reversed(range(self.config.n_layer))) + [-1]
+        return [spans.get(k, (end, end)) for k in order]
+
+    def gradient_of(self, name):
+        """The gradient view of a tensor, or None where it is frozen (a LoRA model's base weights)."""
+        return self.g.get(name)
+
+    def lora_adapters(self, a, l, group):
+        """The adapter records of block l's `group` product, their xs buffers (in activations a) and
+        dropout seeds set for this forward; () for a model without adapters there."""
+        if not self.adapters:
+            return ()
+        ads = self.adapters[l].get(group, ())
+        for ad in ads:
+            ad.xs = a.lora_xs[l, ad.index]
+            ad.dropout = self.lora.dropout if self.training else 0.0
+            ad.seed = self.dropout_seed(l, lora_parts.SITE_LORA + ad.index)
+        return ads
+
+    def set_training(self, training, step=0, micro_step=0, seed=0):
+        """Dropout on (training, with the masks of optimizer step `step`, micro-batch `micro_step`,
+        keyed by the run's `seed`) or off (evaluation, sampling)."""
+        self.training = bool(training)
+        self.dropout_key = (int(seed), int(step), int(micro_step))
+
+    def dropout_seed(self, layer, site):
+        """The 64-bit seed of one dropout mask: (the run's seed, step, micro-step, layer, site)."""
+        seed, step, micro = self.dropout_key
+        return self.ops.dropout_seed(seed, step, micro, layer, site)
+
+    def plain(self):
+        """A model of the same family and backend without adapters, computing what this one does
+        (the adapters folded into its weights): what decoding and exports take."""
+        model = type(self)(self.config, backend=self.backend)
+        model.load_state_dict(self.merged_state_dict())
+        return model
+
+    def merged_state_dict(self):
+        """The weights of the plain model this one computes (a LoRA model's adapters folded into
+        its base weights; otherwise state_dict())."""
+        return self.state_dict() if self.lora is None else lora_parts.merged_weights(self)
 
     def decay_segments(self):
         """(start, end, decay) per tensor: weight decay applies to tensors with 2+ dimensions."""
         return [(o, o + int(np.prod(s)), len(s) >= 2) for _, (o, s) in self.layout.items()]
 
     def state_dict(self):
-        """Copies of the weights under param_spec's (Hugging Face) names and layouts."""
+        """Copies of the weights under param_spec's (Hugging Face) names and layouts, and a LoRA
+        model's adapters under theirs (models/lora.py)."""
         return {name: self.ops.to_numpy(view).copy() for name, view in self.p.items()}
 
     def grads(self):
@@ -151,10 +233,13 @@ class FlatModel:
             self.grad[:] = 0  # zero_grad() left the written-first gradients for the next backward
         return {name: self.ops.to_numpy(view).copy() for name, view in self.g.items()}
 
-    def load_state_dict(self, state):
-        """Copy weights in from a dict of arrays; missing, extra or mis-shaped names are rejected."""
-        missing = [n for n in self.p if n not in state]
-        extra = [n for n in state if n not in self.p]
+    def load_state_dict(self, state, names=None):
+        """Copy weights in from a dict of arrays; missing, extra or mis-shaped names are rejected.
+        names: the tensors `state` must hold (default every one of model.p); a LoRA model's
+        checkpoint holds model.layout's (what trains), its base param_spec's."""
+        want = list(self.p if names is None else names)
+        missing = [n for n in want if n not in state]
+        extra = [n for n in state if n not in want]
         if missing or extra:
             parts = []
             if missing:
@@ -162,15 +247,15 @@ class FlatModel:
             if extra:
                 parts.append(f"unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
             raise ValueError("load_state_dict: " + "; ".join(parts))
-        for name, view in self.p.items():
-            arr = np.asarray(state[name])
+        for name in want:
+            arr, view = np.asarray(state[name]), self.p[name]
             if tuple(arr.shape) != tuple(view.shape):
                 raise ValueError(f"load_state_dict: {name} has shape {tuple(arr.shape)}, "
                                  f"expected {tuple(view.shape)}")
             if not np.issubdtype(arr.dtype, np.floating):
                 raise ValueError(f"load_state_dict: {name} has dtype {arr.dtype}, expected a float type")
-        for name, view in self.p.items():
-            view[...] = self.ops.from_numpy(np.asarray(state[name], dtype=np.float32))
+        for name in want:
+            self.p[name][...] = self.ops.from_numpy(np.asarray(state[name], dtype=np.float32))
 
     def zero_grad(self):
         """Start the next backward from zero gradients.
@@ -215,7 +300,68 @@ class FlatModel:
         if a is None or (a.B, a.T) != (B, T):
             a = self._acts = None  # release the old set before allocating the new one
             a = self._acts = self.ACTIVATIONS(self.ops, self.config, B, T, self._act_dtype())
+            a.lora_xs = None if self.lora is None else self.ops.empty(  # each adapter's s x A, per block
+                (self.config.n_layer, max(map(len, self.lora_blocks)), B, T, self.lora.rank), self._act_dtype())
+            a.dbranch = None  # a dropped branch's gradient (model.dropout), made at its first use
         return a
+
+    # ----------------------------------------------------------------- what the families call
+    # dropout sites (dropout_seed's `site`; models/lora.py numbers the adapters' from SITE_LORA)
+    SITE_EMBED, SITE_ATTN, SITE_ATTN_OUT, SITE_MLP_OUT = 0, 1, 2, 3
+
+    def _dropping(self):
+        return self.training and self.dropout > 0
+
+    def drop(self, x, layer, site):
+        """model.dropout in place on x (a residual branch's output, the embeddings) while training."""
+        if self._dropping():
+            self.ops.dropout_forward(x, x, self.dropout, self.dropout_seed(layer, site))
+
+    def drop_grad(self, a, dx, layer, site):
+        """The gradient entering a branch that drop() dropped: dx through the same mask (into a
+        scratch buffer; dx, the residual stream's gradient, goes on unchanged), or dx itself."""
+        if not self._dropping():
+            return dx
+        if a.dbranch is None or a.dbranch.shape != dx.shape:
+            a.dbranch = self.ops.empty(dx.shape, dx.dtype)
+        self.ops.dropout_backward(a.dbranch, dx, self.dropout, self.dropout_seed(layer, site))
+        return a.dbranch
+
+    def attention_dropout(self, layer):
+        """The attention ops' dropout keywords for block `layer`'s probabilities ({} when off)."""
+        if not self._dropping():
+            return {}
+        return {"dropout_p": self.dropout, "seed": self.dropout_seed(layer, self.SITE_ATTN)}
+
+    def lora_linear(self, out, inp, a, l, group):
+        """Add block l's `group` adapters onto the frozen product in out (no-op without any)."""
+        ads = self.lora_adapters(a, l, group)
+        if ads:
+            self.ops.lora_forward(out, inp, ads)
+
+    def lora_linear_grad(self, dinp, dout, inp, a, l, group):
+        """Their backward: adapter gradients, and their part of dinp added to the frozen product's."""
+        ads = self.lora_adapters(a, l, group)
+        if ads:
+            self.ops.lora_backward(dinp, dout, inp, ads)
+
+    def grad_t(self, name):
+        """The transposed gradient view of an [out, in] weight, or None where it is frozen."""
+        g = self.g.get(name)
+        return None if g is None else g.T
+
+    def fused_view(self, first, last, grads=False):
+        """The [out, in] matrix (or vector) of param_spec's consecutive tensors first .. last, in the
+        buffer that holds them; grads=True: its gradient, None where frozen."""
+        if first in self.layout:
+            buf, layout = (self.grad if grads else self.params), self.layout
+        elif grads:
+            return None
+        else:
+            buf, layout = self.frozen_params, self.frozen_layout
+        o = layout[first][0]
+        end = layout[last][0] + int(np.prod(layout[last][1]))
+        return buf[o:end].reshape((-1, *layout[first][1][1:]))
 
     def _act_dtype(self):
         if self.dtype == "bfloat16":

@@ -147,6 +147,14 @@ class GPT(FlatModel):
     WRITTEN_FIRST = WRITTEN_FIRST
     param_spec = staticmethod(param_spec)
     init_params = staticmethod(init_params)
+    # LoRA (models/lora.py): train.lora_targets' names -> (module in a block, its product); "c_proj"
+    # is attention's, as PEFT's target_modules=["c_proj"] would also match the MLP's: here that one
+    # is "mlp.c_proj"
+    LORA_MODULES = {"c_attn": ("attn.c_attn", "c_attn"), "c_proj": ("attn.c_proj", "c_proj"),
+                    "c_fc": ("mlp.c_fc", "c_fc"), "mlp.c_proj": ("mlp.c_proj", "mlp.c_proj")}
+    FAN_IN_FAN_OUT = True  # Conv1D weights, [in, out] (PEFT's fan_in_fan_out)
+    block_prefix = staticmethod(lambda l: f"h.{l}.")
+    is_norm = staticmethod(lambda name: name.split(".")[-2].startswith("ln_"))
 
     def _grad_buckets(self):
         """Gradient ranges in the order backward() finishes them: ln_f, blocks L-1 .. 0, embeddings."""
@@ -162,20 +170,26 @@ class GPT(FlatModel):
         """Embeddings, the blocks, ln_f and the logits into a.logits, from the tokens in a.idx."""
         ops, p, NH = self.ops, self.p, self.config.n_head
         ops.encoder_forward(a.encoded, a.idx, p["wte.weight"], p["wpe.weight"])
+        self.drop(a.encoded, -1, self.SITE_EMBED)
         x = a.encoded
         for l in range(self.config.n_layer):
             h = f"h.{l}."
             ops.layernorm_linear_forward(a.qkv[l], a.ln1_mean[l], a.ln1_rstd[l], x,
                                          p[h + "ln_1.weight"], p[h + "ln_1.bias"],
-                                         p[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"])
-            ops.attention_forward(a.atty[l], a.att[l], a.qkv[l], NH)
+                                         p[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"],
+                                         adapters=self.lora_adapters(a, l, "c_attn"))
+            ops.attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, **self.attention_dropout(l))
             ops.linear_forward(a.proj, a.atty[l], p[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
+            self.lora_linear(a.proj, a.atty[l], a, l, "c_proj")
+            self.drop(a.proj, l, self.SITE_ATTN_OUT)
             ops.residual_forward(a.res2[l], x, a.proj)
             ops.layernorm_linear_forward(a.fch[l], a.ln2_mean[l], a.ln2_rstd[l], a.res2[l],
                                          p[h + "ln_2.weight"], p[h + "ln_2.bias"],
-                                         p[h + "mlp.c_fc.weight"], None)
+                                         p[h + "mlp.c_fc.weight"], None, adapters=self.lora_adapters(a, l, "c_fc"))
             ops.gelu_forward(a.fch_gelu[l], a.fch[l], p[h + "mlp.c_fc.bias"])
             ops.linear_forward(a.proj, a.fch_gelu[l], p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
+            self.lora_linear(a.proj, a.fch_gelu[l], a, l, "mlp.c_proj")
+            self.drop(a.proj, l, self.SITE_MLP_OUT)
             ops.residual_forward(a.res3[l], a.res2[l], a.proj)
             x = a.res3[l]
         ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p["ln_f.weight"], p["ln_f.bias"])
@@ -204,34 +218,42 @@ class GPT(FlatModel):
         L = self.config.n_layer
 
         ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # dlogits, in place
-        ops.linear_backward(a.dlnf, g["wte.weight"].T, None, a.logits, a.lnf, p["wte.weight"].T, acc)
+        ops.linear_backward(a.dlnf, self.grad_t("wte.weight"), None, a.logits, a.lnf, p["wte.weight"].T, acc)
         a.dres[...] = 0
-        ops.layernorm_backward(a.dres, g["ln_f.weight"], g["ln_f.bias"], a.dlnf, a.res3[L - 1],
+        ops.layernorm_backward(a.dres, g.get("ln_f.weight"), g.get("ln_f.bias"), a.dlnf, a.res3[L - 1],
                                p["ln_f.weight"], a.lnf_mean, a.lnf_rstd)
         ready(*next(buckets))
         for l in reversed(range(L)):
             h = f"h.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
-            # MLP: res3 = res2 + c_proj(gelu(c_fc(ln_2(res2)))); dres holds d res3
-            ops.linear_backward(a.dfch, g[h + "mlp.c_proj.weight"], g[h + "mlp.c_proj.bias"], a.dres,
+            # MLP: res3 = res2 + drop(c_proj(gelu(c_fc(ln_2(res2))))); dres holds d res3
+            dproj = self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT)
+            ops.linear_backward(a.dfch, g.get(h + "mlp.c_proj.weight"), g.get(h + "mlp.c_proj.bias"), dproj,
                                 a.fch_gelu[l], p[h + "mlp.c_proj.weight"], acc)
-            ops.gelu_backward(a.dfch, g[h + "mlp.c_fc.bias"], a.dfch, a.fch[l])
-            ops.layernorm_linear_backward(a.dres, g[h + "ln_2.weight"], g[h + "ln_2.bias"],
-                                          g[h + "mlp.c_fc.weight"], None, a.dfch, a.res2[l],
+            self.lora_linear_grad(a.dfch, dproj, a.fch_gelu[l], a, l, "mlp.c_proj")
+            ops.gelu_backward(a.dfch, g.get(h + "mlp.c_fc.bias"), a.dfch, a.fch[l])
+            ops.layernorm_linear_backward(a.dres, g.get(h + "ln_2.weight"), g.get(h + "ln_2.bias"),
+                                          g.get(h + "mlp.c_fc.weight"), None, a.dfch, a.res2[l],
                                           p[h + "ln_2.weight"], p[h + "ln_2.bias"],
-                                          a.ln2_mean[l], a.ln2_rstd[l], p[h + "mlp.c_fc.weight"], acc)
-            # attention: res2 = x + c_proj(attn(c_attn(ln_1(x)))); dres now holds d res2
-            ops.linear_backward(a.datty, g[h + "attn.c_proj.weight"], g[h + "attn.c_proj.bias"], a.dres,
+                                          a.ln2_mean[l], a.ln2_rstd[l], p[h + "mlp.c_fc.weight"], acc,
+                                          adapters=self.lora_adapters(a, l, "c_fc"))
+            # attention: res2 = x + drop(c_proj(attn(c_attn(ln_1(x))))); dres now holds d res2
+            dproj = self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT)
+            ops.linear_backward(a.datty, g.get(h + "attn.c_proj.weight"), g.get(h + "attn.c_proj.bias"), dproj,
                                 a.atty[l], p[h + "attn.c_proj.weight"], acc)
-            ops.attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, out=a.atty[l])
-            ops.layernorm_linear_backward(a.dres, g[h + "ln_1.weight"], g[h + "ln_1.bias"],
-                                          g[h + "attn.c_attn.weight"], g[h + "attn.c_attn.bias"], a.dqkv,
+            self.lora_linear_grad(a.datty, dproj, a.atty[l], a, l, "c_proj")
+            ops.attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, out=a.atty[l],
+                                   **self.attention_dropout(l))
+            ops.layernorm_linear_backward(a.dres, g.get(h + "ln_1.weight"), g.get(h + "ln_1.bias"),
+                                          g.get(h + "attn.c_attn.weight"), g.get(h + "attn.c_attn.bias"), a.dqkv,
                                           x, p[h + "ln_1.weight"], p[h + "ln_1.bias"],
-                                          a.ln1_mean[l], a.ln1_rstd[l], p[h + "attn.c_attn.weight"], acc)
+                                          a.ln1_mean[l], a.ln1_rstd[l], p[h + "attn.c_attn.weight"], acc,
+                                          adapters=self.lora_adapters(a, l, "c_attn"))
             ready(*next(buckets))
-        ops.encoder_backward(g["wte.weight"], g["wpe.weight"], a.dres, a.idx)
+        if "wte.weight" in g:
+            ops.encoder_backward(g["wte.weight"], g["wpe.weight"], self.drop_grad(a, a.dres, -1, self.SITE_EMBED),
+                                 a.idx)
         ready(*next(buckets))
-
 
 
 FAMILY = Family(arch="gpt2", config=GPTConfig, param_spec=param_spec, num_params=num_params, init_params=init_params,

@@ -86,14 +86,6 @@ def flops_per_token(config, T):
     return 6 * n_matmul + attn
 
 
-def _fused(flat, layout, first, last):
-    """The [out, in] matrix (or vector) made of param_spec's consecutive tensors first .. last."""
-    o = layout[first][0]
-    end = layout[last][0] + int(np.prod(layout[last][1]))
-    cols = layout[first][1][1:]
-    return flat[o:end].reshape((-1, *cols))
-
-
 class Activations:
     """Every buffer one forward/backward of shape (B, T) needs, allocated once and reused."""
 
@@ -156,19 +148,28 @@ class Llama(FlatModel):
     WRITTEN_FIRST = WRITTEN_FIRST
     param_spec = staticmethod(param_spec)
     init_params = staticmethod(init_params)
+    # LoRA (models/lora.py): train.lora_targets' names -> (module in a block, the fused product it is part of)
+    LORA_MODULES = {"q": ("self_attn.q_proj", "qkv"), "k": ("self_attn.k_proj", "qkv"),
+                    "v": ("self_attn.v_proj", "qkv"), "o": ("self_attn.o_proj", "o"),
+                    "gate": ("mlp.gate_proj", "gu"), "up": ("mlp.up_proj", "gu"), "down": ("mlp.down_proj", "down")}
+    FAN_IN_FAN_OUT = False  # nn.Linear weights, [out, in]
+    block_prefix = staticmethod(lambda l: f"model.layers.{l}.")
+    is_norm = staticmethod(lambda name: name.endswith("norm.weight"))
 
-    def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32"):
-        super().__init__(config, backend, seed, buffer_multiple=buffer_multiple, dtype=dtype)
+    def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
+                 dropout=0.0):
+        super().__init__(config, backend, seed, buffer_multiple=buffer_multiple, dtype=dtype, lora=lora,
+                         dropout=dropout)
         c = config
         self.cos, self.sin = self.ops.rope_cache(c.block_size, c.head_dim, c.rope_theta)
-        flat = lambda buf: SimpleNamespace(**{  # the fused [out, in] groups, per layer
-            key: [_fused(buf, self.layout, f"model.layers.{l}.{first}", f"model.layers.{l}.{last}")
+        flat = lambda grads: SimpleNamespace(**{  # the fused [out, in] groups, per layer (grads: None if frozen)
+            key: [self.fused_view(f"model.layers.{l}.{first}", f"model.layers.{l}.{last}", grads)
                   for l in range(c.n_layer)]
             for key, first, last in (("qkv", "self_attn.q_proj.weight", "self_attn.v_proj.weight"),
                                      ("qkv_bias", "self_attn.q_proj.bias", "self_attn.v_proj.bias"),
                                      ("gu", "mlp.gate_proj.weight", "mlp.up_proj.weight"))
             if c.qkv_bias or key != "qkv_bias"})
-        self.fp, self.fg = flat(self.params), flat(self.grad)
+        self.fp, self.fg = flat(False), flat(True)
         self.lm_head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
 
     def _grad_buckets(self):
@@ -188,20 +189,26 @@ class Llama(FlatModel):
         ops, p, fp, c = self.ops, self.p, self.fp, self.config
         NH, NKV, rot = c.n_head, c.n_kv_head, (c.n_head + c.n_kv_head) * c.head_dim
         ops.encoder_forward(a.encoded, a.idx, p["model.embed_tokens.weight"])
+        self.drop(a.encoded, -1, self.SITE_EMBED)
         x = a.encoded
         for l in range(c.n_layer):
             h = f"model.layers.{l}."
             ops.rmsnorm_linear_forward(a.qkv[l], a.rstd1[l], x, p[h + "input_layernorm.weight"], fp.qkv[l].T,
-                                       fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps)
+                                       fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
+                                       adapters=self.lora_adapters(a, l, "qkv"))
             qk = a.qkv[l][:, :, :rot]  # q and k heads: one rotation per head, in place
             ops.rope_forward(qk, qk, self.cos, self.sin, NH + NKV)
-            ops.gqa_attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, NKV)
+            ops.gqa_attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, NKV, **self.attention_dropout(l))
             ops.linear_forward(a.proj, a.atty[l], p[h + "self_attn.o_proj.weight"].T)
+            self.lora_linear(a.proj, a.atty[l], a, l, "o")
+            self.drop(a.proj, l, self.SITE_ATTN_OUT)
             ops.residual_forward(a.res2[l], x, a.proj)
             ops.rmsnorm_linear_forward(a.gu[l], a.rstd2[l], a.res2[l], p[h + "post_attention_layernorm.weight"],
-                                       fp.gu[l].T, None, c.norm_eps)
+                                       fp.gu[l].T, None, c.norm_eps, adapters=self.lora_adapters(a, l, "gu"))
             ops.swiglu_forward(a.h[l], a.gu[l])
             ops.linear_forward(a.proj, a.h[l], p[h + "mlp.down_proj.weight"].T)
+            self.lora_linear(a.proj, a.h[l], a, l, "down")
+            self.drop(a.proj, l, self.SITE_MLP_OUT)
             ops.residual_forward(a.res3[l], a.res2[l], a.proj)
             x = a.res3[l]
         ops.rmsnorm_forward(a.normf, a.rstdf, x, p["model.norm.weight"], c.norm_eps)
@@ -224,32 +231,46 @@ class Llama(FlatModel):
             a.alloc_grads(ops, c, self._act_dtype())
         L = c.n_layer
         ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # dlogits, in place
-        ops.linear_backward(a.dnormf, g[self.lm_head].T, None, a.logits, a.normf, p[self.lm_head].T, acc)
+        ops.linear_backward(a.dnormf, self.grad_t(self.lm_head), None, a.logits, a.normf, p[self.lm_head].T, acc)
         a.dres[...] = 0
-        ops.rmsnorm_backward(a.dres, g["model.norm.weight"], a.dnormf, a.res3[L - 1], p["model.norm.weight"], a.rstdf)
+        ops.rmsnorm_backward(a.dres, g.get("model.norm.weight"), a.dnormf, a.res3[L - 1], p["model.norm.weight"],
+                             a.rstdf)
         ready(*next(buckets))
         for l in reversed(range(L)):
             h = f"model.layers.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
-            # MLP: res3 = res2 + down(swiglu(gate|up(rmsnorm(res2)))); dres holds d res3
-            ops.linear_backward(a.dh, g[h + "mlp.down_proj.weight"].T, None, a.dres, a.h[l],
+            # MLP: res3 = res2 + drop(down(swiglu(gate|up(rmsnorm(res2))))); dres holds d res3
+            dproj = self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT)
+            ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dproj, a.h[l],
                                 p[h + "mlp.down_proj.weight"].T, acc)
+            self.lora_linear_grad(a.dh, dproj, a.h[l], a, l, "down")
             ops.swiglu_backward(a.dgu, a.dh, a.gu[l])
-            ops.rmsnorm_linear_backward(a.dres, g[h + "post_attention_layernorm.weight"], fg.gu[l].T, None, a.dgu,
-                                        a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[l],
-                                        fp.gu[l].T, acc)
-            # attention: res2 = x + o(attn(rope(qkv(rmsnorm(x))))); dres now holds d res2
-            ops.linear_backward(a.datty, g[h + "self_attn.o_proj.weight"].T, None, a.dres, a.atty[l],
+            ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), _t(fg.gu[l]), None,
+                                        a.dgu, a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[l],
+                                        fp.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
+            # attention: res2 = x + drop(o(attn(rope(qkv(rmsnorm(x)))))); dres now holds d res2
+            dproj = self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT)
+            ops.linear_backward(a.datty, self.grad_t(h + "self_attn.o_proj.weight"), None, dproj, a.atty[l],
                                 p[h + "self_attn.o_proj.weight"].T, acc)
-            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, NKV, out=a.atty[l])
+            self.lora_linear_grad(a.datty, dproj, a.atty[l], a, l, "o")
+            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, NKV, out=a.atty[l],
+                                       **self.attention_dropout(l))
             dqk = a.dqkv[:, :, :rot]
             ops.rope_backward(dqk, dqk, self.cos, self.sin, NH + NKV)  # back to the pre-rotation q and k
-            ops.rmsnorm_linear_backward(a.dres, g[h + "input_layernorm.weight"], fg.qkv[l].T,
+            ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), _t(fg.qkv[l]),
                                         fg.qkv_bias[l] if c.qkv_bias else None, a.dqkv, x,
-                                        p[h + "input_layernorm.weight"], a.rstd1[l], fp.qkv[l].T, acc)
+                                        p[h + "input_layernorm.weight"], a.rstd1[l], fp.qkv[l].T, acc,
+                                        adapters=self.lora_adapters(a, l, "qkv"))
             ready(*next(buckets))
-        ops.encoder_backward(g["model.embed_tokens.weight"], None, a.dres, a.idx)
+        if "model.embed_tokens.weight" in g:
+            ops.encoder_backward(g["model.embed_tokens.weight"], None,
+                                 self.drop_grad(a, a.dres, -1, self.SITE_EMBED), a.idx)
         ready(*next(buckets))
+
+
+def _t(x):
+    """x.T, or None for a frozen tensor's absent gradient."""
+    return None if x is None else x.T
 
 
 class LlamaKVCache(KVCache):

@@ -1,6 +1,9 @@
 """Checkpoints: RUN_DIR/ckpt/step_{N:08d}/ holding
 
-    model.safetensors   the weights, under model.state_dict()'s Hugging Face GPT-2 names
+    model.safetensors   the weights, under model.state_dict()'s Hugging Face names; a LoRA run's
+                        only what trains (model.layout: its adapters, and norms or embeddings where
+                        trained), its frozen base named in state.json's "base" by where it came from
+                        and the SHA-256 of its weights (models/lora.py's base_digest)
     optim.safetensors   AdamW's moments: exp_avg.{name} and exp_avg_sq.{name}
     state.json          step, config, optimizer scalars, every RNG state, the data position,
                         the SHA-256 of both tensor files (checked on load) and a CRC-32 of every
@@ -21,6 +24,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
+from ..config import LoRAConfig
 from ..files import save_safetensors
 from ..models import family_of, get_family
 
@@ -109,7 +113,7 @@ def save_checkpoint(run_dir, step, model, optimizer, state):
     `state` is a JSON-able dict (config, RNG states, data position); step and the optimizer's
     scalars are added here. Returns the checkpoint's directory.
     """
-    weights = {n: model.ops.to_numpy(v) for n, v in model.p.items()}  # views on the cpu: no copy of the weights
+    weights = {n: model.ops.to_numpy(model.p[n]) for n in model.layout}  # views on the cpu: no copy of the weights
     moments = {f"exp_avg.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.m), model).items()}
     moments.update({f"exp_avg_sq.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.v), model).items()})
     final = _write_checkpoint(checkpoint_dir(run_dir, step),
@@ -189,18 +193,24 @@ def resolve(path):
     return ckpts[-1][1]
 
 
-def load_model(path, backend="cpu"):
+def load_model(path, backend="cpu", base=None):
     """The model (of the family state.json names) with the weights of a checkpoint, or of a run
-    directory's newest checkpoint."""
+    directory's newest checkpoint. A LoRA run's comes back as a LoRA model: base(model, ref) loads
+    its frozen base weights first (interop.convert.load_base)."""
     ckpt = resolve(path)
     state = read_state(ckpt)
     try:
         family = get_family(state.get("arch", "gpt2"))  # checkpoints before model.arch are GPT-2's
         config = family.config(**state["model_config"])
+        lora = LoRAConfig(**dict(state["lora"], targets=tuple(state["lora"]["targets"]))) if state.get("lora") else None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{ckpt / 'state.json'}: not a model this handgrad can build ({e}); "
                               f"use a checkpoint written by handgrad train") from None
-    model = family.model(config, backend=backend)
+    model = family.model(config, backend=backend, lora=lora)
+    if lora is not None:
+        if base is None:
+            raise CheckpointError(f"{ckpt}: a LoRA checkpoint; its base model must be loaded with it")
+        base(model, state["base"])
     _load_weights(ckpt, model)
     return model
 
@@ -213,7 +223,7 @@ def load_weights(ckpt_dir):
 def _load_weights(ckpt_dir, model):
     path = Path(ckpt_dir) / "model.safetensors"
     try:
-        model.load_state_dict(load_weights(ckpt_dir))
+        model.load_state_dict(load_weights(ckpt_dir), names=model.layout)  # a LoRA model's: what trains
     except CheckpointError:
         raise
     except ValueError as e:  # missing, extra or mis-shaped tensors
@@ -221,13 +231,18 @@ def _load_weights(ckpt_dir, model):
                               f"up or edited); use an intact checkpoint") from None
 
 
-def restore(ckpt_dir, model, optimizer):
-    """Load a checkpoint's weights and AdamW state into `model` and `optimizer`; return state.json."""
+def restore(ckpt_dir, model, optimizer, base=None):
+    """Load a checkpoint's weights and AdamW state into `model` and `optimizer`; return state.json.
+    A LoRA checkpoint's base weights first, by base(model, state["base"])."""
     ckpt_dir = Path(ckpt_dir)
     state = read_state(ckpt_dir)
     if state.get("weights_only"):
         raise CheckpointError(f"{ckpt_dir}: a weights-only checkpoint (made by handgrad convert) has no optimizer "
                               f"state to resume; start a new run with --init-from {ckpt_dir.parent.parent}")
+    if model.lora is not None:
+        if not state.get("base"):
+            raise CheckpointError(f"{ckpt_dir / 'state.json'}: no base model recorded for this LoRA run's adapters")
+        base(model, state["base"])
     _load_weights(ckpt_dir, model)
     moments = _load_tensors(ckpt_dir / "optim.safetensors")
     for key, flat in (("exp_avg", optimizer.m), ("exp_avg_sq", optimizer.v)):

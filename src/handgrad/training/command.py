@@ -45,12 +45,13 @@ DEFAULT_FINETUNE_BLOCK = 1024  # transformers' run_clm.py: min(the model's lengt
 
 
 def pretrained_config(path, config, overrides, data_dir=None):
-    """The run config with the pretrained model's architecture; its weights. model.arch and the
+    """The run config with the pretrained model's architecture; its weights (an adapter's base's) and
+    load_pretrained's info (an adapter's tensors). model.arch and the
     architecture keys come from the model (an override that disagrees is an error); model.block_size
     may be smaller than the model's, never larger. Unless a preset, file or flag sets it, it is the
     block size chat data was prepared for, else min(the model's, 1024), as transformers' run_clm.py
     chooses (a published model's 32,768 positions would not fit a CPU's batch)."""
-    pre, weights, _ = load_pretrained(path)
+    pre, weights, info = load_pretrained(path, merge=False)  # an adapter's base; info["adapter"] the adapter
     if "block_size" not in config.given:
         meta = Path(data_dir or "") / "meta.json"
         meta = read_json(meta) if data_dir is not None and meta.is_file() else None  # (a bad one: Trainer says so)
@@ -71,7 +72,7 @@ def pretrained_config(path, config, overrides, data_dir=None):
             raise ConfigError(f"model.block_size: {config.model.block_size} is above the --init-from model's "
                               f"{pre.block_size}; use at most {pre.block_size}")
         config.model.block_size = pre.block_size
-    return config, weights
+    return config, weights, info
 
 
 def _same_number(a, b):
@@ -91,8 +92,8 @@ def main(args):
     config = resolve_config(run_dir, args.preset, args.config, overrides, args.resume)
     init_from = None
     if args.init_from is not None:
-        config, weights = pretrained_config(args.init_from, config, overrides, args.data)
-        init_from = (args.init_from, weights)
+        config, weights, info = pretrained_config(args.init_from, config, overrides, args.data)
+        init_from = (args.init_from, weights, info)
     dp = DataParallel(args.device, config.train.dist_timeout)
     threads = config.train.threads or (max(1, cores_available() // dp.local_world_size) if dp.world_size > 1 else 0)
     if threads and args.device == "cpu":

@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from ..backends import get_backend
+from ..models.lora import split_spec
 from .rundir import TrainError
 
 RUNTIME_BYTES = 270 * 2**20  # the process with nothing of the model in it (measured; see above)
@@ -39,9 +40,17 @@ class _CountingOps:
         return None
 
 
-def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float32", world_size=1, zero_stage=0):
-    """{part: bytes} of one process of a run; config is the family's architecture config."""
-    n = family.num_params(config)
+def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float32", world_size=1, zero_stage=0,
+             lora=None):
+    """{part: bytes} of one process of a run; config is the family's architecture config. lora (a
+    LoRAConfig): gradients and moments of what trains only, the frozen base beside the parameters,
+    and each adapter's s x A per block in the activations."""
+    n, frozen, xs = family.num_params(config), 0, 0
+    if lora is not None:
+        trained, frozen_spec, blocks = split_spec(family.model, config, lora)
+        n = sum(math.prod(s) for _, s in trained)
+        frozen = sum(math.prod(s) for _, s in frozen_spec)
+        xs = config.n_layer * max(map(len, blocks)) * batch_size * block_size * lora.rank * 4
     padded = -(-n // world_size) * world_size
     ops = get_backend(backend)
     act_dtype = np.float32
@@ -52,9 +61,9 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     acts = family.activations(counter, config, batch_size, block_size, act_dtype)
     acts.alloc_grads(counter, config, act_dtype)
     scratch = family.activations.scratch_bytes(ops, config, batch_size, block_size)  # the ops' workspaces
-    parts = {"parameters": 4 * padded, "gradients": 4 * padded,
+    parts = {"parameters": 4 * (padded + frozen), "gradients": 4 * padded,
              "AdamW moments": 8 * (padded // world_size if zero_stage == 1 else padded),
-             "activations": counter.bytes + scratch}
+             "activations": counter.bytes + scratch + xs}
     if backend == "cpu":
         parts["runtime"] = RUNTIME_BYTES
     return parts

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ..interop.convert import load_base
 from .checkpoint import CheckpointError, list_checkpoints, prune_checkpoints, restore, save_checkpoint
 from .rundir import TrainError
 
@@ -37,6 +38,8 @@ class Checkpointing:
                  "data": {"data_dir": str(self.data_dir.resolve()), "identity": self.identity,
                           "batches_drawn": self.step * t.grad_accum_steps},
                  "world_size": self.dp.world_size}
+        if self.model.lora is not None:  # what the adapters sit on: model.safetensors holds only what trains
+            state.update(lora=self.model.lora.to_dict(), base=self.base_ref)
         path = save_checkpoint(self.run_dir, self.step, self.model, opt, state)
         for old in prune_checkpoints(self.run_dir, t.keep_checkpoints):
             self.log(f"removed checkpoint {old} (train.keep_checkpoints {t.keep_checkpoints})")
@@ -54,6 +57,11 @@ class Checkpointing:
         self.dp.agree(step, "the checkpoint step resumed from")
         self.log(f"resumed from {path} at step {step}")
 
+
+    def _load_base(self, model, ref):
+        """A LoRA checkpoint's base weights into the model (interop's load_base checks their digest)."""
+        load_base(model, ref)
+        self.base_ref = ref
 
     def _full_optimizer(self):
         """What a checkpoint holds of AdamW: the optimizer itself, or under ZeRO-1 a stand-in with
@@ -73,7 +81,7 @@ class Checkpointing:
         for step, path in reversed(ckpts):
             try:
                 full = self._full_optimizer()
-                state = restore(path, self.model, full)
+                state = restore(path, self.model, full, base=self._load_base)
                 if full is not self.opt:
                     self.opt.m[:], self.opt.v[:] = full.m[self.opt.lo:self.opt.hi], full.v[self.opt.lo:self.opt.hi]
                 return step, path, state

@@ -11,8 +11,10 @@ from ..config import ConfigError
 from ..data.chat import CHAT_FILE, open_dataset
 from ..data.tokenizer import load_tokenizer
 from ..files import write_atomic
+from ..interop.convert import fit_weights, load_base
 from ..models import family_of, get_family
 from ..models.decode import generate
+from ..models.lora import base_digest
 from .device_loop import DeviceLoop, check_cuda_graph
 from .distributed import DataParallel
 from .loop import RunLoop
@@ -52,7 +54,7 @@ class Trainer(Checkpointing, RunLoop):
                               f"--device cpu")
         # count what the run will hold before allocating any of it; refuse what cannot fit
         memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
-                          self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0)
+                          self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, config.lora_config())
         need = check_memory(memory, config, backend, processes=self.dp.local_world_size)
         self.log(f"memory: {describe(memory)} per process" + (f", {need / 2**30:.2f} GiB on this machine"
                                                              if self.dp.local_world_size > 1 else ""))
@@ -61,10 +63,23 @@ class Trainer(Checkpointing, RunLoop):
                               "use --train.dtype float32 on the cpu")
         if t.cuda_graph:
             check_cuda_graph(backend, self.dp.world_size)
+        lora = config.lora_config()
+        if init_from is not None and "adapter" in (init_from[2:] or [{}])[0]:  # continue training a LoRA adapter
+            lora = self._adapter_config(init_from[0], lora, init_from[2]["adapter"]["lora"])
+        if (lora is not None or config.model.dropout) and backend != "cpu":
+            raise ConfigError("train.lora_rank and model.dropout run on --device cpu so far (the gpu backend's "
+                              "models have neither yet); train with --device cpu, or without them")
         self.model = self.family.model(self.gpt_config, backend=backend, seed=t.seed,
-                                       buffer_multiple=self.dp.world_size, dtype=t.dtype)
+                                       buffer_multiple=self.dp.world_size, dtype=t.dtype, lora=lora,
+                                       dropout=config.model.dropout)
+        self.base_ref = None  # a LoRA run's base model: where it came from and its weights' SHA-256
         if init_from is not None:
             self._load_pretrained(*init_from)
+        if lora is not None:
+            self.base_ref = self.base_ref or {"init": "random", "seed": t.seed, "sha256": base_digest(self.model)}
+            self.log(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, on {','.join(lora.targets)}"
+                     + (f", dropout {lora.dropout:g}" if lora.dropout else "") + f"; {self.model.num_params:,} "
+                     f"parameters train, {len(self.model.frozen_params):,} frozen")
         # ZeRO stage 1: this rank keeps AdamW moments for its slice of the flat buffer only
         self.sharded = t.zero_stage == 1 and self.dp.world_size > 1
         shard = self.dp.shard(len(self.model.flat_params)) if self.sharded else None
@@ -91,12 +106,32 @@ class Trainer(Checkpointing, RunLoop):
                      f"per rank instead of {full / 2**20:,.1f} MiB (saves {(full - ours) / 2**20:,.1f} MiB per rank)")
 
 
-    def _load_pretrained(self, path, weights):
-        """Pretrained weights (from pretrained_config) into the fresh model; GPT-2's wpe keeps its
-        first block_size rows (nanoGPT's crop_block_size)."""
-        if "wpe.weight" in weights:
-            weights = dict(weights, **{"wpe.weight": weights["wpe.weight"][:self.gpt_config.block_size]})
-        self.model.load_state_dict(weights)
+    def _adapter_config(self, path, asked, found):
+        """--init-from an adapter: train it on with its own rank, alpha, targets and trained norms or
+        embeddings (a train.lora_* that disagrees is an error), recorded in the run's config; its
+        dropout may be the run's."""
+        if asked is not None and (asked.rank, asked.alpha, asked.targets) != (found.rank, found.alpha, found.targets):
+            raise ConfigError(f"--init-from {path}: a LoRA adapter of rank {found.rank}, alpha {found.alpha:g} on "
+                              f"{','.join(found.targets)}; train.lora_* asks for rank {asked.rank}, alpha "
+                              f"{asked.alpha:g} on {','.join(asked.targets)}: drop those keys to train the adapter on")
+        t = self.config.train
+        t.lora_rank, t.lora_alpha, t.lora_targets = found.rank, found.alpha, ",".join(found.targets)
+        t.lora_train_norms, t.lora_train_embeddings = found.train_norms, found.train_embeddings
+        return self.config.lora_config()
+
+    def _load_pretrained(self, path, weights, info=None):
+        """Pretrained weights (from pretrained_config) into the fresh model, cut to its block_size
+        (fit_weights). A LoRA run records its base (path and digest), then takes an adapter's tensors."""
+        weights = fit_weights(weights, self.gpt_config)
+        if self.model.lora is None:
+            self.model.load_state_dict(weights)
+        else:
+            self.model.load_state_dict(weights, names=[n for n, _ in self.model.param_spec(self.gpt_config)])
+            adapter = (info or {}).get("adapter")
+            self.base_ref = {"path": adapter["base"]["path"] if adapter and "path" in adapter["base"]
+                             else str(Path(path).resolve()), "sha256": base_digest(self.model)}
+            if adapter:
+                self.model.load_state_dict(adapter["tensors"], names=list(adapter["tensors"]))
         c = self.gpt_config
         self.log(f"initialised from {path}: {family_of(c).arch}, n_layer {c.n_layer}, n_head {c.n_head}, "
                  f"n_embd {c.n_embd}, block_size {c.block_size}, vocab_size {c.vocab_size}"
@@ -119,7 +154,8 @@ class Trainer(Checkpointing, RunLoop):
             loop.step(batches)
             self.step += 1
             return None, None, lr
-        loss, norm, grad_scale = accumulate_gradients(self.model, self.opt, batches, t.grad_clip, dp, t.zero_stage)
+        loss, norm, grad_scale = accumulate_gradients(self.model, self.opt, batches, t.grad_clip, dp, t.zero_stage,
+                                                      dropout_key=(t.seed, self.step))
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self._numerical_fault(self.step + 1, loss)  # raises on "stop"; on "skip" the weights stay untouched
         else:

@@ -10,6 +10,12 @@ rows: a block of query rows is multiplied only with the keys up to its last row,
 upper triangle is mostly never computed (T = 256: 10/16 of the full products). On numpy's
 OpenBLAS the products go through blas.gemm over (B, NH) on strided views, the softmax after.
 Both read the operands where they lie, without copies.
+
+Dropout on the probabilities (dropout_p > 0, training): y = (P * M / (1 - p)) v, M the keep mask of
+the whole (B, NH, T, T) tensor P from dropout.py's Philox (element ((b*NH + h)*T + t)*T + s, so
+`keep_mask((B, NH, T, T), p, seed)` in NumPy and the gpu backend draw the same one). A row's mask
+is drawn by keep_row into a short row of multipliers (0 or 1/(1-p)) right after its softmax, and
+regenerated in the backward, never stored. att keeps P undropped (the softmax backward needs it).
 """
 import math
 
@@ -18,8 +24,9 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from . import blas
-from .blas import NO_TRANS, TRANS, gemm_at, restore_threads, single_threaded
+from .blas import NO_TRANS, TRANS, _cblas_gemm, gemm_at, restore_threads, single_threaded
 from .common import HEAVY, kernel, serial_kernel, workspace
+from .dropout import MASK32, _SHIFT32, _split, philox4x32, threshold
 from .mathfn import dot64, exp32, max32, sum64
 
 # Query rows per block of the causal products. Measured on `mid`'s attention (B 8, NH 8, T 256,
@@ -98,6 +105,59 @@ def _scale(dtype, hs):
     return dtype.type(1.0 / math.sqrt(hs))
 
 
+# ---------------------------------------------------------------- dropout on rows of P
+@serial_kernel
+def keep_row(m, first, n, seed_lo, seed_hi, bound, scale):
+    """The dropout multipliers of mask elements [first, first + n): m[o + s] = scale (= 1/(1-p)) if
+    element first + s is kept, else 0, for o the returned offset (first % 4); m needs n + 6 slots.
+    Element i is kept when word i % 4 of philox(seed, i // 4) >= bound (dropout.py); whole Philox
+    calls are written branch-free, so LLVM vectorises the loop (measured 0.7 ns per element on
+    AVX-512 against 2.7 for one call per element with a bounds test)."""
+    j0 = first // 4
+    for jj in range((first + n + 3) // 4 - j0):
+        j = np.uint64(j0 + jj)
+        c0, c1, c2, c3 = philox4x32(seed_lo, seed_hi, j & MASK32, j >> _SHIFT32)
+        m[4 * jj] = scale if c0 >= bound else 0
+        m[4 * jj + 1] = scale if c1 >= bound else 0
+        m[4 * jj + 2] = scale if c2 >= bound else 0
+        m[4 * jj + 3] = scale if c3 >= bound else 0
+    return first - 4 * j0
+
+
+@serial_kernel
+def apply_keep(a, m, o, n):
+    """a[:n] *= m[o:o + n] in place (keep_row's multipliers)."""
+    for s in range(n):
+        a[s] *= m[o + s]
+
+
+def dropout_args(p, seed, dtype):
+    """The kernels' dropout arguments (seed_lo, seed_hi, bound, 1/(1-p) in dtype); bound 0 is off."""
+    return (*_split(seed), threshold(p), np.dtype(dtype).type(1.0 / (1.0 - p)))
+
+
+def keep_scratch(n, T, dtype):
+    """Rows of dropout multipliers: one of T + 8 per parallel work item (keep_row writes T + 6)."""
+    return workspace("attention_keep", (n, T + 8), dtype)
+
+
+@kernel(min_parallel=HEAVY)
+def dropout_heads_kernel(dst, src, keep, NH, G, j, seed_lo, seed_hi, bound, scale):
+    """dst = src * M / (1 - p) on causal rows (zero above the diagonal), src and dst (B, X, T, T)
+    (dst may be src), where [b, x] is head h = x*G + j of NH: M's element ((b*NH + h)*T + t)*T + s.
+    keep (B*X, T + 8) scratch. For the blas.gemm paths."""
+    B, X, T, _ = src.shape
+    for bx in prange(B * X):
+        b = bx // X
+        x = bx - b * X
+        for t in range(T):
+            o = keep_row(keep[bx], ((b * NH + x * G + j) * T + t) * T, t + 1, seed_lo, seed_hi, bound, scale)
+            d, r = dst[b, x, t], src[b, x, t]
+            for s in range(t + 1):
+                d[s] = r[s] * keep[bx, o + s]
+            d[t + 1:] = 0
+
+
 # ---------------------------------------------------------------- per head, on MKL
 @njit(inline="always")
 def _dims(qkv, NH):
@@ -123,10 +183,23 @@ def _head_qkv(x, NH, bh):
     return b, h, p, p + C * isz, p + 2 * C * isz
 
 
+@njit(inline="always")
+def _gemm_add_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one):
+    """c += op(a) @ op(b): blas.gemm_at with beta = 1."""
+    _cblas_gemm(mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, one, pc, ldc)
+
+
 @kernel(min_parallel=HEAVY)
-def _forward_heads(mkl, out, att, qkv, NH, scale, block, softmax):
+def _forward_heads(mkl, out, att, qkv, dropped, keep, NH, scale, seed_lo, seed_hi, bound, keep_scale, block,
+                   softmax):
     """attention_forward with every array C-contiguous; softmax=False leaves the scores
-    unnormalised (bench train's matmul floor times the products alone that way)."""
+    unnormalised (bench train's matmul floor times the products alone that way).
+    Dropout (bound > 0): each row block of P is copied with its mask applied into dropped
+    (B*NH, rows, T) and y's product reads the copy, since att must keep P undropped for the
+    backward. A block copy, not a whole (T, T) one: B*NH*64*T*4 bytes (1.5 MiB at B 4, NH 6, T 256,
+    float32; att is 4x that) and still in cache when the product reads it; in place on att would
+    need P back in the backward, which the dropped zeros have lost. keep (B*NH, T + 8) holds one
+    row's multipliers. With bound = 0 both are unused stand-ins."""
     B, T, C3, C, hs, isz, one = _dims(qkv, NH)
     for bh in prange(B * NH):
         previous = single_threaded(mkl)
@@ -142,9 +215,29 @@ def _forward_heads(mkl, out, att, qkv, NH, scale, block, softmax):
                 softmax_row(att[b, h, t], t + 1, scale)
         for r0 in range(0, T, block):  # y[r0:r1] = P[r0:r1, :r1] v[:r1]
             r1 = min(T, r0 + block)
-            gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, pa + r0 * T * isz, T, pv, C3,
-                    po + r0 * C * isz, C, one)
+            pp = pa + r0 * T * isz
+            if softmax and bound > 0:  # P[r0:r1] * M / (1 - p) -> dropped[bh]; y reads it
+                for t in range(r0, r1):
+                    o = keep_row(keep[bh], (bh * T + t) * T, t + 1, seed_lo, seed_hi, bound, keep_scale)
+                    d, p = dropped[bh, t - r0], att[b, h, t]
+                    for s in range(t + 1):
+                        d[s] = p[s] * keep[bh, o + s]
+                    d[t + 1:r1] = 0
+                pp = dropped.ctypes.data + bh * dropped.shape[1] * T * isz
+            gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, pp, T, pv, C3, po + r0 * C * isz, C, one)
         restore_threads(mkl, previous)
+
+
+@njit(inline="always")
+def _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, T, C3, hs, isz, one, block):
+    """dq = dS k and dk = dS^T q for one head in causal blocks (dS at pd, leading dimension T)."""
+    for r0 in range(0, T, block):
+        r1 = min(T, r0 + block)
+        # dq[r0:r1] = dS[r0:r1, :r1] k[:r1];  dk[r0:r1] = dS[r0:, r0:r1]^T q[r0:]
+        gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, pd + r0 * T * isz, T, pk, C3,
+                pdq + r0 * C3 * isz, C3, one)
+        gemm_at(mkl, TRANS, NO_TRANS, r1 - r0, hs, T - r0, pd + (r0 * T + r0) * isz, T,
+                pq + r0 * C3 * isz, C3, pdk + r0 * C3 * isz, C3, one)
 
 
 @kernel(min_parallel=HEAVY)
@@ -171,13 +264,44 @@ def _backward_heads(mkl, dqkv, dout, qkv, att, datt, NH, scale, block, softmax):
             for t in range(T):
                 softmax_backward_row(datt[b, h, t], att[b, h, t], t + 1, min(T, (t // block + 1) * block),
                                      scale)
+        _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, T, C3, hs, isz, one, block)
+        restore_threads(mkl, previous)
+
+
+@kernel(min_parallel=HEAVY)
+def _backward_heads_dropout(mkl, dqkv, dout, qkv, att, datt, dropped, keep, NH, scale, seed_lo, seed_hi,
+                            bound, keep_scale, block, softmax):
+    """attention_backward with dropout (bound > 0), every array C-contiguous. Per row block
+    [r0, r1): dP = dy v^T into datt, then per row one mask draw (keep) serves both
+    Pd = P * M/(1-p) (into dropped (B*NH, rows, T), as in the forward) and dP *= M/(1-p), then the
+    softmax backward; dv[:r1] += Pd[r0:r1, :r1]^T dy[r0:r1] sums over the row blocks (dv's columns
+    of this head have this one writer). softmax=False: the products alone (bench train)."""
+    B, T, C3, C, hs, isz, one = _dims(qkv, NH)
+    for bh in prange(B * NH):
+        previous = single_threaded(mkl)
+        b, h, pq, pk, pv = _head_qkv(qkv, NH, bh)
+        _, _, pdq, pdk, pdv = _head_qkv(dqkv, NH, bh)
+        pd = datt.ctypes.data + bh * T * T * isz
+        pr = dropped.ctypes.data + bh * dropped.shape[1] * T * isz
+        pdy = _head_at(dout, b, h, hs)
+        dqkv[b, :, 2 * C + h * hs:2 * C + (h + 1) * hs] = 0  # dv sums over the row blocks
         for r0 in range(0, T, block):
             r1 = min(T, r0 + block)
-            # dq[r0:r1] = dS[r0:r1, :r1] k[:r1];  dk[r0:r1] = dS[r0:, r0:r1]^T q[r0:]
-            gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, pd + r0 * T * isz, T, pk, C3,
-                    pdq + r0 * C3 * isz, C3, one)
-            gemm_at(mkl, TRANS, NO_TRANS, r1 - r0, hs, T - r0, pd + (r0 * T + r0) * isz, T,
-                    pq + r0 * C3 * isz, C3, pdk + r0 * C3 * isz, C3, one)
+            # dP[r0:r1, :r1] = dy[r0:r1] v[:r1]^T (before the mask)
+            gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1, hs, pdy + r0 * C * isz, C, pv, C3,
+                    pd + r0 * T * isz, T, one)
+            if softmax:
+                for t in range(r0, r1):
+                    o = keep_row(keep[bh], (bh * T + t) * T, t + 1, seed_lo, seed_hi, bound, keep_scale)
+                    pdrop, p, d = dropped[bh, t - r0], att[b, h, t], datt[b, h, t]
+                    for s in range(t + 1):
+                        pdrop[s] = p[s] * keep[bh, o + s]
+                    pdrop[t + 1:r1] = 0
+                    apply_keep(d, keep[bh], o, t + 1)
+                    softmax_backward_row(d, p, t + 1, r1, scale)
+            # dv[:r1] += Pd[r0:r1, :r1]^T dy[r0:r1]
+            _gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, r1 - r0, pr, T, pdy + r0 * C * isz, C, pdv, C3, one)
+        _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, T, C3, hs, isz, one, block)
         restore_threads(mkl, previous)
 
 
@@ -227,31 +351,46 @@ def attention_state_shape(B, n_head, T):
     return (B, n_head, T, T)
 
 
-def attention_forward(out, att, qkv, n_head):
+def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0):
     """out (B, T, C) = causal attention of qkv (B, T, 3C) with n_head heads.
 
     Overwrites out and att (B, NH, T, T), the softmax probabilities kept for the backward (zero
-    above the diagonal).
+    above the diagonal). dropout_p > 0 (training): out = (P * M / (1 - p)) v with M the keep mask
+    `dropout.keep_mask((B, NH, T, T), dropout_p, seed)`; att still holds P undropped.
     """
     B, T, C3 = qkv.shape
     C = C3 // 3
     hs = C // n_head
     scale = _scale(att.dtype, hs)
+    drop = dropout_args(dropout_p, seed, qkv.dtype)  # checks p
     mkl = _per_head_mkl(qkv, n_head, ((out, (B, T, C)), (att, (B, n_head, T, T))))
     if mkl is not None:
-        run_heads(_forward_heads, mkl, out, att, qkv, n_head, scale, CAUSAL_BLOCK, True)
+        rows = (B * n_head, min(T, CAUSAL_BLOCK), T) if dropout_p != 0.0 else (1, 1, 1)  # (1, 1, 1): unused
+        dropped = workspace("attention_dropped", rows, qkv.dtype)
+        run_heads(_forward_heads, mkl, out, att, qkv, dropped, keep_scratch(B * n_head, T, qkv.dtype), n_head,
+                  scale, *drop, CAUSAL_BLOCK, True)
         return
     q, k, v = _split_qkv(qkv, n_head)
     blas.gemm(q, k.transpose(0, 1, 3, 2), att)
     _softmax_causal_kernel(att, scale)
-    blas.gemm(att, v, _heads(out, B, T, n_head, hs))
+    if dropout_p == 0.0:
+        blas.gemm(att, v, _heads(out, B, T, n_head, hs))
+        return
+    # the dropped copy goes to the backward's dP scratch (allocated for training anyway)
+    dropped = workspace("attention_datt", att.shape, att.dtype)
+    dropout_heads_kernel(dropped, att, keep_scratch(B * n_head, T, att.dtype), n_head, 1, 0, *drop)
+    blas.gemm(dropped, v, _heads(out, B, T, n_head, hs))
 
 
-def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
-    """With y = P v, P = softmax(S), S = q k^T * scale (scale = 1/sqrt(hs)), per head:
-        dP = dy v^T,   dv = P^T dy,
+def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, seed=0):
+    """With y = Pd v, Pd = P * M / (1 - p) (Pd = P without dropout), P = softmax(S),
+    S = q k^T * scale (scale = 1/sqrt(hs)), per head:
+        dPd = dy v^T,   dv = Pd^T dy,   dP = dPd * M / (1 - p),
         dS = P * (dP - rowsum(P * dP)) * scale   (softmax backward; masked entries have P = 0),
         dq = dS k,     dk = dS^T q.
+    The mask M is regenerated from (dropout_p, seed), which must be the forward's. The row sums
+    are taken from the rows themselves; with dropout they still equal rowsum(dy * y) for the
+    dropped output y, since sum_s P_s dP_s = sum_s Pd_s (dy . v_s) = dy . (Pd v) = dy . y.
     Overwrites dqkv (B, T, 3C). dout is (B, T, C); att the probabilities saved by the forward.
     out (the forward's output) is not needed here; the gpu backend's flash backward needs it.
     """
@@ -259,16 +398,29 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
     C = C3 // 3
     hs = C // n_head
     scale = _scale(att.dtype, hs)
+    drop = dropout_args(dropout_p, seed, qkv.dtype)
     datt = workspace("attention_datt", att.shape, att.dtype)
     mkl = _per_head_mkl(qkv, n_head, ((dqkv, qkv.shape), (dout, (B, T, C)), (att, (B, n_head, T, T))))
     if mkl is not None:
-        run_heads(_backward_heads, mkl, dqkv, dout, qkv, att, datt, n_head, scale, CAUSAL_BLOCK, True)
+        if dropout_p == 0.0:
+            run_heads(_backward_heads, mkl, dqkv, dout, qkv, att, datt, n_head, scale, CAUSAL_BLOCK, True)
+        else:
+            dropped = workspace("attention_dropped", (B * n_head, min(T, CAUSAL_BLOCK), T), qkv.dtype)
+            run_heads(_backward_heads_dropout, mkl, dqkv, dout, qkv, att, datt, dropped,
+                      keep_scratch(B * n_head, T, qkv.dtype), n_head, scale, *drop, CAUSAL_BLOCK, True)
         return
     q, k, v = _split_qkv(qkv, n_head)
     dq, dk, dv = _split_qkv(dqkv, n_head)
     dy = _heads(dout, B, T, n_head, hs)
-    blas.gemm(dy, v.transpose(0, 1, 3, 2), datt)
-    blas.gemm(att.transpose(0, 1, 3, 2), dy, dv)
+    if dropout_p == 0.0:
+        blas.gemm(dy, v.transpose(0, 1, 3, 2), datt)
+        blas.gemm(att.transpose(0, 1, 3, 2), dy, dv)
+    else:  # Pd into datt for dv, then dP over it: this path draws the mask twice
+        keep = keep_scratch(B * n_head, T, att.dtype)
+        dropout_heads_kernel(datt, att, keep, n_head, 1, 0, *drop)
+        blas.gemm(datt.transpose(0, 1, 3, 2), dy, dv)
+        blas.gemm(dy, v.transpose(0, 1, 3, 2), datt)
+        dropout_heads_kernel(datt, datt, keep, n_head, 1, 0, *drop)
     _softmax_causal_backward_kernel(datt, att, scale)
     blas.gemm(datt, k, dq)
     blas.gemm(datt.transpose(0, 1, 3, 2), q, dk)

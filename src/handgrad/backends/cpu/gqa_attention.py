@@ -22,6 +22,12 @@ whole group's share in one product each. Scratch: (B*NH, CAUSAL_BLOCK, T) for th
 by both directions) and as much for dP in the backward, reused by every layer. On numpy's
 OpenBLAS the products go through blas.gemm over (B, NKV) on strided views, one query head of each
 group at a time, with (B, NKV, T, T) scratch.
+
+Dropout on the probabilities (dropout_p > 0, training), as in attention.py: y_h = (P * M / (1 - p)) v_g,
+M the keep mask of the whole (B, NH, T, T) probabilities (`dropout.keep_mask((B, NH, T, T), p,
+seed)`, element ((b*NH + h)*T + t)*T + s). The forward applies a row's mask in place on the
+scores scratch right after its softmax (the logsumexp is taken before, from P undropped), the
+backward draws it again per recomputed row. The mask is never stored.
 """
 import math
 
@@ -29,8 +35,9 @@ import numpy as np
 from numba import njit, prange
 
 from . import blas
-from .attention import CAUSAL_BLOCK, _exp, _row_max, softmax_backward_row
-from .blas import NO_TRANS, TRANS, _cblas_gemm, gemm_at, restore_threads, single_threaded
+from .attention import (CAUSAL_BLOCK, _exp, _gemm_add_at, _row_max, apply_keep, dropout_args, dropout_heads_kernel,
+                        keep_row, keep_scratch, softmax_backward_row)
+from .blas import NO_TRANS, TRANS, gemm_at, restore_threads, single_threaded
 from .common import HEAVY, kernel, serial_kernel, workspace
 from .mathfn import sum64
 
@@ -62,12 +69,6 @@ def _probabilities_row(a, n, end, scale, lse):
 
 
 @njit(inline="always")
-def _gemm_add_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one):
-    """c += op(a) @ op(b): blas.gemm_at with beta = 1."""
-    _cblas_gemm(mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, one, pc, ldc)
-
-
-@njit(inline="always")
 def _at(x, b, col):
     """Address of x[b, 0, col] in a C-contiguous (B, T, W) array."""
     return x.ctypes.data + (b * x.shape[1] * x.shape[2] + col) * x.itemsize
@@ -75,9 +76,10 @@ def _at(x, b, col):
 
 # ---------------------------------------------------------------- per head, on MKL
 @kernel(min_parallel=HEAVY)
-def _forward_heads(mkl, out, lse, qkv, scores, NH, NKV, scale, block):
+def _forward_heads(mkl, out, lse, qkv, scores, keep, NH, NKV, scale, seed_lo, seed_hi, bound, keep_scale, block):
     """gqa_attention_forward with every array C-contiguous; scores is (B*NH, rows, T) scratch,
-    one block of score rows per query head."""
+    one block of score rows per query head. Dropout (bound > 0): each row of P is masked in
+    place after its logsumexp is taken, keep (B*NH, T + 8) holding its multipliers."""
     B, T, W = qkv.shape
     hs = W // (NH + 2 * NKV)
     C, G, isz, one = NH * hs, NH // NKV, qkv.itemsize, qkv.dtype.type(1.0)
@@ -94,17 +96,23 @@ def _forward_heads(mkl, out, lse, qkv, scores, NH, NKV, scale, block):
             gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1, hs, pq + r0 * W * isz, W, pk, W, ps, T, one)
             for t in range(r0, r1):
                 lse[b, h, t] = _softmax_row_lse(scores[bh, t - r0], t + 1, r1, scale)
-            # y[r0:r1] = P[r0:r1, :r1] v[:r1]
+                if bound > 0:  # P[t] * M[t] / (1 - p)
+                    o = keep_row(keep[bh], (bh * T + t) * T, t + 1, seed_lo, seed_hi, bound, keep_scale)
+                    apply_keep(scores[bh, t - r0], keep[bh], o, t + 1)
+            # y[r0:r1] = P[r0:r1, :r1] v[:r1]  (P dropped, with dropout)
             gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, ps, T, pv, W, po + r0 * C * isz, C, one)
         restore_threads(mkl, previous)
 
 
 @kernel(min_parallel=HEAVY)
-def _backward_groups(mkl, dqkv, dout, qkv, lse, probs, dprobs, stacked, NH, NKV, scale, block):
+def _backward_groups(mkl, dqkv, dout, qkv, lse, probs, dprobs, stacked, keep, NH, NKV, scale, seed_lo, seed_hi,
+                     bound, keep_scale, block):
     """gqa_attention_backward with every array C-contiguous. Per kv head g and row block [r0, r1)
     (keys [0, r1) only), its G query heads' rows of P and dP (then dS) are stacked in probs and
     dprobs (B*NKV, G*rows, T), and their q and dy rows copied into stacked (B*NKV, 2, G*rows, hs),
-    so that dk[:r1] and dv[:r1] take the whole group's share in one product each."""
+    so that dk[:r1] and dv[:r1] take the whole group's share in one product each. Dropout
+    (bound > 0): one mask draw per row (into keep (B*NKV, T + 8)) masks dP before the softmax
+    backward and P after it, so dv's product reads Pd."""
     B, T, W = qkv.shape
     hs = W // (NH + 2 * NKV)
     C, G, isz, one = NH * hs, NH // NKV, qkv.itemsize, qkv.dtype.type(1.0)
@@ -133,12 +141,19 @@ def _backward_groups(mkl, dqkv, dout, qkv, lse, probs, dprobs, stacked, NH, NKV,
                 for t in range(r0, r1):
                     i = j * m + t - r0
                     _probabilities_row(probs[bg, i], t + 1, r1, scale, lse[b, h, t])
+                    o = 0
+                    if bound > 0:  # dP = dPd * M / (1 - p)
+                        o = keep_row(keep[bg], ((b * NH + h) * T + t) * T, t + 1, seed_lo, seed_hi, bound,
+                                     keep_scale)
+                        apply_keep(dprobs[bg, i], keep[bg], o, t + 1)
                     softmax_backward_row(dprobs[bg, i], probs[bg, i], t + 1, r1, scale)
+                    if bound > 0:  # P -> Pd, for dv
+                        apply_keep(probs[bg, i], keep[bg], o, t + 1)
                     stacked[bg, 0, i] = qkv[b, t, h * hs:(h + 1) * hs]
                     stacked[bg, 1, i] = dout[b, t, h * hs:(h + 1) * hs]
                 # dq[r0:r1] = dS[r0:r1, :r1] k[:r1]
                 gemm_at(mkl, NO_TRANS, NO_TRANS, m, hs, r1, dj, T, pk, W, pdq + r0 * W * isz, W, one)
-            # over the group's stacked rows: dv[:r1] += P^T dy;  dk[:r1] += dS^T q
+            # over the group's stacked rows: dv[:r1] += P^T dy (Pd^T dy);  dk[:r1] += dS^T q
             _gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, G * m, pp, T, pdys, hs, pdv, W, one)
             _gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, G * m, pd, T, pqs, hs, pdk, W, one)
         restore_threads(mkl, previous)
@@ -213,22 +228,26 @@ def _expect(name, a, shape, dtype):
         raise ValueError(f"{name} must be {tuple(shape)} {np.dtype(dtype)}, got {a.shape} {a.dtype}")
 
 
-def gqa_attention_forward(out, att, qkv, n_head, n_kv_head):
+def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0):
     """out (B, T, NH*hs) = causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs).
 
     Overwrites out and att (B, NH, T) (gqa_attention_state_shape), the logsumexp of each row of
-    scaled scores, kept for the backward. att is qkv's dtype, as out is.
+    scaled scores (undropped), kept for the backward. att is qkv's dtype, as out is.
+    dropout_p > 0 (training): out_h = (P * M / (1 - p)) v_g with M the keep mask
+    `dropout.keep_mask((B, NH, T, T), dropout_p, seed)`.
     """
     hs = _head_size(qkv, n_head, n_kv_head)
     B, T, _ = qkv.shape
     _expect("out", out, (B, T, n_head * hs), qkv.dtype)
     _expect("att", att, gqa_attention_state_shape(B, n_head, T), qkv.dtype)
     scale, G = qkv.dtype.type(1.0 / math.sqrt(hs)), n_head // n_kv_head
+    drop = dropout_args(dropout_p, seed, qkv.dtype)  # checks p; bound 0 when off
+    keep = keep_scratch(B * n_head, T, qkv.dtype)
     mkl = _per_head_mkl(qkv, (out, att))
     if mkl is not None:
         rows = min(T, CAUSAL_BLOCK)
         scores = workspace("gqa_scores", (B * n_kv_head, G * rows, T), qkv.dtype).reshape(B * n_head, rows, T)
-        _forward_heads(mkl, out, att, qkv, scores, n_head, n_kv_head, scale, CAUSAL_BLOCK)
+        _forward_heads(mkl, out, att, qkv, scores, keep, n_head, n_kv_head, scale, *drop, CAUSAL_BLOCK)
         return
     q, k, v = _split(qkv, n_head, n_kv_head, hs)
     y, lse = _grouped(out, n_kv_head, G, hs), att.reshape(B, n_kv_head, G, T)
@@ -236,18 +255,25 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head):
     for j in range(G):  # query head g*G + j of every group g
         blas.gemm(q[:, :, j], k.transpose(0, 1, 3, 2), s)
         _softmax_lse_kernel(s, lse[:, :, j], scale)
+        if dropout_p != 0.0:
+            dropout_heads_kernel(s, s, keep, n_head, G, j, *drop)
         blas.gemm(s, v, y[:, :, j])
 
 
-def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None):
-    """With, per query head h and its kv head g, y = P v_g, P = softmax(S), S = q_h k_g^T * scale:
+def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dropout_p=0.0, seed=0):
+    """With, per query head h and its kv head g, y = Pd v_g, Pd = P * M / (1 - p) (Pd = P without
+    dropout), P = softmax(S), S = q_h k_g^T * scale:
         P  = exp(S * scale - lse)   (recomputed from the saved logsumexp, masked entries 0),
-        dP = dy v_g^T,   dS = P * (dP - rowsum(P * dP)) * scale   (softmax backward),
-        dq_h = dS k_g,   dk_g = sum over the group's h of dS^T q_h,   dv_g = sum of P^T dy.
+        dPd = dy v_g^T,   dP = dPd * M / (1 - p),
+        dS = P * (dP - rowsum(P * dP)) * scale   (softmax backward, with P undropped),
+        dq_h = dS k_g,   dk_g = sum over the group's h of dS^T q_h,   dv_g = sum of Pd^T dy.
+    The mask M is regenerated from (dropout_p, seed), which must be the forward's.
     Overwrites dqkv (B, T, (NH + 2*NKV)*hs): dq, dk and dv alike. dout is (B, T, NH*hs); att the
-    logsumexps saved by the forward. out (the forward's output) is not needed here (the sum
-    rowsum(P * dP) = rowsum(dy * y) is taken from the recomputed rows); it is accepted, as
-    attention_backward accepts it, so the backends keep one signature.
+    logsumexps saved by the forward. out (the forward's output) is not needed here: the sum
+    rowsum(P * dP) is taken from the recomputed rows. It equals rowsum(dy * y) for the dropped
+    output y too, sum_s P_s dP_s = sum_s Pd_s (dy . v_s) = dy . (Pd v) = dy . y, which a backward
+    that uses out (the gpu's) relies on. out is accepted, as attention_backward accepts it, so
+    the backends keep one signature.
     """
     hs = _head_size(qkv, n_head, n_kv_head)
     B, T, _ = qkv.shape
@@ -255,13 +281,15 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None):
     _expect("dout", dout, (B, T, n_head * hs), qkv.dtype)
     _expect("att", att, gqa_attention_state_shape(B, n_head, T), qkv.dtype)
     scale, G = qkv.dtype.type(1.0 / math.sqrt(hs)), n_head // n_kv_head
+    drop = dropout_args(dropout_p, seed, qkv.dtype)
+    keep = keep_scratch(B * n_head, T, qkv.dtype)
     mkl = _per_head_mkl(qkv, (dqkv, dout, att))
     if mkl is not None:
         rows = min(T, CAUSAL_BLOCK)
         probs = workspace("gqa_scores", (B * n_kv_head, G * rows, T), qkv.dtype)  # the forward's too
         dprobs = workspace("gqa_dprobs", (B * n_kv_head, G * rows, T), qkv.dtype)
         stacked = workspace("gqa_stacked", (B * n_kv_head, 2, G * rows, hs), qkv.dtype)
-        _backward_groups(mkl, dqkv, dout, qkv, att, probs, dprobs, stacked, n_head, n_kv_head, scale,
+        _backward_groups(mkl, dqkv, dout, qkv, att, probs, dprobs, stacked, keep, n_head, n_kv_head, scale, *drop,
                          CAUSAL_BLOCK)
         return
     q, k, v = _split(qkv, n_head, n_kv_head, hs)
@@ -272,7 +300,11 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None):
     for j in range(G):  # query head g*G + j of every group g; dk and dv sum over j
         blas.gemm(q[:, :, j], k.transpose(0, 1, 3, 2), p)
         blas.gemm(dy[:, :, j], v.transpose(0, 1, 3, 2), dp)
+        if dropout_p != 0.0:  # dP = dPd * M / (1 - p); this path draws the mask twice
+            dropout_heads_kernel(dp, dp, keep, n_head, G, j, *drop)
         _recompute_backward_kernel(dp, p, lse[:, :, j], scale)
+        if dropout_p != 0.0:  # P -> Pd, for dv
+            dropout_heads_kernel(p, p, keep, n_head, G, j, *drop)
         blas.gemm(p.transpose(0, 1, 3, 2), dy[:, :, j], dv, 0.0 if j == 0 else 1.0)
         blas.gemm(dp, k, dq[:, :, j])
         blas.gemm(dp.transpose(0, 1, 3, 2), q[:, :, j], dk, 0.0 if j == 0 else 1.0)

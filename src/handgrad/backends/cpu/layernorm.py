@@ -77,5 +77,6 @@ def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     N, C = inp2.shape
     partial = workspace("layernorm_partial", (n_blocks(N), 2, C), inp2.dtype)
     _layernorm_backward_kernel(rows(dinp), partial, dout2, inp2, weight, mean.reshape(-1), rstd.reshape(-1))
-    sum_blocks_into(dweight, partial[:, 0, :])
-    sum_blocks_into(dbias, partial[:, 1, :])
+    if dweight is not None:  # None: a frozen gain and bias (LoRA)
+        sum_blocks_into(dweight, partial[:, 0, :])
+        sum_blocks_into(dbias, partial[:, 1, :])

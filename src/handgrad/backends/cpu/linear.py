@@ -30,12 +30,17 @@ def linear_backward(dinp, dweight, dbias, dout, inp, weight, accumulate=True):
     Overwrites dinp (a linear's input is never the residual stream here). Accumulates (+=) into
     dweight and dbias (parameter gradients); with accumulate=False dweight is overwritten instead,
     by one GEMM straight into it (no scratch buffer, no add pass): the model does this on the
-    first backward after zero_grad(). dinp or dbias may be None to skip them; dweight may be a
-    transposed view, as for the tied lm_head (dwte.T).
+    first backward after zero_grad(). dinp, dweight or dbias may be None to skip them (a frozen
+    weight's gradient is never formed: LoRA); dweight may be a transposed view, as for the tied
+    lm_head (dwte.T).
     """
     dout2, inp2 = rows(dout), rows(inp)
     if dinp is not None:
         blas.gemm(dout2, weight.T, rows(dinp))
+    if dweight is None:
+        if dbias is not None:
+            colsum_accumulate(dbias, dout2)
+        return
     # a transposed dweight view: work on its transpose, dW^T = dout^T @ inp, which is contiguous
     dst, a, b = (dweight, inp2.T, dout2) if dweight.flags.c_contiguous else (dweight.T, dout2.T, inp2)
     blas.gemm(a, b, dst, 1.0 if accumulate else 0.0)

@@ -1,4 +1,4 @@
-"""A linear layer with a LoRA adapter over a frozen weight:
+"""LoRA adapters over frozen linears:
 
     out = inp @ W [+ b] + s * (inp @ A) @ B,    s = alpha / r,
 
@@ -12,11 +12,28 @@ gradient, so a LoRA linear costs two of a linear's three products plus the adapt
 (2 N r (C + OC) FLOPs each way, against 2 N C OC for one full product).
 
 What the forward keeps for the backward is xs = s * (inp @ A), (B, T, r): r numbers per token.
-The adapter's input may be a dropout of inp (PEFT's lora_dropout); the caller passes it as
-`adapter_inp` and the same array again to the backward.
+
+Two forms:
+* `lora_linear_forward` / `lora_linear_backward`: one linear and its one adapter (handgrad.torch's
+  LoRALinear); an adapter dropout is the caller's, passed in as `adapter_inp`.
+* `lora_forward` / `lora_backward`: the adapters of a linear the caller computes itself, the models'
+  form. linear_forward, rmsnorm_linear_forward and layernorm_linear_forward take a list of them
+  (`adapters=`) and add them onto their product, the fused norm ops from the normalised input they
+  hold in scratch anyway, so an adapter keeps the fusion. Each adapter covers output columns
+  [lo, hi) of the product: a fused q|k|v or gate|up matrix carries one adapter per projection, as
+  PEFT's separate q_proj, k_proj, v_proj layers would. An adapter is any object with
+
+      lo, hi          its output columns
+      lora_a, lora_b  (C, r) and (r, hi - lo) views (PEFT's lora_A.weight.T, lora_B.weight.T)
+      scale           alpha / r
+      xs              (B, T, r) buffer: the forward writes s * dropout(inp) @ A, the backward reads it
+      dropout, seed   PEFT's lora_dropout on the adapter's input: p (0: none) and the mask's seed
+                      (backends' dropout_seed); the backward regenerates the mask, nothing stored
+      dlora_a, dlora_b  (C, r) and (r, hi - lo) gradient views, accumulated into (backward only)
 """
 from .common import rows, workspace
 from . import blas
+from .dropout import dropout_forward
 from .linear import linear_forward
 
 
@@ -29,6 +46,24 @@ def _gemm_into(dst, a, b, beta):
         blas.gemm(b.T, a.T, dst.T, beta)
 
 
+def _adapter_forward(out2, a2, lora_a, lora_b, xs2, scale):
+    """xs = s a A, then out += xs B (out2 may be a column slice)."""
+    blas.gemm(a2, lora_a, xs2)
+    xs2 *= scale
+    blas.gemm(xs2, lora_b, out2, 1.0)
+
+
+def _adapter_backward(g, a2, xs2, lora_a, lora_b, dlora_a, dlora_b, scale, beta):
+    """dB (+)= xs^T g, gs = s g B^T, dA (+)= a^T gs; returns gs (a reused scratch buffer), from
+    which the adapter input's gradient is gs A^T."""
+    _gemm_into(dlora_b, xs2.T, g, beta)
+    gs = workspace("lora_gs", (g.shape[0], lora_b.shape[0]), g.dtype)  # s g B^T (N, r)
+    blas.gemm(g, lora_b.T, gs)
+    gs *= scale
+    _gemm_into(dlora_a, a2.T, gs, beta)
+    return gs
+
+
 def lora_linear_forward(out, xs, inp, weight, bias, lora_a, lora_b, scale, adapter_inp=None):
     """out (B, T, OC) = inp @ weight (C, OC) [+ bias] + scale * (adapter_inp @ lora_a (C, r)) @ lora_b (r, OC).
 
@@ -36,10 +71,7 @@ def lora_linear_forward(out, xs, inp, weight, bias, lora_a, lora_b, scale, adapt
     which the backward needs. bias may be None.
     """
     linear_forward(out, inp, weight, bias)
-    xs2 = rows(xs)
-    blas.gemm(rows(inp if adapter_inp is None else adapter_inp), lora_a, xs2)
-    xs2 *= scale
-    blas.gemm(xs2, lora_b, rows(out), 1.0)
+    _adapter_forward(rows(out), rows(inp if adapter_inp is None else adapter_inp), lora_a, lora_b, rows(xs), scale)
 
 
 def lora_linear_backward(dinp, dlora_a, dlora_b, dout, inp, xs, weight, lora_a, lora_b, scale,
@@ -61,12 +93,7 @@ def lora_linear_backward(dinp, dlora_a, dlora_b, dout, inp, xs, weight, lora_a, 
     transposed view. Returns da (N, C) when adapter_inp is given (a reused scratch buffer), else None.
     """
     g, a = rows(dout), rows(inp if adapter_inp is None else adapter_inp)
-    beta = 1.0 if accumulate else 0.0
-    _gemm_into(dlora_b, rows(xs).T, g, beta)
-    gs = workspace("lora_gs", (g.shape[0], lora_b.shape[0]), g.dtype)  # s g B^T (N, r)
-    blas.gemm(g, lora_b.T, gs)
-    gs *= scale
-    _gemm_into(dlora_a, a.T, gs, beta)
+    gs = _adapter_backward(g, a, rows(xs), lora_a, lora_b, dlora_a, dlora_b, scale, 1.0 if accumulate else 0.0)
     da = None
     if adapter_inp is not None:
         da = workspace("lora_da", a.shape, a.dtype)
@@ -77,3 +104,40 @@ def lora_linear_backward(dinp, dlora_a, dlora_b, dout, inp, xs, weight, lora_a, 
         if adapter_inp is None:
             blas.gemm(gs, lora_a.T, dinp2, 1.0)
     return da
+
+
+def _adapter_input(x2, ad):
+    """dropout(x) with the adapter's own mask (into scratch), or x itself."""
+    if not ad.dropout:
+        return x2
+    buf = workspace("lora_dropped", x2.shape, x2.dtype)
+    dropout_forward(buf, x2, ad.dropout, ad.seed)
+    return buf
+
+
+def lora_forward(out, inp, adapters):
+    """out[..., lo:hi] += s * (dropout(inp) @ A) @ B for each adapter (see the module docstring),
+    onto the frozen product the caller wrote into out (B, T, OC); writes each adapter's xs."""
+    x2, out2 = rows(inp), rows(out)
+    for ad in adapters:
+        _adapter_forward(out2[:, ad.lo:ad.hi], _adapter_input(x2, ad), ad.lora_a, ad.lora_b, rows(ad.xs), ad.scale)
+
+
+def lora_backward(dinp, dout, inp, adapters):
+    """The adapters' part of the backward (lora_linear_backward's derivation, per adapter on its
+    columns g = dout[..., lo:hi]): dB += xs^T g and dA += s d^T (g B^T) with d = dropout(inp) (the
+    mask regenerated from the seed), and dinp += M / (1 - p) * s (g B^T) A^T, the adapter input's
+    gradient taken back through the dropout (M its mask; no dropout: dinp += s (g B^T) A^T).
+    dinp (B, T, C) holds the frozen product's input gradient already; accumulates into it and into
+    each adapter's dlora_a, dlora_b."""
+    x2, g2, dx2 = rows(inp), rows(dout), rows(dinp)
+    for ad in adapters:
+        gs = _adapter_backward(g2[:, ad.lo:ad.hi], _adapter_input(x2, ad), rows(ad.xs), ad.lora_a, ad.lora_b,
+                               ad.dlora_a, ad.dlora_b, ad.scale, 1.0)
+        if not ad.dropout:
+            blas.gemm(gs, ad.lora_a.T, dx2, 1.0)
+            continue
+        da = workspace("lora_da", x2.shape, x2.dtype)
+        blas.gemm(gs, ad.lora_a.T, da)
+        dropout_forward(da, da, ad.dropout, ad.seed)  # the mask's derivative: the same mask and scale
+        dx2 += da

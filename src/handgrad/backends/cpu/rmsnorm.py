@@ -81,4 +81,5 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd):
     N, C = inp2.shape
     partial = workspace("rmsnorm_partial", (n_blocks(N), C), inp2.dtype)
     _rmsnorm_backward_kernel(rows(dinp), partial, dout2, inp2, weight, rstd.reshape(-1))
-    sum_blocks_into(dweight, partial)
+    if dweight is not None:  # None: a frozen gain (LoRA)
+        sum_blocks_into(dweight, partial)

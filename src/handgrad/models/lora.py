@@ -1,0 +1,129 @@
+"""LoRA inside a family's model: which tensors train, where the adapters live, and the adapter
+records the ops take (backends' lora.py says what one holds).
+
+A model built with `lora=LoRAConfig(...)` (FlatModel) keeps two flat buffers:
+
+    flat_params / flat_grad   what trains, laid out by model.spec: the adapters, and the norms or
+                              the embeddings where train_norms / train_embeddings say so
+    frozen_params             the base weights that do not train: no gradient buffer, no AdamW
+                              moments, and no weight-gradient product in the backward
+
+model.p still names every tensor (base and adapter), model.g only the trained ones. The adapters
+are PEFT's tensors under PEFT's names without its `base_model.model.` prefix: for each targeted
+linear `{module}.lora_A.weight` (r, in) and `{module}.lora_B.weight` (out, r), in block order
+right after the block's own tensors, so each block's trained tensors are one contiguous range of
+the flat buffers (the data-parallel gradient buckets). lora_A is initialised as PEFT does
+(kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))), lora_B at zero: a new adapter leaves
+the model's outputs unchanged.
+
+A family says which linears can carry adapters: LORA_MODULES, {short name: (module path in a
+block, fused group)}. A fused group is one product of the family's forward (Llama's q|k|v and
+gate|up are one matrix each); its adapters sit on the group's output columns in module order.
+"""
+import hashlib
+import re
+from types import SimpleNamespace
+
+import numpy as np
+
+_LAYER = re.compile(r"^(?:model\.layers|h)\.(\d+)\.")
+SITE_LORA = 8  # dropout sites from 8 on: one per target (model sites 0-7 are family.py's)
+
+
+def layer_of(name):
+    """The block index of a parameter name (Hugging Face's model.layers.{l}. or GPT-2's h.{l}.), or None."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _module_shape(model_cls, base, module):
+    """(in, out) features of a block's linear from its base weight's shape."""
+    shape = base[module + ".weight"]
+    return (shape[0], shape[1]) if model_cls.FAN_IN_FAN_OUT else (shape[1], shape[0])
+
+
+def split_spec(model_cls, config, lora):
+    """(trained spec, frozen spec, adapters) for a LoRA model of this family: the param_spec tensors
+    that train or stay frozen, the adapters inserted after each block's tensors, and per block the
+    adapters as [(short, group, module, lo, hi)] (lo:hi its columns of the group's product)."""
+    base = model_cls.param_spec(config)
+    shapes = dict(base)
+    unknown = [t for t in lora.targets if t not in model_cls.LORA_MODULES]
+    if unknown:
+        raise ValueError(f"train.lora_targets: {unknown[0]!r} is not a linear of this family; choose from "
+                         f"{','.join(model_cls.LORA_MODULES)}")
+
+    def trains(name):
+        if layer_of(name) is None and not model_cls.is_norm(name):
+            return lora.train_embeddings  # embeddings, positions, an untied lm_head
+        return lora.train_norms and model_cls.is_norm(name)
+
+    per_block = []
+    for l in range(config.n_layer):
+        prefix, cols, blocks = model_cls.block_prefix(l), {}, []
+        for short, (module, group) in model_cls.LORA_MODULES.items():
+            fan_in, fan_out = _module_shape(model_cls, shapes, prefix + module)
+            lo = cols.get(group, 0)
+            cols[group] = lo + fan_out
+            if short in lora.targets:
+                blocks.append(SimpleNamespace(short=short, group=group, module=prefix + module, lo=lo,
+                                              hi=lo + fan_out, fan_in=fan_in, fan_out=fan_out))
+        per_block.append(blocks)
+    trained, frozen = [], []
+    for i, (name, shape) in enumerate(base):
+        (trained if trains(name) else frozen).append((name, shape))
+        l = layer_of(name)
+        if l is not None and (i + 1 == len(base) or layer_of(base[i + 1][0]) != l):  # the block's last tensor
+            for t in per_block[l]:
+                trained += [(t.module + ".lora_A.weight", (lora.rank, t.fan_in)),
+                            (t.module + ".lora_B.weight", (t.fan_out, lora.rank))]
+    return trained, frozen, per_block
+
+
+def init_adapters(model, seed):
+    """PEFT's initialisation: lora_A ~ U(-1/sqrt(in), 1/sqrt(in)), lora_B = 0."""
+    rng = np.random.default_rng([seed, 0x10A])
+    for blocks in model.lora_blocks:
+        for t in blocks:
+            bound = 1.0 / np.sqrt(t.fan_in)
+            a = model.p[t.module + ".lora_A.weight"]
+            a[...] = model.ops.from_numpy(rng.uniform(-bound, bound, a.shape).astype(np.float32))
+            model.p[t.module + ".lora_B.weight"][...] = 0
+
+
+def adapter_records(model):
+    """Per block, {group: [adapter record]} as the ops take them (their xs and seed are set per forward)."""
+    lora, records = model.lora, []
+    for blocks in model.lora_blocks:
+        groups = {}
+        for i, t in enumerate(blocks):
+            a, b = t.module + ".lora_A.weight", t.module + ".lora_B.weight"
+            groups.setdefault(t.group, []).append(SimpleNamespace(
+                lo=t.lo, hi=t.hi, lora_a=model.p[a].T, lora_b=model.p[b].T, dlora_a=model.g[a].T,
+                dlora_b=model.g[b].T, scale=lora.scale, dropout=lora.dropout, seed=0, xs=None, index=i))
+        records.append(groups)
+    return records
+
+
+def merged_weights(model):
+    """The base weights with every adapter folded in, W + (alpha / r) B A (in the base layout:
+    [out, in], or GPT-2's Conv1D [in, out]), under param_spec's names: a plain model's state_dict."""
+    out = {name: model.ops.to_numpy(model.p[name]).copy() for name, _ in model.param_spec(model.config)}
+    for blocks in model.lora_blocks:
+        for t in blocks:
+            a = model.ops.to_numpy(model.p[t.module + ".lora_A.weight"]).astype(np.float64)
+            b = model.ops.to_numpy(model.p[t.module + ".lora_B.weight"]).astype(np.float64)
+            delta = model.lora.scale * (b @ a)  # (out, in)
+            w = out[t.module + ".weight"]
+            w += (delta.T if model.FAN_IN_FAN_OUT else delta).astype(np.float32)
+    return out
+
+
+def base_digest(model):
+    """SHA-256 over the base weights a LoRA model holds (param_spec's names, shapes and float32
+    bytes, in order): what a LoRA checkpoint records of its base, checked when the base is loaded."""
+    h = hashlib.sha256()
+    for name, shape in model.param_spec(model.config):
+        h.update(f"{name}:{tuple(shape)};".encode())
+        h.update(np.ascontiguousarray(model.ops.to_numpy(model.p[name]), dtype=np.float32).data)
+    return h.hexdigest()

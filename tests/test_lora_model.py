@@ -1,0 +1,123 @@
+"""LoRA inside both families against PEFT on transformers' own model classes (float64): logits,
+loss and every trained gradient, frozen weights without any gradient buffer; then LoRA runs end to
+end: adapter-only checkpoints naming their base, exact resume, PEFT export and import, --merge."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import prepared_char_data
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from handgrad.cli import main as cli  # noqa: E402
+from handgrad.config import GPTConfig, LlamaConfig, LoRAConfig  # noqa: E402
+from handgrad.interop.convert import load_pretrained  # noqa: E402
+from handgrad.interop.hf import write_hf  # noqa: E402
+from handgrad.interop.hf_llama import write_hf_llama  # noqa: E402
+from handgrad.interop.peft import write_peft  # noqa: E402
+from handgrad.models.gpt2 import GPT  # noqa: E402
+from handgrad.models.llama import Llama  # noqa: E402
+from handgrad.training.checkpoint import list_checkpoints, read_state  # noqa: E402
+
+# awkward widths: C not a power of two, 6 query heads over 2 kv heads (3 per group), V not a multiple of 64
+LLAMA = LlamaConfig(block_size=32, vocab_size=83, n_layer=2, n_head=6, n_kv_head=2, n_embd=36, ffn_hidden=52)
+LLAMA_UNTIED_BIAS = LlamaConfig(block_size=32, vocab_size=83, n_layer=2, n_head=6, n_kv_head=2, n_embd=36,
+                                ffn_hidden=52, tie_embeddings=False, qkv_bias=True)
+GPT2 = GPTConfig(block_size=32, vocab_size=83, n_layer=2, n_head=3, n_embd=36)
+
+
+def _model(config, lora, seed=0):
+    """A LoRA model whose base is far from its init and whose lora_B is not zero (so every adapter
+    gradient is nonzero)."""
+    cls = Llama if isinstance(config, LlamaConfig) else GPT
+    model = cls(config, seed=seed, lora=lora)
+    rng = np.random.default_rng(seed + 1)
+    for name, view in model.p.items():
+        view += rng.standard_normal(view.shape).astype(np.float32) * (0.05 if view.ndim == 2 else 0.2)
+    return model
+
+
+def _peft_reference(model, tmp_path):
+    """transformers' model class with the model's base weights (written by handgrad's hf export) and
+    the adapter (by handgrad's PEFT export), loaded by PeftModel.from_pretrained, in float64."""
+    arch = "llama" if isinstance(model.config, LlamaConfig) else "gpt2"
+    base = {n: model.ops.to_numpy(model.p[n]) for n, _ in model.param_spec(model.config)}
+    (write_hf_llama if arch == "llama" else write_hf)(tmp_path / "base", model.config, base)
+    trained = {n: model.ops.to_numpy(model.p[n]) for n in model.layout}
+    write_peft(tmp_path / "adapter", arch, model.lora, trained, tmp_path / "base",
+               tied=getattr(model.config, "tie_embeddings", True))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float64,
+                                                           attn_implementation="eager")
+    ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True).to(torch.float64)
+    return ref.eval(), arch  # eval: no dropout (GPT-2's config has its own); gradients flow all the same
+
+
+def _peft_name(name, arch):
+    """handgrad's name of a trained tensor -> PEFT's parameter name in the loaded PeftModel."""
+    hf = "base_model.model." + ("transformer." if arch == "gpt2" else "")
+    if ".lora_" in name:
+        return hf + name.replace(".weight", ".default.weight")
+    module, leaf = name.rsplit(".", 1)
+    return hf + module + ".modules_to_save.default." + leaf
+
+
+CASES = {
+    "llama_all": (LLAMA, LoRAConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))),
+    "llama_qv_norms": (LLAMA, LoRAConfig(rank=3, alpha=5.0, targets=("q", "v", "down"), train_norms=True)),
+    "llama_untied_bias_embeddings": (LLAMA_UNTIED_BIAS, LoRAConfig(rank=2, alpha=2.0, targets=("k", "up"),
+                                                                   train_embeddings=True)),
+    "gpt2_all": (GPT2, LoRAConfig(rank=4, alpha=8.0, targets=("c_attn", "c_proj", "c_fc", "mlp.c_proj"))),
+    "gpt2_mlp_norms": (GPT2, LoRAConfig(rank=5, alpha=3.0, targets=("c_fc", "mlp.c_proj"), train_norms=True)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_lora_matches_peft_on_transformers(case, tmp_path):
+    config, lora = CASES[case]
+    model = _model(config, lora)
+    ref, arch = _peft_reference(model, tmp_path)
+    rng = np.random.default_rng(5)
+    for B, T in ((2, 17), (1, 1)):
+        idx = rng.integers(0, config.vocab_size, (B, T))
+        targets = rng.integers(0, config.vocab_size, (B, T))
+        loss = model.forward(idx, targets)
+        model.zero_grad()
+        model.backward()
+        ref.zero_grad()
+        out = ref(input_ids=torch.from_numpy(idx))
+        ref_loss = torch.nn.functional.cross_entropy(out.logits.reshape(B * T, -1), torch.from_numpy(targets).reshape(-1))
+        ref_loss.backward()
+        assert abs(loss - ref_loss.item()) < 1e-5 * max(1.0, abs(ref_loss.item()))
+        logits = model.forward(idx)
+        np.testing.assert_allclose(logits, out.logits.detach().numpy(), atol=2e-5 * np.abs(logits).max())
+        params = dict(ref.named_parameters())
+        grads = model.grads()
+        assert set(grads) == set(model.layout)
+        for name, g in grads.items():
+            want = params[_peft_name(name, arch)].grad.numpy()
+            scale = max(np.abs(want).max(), 1e-6)
+            assert np.abs(g - want).max() / scale < 5e-5, (case, name, np.abs(g - want).max() / scale)
+            assert T == 1 or np.abs(want).max() > 0, name  # (T = 1: one key, so q and k get none)
+    # the frozen weights: no gradient buffer, no moments; only what trains is in flat_grad
+    trained = sum(int(np.prod(s)) for s in dict(model.spec).values())
+    assert model.num_params == trained == len(model.flat_grad)
+    frozen = [n for n, _ in model.param_spec(config) if n not in model.layout]
+    assert frozen and all(n not in model.g for n in frozen)
+    assert len(model.frozen_params) == sum(int(np.prod(model.p[n].shape)) for n in frozen)
+    peft_trainable = {n for n, p in ref.named_parameters() if p.requires_grad}
+    assert peft_trainable == {_peft_name(n, arch) for n in model.layout}
+
+
+def test_a_new_adapter_leaves_the_model_unchanged_and_merging_folds_it_in():
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    model = Llama(LLAMA, seed=3, lora=lora)
+    plain = Llama(LLAMA, seed=3)
+    idx = np.random.default_rng(0).integers(0, LLAMA.vocab_size, (2, 9))
+    np.testing.assert_array_equal(model.forward(idx), plain.forward(idx))  # lora_B starts at zero
+    a = model.p["model.layers.0.self_attn.q_proj.lora_A.weight"]
+    assert np.abs(a).max() <= 1 / np.sqrt(LLAMA.n_embd) and a.std() > 0  # PEFT's kaiming_uniform(a=sqrt(5))
+    model = _model(LLAMA, lora)
+    merged = model.plain()
+    np.testing.assert_allclose(merged.forward(idx), model.forward(idx), atol=2e-5)
