@@ -121,3 +121,114 @@ def test_a_new_adapter_leaves_the_model_unchanged_and_merging_folds_it_in():
     model = _model(LLAMA, lora)
     merged = model.plain()
     np.testing.assert_allclose(merged.forward(idx), model.forward(idx), atol=2e-5)
+
+
+# ---------------------------------------------------------------- LoRA runs end to end
+TEXT = "".join(f"To be, or not to be, that is the question {i}.\nWhether 'tis nobler in the mind.\n"
+               for i in range(300))
+RUN = ["--model.arch", "llama", "--model.n_layer", "2", "--model.n_embd", "36", "--model.n_head", "6",
+       "--model.n_kv_head", "2", "--model.block_size", "16", "--train.batch_size", "4", "--train.sample_interval", "0",
+       "--train.eval_steps", "2", "--train.eval_interval", "0", "--train.lr", "1e-2", "--train.warmup_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A data dir, a base run (full training) and its Hugging Face export, the base for the LoRA runs."""
+    root = tmp_path_factory.mktemp("lora_runs")
+    data = prepared_char_data(root, TEXT)
+    assert cli(["train", "--data", str(data), "--out", str(root / "base"), *RUN, "--train.max_steps", "3"]) == 0
+    assert cli(["convert", str(root / "base"), str(root / "base_hf"), "--format", "hf"]) == 0
+    return root, data
+
+
+def _lora_train(data, out, *extra):
+    return cli(["train", "--data", str(data), "--out", str(out), "--train.batch_size", "4", "--train.eval_steps", "2",
+                "--train.sample_interval", "0", "--train.lora_rank", "4", "--train.lr", "1e-2", "--train.warmup_steps",
+                "2", "--model.block_size", "16", *extra])
+
+
+def test_lora_run_saves_only_what_trains_and_resumes_exactly(runs, capsys):
+    root, data = runs
+    base = str(root / "base_hf")
+    common = ("--train.checkpoint_interval", "2", "--train.grad_accum_steps", "2", "--train.lora_dropout", "0.1",
+              "--train.eval_interval", "2")
+    a, b = root / "lora_a", root / "lora_b"
+    assert _lora_train(data, a, "--init-from", base, "--train.max_steps", "5", *common) == 0
+    out = capsys.readouterr().out
+    assert "LoRA: rank 4, alpha 8, on q,k,v,o,gate,up,down, dropout 0.1" in out
+    assert _lora_train(data, b, "--init-from", base, "--train.max_steps", "2", *common) == 0
+    assert cli(["train", "--data", str(data), "--out", str(b), "--resume", "--train.max_steps", "5"]) == 0
+    fa = (a / "ckpt/step_00000005/model.safetensors").read_bytes()
+    assert fa == (b / "ckpt/step_00000005/model.safetensors").read_bytes()
+    la = [json.loads(x)["loss"] for x in (a / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (b / "metrics.jsonl").read_text().splitlines()]
+    assert la == lb and la[-1] < la[0]
+    state = read_state(list_checkpoints(a)[-1][1])
+    assert state["base"]["path"] == str((root / "base_hf").resolve()) and len(state["base"]["sha256"]) == 64
+    assert state["lora"]["rank"] == 4 and state["lora"]["alpha"] == 8.0
+    from safetensors.numpy import load_file
+    saved = load_file(str(a / "ckpt/step_00000005/model.safetensors"))
+    assert saved and all(".lora_" in n for n in saved)
+    moments = load_file(str(a / "ckpt/step_00000005/optim.safetensors"))
+    assert set(moments) == {f"{k}.{n}" for k in ("exp_avg", "exp_avg_sq") for n in saved}
+
+
+def test_lora_run_to_peft_and_back_and_merged(runs, tmp_path, capsys):
+    root, data = runs
+    run = tmp_path / "lora"
+    assert _lora_train(data, run, "--init-from", str(root / "base_hf"), "--train.max_steps", "3",
+                       "--train.lora_targets", "q,v,down", "--train.lora_train_norms", "true") == 0
+    # PEFT's format, loaded by PeftModel.from_pretrained over the exported base: the same logits
+    assert cli(["convert", str(run), str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    doc = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert doc["r"] == 4 and doc["target_modules"] == ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(root / "base_hf", dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    config, merged, _ = load_pretrained(run)
+    idx = np.random.default_rng(0).integers(0, config.vocab_size, (2, 16))
+    plain = Llama(config)
+    plain.load_state_dict(merged)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(idx)).logits.numpy()
+    np.testing.assert_allclose(plain.forward(idx), want, atol=1e-4 * np.abs(want).max())
+    # a full-model format needs --merge; with it, transformers' own class gives the same logits
+    assert cli(["convert", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 2
+    assert "pass --merge" in capsys.readouterr().err
+    assert cli(["convert", str(run), str(tmp_path / "hf"), "--format", "hf", "--merge"]) == 0
+    with torch.no_grad():
+        got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(torch.from_numpy(idx)).logits
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-4 * np.abs(want).max())
+    # the PEFT directory back into handgrad: sampling, and training the adapter on
+    capsys.readouterr()
+    assert cli(["sample", "--run", str(tmp_path / "adapter"), "--tokenizer", str(root / "base_hf" / "tokenizer.json"),
+                "--max-new-tokens", "5", "--prompt", "To be"]) == 0
+    assert cli(["train", "--data", str(data), "--out", str(tmp_path / "more"), "--init-from", str(tmp_path / "adapter"),
+                "--train.max_steps", "2", "--train.batch_size", "4", "--train.sample_interval", "0",
+                "--train.eval_interval", "0", "--model.block_size", "16"]) == 0
+    assert "LoRA: rank 4, alpha 8, on q,v,down" in capsys.readouterr().out
+    state = read_state(list_checkpoints(tmp_path / "more")[-1][1])
+    assert state["base"]["path"] == str((root / "base_hf").resolve())
+    assert state["config"]["train"]["lora_train_norms"] is True
+
+
+def test_lora_refusals(runs, tmp_path, capsys):
+    root, data = runs
+    assert _lora_train(data, tmp_path / "x", "--train.lora_targets", "q,c_fc", "--model.arch", "llama") == 2
+    assert "train.lora_targets: 'c_fc' is not a linear of model.arch llama" in capsys.readouterr().err
+    assert cli(["convert", str(root / "base"), str(tmp_path / "p"), "--format", "peft"]) == 2
+    assert "no LoRA adapter to write" in capsys.readouterr().err
+    run = tmp_path / "lora"
+    assert _lora_train(data, run, "--init-from", str(root / "base_hf"), "--train.max_steps", "1") == 0
+    # another base under the recorded path: named, not silently used
+    other = tmp_path / "other"
+    assert cli(["train", "--data", str(data), "--out", str(other), *RUN, "--train.max_steps", "1",
+                "--train.seed", "7"]) == 0
+    assert cli(["convert", str(other), str(tmp_path / "other_hf"), "--format", "hf"]) == 0
+    ckpt = list_checkpoints(run)[-1][1]
+    doc = json.loads((ckpt / "state.json").read_text())
+    doc["base"]["path"] = str(tmp_path / "other_hf")
+    (ckpt / "state.json").write_text(json.dumps(doc))  # (read_state checks the tensor files, not state.json)
+    capsys.readouterr()
+    assert cli(["convert", str(run), str(tmp_path / "p3"), "--format", "peft"]) == 2
+    assert "differ from the base this LoRA run's adapters were trained on" in capsys.readouterr().err
+    assert not (tmp_path / "p3").exists()

@@ -224,7 +224,12 @@ class RunConfig:
         t = self.train
         if not t.lora_rank:
             return None
-        targets = tuple(s.strip() for s in t.lora_targets.split(",") if s.strip()) or LORA_TARGETS[self.model.arch]
+        known = LORA_TARGETS[self.model.arch]  # checked here: --init-from sets model.arch after the config loads
+        targets = tuple(s.strip() for s in t.lora_targets.split(",") if s.strip()) or known
+        for name in targets:
+            if name not in known:
+                raise ConfigError(f"train.lora_targets: {name!r} is not a linear of model.arch {self.model.arch}; "
+                                  f"choose from {','.join(known)}")
         try:
             return LoRAConfig(rank=t.lora_rank, alpha=t.lora_alpha or 2.0 * t.lora_rank, targets=targets,
                               dropout=t.lora_dropout, train_norms=t.lora_train_norms,
@@ -396,11 +401,6 @@ def validate_run_config(config):
         raise ConfigError(f"train.lora_rank: must be >= 0 (0 = full fine-tuning), got {t.lora_rank}")
     if t.lora_alpha < 0:
         raise ConfigError(f"train.lora_alpha: must be >= 0 (0 = 2 x lora_rank), got {t.lora_alpha}")
-    known = LORA_TARGETS[m.arch]
-    for name in (s.strip() for s in t.lora_targets.split(",")):
-        if name and name not in known:
-            raise ConfigError(f"train.lora_targets: {name!r} is not a linear of model.arch {m.arch}; choose from "
-                              f"{','.join(known)}")
     return config
 
 
