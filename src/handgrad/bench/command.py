@@ -37,6 +37,9 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help="train: timed steps per side (default: as many as fit in about 12 s); "
                              "learn: override the preset's train.max_steps")
+    parser.add_argument("--lora", type=_positive_int, default=None, metavar="R",
+                        help="train: LoRA rows at rank R on every linear (Llama presets): handgrad's LoRA step beside "
+                             "PyTorch + PEFT's and handgrad's own full step")
     parser.add_argument("--profile", action="store_true",
                         help="train: add handgrad's per-op time breakdown (forward, backward, optimizer)")
     learn = parser.add_argument_group("learn")

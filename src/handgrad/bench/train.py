@@ -25,10 +25,11 @@ from dataclasses import asdict
 import numpy as np
 
 from ..backends.cpu import attention, blas
-from ..config import LlamaConfig, load_run_config
+from ..config import LORA_TARGETS, LlamaConfig, LoRAConfig, load_run_config
 from ..machine import BackgroundLoad, environment, sgemm_peak
 from ..models import get_family
 from ..models.family import flat_layout
+from ..models.lora import initial_adapters, split_spec
 from ..training.optim import AdamW
 from ..training.step import accumulate_gradients
 from .common import SETTLE_S
@@ -48,6 +49,7 @@ SHAPES = {
 
 DEFAULT_SHAPES = ("tiny", "mid", "gpt2-124m")  # the shapes issue 4 reports
 SIDES = ("handgrad", "pytorch")
+LORA_SIDES = ("handgrad", "pytorch", "handgrad-full")  # --lora: LoRA, PyTorch + PEFT, handgrad's own full step
 N_BATCHES = 16  # distinct random batches, cycled
 WARMUP_STEPS = 3
 BUDGET_S = 12.0  # with --steps unset: timed seconds per side
@@ -75,11 +77,22 @@ def _memory():
     return out
 
 
+def _lora(spec):
+    """The spec's LoRAConfig, or None (full fine-tuning)."""
+    lo = spec.get("lora")
+    return None if lo is None else LoRAConfig(rank=lo["rank"], alpha=lo["alpha"], targets=tuple(lo["targets"]))
+
+
 class _HandgradWorker:
-    def __init__(self, config, t, flat):
+    def __init__(self, config, t, flat, lora=None, seed=0):
         self.accumulate = accumulate_gradients  # what the trainer runs per step
-        self.model = _model_family(config).model(config, seed=0)
-        self.model.params[:] = flat
+        self.model = _model_family(config).model(config, seed=seed, lora=lora)
+        if lora is None:
+            self.model.params[:] = flat
+        else:  # the base from flat, the adapters as the model initialised them (initial_adapters of seed)
+            layout, _ = flat_layout(self.model.param_spec(config))
+            self.model.load_state_dict({n: flat[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in layout.items()},
+                                       names=list(layout))
         self.opt = AdamW(self.model, lr=t["lr"], betas=(t["beta1"], t["beta2"]), weight_decay=t["weight_decay"])
         self.grad_clip = t["grad_clip"]
 
@@ -160,7 +173,7 @@ class _TorchWorker:
     (torch_ref.TorchGPT, fast=True); the Llama family as transformers' own LlamaForCausalLM with its
     SDPA attention (grouped heads, no repeat); fused AdamW."""
 
-    def __init__(self, config, t, flat):
+    def __init__(self, config, t, flat, lora=None, seed=0):
         from ..torch_ref import TorchGPT, TorchLlama, torch
         self.torch = torch
         layout, _ = flat_layout(_model_family(config).param_spec(config))
@@ -169,9 +182,30 @@ class _TorchWorker:
             self.model = TorchLlama(config, torch.float32, attn_implementation="sdpa").load_numpy(state)
         else:
             self.model = TorchGPT(config, torch.float32, fast=True).load_numpy(state)
+        self.grad_clip = t["grad_clip"]
+        if lora is not None:
+            self._peft(config, lora, seed, t)
+            return
         self.opt = self.model.adamw(lr=t["lr"], weight_decay=t["weight_decay"], betas=(t["beta1"], t["beta2"]),
                                     fused=True)
-        self.grad_clip = t["grad_clip"]
+
+    def _peft(self, config, lora, seed, t):
+        """PEFT's LoRA on transformers' model (in place: the model's linears become LoRA layers), its
+        adapters set to handgrad's initial ones; fused AdamW over them alone, decayed as handgrad's
+        (every adapter is 2-D)."""
+        import peft
+        cls = _model_family(config).model
+        _, _, blocks = split_spec(cls, config, lora)
+        self.model.hf = peft.get_peft_model(self.model.hf, peft.LoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",
+            target_modules=[cls.LORA_MODULES[n][0] for n in lora.targets]))
+        with self.torch.no_grad():
+            for name, value in initial_adapters(blocks, lora.rank, seed).items():
+                self.model.hf.get_parameter("base_model.model." + name.replace(".weight", ".default.weight")).copy_(
+                    self.torch.from_numpy(value))
+        trained = [p for p in self.model.hf.parameters() if p.requires_grad]
+        self.opt = self.torch.optim.AdamW(trained, lr=t["lr"], betas=(t["beta1"], t["beta2"]),
+                                          weight_decay=t["weight_decay"], fused=True)
 
     def prepare(self, x, y):
         return self.torch.from_numpy(x).long(), self.torch.from_numpy(y).long()
@@ -197,8 +231,8 @@ def worker(side, spec):
     rng = np.random.default_rng(spec["seed"])
     B, T = spec["batch_size"], spec["T"]
     tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
-    cls = _HandgradWorker if side == "handgrad" else _TorchWorker
-    w = cls(config, spec["train"], flat)
+    cls = _TorchWorker if side == "pytorch" else _HandgradWorker
+    w = cls(config, spec["train"], flat, lora=None if side == "handgrad-full" else _lora(spec), seed=spec["seed"])
     batches = [w.prepare(tok[:, :-1].astype(np.int32), tok[:, 1:].astype(np.int32)) for tok in tokens]
     del flat
     step_no = 0
@@ -263,14 +297,20 @@ class _Side:
         return memory
 
 
-def _spec(name):
+def _spec(name, lora_rank=None):
     shape = SHAPES[name]
     rc = load_run_config(shape["preset"])
     t = rc.train
-    return {"arch": rc.model.arch, "model": asdict(rc.gpt_config(shape["vocab_size"])),
+    spec = {"arch": rc.model.arch, "model": asdict(rc.gpt_config(shape["vocab_size"])),
             "batch_size": shape["batch_size"], "T": shape["T"], "seed": t.seed,
             "train": {"lr": t.lr, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
                       "grad_clip": t.grad_clip}}
+    if lora_rank:  # every linear of every block, PEFT's usual alpha = 2 r
+        if rc.model.arch != "llama":
+            raise SystemExit(f"bench train --lora: {name} is a GPT-2 shape; the LoRA rows compare against PEFT on "
+                             f"transformers' Llama (llama-mid, smollm2-135m)")
+        spec["lora"] = {"rank": lora_rank, "alpha": 2.0 * lora_rank, "targets": list(LORA_TARGETS["llama"])}
+    return spec
 
 
 def _check_losses(name, a, b):
@@ -289,12 +329,13 @@ def _check_losses(name, a, b):
     return float(rel.max())
 
 
-def bench_shape(name, steps, profile):
-    """Warm up, then alternate timed chunks of the two sides; one result dict."""
-    spec = _spec(name)
+def bench_shape(name, steps, profile, lora_rank=None):
+    """Warm up, then alternate timed chunks of the sides; one result dict. lora_rank: the LoRA row
+    (handgrad's LoRA, PyTorch + PEFT's, handgrad's full step beside them)."""
+    spec = _spec(name, lora_rank)
     config = get_family(spec["arch"]).config(**spec["model"])
     tokens_per_step = spec["batch_size"] * spec["T"]
-    sides = [_Side(s, spec) for s in SIDES]
+    sides = [_Side(s, spec) for s in (LORA_SIDES if lora_rank else SIDES)]
     try:
         warm = {s.name: s.run(WARMUP_STEPS, keep=False) for s in sides}
         if steps is None:
@@ -309,7 +350,7 @@ def bench_shape(name, steps, profile):
                     time.sleep(SETTLE_S)  # let the other side's BLAS threads stop spinning
                     s.run(n)
                 done += n
-        hg, pt = sides
+        hg, pt = sides[:2]
         err = _check_losses(name, hg.losses, pt.losses)
         prof = hg.ask(cmd="profile", n=min(steps, 10)) if profile else None
     finally:
@@ -335,6 +376,13 @@ def bench_shape(name, steps, profile):
     result["ratio_tok_s"] = h["tok_s"] / p["tok_s"]
     if h["peak_rss_mib"] and p["peak_rss_mib"]:
         result["ratio_peak_rss"] = h["peak_rss_mib"] / p["peak_rss_mib"]
+    if lora_rank:
+        full = result["sides"]["handgrad-full"]
+        result["lora"] = dict(spec["lora"], speedup_vs_full=h["tok_s"] / full["tok_s"],
+                              trained=sum(int(np.prod(s)) for n, s in split_spec(
+                                  _model_family(config).model, config, _lora(spec))[0]))
+        if h["peak_rss_mib"] and full["peak_rss_mib"]:
+            result["lora"]["peak_rss_vs_full"] = h["peak_rss_mib"] / full["peak_rss_mib"]
     if prof:
         result["profile"] = prof
     return result
@@ -352,7 +400,7 @@ def main(args):
     peak = sgemm_peak()
     rows = []
     for name in names:
-        r = bench_shape(name, args.steps, args.profile)
+        r = bench_shape(name, args.steps, args.profile, getattr(args, "lora", None))
         for side in r["sides"].values():
             side["mfu"] = side["gflops"] / peak["median_gflops"]
         rows.append(r)
@@ -379,6 +427,11 @@ def format_row(r):
         lines.append(f"  {name:<9} {s['tok_s']:>9.1f} {s['step_ms']:>9.1f} {s['gflops']:>8.1f} {mfu:>6} "
                      f"{_mib(s['peak_rss_mib']):>10} {_mib(s['baseline_rss_mib']):>10}")
     mem = f"{r['ratio_peak_rss']:.2f}x" if "ratio_peak_rss" in r else "?"
+    if "lora" in r:
+        lo = r["lora"]
+        lines.append(f"  LoRA r {lo['rank']} on {','.join(lo['targets'])} ({lo['trained']:,} trained parameters); "
+                     f"pytorch = transformers + PEFT; handgrad LoRA / handgrad full: tok/s {lo['speedup_vs_full']:.2f}x, "
+                     f"peak RSS {lo.get('peak_rss_vs_full', float('nan')):.2f}x")
     bg = "?" if r["background_cores"] is None else f"{r['background_cores']:.2f}"
     lines.append(f"  handgrad/pytorch: tok/s {r['ratio_tok_s']:.2f}x, peak RSS {mem}; losses agree to "
                  f"{r['loss_max_rel_diff']:.1e} over {LOSS_CHECK_STEPS} steps (first {r['first_loss'][0]:.5f} vs {r['first_loss'][1]:.5f}); "
@@ -415,7 +468,7 @@ def _mib(x):
 
 
 if __name__ == "__main__":  # a worker: python -m handgrad.bench.train SIDE SPEC_JSON
-    if len(sys.argv) != 3 or sys.argv[1] not in SIDES:
-        raise SystemExit("usage: python -m handgrad.bench.train {handgrad|pytorch} SPEC_JSON (started by bench train)")
+    if len(sys.argv) != 3 or sys.argv[1] not in LORA_SIDES:
+        raise SystemExit("usage: python -m handgrad.bench.train {handgrad|pytorch|handgrad-full} SPEC_JSON (started by bench train)")
     sys.exit(worker(sys.argv[1], json.loads(sys.argv[2])))
 

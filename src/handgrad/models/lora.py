@@ -80,15 +80,22 @@ def split_spec(model_cls, config, lora):
     return trained, frozen, per_block
 
 
-def init_adapters(model, seed):
-    """PEFT's initialisation: lora_A ~ U(-1/sqrt(in), 1/sqrt(in)), lora_B = 0."""
-    rng = np.random.default_rng([seed, 0x10A])
-    for blocks in model.lora_blocks:
+def initial_adapters(lora_blocks, rank, seed):
+    """{name: array} of new adapters, as PEFT initialises them: lora_A ~ U(-1/sqrt(in), 1/sqrt(in))
+    (kaiming_uniform_(a=sqrt(5))), lora_B = 0. NumPy only (a PyTorch side can start from them)."""
+    rng, out = np.random.default_rng([seed, 0x10A]), {}
+    for blocks in lora_blocks:
         for t in blocks:
             bound = 1.0 / np.sqrt(t.fan_in)
-            a = model.p[t.module + ".lora_A.weight"]
-            a[...] = model.ops.from_numpy(rng.uniform(-bound, bound, a.shape).astype(np.float32))
-            model.p[t.module + ".lora_B.weight"][...] = 0
+            out[t.module + ".lora_A.weight"] = rng.uniform(-bound, bound, (rank, t.fan_in)).astype(np.float32)
+            out[t.module + ".lora_B.weight"] = np.zeros((t.fan_out, rank), np.float32)
+    return out
+
+
+def init_adapters(model, seed):
+    """The model's adapters set to initial_adapters'."""
+    for name, value in initial_adapters(model.lora_blocks, model.lora.rank, seed).items():
+        model.p[name][...] = model.ops.from_numpy(value)
 
 
 def adapter_records(model):

@@ -365,8 +365,8 @@ def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0):
     drop = dropout_args(dropout_p, seed, qkv.dtype)  # checks p
     mkl = _per_head_mkl(qkv, n_head, ((out, (B, T, C)), (att, (B, n_head, T, T))))
     if mkl is not None:
-        rows = (B * n_head, min(T, CAUSAL_BLOCK), T) if dropout_p != 0.0 else (1, 1, 1)  # (1, 1, 1): unused
-        dropped = workspace("attention_dropped", rows, qkv.dtype)
+        shape = (B * n_head, min(T, CAUSAL_BLOCK), T) if dropout_p != 0.0 else (1, 1, 1)  # else unused
+        dropped = workspace("attention_dropped", shape, qkv.dtype)
         run_heads(_forward_heads, mkl, out, att, qkv, dropped, keep_scratch(B * n_head, T, qkv.dtype), n_head,
                   scale, *drop, CAUSAL_BLOCK, True)
         return
@@ -376,7 +376,8 @@ def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0):
     if dropout_p == 0.0:
         blas.gemm(att, v, _heads(out, B, T, n_head, hs))
         return
-    # the dropped copy goes to the backward's dP scratch (allocated for training anyway)
+    # the dropped copy goes to the backward's dP scratch (training allocates it anyway: no extra
+    # bytes; this path has no row blocks to copy one at a time)
     dropped = workspace("attention_datt", att.shape, att.dtype)
     dropout_heads_kernel(dropped, att, keep_scratch(B * n_head, T, att.dtype), n_head, 1, 0, *drop)
     blas.gemm(dropped, v, _heads(out, B, T, n_head, hs))

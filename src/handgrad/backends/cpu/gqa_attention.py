@@ -23,11 +23,11 @@ by both directions) and as much for dP in the backward, reused by every layer. O
 OpenBLAS the products go through blas.gemm over (B, NKV) on strided views, one query head of each
 group at a time, with (B, NKV, T, T) scratch.
 
-Dropout on the probabilities (dropout_p > 0, training), as in attention.py: y_h = (P * M / (1 - p)) v_g,
-M the keep mask of the whole (B, NH, T, T) probabilities (`dropout.keep_mask((B, NH, T, T), p,
-seed)`, element ((b*NH + h)*T + t)*T + s). The forward applies a row's mask in place on the
-scores scratch right after its softmax (the logsumexp is taken before, from P undropped), the
-backward draws it again per recomputed row. The mask is never stored.
+Dropout on the probabilities (dropout_p > 0, training), as in attention.py:
+y_h = (P * M / (1 - p)) v_g, M the keep mask of the whole (B, NH, T, T) probabilities
+(`dropout.keep_mask((B, NH, T, T), p, seed)`, element ((b*NH + h)*T + t)*T + s). The forward masks
+a row in place in the scores scratch right after its softmax (the logsumexp is taken first, from P
+undropped); the backward draws the row's mask again when it recomputes the row. It is never stored.
 """
 import math
 
