@@ -257,6 +257,13 @@ RUN_PRESETS = {
                                        warmup_steps=100, weight_decay=0.1, beta2=0.99, grad_clip=1.0,
                                        eval_interval=250, eval_steps=20, sample_interval=500,
                                        checkpoint_interval=500)},
+    # nanoGPT's config/train_shakespeare_char.py as it is (its GPU values: 6 x 384, block 256, batch 64,
+    # dropout 0.2, 5000 iterations); eval_iters 200 there, 20 batches of 64 here
+    "nanogpt-shakespeare-char": {"model": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2),
+                                 "train": dict(batch_size=64, max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+                                               weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0,
+                                               eval_interval=250, eval_steps=20, log_interval=10,
+                                               sample_interval=1000, checkpoint_interval=250)},
     "mid": {"model": dict(n_layer=6, n_head=8, n_embd=512, block_size=256),
             "train": dict(batch_size=8, max_steps=1000, lr=6e-4, min_lr=6e-5, warmup_steps=50,
                           eval_interval=100, sample_interval=500, checkpoint_interval=250)},

@@ -29,7 +29,7 @@ from ..config import LORA_TARGETS, LlamaConfig, LoRAConfig, load_run_config
 from ..machine import BackgroundLoad, environment, sgemm_peak
 from ..models import get_family
 from ..models.family import flat_layout
-from ..models.lora import initial_adapters, split_spec
+from ..models.lora import initial_adapters, lora_flops_per_token, split_spec
 from ..training.optim import AdamW
 from ..training.step import accumulate_gradients
 from .common import SETTLE_S
@@ -361,6 +361,9 @@ def bench_shape(name, steps, profile, lora_rank=None):
             except (SystemExit, BrokenPipeError, OSError):
                 s.proc.kill()
     flops = get_family(spec["arch"]).flops_per_token(config, spec["T"])
+    full_flops = get_family(spec["arch"]).flops_per_token(config, spec["T"])
+    if lora_rank:  # what a LoRA step needs (the frozen matrices' weight gradients are never formed)
+        flops = lora_flops_per_token(get_family(spec["arch"]), config, _lora(spec), spec["T"])
     result = {"name": name, "config": spec, "tokens_per_step": tokens_per_step, "flops_per_token": flops,
               "steps": steps, "loss_max_rel_diff": err, "first_loss": [hg.losses[0], pt.losses[0]],
               "background_cores": load.cores, "sides": {}}
@@ -369,7 +372,7 @@ def bench_shape(name, steps, profile, lora_rank=None):
         m = memory.get(s.name, {})
         result["sides"][s.name] = {
             "step_ms": step_s * 1e3, "tok_s": tokens_per_step / step_s,
-            "gflops": flops * tokens_per_step / step_s / 1e9,
+            "gflops": (full_flops if s.name == "handgrad-full" else flops) * tokens_per_step / step_s / 1e9,
             "peak_rss_mib": m.get("hwm_mib"), "baseline_rss_mib": s.baseline.get("rss_mib"),
         }
     h, p = result["sides"]["handgrad"], result["sides"]["pytorch"]

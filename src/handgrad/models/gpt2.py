@@ -155,6 +155,7 @@ class GPT(FlatModel):
     FAN_IN_FAN_OUT = True  # Conv1D weights, [in, out] (PEFT's fan_in_fan_out)
     block_prefix = staticmethod(lambda l: f"h.{l}.")
     is_norm = staticmethod(lambda name: name.split(".")[-2].startswith("ln_"))
+    is_product = staticmethod(lambda name, config: name != "wpe.weight")  # wte is the tied lm_head's
 
     def _grad_buckets(self):
         """Gradient ranges in the order backward() finishes them: ln_f, blocks L-1 .. 0, embeddings."""

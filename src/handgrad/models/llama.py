@@ -155,6 +155,8 @@ class Llama(FlatModel):
     FAN_IN_FAN_OUT = False  # nn.Linear weights, [out, in]
     block_prefix = staticmethod(lambda l: f"model.layers.{l}.")
     is_norm = staticmethod(lambda name: name.endswith("norm.weight"))
+    # a 2-D tensor that is a product's weight (not a lookup: an untied embed_tokens)
+    is_product = staticmethod(lambda name, config: config.tie_embeddings or name != "model.embed_tokens.weight")
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
                  dropout=0.0):

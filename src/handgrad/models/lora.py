@@ -134,3 +134,14 @@ def base_digest(model):
         h.update(f"{name}:{tuple(shape)};".encode())
         h.update(np.ascontiguousarray(model.ops.to_numpy(model.p[name]), dtype=np.float32).data)
     return h.hexdigest()
+
+
+def lora_flops_per_token(family, config, lora, T):
+    """Training FLOPs per token of a LoRA run: the family's count (6 per matrix parameter, plus
+    attention) less the weight-gradient product of every frozen matrix (2 of its 6: the forward's
+    product and the input gradient's remain), plus 6 per adapter parameter. A frozen tied or
+    untied lm_head saves its weight gradient too; embeddings that train keep theirs."""
+    trained, frozen, _ = split_spec(family.model, config, lora)
+    saved = sum(int(np.prod(s)) for n, s in frozen if len(s) == 2 and family.model.is_product(n, config))
+    adapters = sum(int(np.prod(s)) for n, s in trained if ".lora_" in n)
+    return family.flops_per_token(config, T) - 2 * saved + 6 * adapters

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 
+from ..models.lora import lora_flops_per_token
 from .distributed import DistributedError
 from .progress import format_step, plot_losses, progress_bar
 from .rundir import TrainError, last_good
@@ -43,7 +44,9 @@ class RunLoop:
         """Train to max_steps. peak_gflops (the sgemm peak of all ranks together) adds MFU to the log."""
         t, dp = self.config.train, self.dp
         tokens_per_step = t.batch_size * self.config.model.block_size * t.grad_accum_steps * dp.world_size
-        flops_per_step = self.family.flops_per_token(self.gpt_config, self.config.model.block_size) * tokens_per_step
+        T = self.config.model.block_size
+        flops_per_step = tokens_per_step * (self.family.flops_per_token(self.gpt_config, T) if self.model.lora is None
+                                            else lora_flops_per_token(self.family, self.gpt_config, self.model.lora, T))
         metrics = open(self.run_dir / "metrics.jsonl", "a") if dp.is_main else None
         bar = progress_bar(self.step, t.max_steps) if dp.is_main else None
         say = bar.write if bar is not None else self.log
