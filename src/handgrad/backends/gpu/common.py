@@ -189,3 +189,10 @@ def colsum_accumulate(dst, x):
     _colsum_partials_kernel[(n_blocks(N), cdiv(C, BLOCK_C))](partial, x, N, C, x.stride(0), ROWS=ROWS_PER_BLOCK,
                                                             R=R, BLOCK_C=BLOCK_C)
     sum_partials_into(dst, partial)
+
+
+def no_adapters(adapters):
+    """The fused norm + linear ops take LoRA adapters on the cpu (backends/cpu/lora.py); the gpu
+    models carry none yet (FlatModel refuses LoRA off the cpu)."""
+    if adapters:
+        raise NotImplementedError("LoRA adapters on the gpu backend's fused norm + linear ops: not built yet")

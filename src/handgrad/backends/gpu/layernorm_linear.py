@@ -4,22 +4,23 @@ The normalized input (N, C) is never stored: the forward writes it to a reused s
 the backward recomputes it from the saved mean and rstd (one cheap pass, no reduction).
 """
 from .layernorm import layernorm_backward, layernorm_forward, layernorm_recompute
-from .common import workspace
+from .common import no_adapters, workspace
 from .linear import linear_backward, linear_forward
 
 
-def layernorm_linear_forward(out, mean, rstd, inp, ln_weight, ln_bias, weight, bias=None):
+def layernorm_linear_forward(out, mean, rstd, inp, ln_weight, ln_bias, weight, bias=None, adapters=()):
     """out (B, T, OC) = layernorm(inp (B, T, C); ln_weight, ln_bias) @ weight (C, OC) [+ bias].
 
     Overwrites out, mean (B, T) and rstd (B, T).
     """
+    no_adapters(adapters)
     xn = workspace("ln_linear_xn", inp.shape, inp.dtype, inp.device)
     layernorm_forward(xn, mean, rstd, inp, ln_weight, ln_bias)
     linear_forward(out, xn, weight, bias)
 
 
 def layernorm_linear_backward(dinp, dln_weight, dln_bias, dweight, dbias, dout, inp, ln_weight,
-                              ln_bias, mean, rstd, weight, accumulate=True):
+                              ln_bias, mean, rstd, weight, accumulate=True, adapters=()):
     """Chain rule through the two ops: xn = layernorm(inp) is recomputed from mean and rstd,
     then  dW += xn^T @ dout,  db += sum_rows(dout),  dxn = dout @ W^T,  and the layernorm
     backward takes dxn to dinp, dln_weight, dln_bias.
@@ -27,8 +28,10 @@ def layernorm_linear_backward(dinp, dln_weight, dln_bias, dweight, dbias, dout, 
     with accumulate=False dweight is overwritten instead (see linear_backward).
     dbias may be None when the bias is fused into the next op (bias + GELU).
     """
+    no_adapters(adapters)
     xn = workspace("ln_linear_xn", inp.shape, inp.dtype, inp.device)
     dxn = workspace("ln_linear_dxn", inp.shape, inp.dtype, inp.device)
     layernorm_recompute(xn, inp, mean, rstd, ln_weight, ln_bias)
     linear_backward(dxn, dweight, dbias, dout, xn, weight, accumulate)
     layernorm_backward(dinp, dln_weight, dln_bias, dxn, inp, ln_weight, mean, rstd)
+
