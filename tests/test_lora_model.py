@@ -191,6 +191,9 @@ def test_lora_run_to_peft_and_back_and_merged(runs, tmp_path, capsys):
     with torch.no_grad():
         want = ref(torch.from_numpy(idx)).logits.numpy()
     np.testing.assert_allclose(plain.forward(idx), want, atol=1e-4 * np.abs(want).max())
+    capsys.readouterr()
+    assert cli(["sample", "--run", str(run), "--max-new-tokens", "5", "--prompt", "To be", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("To be")
     # a full-model format needs --merge; with it, transformers' own class gives the same logits
     assert cli(["convert", str(run), str(tmp_path / "hf"), "--format", "hf"]) == 2
     assert "pass --merge" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import numpy as np
 from .data.chat import load_chat_format
 from .data.sources import DataError
 from .data.tokenizer import load_tokenizer
-from .interop.convert import foreign_format, load_pretrained, model_tokenizer_path
+from .interop.convert import foreign_format, load_base, load_pretrained, model_tokenizer_path
 from .models.decode import SampleError, check_sampling, generate
 from .models import family_of
 from .training.checkpoint import CheckpointError, load_model, read_state, resolve
@@ -167,7 +167,7 @@ def main(args, file=None):
     padded = True  # a model from elsewhere may pad its embedding past its tokenizer (Qwen2's)
     try:
         if foreign_format(args.run) is None:
-            model = load_model(args.run)
+            model = load_model(args.run, base=load_base)  # a LoRA run: its base, then the adapters
             tok_path = args.tokenizer or _tokenizer_dir(args.run)
             padded = _pads_vocab(args.run)
         else:
