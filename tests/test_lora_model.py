@@ -235,3 +235,28 @@ def test_lora_refusals(runs, tmp_path, capsys):
     assert cli(["convert", str(run), str(tmp_path / "p3"), "--format", "peft"]) == 2
     assert "differ from the base this LoRA run's adapters were trained on" in capsys.readouterr().err
     assert not (tmp_path / "p3").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"peft_type": "IA3"}, "handgrad reads LoRA adapters (LORA) only"),
+    ({"use_dora": True}, "use_dora True is not supported"),
+    ({"use_rslora": True}, "use_rslora True is not supported"),
+    ({"bias": "all"}, "bias 'all' is not supported"),
+    ({"rank_pattern": {"q_proj": 8}}, "one rank and alpha on every block"),
+    ({"r": 0}, "r must be a positive integer"),
+    ({"lora_alpha": "big"}, "lora_alpha must be a positive number"),
+    ({"target_modules": ["self_attn.qkv"]}, "is no linear of a block that handgrad can adapt"),
+    ({"base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M"}, "is not on this machine"),
+    ({"base_model_name_or_path": None}, "base_model_name_or_path is empty"),
+])
+def test_bad_peft_adapters_are_refused_naming_the_key(edit, message, tmp_path, capsys):
+    model = _model(LLAMA, CASES["llama_all"][1])
+    base = {n: model.p[n] for n, _ in model.param_spec(LLAMA)}
+    write_hf_llama(tmp_path / "base", LLAMA, base)
+    write_peft(tmp_path / "adapter", "llama", model.lora, {n: model.p[n] for n in model.layout}, tmp_path / "base")
+    f = tmp_path / "adapter" / "adapter_config.json"
+    f.write_text(json.dumps(dict(json.loads(f.read_text()), **edit)))
+    assert cli(["convert", str(tmp_path / "adapter"), str(tmp_path / "out"), "--format", "hf", "--merge"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
