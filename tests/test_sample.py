@@ -312,7 +312,7 @@ def cli(monkeypatch):
     state = {"eot": True, "loaded": []}
     model = random_model(CLI_CONFIG, scale=0.1)
 
-    def load_model(path, backend="cpu"):
+    def load_model(path, backend="cpu", base=None):
         state["loaded"].append(("model", str(path)))
         return model
 
