@@ -111,3 +111,39 @@ def test_bench_learn_tiny(tmp_path):
     assert len(h) == len(p) == 3
     assert max(abs(a - b) for a, b in zip(h, p)) < 1e-4  # same weights, same batches
     assert (tmp_path / "docs" / "learn-tiny.png").stat().st_size > 1000
+
+
+def test_bench_learn_lora_lowers_the_new_corpus_loss_as_peft_does(tmp_path):
+    """bench learn --lora: pretrain on one corpus, fine-tune adapters on another beside PyTorch + PEFT
+    (same pretrained weights, same initial adapters, same batches): the new corpus' val loss falls and
+    the two curves agree."""
+    from handgrad.data.prepare import prepare
+    (tmp_path / "a.txt").write_text("to be or not to be, that is the question.\n" * 400)
+    (tmp_path / "b.txt").write_text("def f(x):\n    return [x * i for i in range(10)]\n" * 400)
+    for name in ("a", "b"):
+        prepare([str(tmp_path / f"{name}.txt")], tmp_path / name, tokenizer="byte")
+    out = subprocess.run([sys.executable, "-m", "handgrad", "bench", "learn", "--lora", "4", "--pretrain-steps", "30",
+                          "--steps", "30", "--data", str(tmp_path / "a"), "--finetune-data", str(tmp_path / "b"),
+                          "--out", str(tmp_path / "docs")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "docs" / "learn-llama-char-lora4.json").read_text())
+    s, curves = result["summary"], result["curves"]
+    assert len(result["pretrain"]["handgrad"]["loss"]) == 30 and len(curves["handgrad"]["loss"]) == 30
+    assert s["lowered"] and s["after"]["handgrad"]["finetune_val"] < s["before"]["finetune_val"] - 0.2
+    assert s["max_train_loss_diff"] < 1e-4 and s["max_val_loss_diff"] < 1e-4
+    assert result["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q", "k", "v", "o", "gate", "up", "down"],
+                              "dropout": 0.0, "train_norms": False, "train_embeddings": False}
+
+
+def test_bench_learn_lora_refuses_gpt2_and_mismatched_tokenizers(tmp_path):
+    from handgrad.data.prepare import prepare
+    (tmp_path / "a.txt").write_text("abcdefgh\n" * 200)
+    prepare([str(tmp_path / "a.txt")], tmp_path / "a", tokenizer="byte")
+    prepare([str(tmp_path / "a.txt")], tmp_path / "c", tokenizer="char")
+    cmd = [sys.executable, "-m", "handgrad", "bench", "learn", "--lora", "4", "--out", str(tmp_path / "docs")]
+    out = subprocess.run(cmd + ["--preset", "shakespeare-char"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "GPT-2 preset" in out.stderr.strip().splitlines()[-1]
+    out = subprocess.run(cmd + ["--data", str(tmp_path / "a"), "--finetune-data", str(tmp_path / "c")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "prepare both with one tokenizer" in out.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "docs").exists()

@@ -7,7 +7,8 @@ residual adds (SITE_ATTN_OUT, SITE_MLP_OUT). Compared: logits, the mean loss (ig
 included) and every gradient in model.grads(), at C = 36 (not a power of two), 3 or 6 heads,
 grouped-query 6 over 2, T = 1 and 20, V = 83. Also: evaluation after training is the dropout-0
 model bit for bit, the masks move with seed, step and micro-step and repeat for the same key, and a
-`handgrad train` run with --model.dropout resumes bitwise exactly in both families."""
+`handgrad train` run with --model.dropout resumes bitwise exactly in both families, and its hf
+export records the rate (GPT-2's attn/resid/embd_pdrop, Llama's attention_dropout)."""
 import json
 import math
 
@@ -286,3 +287,12 @@ def test_train_with_dropout_resumes_bitwise_exactly(data_dir, tmp_path, arch):
     assert train(tmp_path / "c", "--train.max_steps", "1", "--model.dropout", "0") == 0
     assert metrics(tmp_path / "c")[0]["loss"] != ma[0]["loss"]
     assert json.loads((tmp_path / "c" / "config.json").read_text())["model"]["dropout"] == 0
+    # the exports record it where Hugging Face's config has a place for it (and transformers reads it)
+    from transformers import AutoConfig
+    for run, p in ((a, 0.2), (tmp_path / "c", 0.0)):
+        assert cli(["convert", str(run), str(run / "hf"), "--format", "hf"]) == 0
+        hf = AutoConfig.from_pretrained(run / "hf")
+        if arch == "gpt2":
+            assert (hf.attn_pdrop, hf.resid_pdrop, hf.embd_pdrop) == (p, p, p)
+        else:
+            assert hf.attention_dropout == p

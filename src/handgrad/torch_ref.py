@@ -179,6 +179,25 @@ class TorchLlama(torch.nn.Module):
 
     adamw = TorchGPT.adamw
 
+    adamw = TorchGPT.adamw
+
+    def with_peft(self, lora, seed):
+        """PEFT's LoRA on this model, in place (its targeted linears become PEFT's LoRA layers), the
+        adapters set to handgrad's initial ones for `seed` (models/lora.py's initial_adapters), so
+        both start from the same point. Returns the trained parameters (the adapters)."""
+        import peft
+        from .models.llama import Llama
+        from .models.lora import initial_adapters, split_spec
+        _, _, blocks = split_spec(Llama, self.config, lora)
+        self.hf = peft.get_peft_model(self.hf, peft.LoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",
+            target_modules=[Llama.LORA_MODULES[n][0] for n in lora.targets]))
+        with torch.no_grad():
+            for name, value in initial_adapters(blocks, lora.rank, seed).items():
+                self.hf.get_parameter("base_model.model." + name.replace(".weight", ".default.weight")).copy_(
+                    torch.from_numpy(value))
+        return [p for p in self.hf.parameters() if p.requires_grad]
+
 
 def rope(x, cos, sin, n_head, offset=0):
     """x (B, T, n_head*hs) rotated per head as transformers' apply_rotary_pos_emb does,

@@ -4,7 +4,7 @@ import json
 
 from .common import MAX_REPEAT, MIN_REPEAT, ROW_BUDGET_S
 from .gpu import bench_ops_gpu
-from .learn import run_learn
+from .learn import run_learn, run_learn_lora
 from .ops import bench_ops
 from .train import main as bench_train_main
 
@@ -36,15 +36,23 @@ def add_arguments(parser):
                              "(default tiny,mid,gpt2-124m); learn: the run preset (default shakespeare-char)")
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help="train: timed steps per side (default: as many as fit in about 12 s); "
-                             "learn: override the preset's train.max_steps")
+                             "learn: override the preset's train.max_steps (with --lora: the fine-tuning steps, "
+                             "default 500)")
     parser.add_argument("--lora", type=_positive_int, default=None, metavar="R",
                         help="train: LoRA rows at rank R on every linear (Llama presets): handgrad's LoRA step beside "
-                             "PyTorch + PEFT's and handgrad's own full step")
+                             "PyTorch + PEFT's and handgrad's own full step; learn: the LoRA learning check (Llama "
+                             "presets, default llama-char): pretrain on shakespeare, then fine-tune rank-R adapters on "
+                             "the Python standard library beside PyTorch + PEFT")
     parser.add_argument("--profile", action="store_true",
                         help="train: add handgrad's per-op time breakdown (forward, backward, optimizer)")
     learn = parser.add_argument_group("learn")
     learn.add_argument("--data", default=None, metavar="DATA_DIR",
                        help="prepared data for `learn` (default: prepare shakespeare, char, into ~/.cache/handgrad)")
+    learn.add_argument("--finetune-data", default=None, metavar="DATA_DIR",
+                       help="learn --lora: prepared data to fine-tune on, with the same tokenizer as --data "
+                            "(default: prepare pystdlib, byte; --data's default is then shakespeare, byte)")
+    learn.add_argument("--pretrain-steps", type=_positive_int, default=None, metavar="N",
+                       help="learn --lora: pretraining steps before the adapters (default the preset's train.max_steps)")
     learn.add_argument("--out", default="docs", metavar="DIR", help="where `learn` writes its JSON and plot")
 
 
@@ -82,7 +90,11 @@ def main(args):
     if args.what == "train":
         return bench_train_main(args)
     if args.what == "learn":
-        result = run_learn(args.preset or "shakespeare-char", args.steps, args.data, args.out)
+        if args.lora:
+            result = run_learn_lora(args.lora, args.preset or "llama-char", args.steps, args.pretrain_steps,
+                                    args.data, args.finetune_data, args.out)
+        else:
+            result = run_learn(args.preset or "shakespeare-char", args.steps, args.data, args.out)
         if args.json:
             print(json.dumps(result))
         return 0

@@ -5,7 +5,16 @@ Trains handgrad and PyTorch (torch_ref.TorchGPT for GPT-2, transformers' LlamaFo
 initial weights on the same batches, with the same AdamW, warmup + cosine schedule and clipping,
 and records both train-loss curves and both val losses at every evaluation. Writes
 OUT/learn-{preset}.json and OUT/learn-{preset}.png, and prints a table.
+
+`--lora R` (Llama presets) is the LoRA learning check: handgrad first pretrains the preset's model on
+one corpus (shakespeare, byte tokenizer: every corpus shares its 256 ids), then fine-tunes rank-R
+adapters on every linear of every block (alpha 2R) on another corpus (the Python standard library),
+side by side with PEFT's LoRA on transformers' LlamaForCausalLM holding the same pretrained weights
+and the same initial adapters. It records the fine-tuning corpus' val loss before and after (LoRA
+must lower it), both fine-tuning curves, and the pretraining corpus' val loss before and after
+(what the adapters cost the old corpus). Writes OUT/learn-{preset}-lora{R}.json and .png.
 """
+import dataclasses
 import json
 import os
 import time
@@ -13,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import LlamaConfig, load_run_config
+from ..config import LORA_TARGETS, LlamaConfig, LoRAConfig, load_run_config
 from ..files import write_atomic
 from ..data.prepare import prepare
 from ..data.shards import Dataset
@@ -34,12 +43,18 @@ class _TorchSide:
     """PyTorch from the same weights: torch_ref.TorchGPT for GPT-2, transformers' own
     LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases) for the Llama family; float32, eager."""
 
-    def __init__(self, arch_config, state, t):
+    def __init__(self, arch_config, state, t, lora=None, seed=0):
+        """lora: PEFT's LoRA on the Llama model (torch_ref.TorchLlama.with_peft), its initial
+        adapters handgrad's for `seed`; AdamW over the adapters alone (all 2-D: decayed, as handgrad's)."""
         from ..torch_ref import TorchGPT, TorchLlama, torch
         self.torch = torch
         ref = TorchLlama if isinstance(arch_config, LlamaConfig) else TorchGPT
         self.model = ref(arch_config, torch.float32).load_numpy(state)
-        self.opt = self.model.adamw(lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
+        if lora is None:
+            self.opt = self.model.adamw(lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
+        else:
+            self.opt = torch.optim.AdamW(self.model.with_peft(lora, seed), lr=t.lr, weight_decay=t.weight_decay,
+                                         betas=(t.beta1, t.beta2))
 
     def loss(self, x, y):
         with self.torch.no_grad():
@@ -75,6 +90,46 @@ class _HandgradSide:
         return loss
 
 
+def _train_side_by_side(sides, t, T, train_data, val_data, record, log_prefix=""):
+    """t.max_steps steps of every side on the same batches and learning rates; val losses (the same
+    val batches every time) at each eval_interval and at the end, into record[name]."""
+    rng = np.random.Generator(np.random.PCG64([t.seed, 1]))
+    for step in range(t.max_steps):
+        batches = [train_data.get_batch(t.batch_size, T, rng) for _ in range(t.grad_accum_steps)]
+        lr = lr_at(step, t)
+        for name, side in sides.items():
+            t0 = time.perf_counter()
+            loss = side.step(batches, lr, t.grad_clip)
+            record[name]["seconds"] += time.perf_counter() - t0
+            record[name]["step"].append(step + 1)
+            record[name]["loss"].append(loss)
+        done = step + 1
+        if t.eval_interval and (done % t.eval_interval == 0 or done == t.max_steps):
+            for name, side in sides.items():
+                record[name]["val_step"].append(done)
+                record[name]["val_loss"].append(_val_loss(side, val_data, t, T))
+            cells = " vs ".join(f"{record[n]['loss'][-1]:.4f}" for n in sides)
+            vals = " vs ".join(f"{record[n]['val_loss'][-1]:.4f}" for n in sides)
+            print(f"{log_prefix}step {done:>5} | train {cells} | val {vals} ({' vs '.join(sides)})", flush=True)
+
+
+def _val_loss(side, val_data, t, T):
+    vrng = np.random.Generator(np.random.PCG64([t.seed, 3]))
+    return float(np.mean([side.loss(*val_data.get_batch(t.batch_size, T, vrng)) for _ in range(t.eval_steps)]))
+
+
+def _new_record(sides):
+    return {name: {"step": [], "loss": [], "val_step": [], "val_loss": [], "seconds": 0.0} for name in sides}
+
+
+def _write(result, record, out_dir, name, title):
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / f"{name}.json", json.dumps(result) + "\n")
+    _plot(record, out_dir / f"{name}.png", title)
+    print(f"wrote {out_dir / f'{name}.json'} and {out_dir / f'{name}.png'}")
+
+
 def run_learn(preset="shakespeare-char", steps=None, data_dir=None, out_dir="docs", source="shakespeare",
               tokenizer="char"):
     from ..torch_ref import require_torch
@@ -87,35 +142,76 @@ def run_learn(preset="shakespeare-char", steps=None, data_dir=None, out_dir="doc
     train_data, val_data = Dataset(data_dir, "train"), Dataset(data_dir, "val")
     model = get_family(config.model.arch).model(config.gpt_config(train_data.vocab_size), seed=t.seed)
     sides = {"handgrad": _HandgradSide(model, t), "pytorch": _TorchSide(model.config, model.state_dict(), t)}
-    rng = np.random.Generator(np.random.PCG64([t.seed, 1]))
-    record = {name: {"step": [], "loss": [], "val_step": [], "val_loss": [], "seconds": 0.0} for name in sides}
+    record = _new_record(sides)
     print(f"bench learn: preset {preset}, {t.max_steps} steps, data {data_dir}, vocab {train_data.vocab_size}")
-    for step in range(t.max_steps):
-        batches = [train_data.get_batch(t.batch_size, T, rng) for _ in range(t.grad_accum_steps)]
-        lr = lr_at(step, t)
-        for name, side in sides.items():
-            t0 = time.perf_counter()
-            loss = side.step(batches, lr, t.grad_clip)
-            record[name]["seconds"] += time.perf_counter() - t0
-            record[name]["step"].append(step + 1)
-            record[name]["loss"].append(loss)
-        done = step + 1
-        if t.eval_interval and (done % t.eval_interval == 0 or done == t.max_steps):
-            vrng = np.random.Generator(np.random.PCG64([t.seed, 3]))
-            vb = [val_data.get_batch(t.batch_size, T, vrng) for _ in range(t.eval_steps)]
-            for name, side in sides.items():
-                record[name]["val_step"].append(done)
-                record[name]["val_loss"].append(float(np.mean([side.loss(x, y) for x, y in vb])))
-            h, p = record["handgrad"], record["pytorch"]
-            print(f"step {done:>5} | train {h['loss'][-1]:.4f} vs {p['loss'][-1]:.4f} | "
-                  f"val {h['val_loss'][-1]:.4f} vs {p['val_loss'][-1]:.4f} (handgrad vs pytorch)", flush=True)
+    _train_side_by_side(sides, t, T, train_data, val_data, record)
     result = {"preset": preset, "config": config.to_dict(), "data": str(data_dir),
               "vocab_size": train_data.vocab_size, "curves": record}
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(out_dir / f"learn-{preset}.json", json.dumps(result) + "\n")
-    _plot(record, out_dir / f"learn-{preset}.png", preset)
-    print(f"wrote {out_dir / f'learn-{preset}.json'} and {out_dir / f'learn-{preset}.png'}")
+    _write(result, record, out_dir, f"learn-{preset}", preset)
+    return result
+
+
+LORA_FINETUNE_STEPS = 500
+
+
+def run_learn_lora(rank, preset="llama-char", steps=None, pretrain_steps=None, data_dir=None, finetune_data=None,
+                   out_dir="docs"):
+    """The LoRA learning check (module docstring). steps: fine-tuning steps (default
+    LORA_FINETUNE_STEPS); pretrain_steps: default the preset's train.max_steps."""
+    from ..torch_ref import require_torch
+    require_torch()
+    config = load_run_config(preset)
+    if config.model.arch != "llama":
+        raise SystemExit(f"bench learn --lora: {preset} is a GPT-2 preset; the LoRA check compares against PEFT on "
+                         f"transformers' Llama (use --preset llama-char)")
+    cache = Path.home() / ".cache" / "handgrad"
+    pre_dir = _ensure_data(data_dir or cache / "data-shakespeare-byte", "shakespeare", "byte")
+    ft_dir = _ensure_data(finetune_data or cache / "data-pystdlib-byte", "pystdlib", "byte")
+    pre = {s: Dataset(pre_dir, s) for s in ("train", "val")}
+    ft = {s: Dataset(ft_dir, s) for s in ("train", "val")}
+    if pre["train"].vocab_size != ft["train"].vocab_size:
+        raise SystemExit(f"bench learn --lora: {pre_dir} has {pre['train'].vocab_size} token ids but {ft_dir} has "
+                         f"{ft['train'].vocab_size}; prepare both with one tokenizer (--tokenizer byte)")
+    T = config.model.block_size
+    t_pre = config.train if not pretrain_steps else dataclasses.replace(config.train, max_steps=pretrain_steps)
+    n_ft = steps or LORA_FINETUNE_STEPS
+    t_ft = dataclasses.replace(config.train, max_steps=n_ft, warmup_steps=min(config.train.warmup_steps, n_ft // 10))
+    arch = config.gpt_config(pre["train"].vocab_size)
+    family = get_family(config.model.arch)
+
+    print(f"bench learn --lora {rank}: preset {preset}; pretraining {t_pre.max_steps} steps on {pre_dir}")
+    model = family.model(arch, seed=t_pre.seed)
+    pre_record = _new_record(["handgrad"])
+    _train_side_by_side({"handgrad": _HandgradSide(model, t_pre)}, t_pre, T, pre["train"], pre["val"], pre_record,
+                        log_prefix="pretrain ")
+    base = model.state_dict()
+
+    lora = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=LORA_TARGETS["llama"])
+    tuned = family.model(arch, seed=t_ft.seed, lora=lora)  # its adapters: initial_adapters(seed)
+    tuned.load_state_dict(base, names=[n for n, _ in family.model.param_spec(arch)])
+    sides = {"handgrad": _HandgradSide(tuned, t_ft), "pytorch": _TorchSide(arch, base, t_ft, lora=lora, seed=t_ft.seed)}
+    before = {"finetune_val": _val_loss(sides["handgrad"], ft["val"], t_ft, T),
+              "pretrain_val": _val_loss(sides["handgrad"], pre["val"], t_ft, T)}
+    record = _new_record(sides)
+    for r in record.values():
+        r["val_step"].append(0)
+        r["val_loss"].append(before["finetune_val"])
+    print(f"fine-tuning rank-{rank} adapters {n_ft} steps on {ft_dir} (val loss before: {before['finetune_val']:.4f})")
+    _train_side_by_side(sides, t_ft, T, ft["train"], ft["val"], record, log_prefix="lora ")
+    after = {name: {"finetune_val": record[name]["val_loss"][-1],
+                    "pretrain_val": _val_loss(side, pre["val"], t_ft, T)} for name, side in sides.items()}
+    h, p = (np.asarray(record[n]["loss"]) for n in ("handgrad", "pytorch"))
+    summary = {"before": before, "after": after, "lowered": bool(after["handgrad"]["finetune_val"] < before["finetune_val"]),
+               "max_train_loss_diff": float(np.max(np.abs(h - p))),
+               "max_val_loss_diff": float(np.max(np.abs(np.subtract(record["handgrad"]["val_loss"],
+                                                                     record["pytorch"]["val_loss"]))))}
+    print(f"fine-tuning val loss {before['finetune_val']:.4f} -> handgrad {after['handgrad']['finetune_val']:.4f}, "
+          f"pytorch+peft {after['pytorch']['finetune_val']:.4f}; pretraining corpus val {before['pretrain_val']:.4f} -> "
+          f"{after['handgrad']['pretrain_val']:.4f}; largest train-loss gap {summary['max_train_loss_diff']:.2e}")
+    result = {"preset": preset, "config": config.to_dict(), "lora": lora.to_dict(), "pretrain_data": str(pre_dir),
+              "finetune_data": str(ft_dir), "vocab_size": arch.vocab_size, "pretrain_steps": t_pre.max_steps,
+              "finetune_steps": n_ft, "summary": summary, "pretrain": pre_record, "curves": record}
+    _write(result, record, out_dir, f"learn-{preset}-lora{rank}", f"{preset}, LoRA rank {rank} (after pretraining)")
     return result
 
 

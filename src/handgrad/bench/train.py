@@ -29,7 +29,7 @@ from ..config import LORA_TARGETS, LlamaConfig, LoRAConfig, load_run_config
 from ..machine import BackgroundLoad, environment, sgemm_peak
 from ..models import get_family
 from ..models.family import flat_layout
-from ..models.lora import initial_adapters, lora_flops_per_token, split_spec
+from ..models.lora import lora_flops_per_token, split_spec
 from ..training.optim import AdamW
 from ..training.step import accumulate_gradients
 from .common import SETTLE_S
@@ -190,20 +190,9 @@ class _TorchWorker:
                                     fused=True)
 
     def _peft(self, config, lora, seed, t):
-        """PEFT's LoRA on transformers' model (in place: the model's linears become LoRA layers), its
-        adapters set to handgrad's initial ones; fused AdamW over them alone, decayed as handgrad's
-        (every adapter is 2-D)."""
-        import peft
-        cls = _model_family(config).model
-        _, _, blocks = split_spec(cls, config, lora)
-        self.model.hf = peft.get_peft_model(self.model.hf, peft.LoraConfig(
-            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",
-            target_modules=[cls.LORA_MODULES[n][0] for n in lora.targets]))
-        with self.torch.no_grad():
-            for name, value in initial_adapters(blocks, lora.rank, seed).items():
-                self.model.hf.get_parameter("base_model.model." + name.replace(".weight", ".default.weight")).copy_(
-                    self.torch.from_numpy(value))
-        trained = [p for p in self.model.hf.parameters() if p.requires_grad]
+        """PEFT's LoRA on transformers' model, from handgrad's initial adapters; fused AdamW over the
+        adapters alone, decayed as handgrad's (every adapter is 2-D)."""
+        trained = self.model.with_peft(lora, seed)
         self.opt = self.torch.optim.AdamW(trained, lr=t["lr"], betas=(t["beta1"], t["beta2"]),
                                           weight_decay=t["weight_decay"], fused=True)
 

@@ -206,7 +206,7 @@ def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=N
         raise ConvertError(f"--format {fmt}: unknown format; choose from {', '.join(FORMATS)}")
     if fmt == "hf":
         write = write_hf_llama if family_of(config).arch == "llama" else write_hf
-        return write(dst, config, weights, tokenizer, eot_id=info.get("eot_id"))
+        return write(dst, config, weights, tokenizer, eot_id=info.get("eot_id"), dropout=info.get("dropout"))
     if fmt == "llmc":
         version = info.get("llmc_version", 3)
         path = write_llmc(dst, config, weights, version=version, padded_vocab=info.get("padded_vocab_size"))
@@ -230,7 +230,8 @@ def read_handgrad(path):
     config = make_config(ckpt / "state.json", state.get("arch", "gpt2"), **state["model_config"])
     tok = next((p / "tokenizer.json" for p in (Path(path), ckpt, ckpt.parent.parent)
                 if (p / "tokenizer.json").is_file()), None)
-    info = {"tokenizer": str(tok) if tok else None}
+    info = {"tokenizer": str(tok) if tok else None,  # a run's model.dropout, for the exports that record it
+            "dropout": state.get("config", {}).get("model", {}).get("dropout")}
     if state.get("lora"):  # the adapters (and what else trained) over a base recorded by path and digest
         model = load_model(ckpt, base=load_base)
         names = [n for n, _ in model.param_spec(config)]

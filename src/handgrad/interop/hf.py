@@ -144,21 +144,24 @@ def read_hf(path):
     return config, weights, {"tokenizer": str(tok) if tok.is_file() else None, "eot_id": eot}
 
 
-def hf_config(config, eot_id=None):
-    """config.json for GPT2LMHeadModel (GPT-2's own defaults, dropout included). bos_token_id and
-    eos_token_id are the tokenizer's end-of-text id, or null where there is none (left out,
-    GPT2Config would fill in GPT-2's 50256: an ordinary token of another vocabulary, or none)."""
+def hf_config(config, eot_id=None, dropout=None):
+    """config.json for GPT2LMHeadModel (GPT-2's own defaults). bos_token_id and eos_token_id are the
+    tokenizer's end-of-text id, or null where there is none (left out, GPT2Config would fill in
+    GPT-2's 50256: an ordinary token of another vocabulary, or none). dropout: the run's
+    model.dropout, which sits where GPT-2's attn_pdrop, resid_pdrop and embd_pdrop do (nanoGPT's
+    places); None (a model not trained here) leaves GPT-2's 0.1."""
+    pdrop = 0.1 if dropout is None else dropout
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
             "n_embd": config.n_embd, "n_head": config.n_head, "n_layer": config.n_layer,
             "n_positions": config.block_size, "n_ctx": config.block_size, "vocab_size": config.vocab_size,
             "n_inner": None, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
-            "attn_pdrop": 0.1, "embd_pdrop": 0.1, "resid_pdrop": 0.1, "scale_attn_weights": True,
+            "attn_pdrop": pdrop, "embd_pdrop": pdrop, "resid_pdrop": pdrop, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
             "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
             "torch_dtype": "float32"}
 
 
-def write_hf(dst, config, weights, tokenizer=None, eot_id=None):
+def write_hf(dst, config, weights, tokenizer=None, eot_id=None, dropout=None):
     """dst/model.safetensors (transformer.* keys, as save_pretrained writes), dst/config.json, and
     the tokenizer in a form Hugging Face loads (_export_hf_tokenizer).
 
@@ -180,7 +183,7 @@ def write_hf(dst, config, weights, tokenizer=None, eot_id=None):
             except (ConvertError, DataError) as e:
                 why_not = f"the tokenizer was not written: {e}"
         eot, eot_why = _end_of_text(config, tok, eot_id)
-        (tmp / "config.json").write_text(json.dumps(hf_config(config, eot), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config(config, eot, dropout), indent=2) + "\n")
         return publish_dir(tmp, dst), written_line("wrote model.safetensors, config.json", written, why_not,
                                                    eot, eot_why)
     except BaseException:

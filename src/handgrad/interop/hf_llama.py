@@ -134,9 +134,11 @@ def read_hf_llama(path):
 
 
 # ---------------------------------------------------------------- out
-def hf_llama_config(config, eot_id=None):
+def hf_llama_config(config, eot_id=None, dropout=None):
     """config.json for LlamaForCausalLM, or Qwen2ForCausalLM where the model has q/k/v biases. rope_theta
-    and rope_scaling are the fields transformers 4 reads and transformers 5 still takes."""
+    and rope_scaling are the fields transformers 4 reads and transformers 5 still takes. dropout: the
+    run's model.dropout, as attention_dropout (on the attention probabilities, as handgrad places it;
+    Llama's config has no field for the residual branches' dropout handgrad also applies); None: 0.0."""
     qwen2 = config.qkv_bias
     doc = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
            "model_type": "qwen2" if qwen2 else "llama", "hidden_size": config.n_embd,
@@ -145,7 +147,7 @@ def hf_llama_config(config, eot_id=None):
            "head_dim": config.head_dim, "hidden_act": "silu", "max_position_embeddings": config.block_size,
            "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta, "rope_scaling": None,
            "tie_word_embeddings": config.tie_embeddings, "vocab_size": config.vocab_size,
-           "initializer_range": 0.02, "attention_dropout": 0.0, "use_cache": True,
+           "initializer_range": 0.02, "attention_dropout": 0.0 if dropout is None else dropout, "use_cache": True,
            "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32"}
     if qwen2:
         doc.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.n_layer)
@@ -154,7 +156,7 @@ def hf_llama_config(config, eot_id=None):
     return doc
 
 
-def write_hf_llama(dst, config, weights, tokenizer=None, eot_id=None):
+def write_hf_llama(dst, config, weights, tokenizer=None, eot_id=None, dropout=None):
     """dst/model.safetensors (float32, Hugging Face's names), config.json, generation_config.json and
     the tokenizer (_write_tokenizer). bos/eos ids: the tokenizer's end-of-text token, else eot_id
     (the source's config.json's eos), else null. Returns (dst, one line saying what was written,
@@ -166,7 +168,7 @@ def write_hf_llama(dst, config, weights, tokenizer=None, eot_id=None):
                          tmp / "model.safetensors", metadata={"format": "pt"})
         tok, written, why_not = _write_tokenizer(tokenizer, tmp, config)
         eot, eot_why = _end_of_text(config, tok, eot_id)
-        (tmp / "config.json").write_text(json.dumps(hf_llama_config(config, eot), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_llama_config(config, eot, dropout), indent=2) + "\n")
         generation = {"_from_model_config": True, "bos_token_id": eot, "eos_token_id": eot}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         arch = hf_llama_config(config)["architectures"][0]
