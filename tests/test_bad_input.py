@@ -199,16 +199,17 @@ def prepare_a_shard(w, tmp):
 
 
 # ---------------------------------------------------------------- models from elsewhere, conversations
-def hf_llama(w, tmp, name="hf", vocab=None, edit=None, **fields):
+def hf_llama(w, tmp, name="hf", vocab=None, edit=None, seed=0, **fields):
     """A Hugging Face Llama directory written by handgrad's exporter (a random 1-layer model with data
-    A's char tokenizer); edit(directory, config dict) may damage it, config.json is rewritten after."""
+    A's char tokenizer, its weights drawn from seed); edit(directory, config dict) may damage it,
+    config.json is rewritten after."""
     from handgrad.config import LlamaConfig
     from handgrad.interop.hf_llama import write_hf_llama
     from handgrad.models.llama import Llama
     V = json.loads((w.A / "meta.json").read_text())["vocab_size"]
     c = LlamaConfig(block_size=32, vocab_size=vocab or V, n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
                     ffn_hidden=24, **fields)
-    d, _ = write_hf_llama(tmp / name, c, Llama(c, seed=0).state_dict(), tokenizer=str(w.A / "tokenizer.json"))
+    d, _ = write_hf_llama(tmp / name, c, Llama(c, seed=seed).state_dict(), tokenizer=str(w.A / "tokenizer.json"))
     if edit is not None:
         cfg = json.loads((d / "config.json").read_text())
         edit(d, cfg)
@@ -269,6 +270,65 @@ def _broken_tokenizer(w, tmp):
     (tmp / "tok").mkdir()
     (tmp / "tok" / "tokenizer.json").write_text('{"model": {"type": "BPE"')
     return ["prepare", str(w.root / "a.txt"), "--tokenizer", str(tmp / "tok"), "--out", str(tmp / "out")], [tmp / "out"]
+
+
+# ---------------------------------------------------------------- LoRA adapters and their base models
+def lora(*extra):
+    """A LoRA run on data A (rank 2) with extra flags; the output must not appear."""
+    return lambda w, tmp: (train(w.A, tmp / "out", "--train.lora_rank", "2", *extra), [tmp / "out"])
+
+
+def lora_run(w, tmp):
+    """A 1-step rank-2 LoRA run over a Llama base (hf_llama's, written into tmp/base) on data A; returns
+    (the run, its base)."""
+    base = hf_llama(w, tmp, name="base")
+    assert cli(["train", "--data", str(w.A), "--out", str(tmp / "lora"), "--init-from", str(base),
+                "--train.lora_rank", "2", "--train.max_steps", "1", "--train.batch_size", "2",
+                "--train.sample_interval", "0", "--train.eval_steps", "1", "--model.block_size", "16"]) == 0
+    return tmp / "lora", base
+
+
+def _unchanged(path):
+    before = snapshot(path)
+    return lambda: snapshot(path) == before
+
+
+def lora_base_replaced(w, tmp):
+    """The LoRA run's base directory now holds another model (same shapes, other weights)."""
+    run, base = lora_run(w, tmp)
+    shutil.rmtree(base)
+    hf_llama(w, tmp, name="base", seed=1)
+    return ["sample", "--run", str(run), "--max-new-tokens", "2"], [], _unchanged(run)
+
+
+def peft_adapter(edit):
+    """The LoRA run exported in PEFT's format, its adapter_config.json edited by edit(directory, config);
+    then merged into a Hugging Face export."""
+    def build(w, tmp):
+        run, _ = lora_run(w, tmp)
+        assert cli(["convert", str(run), str(tmp / "adapter"), "--format", "peft"]) == 0
+        f = tmp / "adapter" / "adapter_config.json"
+        cfg = json.loads(f.read_text())
+        edit(w, tmp, cfg)
+        f.write_text(json.dumps(cfg))
+        return ["convert", str(tmp / "adapter"), str(tmp / "out"), "--format", "hf", "--merge"], [tmp / "out"]
+    return build
+
+
+def _wider_base(w, tmp, cfg):
+    """base_model_name_or_path pointing at a model of another width: the adapter cannot sit on it."""
+    from handgrad.config import LlamaConfig
+    from handgrad.interop.hf_llama import write_hf_llama
+    from handgrad.models.llama import Llama
+    V = json.loads((w.A / "meta.json").read_text())["vocab_size"]
+    c = LlamaConfig(block_size=32, vocab_size=V, n_layer=1, n_head=2, n_kv_head=1, n_embd=24, ffn_hidden=24)
+    write_hf_llama(tmp / "wide", c, Llama(c, seed=0).state_dict())
+    cfg["base_model_name_or_path"] = str(tmp / "wide")
+
+
+def _lora_run_to_hf_unmerged(w, tmp):
+    run, _ = lora_run(w, tmp)
+    return ["convert", str(run), str(tmp / "out"), "--format", "hf"], [tmp / "out"], _unchanged(run)
 
 
 # ---------------------------------------------------------------- the table
@@ -458,6 +518,18 @@ CASES = [
                                           '{"messages": ['), ("chats.jsonl:2: not valid JSON",)),
     Case("chat-no-assistant-turn", chat_lines(json.dumps({"messages": [{"role": "user", "content": "x"}]})),
          ("chats.jsonl:1", "no assistant turn")),
+    Case("lora-target-of-another-family", lora("--train.lora_targets", "q,v"),
+         ("train.lora_targets", "'q' is not a linear of model.arch gpt2")),
+    Case("lora-rank-negative", lora("--train.lora_rank", "-1"), ("train.lora_rank", "-1")),
+    Case("lora-dropout-one", lora("--train.lora_dropout", "1.0"), ("train.lora_dropout", "[0, 1)")),
+    Case("lora-run-whose-base-changed", lora_base_replaced,
+         ("differ from the base this LoRA run's adapters were trained on",)),
+    Case("lora-run-to-a-full-format-without-merge", _lora_run_to_hf_unmerged, ("pass --merge",)),
+    Case("peft-adapter-for-another-base", peft_adapter(_wider_base), ("the adapter does not fit its base model",)),
+    Case("peft-adapter-base-not-here",
+         peft_adapter(lambda w, tmp, cfg: cfg.update(base_model_name_or_path="HuggingFaceTB/SmolLM2-135M")),
+         ("HuggingFaceTB/SmolLM2-135M", "is not on this machine")),
+    Case("peft-dora", peft_adapter(lambda w, tmp, cfg: cfg.update(use_dora=True)), ("use_dora True is not supported",)),
 ]
 
 
