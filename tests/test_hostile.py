@@ -73,7 +73,9 @@ def _peak_rss(argv):
      "--train.batch_size", "8"],                                                             # mostly activations
     ["--model.n_layer", "2", "--model.n_embd", "1024", "--model.n_head", "8", "--model.block_size", "16",
      "--train.batch_size", "2"],                                                             # mostly weights + AdamW
-], ids=["tiny", "activations", "weights"])
+    ["--model.n_layer", "2", "--model.n_embd", "1024", "--model.n_head", "8", "--model.block_size", "16",
+     "--train.batch_size", "2", "--train.lora_rank", "8"],                                   # a frozen base, no moments
+], ids=["tiny", "activations", "weights", "lora"])
 def test_memory_count_is_within_25_percent_of_the_measured_peak(tmp_path, data, flags):
     argv = ["train", "--data", str(data), "--out", str(tmp_path / "run"), *SMALL, *flags, "--train.max_steps", "2"]
     _peak_rss(argv[:4] + [str(tmp_path / "warm")] + argv[5:])  # the kernels compiled and cached first
@@ -82,7 +84,7 @@ def test_memory_count_is_within_25_percent_of_the_measured_peak(tmp_path, data, 
     config = load_run_config("tiny", overrides=dict(zip([f[2:] for f in (SMALL + flags)[2::2]],
                                                         (SMALL + flags)[3::2])))
     parts = estimate(FAMILY, config.gpt_config(json.loads((data / "meta.json").read_text())["vocab_size"]),
-                     config.train.batch_size, config.model.block_size)
+                     config.train.batch_size, config.model.block_size, lora=config.lora_config())
     counted = sum(parts.values())
     assert f"{counted / 2**30:.2f} GiB" in line
     assert abs(counted - peak) <= 0.25 * peak, (line, peak / 2**20)
@@ -236,6 +238,20 @@ def test_llama_exports_into_a_full_disk_leave_nothing(tmp_path, data, small_fs, 
     _fill(small_fs, 4096)
     for fmt in ("hf", "llama2c"):
         assert cli(["convert", str(run), str(small_fs / fmt), "--format", fmt]) == 2
+        line = one_error_line(capsys)
+        assert "No space left on device" in line and f"nothing was written to {small_fs / fmt}" in line
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
+
+
+def test_lora_exports_into_a_full_disk_leave_nothing(tmp_path, data, small_fs, capsys):
+    """A LoRA run's adapter (PEFT's directory) and its merged model on a full disk."""
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--model.arch", "llama",
+                "--model.n_head", "2", "--train.lora_rank", "2", "--train.max_steps", "1"]) == 0
+    capsys.readouterr()
+    _fill(small_fs, 2048)
+    for fmt, extra in (("peft", []), ("hf", ["--merge"])):
+        assert cli(["convert", str(run), str(small_fs / fmt), "--format", fmt, *extra]) == 2
         line = one_error_line(capsys)
         assert "No space left on device" in line and f"nothing was written to {small_fs / fmt}" in line
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]

@@ -73,8 +73,13 @@ class OutputLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:  # a full disk has no room for the pid: no lock file left behind, the error goes on
+            self.path.unlink(missing_ok=True)
+            os.close(fd)
+            raise
         self.fd = fd
         return self
 
