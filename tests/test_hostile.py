@@ -257,6 +257,24 @@ def test_lora_exports_into_a_full_disk_leave_nothing(tmp_path, data, small_fs, c
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
 
 
+def test_a_disk_with_no_room_for_the_lock_file(tmp_path, data, small_fs, capsys):
+    """Less than a block free: train, prepare and convert fail as they take their output's lock (its
+    pid cannot be written), each in one line naming the output, and leave nothing, no empty
+    run directory or lock file either."""
+    run = tmp_path / "run"
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.max_steps", "1"]) == 0
+    (tmp_path / "a.txt").write_text(TEXT)
+    capsys.readouterr()
+    _fill(small_fs, 512)
+    for argv, out in ((["train", "--data", str(data), *SMALL], small_fs / "run"),
+                      (["prepare", str(tmp_path / "a.txt")], small_fs / "data"),
+                      (["convert", str(run), str(small_fs / "hf"), "--format", "hf"], None)):
+        assert cli(argv + (["--out", str(out)] if out else [])) == 2
+        line = one_error_line(capsys)
+        assert "No space left on device" in line and str(out or small_fs / "hf") in line
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
+
+
 def test_tensorboard_events_on_a_full_disk_stop_in_one_line(data, small_fs, capsys):
     pytest.importorskip("tensorboardX")
     run = small_fs / "run"

@@ -97,8 +97,8 @@ class OutputLock:
             os.close(self.fd)
             self.fd = None
 
-    def __enter__(self):
-        return self.acquire()
+    def __enter__(self):  # a lock acquired already (to report its failure apart) is entered as it is
+        return self if self.fd is not None else self.acquire()
 
     def __exit__(self, *exc):
         self.release(remove=True)

@@ -256,16 +256,20 @@ def prepare(sources: Sequence[str], out, tokenizer: str | None = None, vocab_siz
     shard_files = _llmc_shard_files(sources)
     tokenizer = tokenizer or ("gpt2" if shard_files is not None else "char")
     _check_options(out, tokenizer, vocab_size, val_fraction, seed)
-    try:
-        lock = lock_output(out)
-    except OSError as e:
-        raise DataError(f"{out}: cannot create the output directory ({e.strerror or e}); "
-                        f"choose another --out") from None
-    with lock:  # one process writes DATA_DIR; a second one stops with the first one's pid
+    with _own(out):  # one process writes DATA_DIR; a second one stops with the first one's pid
         _check_options(out, tokenizer, vocab_size, val_fraction, seed)  # again: another may have just made it
         if shard_files is not None:
             return import_llmc_shards(shard_files, out, tokenizer)
         return _prepare_text(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens)
+
+
+def _own(out):
+    """The output's lock, acquired (files.lock_output); a directory that cannot be made or a disk
+    without room for the lock file is a DataError naming DATA_DIR."""
+    try:
+        return lock_output(out).acquire()
+    except OSError as e:
+        raise DataError(f"{out}: cannot write there ({e.strerror or e}); free space or choose another --out") from None
 
 
 def _prepare_text(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens):
@@ -315,12 +319,7 @@ def _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard
         raise DataError(f"--format chat: --tokenizer {tokenizer} is not a model's tokenizer; pass the model's "
                         f"directory (its tokenizer.json and chat template)")
     _check_options(out, "byte", None, val_fraction, seed)  # the output and split options (chat.py checks the tokenizer)
-    try:
-        lock = lock_output(out)
-    except OSError as e:
-        raise DataError(f"{out}: cannot create the output directory ({e.strerror or e}); "
-                        f"choose another --out") from None
-    with lock:
+    with _own(out):
         _check_options(out, "byte", None, val_fraction, seed)
         meta, write_contents = build_chat_data(sources[0], tokenizer, val_fraction, seed, block_size, shard_tokens)
         return _write_data_dir(out, meta, write_contents)

@@ -117,11 +117,17 @@ def check_same_data(run_dir, data_dir, train_data):
 def lock_run_dir(run_dir):
     """Create run_dir if needed and own it (RUN_DIR/.lock) for as long as this process lives: a
     second writer, training or resuming into it, stops with one line naming this process's pid."""
+    new = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         return OutputLock(run_dir / LOCK_FILE, str(run_dir)).acquire()
     except OSError as e:
-        raise TrainError(f"{run_dir}: cannot write there ({e.strerror}); choose another --out") from None
+        if new:  # nothing left behind: the directory this call made is empty
+            try:
+                run_dir.rmdir()
+            except OSError:
+                pass
+        raise TrainError(f"{run_dir}: cannot write there ({e.strerror}); free space or choose another --out") from None
 
 
 def init_run_dir(run_dir, data_dir, config, train_data, world_size, resumed_step=None):
