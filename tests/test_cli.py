@@ -80,7 +80,7 @@ def test_bench_without_what_names_the_choices(capsys, argv):
     assert e.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == ("error: handgrad bench needs what to benchmark: ops, train or learn; "
+    assert captured.err == ("error: handgrad bench needs what to benchmark: ops, train, learn or products; "
                             "see `handgrad bench --help`\n")
     with pytest.raises(SystemExit) as e:  # a wrong choice keeps argparse's own words, which name them
         main(["bench", "nope"])
@@ -94,6 +94,8 @@ def test_info_json():
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["cores"] >= 1 and info["sgemm_peak_gflops"] > 0
+    from handgrad.backends.cpu import onednn
+    assert info["cpu_bf16"].startswith({"amx": "AMX-BF16", "avx512_bf16": "AVX512_BF16", None: "none"}[onednn.bf16_path()])
     assert info["numba_threading_layer"] == "workqueue"
     assert {"numpy", "numba", "numpy_blas", "cuda", "triton"} <= set(info)
 

@@ -15,6 +15,7 @@ import numba
 import numpy as np
 
 from . import __version__, sample, verify
+from .backends.cpu import onednn
 from .bench import command as bench
 from .config import ConfigError
 from .data import prepare
@@ -68,6 +69,7 @@ def _cmd_info(args):
     except ImportError:
         triton = "no (not installed)"
     info.update(cuda=cuda, triton=triton)
+    info["cpu_bf16"] = _bf16_line()
     info["sgemm_peak_gflops"] = round(sgemm_peak()["median_gflops"], 1)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
@@ -75,6 +77,17 @@ def _cmd_info(args):
         for k, v in info.items():
             print(f"{k:<18} {v}")
     return 0
+
+
+def _bf16_line():
+    """What the CPU multiplies bf16 with, and whether oneDNN (the cpu backend's bf16 products) is here."""
+    path = onednn.bf16_path()
+    what = {"amx": "AMX-BF16 tiles", "avx512_bf16": "AVX512_BF16 dot products"}.get(path, "none (no AVX512_BF16 or AMX)")
+    try:
+        lib = f"oneDNN {onednn.version()}" if onednn.library_path() else "oneDNN not installed"
+    except onednn.OneDNNError as e:
+        lib = str(e)
+    return f"{what}; {lib}"
 
 
 class _Parser(argparse.ArgumentParser):

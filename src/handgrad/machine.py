@@ -48,15 +48,19 @@ def _openblas_runtime():
     return {}
 
 
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), or what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
 def environment(torch=None):
     """What decides the speed: CPU, cores, BLAS, and every library's thread count (torch may be None)."""
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     try:
         numpy_blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         numpy_blas = f"{numpy_blas.get('name')} {numpy_blas.get('version')}"

@@ -8,7 +8,8 @@ import math
 import numpy as np
 
 from .models.gpt2 import param_spec
-from .models.llama import param_spec as llama_param_spec
+from .models.llama import Llama, param_spec as llama_param_spec
+from .models.lora import initial_adapters, split_spec
 
 
 def require_torch():
@@ -186,8 +187,6 @@ class TorchLlama(torch.nn.Module):
         adapters set to handgrad's initial ones for `seed` (models/lora.py's initial_adapters), so
         both start from the same point. Returns the trained parameters (the adapters)."""
         import peft
-        from .models.llama import Llama
-        from .models.lora import initial_adapters, split_spec
         _, _, blocks = split_spec(Llama, self.config, lora)
         self.hf = peft.get_peft_model(self.hf, peft.LoraConfig(
             r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",

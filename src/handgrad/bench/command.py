@@ -6,10 +6,11 @@ from .common import MAX_REPEAT, MIN_REPEAT, ROW_BUDGET_S
 from .gpu import bench_ops_gpu
 from .learn import run_learn, run_learn_lora
 from .ops import bench_ops
+from .products import bench_products
 from .train import main as bench_train_main
 
 
-WHAT = ("ops", "train", "learn")
+WHAT = ("ops", "train", "learn", "products")
 
 
 def add_arguments(parser):
@@ -18,7 +19,8 @@ def add_arguments(parser):
     parser.add_argument("what", choices=WHAT,
                         help="ops: matmul, attention block and MLP block, handgrad beside PyTorch; "
                              "train: whole training steps (tok/s, GFLOP/s, MFU, peak memory) beside PyTorch; "
-                             "learn: train handgrad and PyTorch side by side and compare loss curves")
+                             "learn: train handgrad and PyTorch side by side and compare loss curves; "
+                             "products: a model's matrix products on MKL float32, oneDNN float32 and oneDNN bf16")
     parser.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
                         help="ops: backend to time (default cpu); gpu: each Triton op beside torch eager, "
                              "torch.compile and scaled_dot_product_attention")
@@ -33,7 +35,8 @@ def add_arguments(parser):
     parser.add_argument("--preset", default=None,
                         help="train: shape(s) to time, comma-separated, from tiny, shakespeare-char, mid, gpt2-124m, "
                              "llama-mid, smollm2-135m "
-                             "(default tiny,mid,gpt2-124m); learn: the run preset (default shakespeare-char)")
+                             "(default tiny,mid,gpt2-124m); learn: the run preset (default shakespeare-char); products: as train "
+                             "(default mid,gpt2-124m,smollm2-135m)")
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help="train: timed steps per side (default: as many as fit in about 12 s); "
                              "learn: override the preset's train.max_steps (with --lora: the fine-tuning steps, "
@@ -89,6 +92,8 @@ def main(args):
         return bench_ops(args.backend, args.repeat, args.json)
     if args.what == "train":
         return bench_train_main(args)
+    if args.what == "products":
+        return bench_products((args.preset or "mid,gpt2-124m,smollm2-135m").split(","), args.json)
     if args.what == "learn":
         if args.lora:
             result = run_learn_lora(args.lora, args.preset or "llama-char", args.steps, args.pretrain_steps,

@@ -1,0 +1,248 @@
+"""bf16 matrix products on the CPU through oneDNN (Intel's deep-learning primitives library, the one
+PyTorch's own CPU bf16 uses), and the float32 -> bf16 narrowing that feeds them.
+
+oneDNN comes from the `onednn-cpu-gomp` wheel (a CPU-only build on GNU OpenMP, no headers) and is
+called through its C API with ctypes:
+
+    engine, stream            created once per process (dnnl_engine_create / dnnl_stream_create)
+    matmul primitive          created once per shape, strides, dtype and beta, then cached
+                              (dnnl_matmul_primitive_desc_create + dnnl_primitive_create)
+    a call                    three dnnl_memory_set_data_handle, dnnl_primitive_execute, dnnl_stream_wait
+
+`gemm(a, b, c, beta)` computes c = a @ b + beta * c with a and b bf16 (held as uint16 arrays of the
+bf16 bit patterns) or float32, c float32, accumulated in float32 by oneDNN. Like blas.gemm, a and
+b may be transposed views (one of their two axes with unit stride); c is C-contiguous in its rows.
+beta is oneDNN's sum post-op (dst = op(a, b) + beta * dst).
+
+`to_bf16(x, out)` narrows float32 to bf16 with round-to-nearest-even, as PyTorch's
+`tensor.to(torch.bfloat16)` and the hardware's VCVTNEPS2BF16 do (NaN stays NaN, a quiet one).
+
+`bf16_path()` says what the CPU multiplies bf16 with: "amx" (AMX-BF16 tiles, Intel Sapphire
+Rapids and later), "avx512_bf16" (AVX512_BF16's dot products, AMD Zen 4, Intel Cooper Lake), or
+None (no hardware bf16: oneDNN would emulate it, slower than float32, so handgrad refuses).
+"""
+import ctypes
+import os
+from importlib import metadata
+
+import numpy as np
+from numba import njit, prange
+
+from .common import kernel
+
+_F32, _BF16 = 3, 2  # dnnl_data_type_t
+_ARG_SRC, _ARG_DST, _ARG_WEIGHTS = 1, 17, 33  # DNNL_ARG_*
+_CPU = 1  # dnnl_cpu
+_IN_ORDER = 1  # dnnl_stream_in_order
+_MAX_NDIMS = 12  # DNNL_MAX_NDIMS: dnnl_dims_t is int64_t[12]
+_DISTRIBUTION = "onednn-cpu-gomp"
+
+_vp = ctypes.c_void_p
+_Dims = ctypes.c_int64 * _MAX_NDIMS
+
+
+class _Arg(ctypes.Structure):  # dnnl_exec_arg_t
+    _fields_ = [("arg", ctypes.c_int), ("memory", _vp)]
+
+
+class _Version(ctypes.Structure):  # dnnl_version_t
+    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+                ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint), ("gpu_runtime", ctypes.c_uint)]
+
+
+class OneDNNError(RuntimeError):
+    """oneDNN is missing, or a call into it failed; the message says which and what to do."""
+
+
+def library_path():
+    """Path of libdnnl.so from the installed onednn-cpu-gomp wheel, or None."""
+    try:
+        files = metadata.distribution(_DISTRIBUTION).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if os.path.basename(str(f)).startswith("libdnnl.so"):
+            return os.path.realpath(f.locate())
+    return None
+
+
+def bf16_path(flags=None):
+    """"amx", "avx512_bf16" or None: the CPU's bf16 multiply (flags: /proc/cpuinfo's, read if None)."""
+    if flags is None:
+        flags = _cpu_flags()
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return None
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+class _Library:
+    """The loaded library, its engine and stream, and the cache of matmul primitives."""
+
+    def __init__(self, path):
+        # RTLD_LOCAL (ctypes' default): its libgomp symbols stay its own
+        self.lib = lib = ctypes.CDLL(path)
+        lib.dnnl_version.restype = ctypes.POINTER(_Version)
+        lib.dnnl_post_ops_append_sum.argtypes = [_vp, ctypes.c_float, ctypes.c_int32, ctypes.c_int]
+        lib.dnnl_memory_set_data_handle.argtypes = [_vp, _vp]
+        lib.dnnl_primitive_execute.argtypes = [_vp, _vp, ctypes.c_int, _vp]
+        lib.dnnl_stream_wait.argtypes = [_vp]
+        self.engine, self.stream = _vp(), _vp()
+        self.check(lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU, ctypes.c_size_t(0)), "engine")
+        self.check(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, ctypes.c_uint(_IN_ORDER)), "stream")
+        self.primitives = {}
+
+    @staticmethod
+    def check(status, what):
+        if status != 0:
+            raise OneDNNError(f"oneDNN: {what} failed (dnnl_status_t {status})")
+
+    def version(self):
+        v = self.lib.dnnl_version().contents
+        return f"{v.major}.{v.minor}.{v.patch}"
+
+    def memory_desc(self, shape, strides, dtype):
+        md = _vp()
+        self.check(self.lib.dnnl_memory_desc_create_with_strides(ctypes.byref(md), len(shape), _Dims(*shape), dtype,
+                                                                 _Dims(*strides)), "memory descriptor")
+        return md
+
+    def matmul(self, key):
+        """The cached primitive for key = (a shape, a strides, b shape, b strides, c shape, c strides,
+        operand dtype, beta), created on first use: (primitive, its memory objects, its args array)."""
+        prim = self.primitives.get(key)
+        if prim is not None:
+            return prim
+        ashape, astr, bshape, bstr, cshape, cstr, dtype, beta = key
+        lib = self.lib
+        descs = (self.memory_desc(ashape, astr, dtype), self.memory_desc(bshape, bstr, dtype),
+                 self.memory_desc(cshape, cstr, _F32))
+        attr = _vp()
+        self.check(lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "primitive attributes")
+        if beta:
+            post_ops = _vp()
+            self.check(lib.dnnl_post_ops_create(ctypes.byref(post_ops)), "post-ops")
+            self.check(lib.dnnl_post_ops_append_sum(post_ops, beta, 0, 0), "sum post-op")
+            self.check(lib.dnnl_primitive_attr_set_post_ops(attr, post_ops), "post-ops")
+        pd, primitive = _vp(), _vp()
+        self.check(lib.dnnl_matmul_primitive_desc_create(ctypes.byref(pd), self.engine, descs[0], descs[1], None,
+                                                         descs[2], attr),
+                   f"matmul {ashape} x {bshape} ({'bf16' if dtype == _BF16 else 'f32'})")
+        self.check(lib.dnnl_primitive_create(ctypes.byref(primitive), pd), "matmul primitive")
+        memories = []
+        for md in descs:
+            mem = _vp()
+            self.check(lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, None), "memory")
+            memories.append(mem)
+        args = (_Arg * 3)(_Arg(_ARG_SRC, memories[0]), _Arg(_ARG_WEIGHTS, memories[1]), _Arg(_ARG_DST, memories[2]))
+        prim = self.primitives[key] = (primitive, memories, args)
+        return prim
+
+
+_library = None
+
+
+def load():
+    """The process's oneDNN (loaded once), or OneDNNError saying how to install it."""
+    global _library
+    if _library is None:
+        path = library_path()
+        if path is None:
+            raise OneDNNError(f"bf16 products on the cpu need oneDNN: pip install {_DISTRIBUTION}")
+        _library = _Library(path)
+    return _library
+
+
+def version():
+    """oneDNN's version, or None where it is not installed."""
+    return load().version() if library_path() else None
+
+
+def _dtype_of(x):
+    if x.dtype == np.uint16:
+        return _BF16
+    if x.dtype == np.float32:
+        return _F32
+    raise TypeError(f"onednn.gemm: operands are bf16 (uint16 bit patterns) or float32, not {x.dtype}")
+
+
+def _strides(x):
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def gemm(a, b, c, beta=0.0):
+    """c (M, N) = a (M, K) @ b (K, N) + beta * c, float32 accumulation. a and b: both bf16 (uint16)
+    or both float32, any strides with a unit one; c: float32 with unit stride along its rows."""
+    if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
+        raise ValueError("onednn.gemm: 2-D operands only")
+    (M, K), (K2, N) = a.shape, b.shape
+    if K2 != K or c.shape != (M, N):
+        raise ValueError(f"onednn.gemm: shapes {a.shape} @ {b.shape} -> {c.shape}")
+    dtype = _dtype_of(a)
+    if _dtype_of(b) != dtype or c.dtype != np.float32 or c.strides[1] != 4:
+        raise ValueError("onednn.gemm: a and b of one dtype, c float32 with contiguous rows")
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        c *= beta
+        return c
+    lib = load()
+    primitive, memories, args = lib.matmul((a.shape, _strides(a), b.shape, _strides(b), c.shape, _strides(c), dtype,
+                                            float(beta)))
+    for mem, x in zip(memories, (a, b, c)):
+        lib.lib.dnnl_memory_set_data_handle(mem, x.ctypes.data)
+    lib.check(lib.lib.dnnl_primitive_execute(primitive, lib.stream, 3, args), "matmul")
+    lib.check(lib.lib.dnnl_stream_wait(lib.stream), "matmul")
+    return c
+
+
+# ---------------------------------------------------------------- float32 <-> bf16
+@kernel
+def _narrow(x, out):
+    """out = bf16 bits of x, rounded to nearest, ties to even; NaN -> a quiet NaN of the same sign."""
+    n = x.size
+    xf, of = x.reshape(n), out.reshape(n)
+    u = xf.view(np.uint32)
+    for i in prange(n):
+        bits = u[i]
+        if (bits & 0x7FFFFFFF) > 0x7F800000:  # NaN: keep the sign, set the quiet bit
+            of[i] = np.uint16((bits >> 16) | 0x40)
+        else:
+            of[i] = np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+
+
+def to_bf16(x, out=None):
+    """float32 x (C-contiguous) as bf16 bit patterns (uint16, the same shape), into out if given."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if out is None:
+        out = np.empty(x.shape, np.uint16)
+    _narrow(x, out)
+    return out
+
+
+@njit(cache=True)
+def _widen(h, out):
+    n = h.size
+    hf, of = h.reshape(n), out.reshape(n).view(np.uint32)
+    for i in range(n):
+        of[i] = np.uint32(hf[i]) << 16
+
+
+def from_bf16(h):
+    """bf16 bit patterns (uint16) as float32 (exact)."""
+    h = np.ascontiguousarray(h, dtype=np.uint16)
+    out = np.empty(h.shape, np.float32)
+    _widen(h, out)
+    return out
