@@ -17,28 +17,20 @@ passed to BLAS as a transpose flag, never copied); c's last axis must have unit 
 """
 import ctypes
 import os
-from importlib import metadata
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .common import kernel, workspace
+from .common import kernel, wheel_library, workspace
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
 def _mkl_library():
     """Path of libmkl_rt from the installed `mkl` wheel, or None when it is not installed."""
-    try:
-        files = metadata.distribution("mkl").files or []
-    except metadata.PackageNotFoundError:
-        return None
-    for f in files:
-        if os.path.basename(str(f)).startswith("libmkl_rt.so"):
-            return os.path.realpath(f.locate())
-    return None
+    return wheel_library("mkl", "libmkl_rt")
 
 
 def _choose():

@@ -5,6 +5,7 @@ Kernels never allocate; ops ask `workspace()` for scratch buffers, which are all
 """
 import os
 import types
+from importlib import metadata
 
 import numba
 import numpy as np
@@ -52,6 +53,19 @@ class _Kernel:
         work = max((a.size for a in args if isinstance(a, np.ndarray)), default=0)
         fn = self.parallel if work >= self.min_parallel else self.serial
         return fn(*args)
+
+
+def wheel_library(distribution, stem):
+    """Path of the shared library `stem`.so* that the installed wheel `distribution` ships (MKL's,
+    oneDNN's), or None when the wheel is not installed."""
+    try:
+        files = metadata.distribution(distribution).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if os.path.basename(str(f)).startswith(stem + ".so"):
+            return os.path.realpath(f.locate())
+    return None
 
 
 def kernel(fn=None, *, min_parallel=MIN_PARALLEL):

@@ -22,13 +22,11 @@ Rapids and later), "avx512_bf16" (AVX512_BF16's dot products, AMD Zen 4, Intel C
 None (no hardware bf16: oneDNN would emulate it, slower than float32, so handgrad refuses).
 """
 import ctypes
-import os
-from importlib import metadata
 
 import numpy as np
 from numba import njit, prange
 
-from .common import kernel
+from .common import kernel, wheel_library
 
 _F32, _BF16 = 3, 2  # dnnl_data_type_t
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS = 1, 17, 33  # DNNL_ARG_*
@@ -56,14 +54,7 @@ class OneDNNError(RuntimeError):
 
 def library_path():
     """Path of libdnnl.so from the installed onednn-cpu-gomp wheel, or None."""
-    try:
-        files = metadata.distribution(_DISTRIBUTION).files or []
-    except metadata.PackageNotFoundError:
-        return None
-    for f in files:
-        if os.path.basename(str(f)).startswith("libdnnl.so"):
-            return os.path.realpath(f.locate())
-    return None
+    return wheel_library(_DISTRIBUTION, "libdnnl")
 
 
 def bf16_path(flags=None):
