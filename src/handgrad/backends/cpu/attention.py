@@ -131,6 +131,17 @@ def apply_keep(a, m, o, n):
         a[s] *= m[o + s]
 
 
+@serial_kernel
+def drop_row(d, src, m, first, n, end, seed_lo, seed_hi, bound, scale):
+    """d[:n] = src[:n] * M / (1 - p) for mask elements [first, first + n) (keep_row's multipliers,
+    drawn into m), d[n:end] = 0; d may be src. Returns keep_row's offset into m."""
+    o = keep_row(m, first, n, seed_lo, seed_hi, bound, scale)
+    for s in range(n):
+        d[s] = src[s] * m[o + s]
+    d[n:end] = 0
+    return o
+
+
 def dropout_args(p, seed, dtype):
     """The kernels' dropout arguments (seed_lo, seed_hi, bound, 1/(1-p) in dtype); bound 0 is off."""
     return (*_split(seed), threshold(p), np.dtype(dtype).type(1.0 / (1.0 - p)))
@@ -151,11 +162,8 @@ def dropout_heads_kernel(dst, src, keep, NH, G, j, seed_lo, seed_hi, bound, scal
         b = bx // X
         x = bx - b * X
         for t in range(T):
-            o = keep_row(keep[bx], ((b * NH + x * G + j) * T + t) * T, t + 1, seed_lo, seed_hi, bound, scale)
-            d, r = dst[b, x, t], src[b, x, t]
-            for s in range(t + 1):
-                d[s] = r[s] * keep[bx, o + s]
-            d[t + 1:] = 0
+            drop_row(dst[b, x, t], src[b, x, t], keep[bx], ((b * NH + x * G + j) * T + t) * T, t + 1, T,
+                     seed_lo, seed_hi, bound, scale)
 
 
 # ---------------------------------------------------------------- per head, on MKL
@@ -218,11 +226,8 @@ def _forward_heads(mkl, out, att, qkv, dropped, keep, NH, scale, seed_lo, seed_h
             pp = pa + r0 * T * isz
             if softmax and bound > 0:  # P[r0:r1] * M / (1 - p) -> dropped[bh]; y reads it
                 for t in range(r0, r1):
-                    o = keep_row(keep[bh], (bh * T + t) * T, t + 1, seed_lo, seed_hi, bound, keep_scale)
-                    d, p = dropped[bh, t - r0], att[b, h, t]
-                    for s in range(t + 1):
-                        d[s] = p[s] * keep[bh, o + s]
-                    d[t + 1:r1] = 0
+                    drop_row(dropped[bh, t - r0], att[b, h, t], keep[bh], (bh * T + t) * T, t + 1, r1, seed_lo,
+                             seed_hi, bound, keep_scale)
                 pp = dropped.ctypes.data + bh * dropped.shape[1] * T * isz
             gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, pp, T, pv, C3, po + r0 * C * isz, C, one)
         restore_threads(mkl, previous)
@@ -291,14 +296,11 @@ def _backward_heads_dropout(mkl, dqkv, dout, qkv, att, datt, dropped, keep, NH, 
             gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1, hs, pdy + r0 * C * isz, C, pv, C3,
                     pd + r0 * T * isz, T, one)
             if softmax:
-                for t in range(r0, r1):
-                    o = keep_row(keep[bh], (bh * T + t) * T, t + 1, seed_lo, seed_hi, bound, keep_scale)
-                    pdrop, p, d = dropped[bh, t - r0], att[b, h, t], datt[b, h, t]
-                    for s in range(t + 1):
-                        pdrop[s] = p[s] * keep[bh, o + s]
-                    pdrop[t + 1:r1] = 0
-                    apply_keep(d, keep[bh], o, t + 1)
-                    softmax_backward_row(d, p, t + 1, r1, scale)
+                for t in range(r0, r1):  # one mask draw: Pd = P * M/(1-p) for dv, and dP *= M/(1-p)
+                    o = drop_row(dropped[bh, t - r0], att[b, h, t], keep[bh], (bh * T + t) * T, t + 1, r1, seed_lo,
+                                 seed_hi, bound, keep_scale)
+                    apply_keep(datt[b, h, t], keep[bh], o, t + 1)
+                    softmax_backward_row(datt[b, h, t], att[b, h, t], t + 1, r1, scale)
             # dv[:r1] += Pd[r0:r1, :r1]^T dy[r0:r1]
             _gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, r1 - r0, pr, T, pdy + r0 * C * isz, C, pdv, C3, one)
         _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, T, C3, hs, isz, one, block)
