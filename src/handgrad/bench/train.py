@@ -28,7 +28,7 @@ from ..backends.cpu import attention, blas
 from ..config import LORA_TARGETS, LlamaConfig, LoRAConfig, load_run_config
 from ..machine import BackgroundLoad, environment, sgemm_peak
 from ..models import get_family
-from ..models.family import flat_layout
+from ..models.family import flat_layout, flat_views
 from ..models.lora import lora_flops_per_token, split_spec
 from ..training.optim import AdamW
 from ..training.step import accumulate_gradients
@@ -91,8 +91,7 @@ class _HandgradWorker:
             self.model.params[:] = flat
         else:  # the base from flat, the adapters as the model initialised them (initial_adapters of seed)
             layout, _ = flat_layout(self.model.param_spec(config))
-            self.model.load_state_dict({n: flat[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in layout.items()},
-                                       names=list(layout))
+            self.model.load_state_dict(flat_views(flat, layout), names=list(layout))
         self.opt = AdamW(self.model, lr=t["lr"], betas=(t["beta1"], t["beta2"]), weight_decay=t["weight_decay"])
         self.grad_clip = t["grad_clip"]
 
@@ -177,7 +176,7 @@ class _TorchWorker:
         from ..torch_ref import TorchGPT, TorchLlama, torch
         self.torch = torch
         layout, _ = flat_layout(_model_family(config).param_spec(config))
-        state = {n: flat[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in layout.items()}
+        state = flat_views(flat, layout)
         if isinstance(config, LlamaConfig):
             self.model = TorchLlama(config, torch.float32, attn_implementation="sdpa").load_numpy(state)
         else:

@@ -41,7 +41,7 @@ from ..data.sources import DataError
 from ..data.tokenizer import load_tokenizer
 from ..files import lock_output
 from ..models import family_of
-from ..models.family import flat_layout
+from ..models.family import flat_layout, flat_views
 from ..models.lora import base_digest
 from ..training.checkpoint import load_model, load_weights, read_state, resolve, save_weights
 from .common import ConvertError, check_weights, describe, make_config, prepare_dir, publish_dir
@@ -151,8 +151,7 @@ def load_base(model, ref):
         where = ref["path"]
     else:
         layout, _ = flat_layout(model.param_spec(model.config))
-        host = model.init_params(model.config, ref["seed"])
-        weights = {n: host[o:o + int(np.prod(shp))].reshape(shp) for n, (o, shp) in layout.items()}
+        weights = flat_views(model.init_params(model.config, ref["seed"]), layout)
         where = f"the random initialisation of seed {ref['seed']}"
     try:
         model.load_state_dict(fit_weights(weights, model.config), names=names)

@@ -161,8 +161,8 @@ class FlatModel:
         if self.lora is None:
             self.params[:] = self.ops.from_numpy(host)
             return
-        for name, (o, shape) in flat_layout(self.param_spec(self.config))[0].items():
-            self.p[name][...] = self.ops.from_numpy(host[o:o + int(np.prod(shape))].reshape(shape))
+        for name, value in flat_views(host, flat_layout(self.param_spec(self.config))[0]).items():
+            self.p[name][...] = self.ops.from_numpy(value)
         lora_parts.init_adapters(self, seed)
 
     def _block_buckets(self):
