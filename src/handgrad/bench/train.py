@@ -321,7 +321,8 @@ def bench_shape(name, steps, profile, lora_rank=None):
     """Warm up, then alternate timed chunks of the sides; one result dict. lora_rank: the LoRA row
     (handgrad's LoRA, PyTorch + PEFT's, handgrad's full step beside them)."""
     spec = _spec(name, lora_rank)
-    config = get_family(spec["arch"]).config(**spec["model"])
+    family = get_family(spec["arch"])
+    config = family.config(**spec["model"])
     tokens_per_step = spec["batch_size"] * spec["T"]
     sides = [_Side(s, spec) for s in (LORA_SIDES if lora_rank else SIDES)]
     try:
@@ -348,10 +349,9 @@ def bench_shape(name, steps, profile, lora_rank=None):
                 memory[s.name] = s.close()
             except (SystemExit, BrokenPipeError, OSError):
                 s.proc.kill()
-    flops = get_family(spec["arch"]).flops_per_token(config, spec["T"])
-    full_flops = get_family(spec["arch"]).flops_per_token(config, spec["T"])
-    if lora_rank:  # what a LoRA step needs (the frozen matrices' weight gradients are never formed)
-        flops = lora_flops_per_token(get_family(spec["arch"]), config, _lora(spec), spec["T"])
+    full_flops = family.flops_per_token(config, spec["T"])
+    # a LoRA step needs less: the frozen matrices' weight gradients are never formed
+    flops = lora_flops_per_token(family, config, _lora(spec), spec["T"]) if lora_rank else full_flops
     result = {"name": name, "config": spec, "tokens_per_step": tokens_per_step, "flops_per_token": flops,
               "steps": steps, "loss_max_rel_diff": err, "first_loss": [hg.losses[0], pt.losses[0]],
               "background_cores": load.cores, "sides": {}}
@@ -371,7 +371,7 @@ def bench_shape(name, steps, profile, lora_rank=None):
         full = result["sides"]["handgrad-full"]
         result["lora"] = dict(spec["lora"], speedup_vs_full=h["tok_s"] / full["tok_s"],
                               trained=sum(int(np.prod(s)) for n, s in split_spec(
-                                  _model_family(config).model, config, _lora(spec))[0]))
+                                  family.model, config, _lora(spec))[0]))
         if h["peak_rss_mib"] and full["peak_rss_mib"]:
             result["lora"]["peak_rss_vs_full"] = h["peak_rss_mib"] / full["peak_rss_mib"]
     if prof:
