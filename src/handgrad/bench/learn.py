@@ -188,7 +188,7 @@ def run_learn_lora(rank, preset="llama-char", steps=None, pretrain_steps=None, d
 
     lora = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=LORA_TARGETS["llama"])
     tuned = family.model(arch, seed=t_ft.seed, lora=lora)  # its adapters: initial_adapters(seed)
-    tuned.load_state_dict(base, names=[n for n, _ in family.model.param_spec(arch)])
+    tuned.load_state_dict(base, names=tuned.base_names)
     sides = {"handgrad": _HandgradSide(tuned, t_ft), "pytorch": _TorchSide(arch, base, t_ft, lora=lora, seed=t_ft.seed)}
     before = {"finetune_val": _val_loss(sides["handgrad"], ft["val"], t_ft, T),
               "pretrain_val": _val_loss(sides["handgrad"], pre["val"], t_ft, T)}

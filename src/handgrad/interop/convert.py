@@ -42,7 +42,7 @@ from ..data.tokenizer import load_tokenizer
 from ..files import lock_output
 from ..models import family_of
 from ..models.family import flat_layout, flat_views
-from ..models.lora import base_digest
+from ..models.lora import base_digest, weights_digest
 from ..training.checkpoint import load_model, load_weights, read_state, resolve, save_weights
 from .common import ConvertError, check_weights, describe, make_config, prepare_dir, publish_dir
 from .hf import read_hf, write_hf
@@ -122,7 +122,7 @@ def load_pretrained(path, merge=True):
 def lora_model(config, base, adapter, backend="cpu"):
     """A LoRA model holding base weights `base` and the adapter (load_pretrained's info["adapter"])."""
     model = family_of(config).model(config, backend=backend, lora=adapter["lora"])
-    model.load_state_dict(base, names=[n for n, _ in model.param_spec(config)])
+    model.load_state_dict(base, names=model.base_names)
     try:
         model.load_state_dict(adapter["tensors"], names=model.layout)
     except ValueError as e:
@@ -142,7 +142,6 @@ def load_base(model, ref):
     """Load a LoRA model's frozen base, as its checkpoint records it (ref: {"path": where it was
     loaded from} or {"init": "random", "seed": s}, and the "sha256" of its weights), checking the
     digest: adapters on another base would compute something else."""
-    names = [n for n, _ in model.param_spec(model.config)]
     if "path" in ref:
         try:
             _, weights, _ = load_pretrained(ref["path"])
@@ -154,7 +153,7 @@ def load_base(model, ref):
         weights = flat_views(model.init_params(model.config, ref["seed"]), layout)
         where = f"the random initialisation of seed {ref['seed']}"
     try:
-        model.load_state_dict(fit_weights(weights, model.config), names=names)
+        model.load_state_dict(fit_weights(weights, model.config), names=model.base_names)
     except ValueError as e:
         raise ConvertError(f"{where}: not the base model of this LoRA run ({e})") from None
     digest = base_digest(model)
@@ -173,11 +172,11 @@ def _read_peft(path):
         raise ConvertError(f"{Path(path) / 'adapter_config.json'}: its base {base} is itself an adapter; point "
                            f"base_model_name_or_path at a model")
     config, weights, info = load_pretrained(base)
-    lora, tensors = read_peft(path, family_of(config).arch, config)
-    tmp = family_of(config).model(config, lora=lora)
-    tmp.load_state_dict(weights, names=[n for n, _ in tmp.param_spec(config)])
+    family = family_of(config)
+    lora, tensors = read_peft(path, fields, family.arch, config)
     info["adapter"] = {"lora": lora, "tensors": tensors, "base": {"path": str(Path(base).resolve()),
-                                                                  "sha256": base_digest(tmp)}}
+                                                                  "sha256": weights_digest(family.param_spec(config),
+                                                                                           weights)}}
     if (Path(path) / "tokenizer.json").is_file():
         info["tokenizer"] = str(Path(path) / "tokenizer.json")
     return config, weights, info
@@ -233,10 +232,9 @@ def read_handgrad(path):
             "dropout": state.get("config", {}).get("model", {}).get("dropout")}
     if state.get("lora"):  # the adapters (and what else trained) over a base recorded by path and digest
         model = load_model(ckpt, base=load_base)
-        names = [n for n, _ in model.param_spec(config)]
         info["adapter"] = {"lora": model.lora, "tensors": {n: model.ops.to_numpy(model.p[n]) for n in model.layout},
                            "base": state["base"]}
-        return config, {n: model.ops.to_numpy(model.p[n]) for n in names}, info
+        return config, {n: model.ops.to_numpy(model.p[n]) for n in model.base_names}, info
     weights = load_weights(ckpt)
     check_weights(config, weights, ckpt / "model.safetensors")
     return config, weights, info

@@ -101,11 +101,11 @@ def _short_names(cls, targets, where):
     return tuple(s for s in cls.LORA_MODULES if s in short)
 
 
-def read_peft(path, arch, config):
-    """(LoRAConfig, {param name: array}) of the adapter at path, for a base of family `arch` and
-    architecture config (every tensor checked against the shape the base needs)."""
+def read_peft(path, fields, arch, config):
+    """(LoRAConfig, {param name: array}) of the adapter at path, whose adapter_config.json
+    read_peft_config read into `fields`, for a base of family `arch` and architecture config (the
+    tensors' shapes are checked when a model takes them: convert.lora_model)."""
     from safetensors.numpy import load_file
-    fields, _ = read_peft_config(path)
     cls = get_family(arch).model
     where = Path(path) / CONFIG_FILE
     targets = _short_names(cls, fields["targets"], where)

@@ -179,6 +179,11 @@ class FlatModel:
         order = [self.config.n_layer] + list(reversed(range(self.config.n_layer))) + [-1]
         return [spans.get(k, (end, end)) for k in order]
 
+    @property
+    def base_names(self):
+        """param_spec's names: the tensors of the plain model (a LoRA model's base, frozen or trained)."""
+        return [name for name, _ in self.param_spec(self.config)]
+
     def gradient_of(self, name):
         """The gradient view of a tensor, or None where it is frozen (a LoRA model's base weights)."""
         return self.g.get(name)

@@ -115,7 +115,7 @@ def adapter_records(model):
 def merged_weights(model):
     """The base weights with every adapter folded in, W + (alpha / r) B A (in the base layout:
     [out, in], or GPT-2's Conv1D [in, out]), under param_spec's names: a plain model's state_dict."""
-    out = {name: model.ops.to_numpy(model.p[name]).copy() for name, _ in model.param_spec(model.config)}
+    out = {name: model.ops.to_numpy(model.p[name]).copy() for name in model.base_names}
     for blocks in model.lora_blocks:
         for t in blocks:
             a = model.ops.to_numpy(model.p[t.module + ".lora_A.weight"]).astype(np.float64)
@@ -126,14 +126,21 @@ def merged_weights(model):
     return out
 
 
-def base_digest(model):
-    """SHA-256 over the base weights a LoRA model holds (param_spec's names, shapes and float32
-    bytes, in order): what a LoRA checkpoint records of its base, checked when the base is loaded."""
+def weights_digest(spec, weights):
+    """SHA-256 over a model's weights (spec: its param_spec, names and shapes in order; weights: name
+    -> array, hashed as float32 bytes)."""
     h = hashlib.sha256()
-    for name, shape in model.param_spec(model.config):
+    for name, shape in spec:
         h.update(f"{name}:{tuple(shape)};".encode())
-        h.update(np.ascontiguousarray(model.ops.to_numpy(model.p[name]), dtype=np.float32).data)
+        h.update(np.ascontiguousarray(weights[name], dtype=np.float32).data)
     return h.hexdigest()
+
+
+def base_digest(model):
+    """weights_digest of the base weights a LoRA model holds: what a LoRA checkpoint records of its
+    base, checked when the base is loaded."""
+    return weights_digest(model.param_spec(model.config),
+                          {n: model.ops.to_numpy(model.p[n]) for n in model.base_names})
 
 
 def lora_flops_per_token(family, config, lora, T):

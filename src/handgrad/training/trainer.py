@@ -126,7 +126,7 @@ class Trainer(Checkpointing, RunLoop):
         if self.model.lora is None:
             self.model.load_state_dict(weights)
         else:
-            self.model.load_state_dict(weights, names=[n for n, _ in self.model.param_spec(self.gpt_config)])
+            self.model.load_state_dict(weights, names=self.model.base_names)
             adapter = (info or {}).get("adapter")
             self.base_ref = {"path": adapter["base"]["path"] if adapter and "path" in adapter["base"]
                              else str(Path(path).resolve()), "sha256": base_digest(self.model)}
