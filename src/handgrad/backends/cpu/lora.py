@@ -17,9 +17,9 @@ Two forms:
 * `lora_linear_forward` / `lora_linear_backward`: one linear and its one adapter (handgrad.torch's
   LoRALinear); an adapter dropout is the caller's, passed in as `adapter_inp`.
 * `lora_forward` / `lora_backward`: the adapters of a linear the caller computes itself, the models'
-  form. linear_forward, rmsnorm_linear_forward and layernorm_linear_forward take a list of them
-  (`adapters=`) and add them onto their product, the fused norm ops from the normalised input they
-  hold in scratch anyway, so an adapter keeps the fusion. Each adapter covers output columns
+  form. rmsnorm_linear_forward and layernorm_linear_forward take a list of them (`adapters=`) and
+  add them onto their product from the normalised input they hold in scratch anyway, so an adapter
+  keeps the fusion; after a plain linear_forward the model calls lora_forward itself. Each adapter covers output columns
   [lo, hi) of the product: a fused q|k|v or gate|up matrix carries one adapter per projection, as
   PEFT's separate q_proj, k_proj, v_proj layers would. An adapter is any object with
 

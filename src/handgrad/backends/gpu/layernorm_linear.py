@@ -34,4 +34,3 @@ def layernorm_linear_backward(dinp, dln_weight, dln_bias, dweight, dbias, dout, 
     layernorm_recompute(xn, inp, mean, rstd, ln_weight, ln_bias)
     linear_backward(dxn, dweight, dbias, dout, xn, weight, accumulate)
     layernorm_backward(dinp, dln_weight, dln_bias, dxn, inp, ln_weight, mean, rstd)
-

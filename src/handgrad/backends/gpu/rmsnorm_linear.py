@@ -34,4 +34,3 @@ def rmsnorm_linear_backward(dinp, dnorm_weight, dweight, dbias, dout, inp, norm_
     rmsnorm_recompute(xn, inp, rstd, norm_weight)
     linear_backward(dxn, dweight, dbias, dout, xn, weight, accumulate)
     rmsnorm_backward(dinp, dnorm_weight, dxn, inp, norm_weight, rstd)
-
