@@ -26,6 +26,11 @@ PREFIX = "base_model.model."
 HF_PREFIX = {"gpt2": "transformer.", "llama": ""}  # the Hugging Face module names over param_spec's
 
 
+def _module_leaf(name):
+    """A tensor's module as PEFT's modules_to_save names it: "model.norm.weight" -> "norm"."""
+    return name.rsplit(".", 1)[0].split(".")[-1]
+
+
 def is_peft(path):
     return Path(path).is_dir() and (Path(path) / CONFIG_FILE).is_file()
 
@@ -35,7 +40,7 @@ def write_peft(dst, arch, lora, tensors, base_path=None, tied=False):
     (`tensors`: model.layout's names -> arrays). Returns (dst, one line saying what was written)."""
     cls = get_family(arch).model
     hf = HF_PREFIX[arch]
-    saved = sorted({n.rsplit(".", 1)[0].split(".")[-1] for n in tensors if ".lora_" not in n})
+    saved = sorted({_module_leaf(n) for n in tensors if ".lora_" not in n})
     if tied and any(not cls.is_norm(n) and ".lora_" not in n for n in tensors):
         raise ConvertError("--format peft: this run trained its tied embeddings (train.lora_train_embeddings), which a "
                            "PEFT adapter cannot hold (PEFT copies the embedding, not the lm_head tied to it); export "
@@ -112,8 +117,8 @@ def read_peft(path, fields, arch, config):
     saved = set(fields["modules_to_save"])
     norms = {n for n, _ in cls.param_spec(config) if cls.is_norm(n)}
     lora = LoRAConfig(rank=fields["rank"], alpha=fields["alpha"], targets=targets, dropout=fields["dropout"],
-                      train_norms=any(n.rsplit(".", 1)[0].split(".")[-1] in saved for n in norms),
-                      train_embeddings=bool(saved - {n.rsplit(".", 1)[0].split(".")[-1] for n in norms}))
+                      train_norms=any(_module_leaf(n) in saved for n in norms),
+                      train_embeddings=bool(saved - {_module_leaf(n) for n in norms}))
     f = Path(path) / WEIGHTS_FILE
     try:
         raw = load_file(str(f))
