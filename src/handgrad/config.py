@@ -162,7 +162,7 @@ class TrainSection:
     log_interval: int = 10  # steps between log lines (metrics.jsonl records every step)
     seed: int = 1337  # seeds the weights, the batches and the samples
     on_nan: str = "stop"  # a NaN/Inf loss or gradient: "stop" (last good checkpoint kept) or "skip" the batch
-    dtype: str = "float32"  # activations: float32, or bfloat16 mixed precision (--device gpu; weights stay float32)
+    dtype: str = "float32"  # float32, or bfloat16 mixed precision (gpu: bf16 activations; cpu: bf16 products; weights stay float32)
     cuda_graph: bool = False  # --device gpu, one process: replay each step as captured CUDA graphs
     zero_stage: int = 0  # under torchrun: 1 shards the AdamW moments across ranks (ZeRO stage 1)
     threads: int = 0  # BLAS and Numba threads per process; 0: this machine's cores / processes on it

@@ -24,8 +24,10 @@ def add_arguments(parser):
     parser.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
                         help="ops: backend to time (default cpu); gpu: each Triton op beside torch eager, "
                              "torch.compile and scaled_dot_product_attention")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                        help="ops --backend gpu: the activations' dtype (default bfloat16, as --train.dtype)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="ops --backend gpu: the activations' dtype (default bfloat16); train: bfloat16 times "
+                             "handgrad's cpu mixed precision beside PyTorch's torch.autocast('cpu', bfloat16) and "
+                             "handgrad float32 (default float32)")
     parser.add_argument("--no-compile", action="store_true",
                         help="ops --backend gpu: leave out the torch.compile column (its compiles take minutes)")
     parser.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
@@ -88,7 +90,7 @@ def main(args):
     """Run `handgrad bench <what>`; returns the exit status."""
     if args.what == "ops":
         if args.backend == "gpu":
-            return bench_ops_gpu(args.repeat, args.json, args.dtype, not args.no_compile)
+            return bench_ops_gpu(args.repeat, args.json, args.dtype or "bfloat16", not args.no_compile)
         return bench_ops(args.backend, args.repeat, args.json)
     if args.what == "train":
         return bench_train_main(args)

@@ -7,6 +7,11 @@ scaled_dot_product_attention, F.layer_norm, F.gelu, F.cross_entropy; for the Lla
 (`--preset llama-mid,smollm2-135m`) transformers' own LlamaForCausalLM with SDPA attention over
 grouped heads; then clip_grad_norm_ and torch.optim.AdamW(fused=True).
 
+With `--dtype bfloat16` the handgrad side is its cpu mixed precision (train.dtype=bfloat16: bf16
+products on oneDNN, float32 everything else), the PyTorch side the same model's forward under
+`torch.autocast("cpu", dtype=torch.bfloat16)` (PyTorch's own CPU bf16, oneDNN's products), and a
+third worker runs handgrad in float32 for the speedup over it.
+
 Each side runs in its own worker process, so each one's peak resident memory is its own and the
 handgrad process never imports torch (training on CPU does not need it). The parent measures the
 sgemm peak, starts both workers, warms both up, then alternates chunks of timed steps between them
@@ -50,6 +55,8 @@ SHAPES = {
 DEFAULT_SHAPES = ("tiny", "mid", "gpt2-124m")  # the shapes issue 4 reports
 SIDES = ("handgrad", "pytorch")
 LORA_SIDES = ("handgrad", "pytorch", "handgrad-full")  # --lora: LoRA, PyTorch + PEFT, handgrad's own full step
+BF16_SIDES = ("handgrad", "pytorch", "handgrad-fp32")  # --dtype bfloat16: bf16, autocast bf16, handgrad float32
+WORKERS = LORA_SIDES + BF16_SIDES[2:]
 N_BATCHES = 16  # distinct random batches, cycled
 WARMUP_STEPS = 3
 BUDGET_S = 12.0  # with --steps unset: timed seconds per side
@@ -60,6 +67,9 @@ MIN_STEPS, MAX_STEPS, CHUNKS = 5, 200, 4
 # computation, up to float32 rounding); later steps only need to be finite, since two float32
 # trajectories drift apart over hundreds of steps (measured: 20% apart after 200 tiny steps).
 LOSS_CHECK_STEPS, LOSS_RTOL = 5, 1e-4
+# bf16 products round every operand to 8 bits of mantissa: the two sides' first losses differ by
+# their rounding, ~1e-3 relative (measured, and reported per row); this only catches a wrong model
+LOSS_RTOL_BF16 = 1e-2
 
 
 # ---------------------------------------------------------------- the worker (one per side)
@@ -84,11 +94,12 @@ def _lora(spec):
 
 
 class _HandgradWorker:
-    def __init__(self, config, t, flat, lora=None, seed=0):
+    def __init__(self, config, t, flat, lora=None, seed=0, dtype="float32"):
         self.accumulate = accumulate_gradients  # what the trainer runs per step
-        self.model = _model_family(config).model(config, seed=seed, lora=lora)
+        self.model = _model_family(config).model(config, seed=seed, lora=lora, dtype=dtype)
         if lora is None:
             self.model.params[:] = flat
+            self.model.weights_changed()
         else:  # the base from flat, the adapters as the model initialised them (initial_adapters of seed)
             layout, _ = flat_layout(self.model.param_spec(config))
             self.model.load_state_dict(flat_views(flat, layout), names=list(layout))
@@ -170,11 +181,13 @@ def _model_family(config):
 class _TorchWorker:
     """PyTorch eager as its users run it: GPT-2 with addmm and scaled_dot_product_attention
     (torch_ref.TorchGPT, fast=True); the Llama family as transformers' own LlamaForCausalLM with its
-    SDPA attention (grouped heads, no repeat); fused AdamW."""
+    SDPA attention (grouped heads, no repeat); fused AdamW. dtype bfloat16: the forward (and so its
+    backward) under torch.autocast("cpu", dtype=torch.bfloat16)."""
 
-    def __init__(self, config, t, flat, lora=None, seed=0):
+    def __init__(self, config, t, flat, lora=None, seed=0, dtype="float32"):
         from ..torch_ref import TorchGPT, TorchLlama, torch
         self.torch = torch
+        self.autocast = dtype == "bfloat16"
         layout, _ = flat_layout(_model_family(config).param_spec(config))
         state = flat_views(flat, layout)
         if isinstance(config, LlamaConfig):
@@ -200,7 +213,8 @@ class _TorchWorker:
 
     def step(self, batch):
         self.opt.zero_grad(set_to_none=True)
-        _, loss = self.model(*batch)
+        with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.autocast):
+            _, loss = self.model(*batch)
         loss.backward()
         if self.grad_clip > 0:
             self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -220,7 +234,9 @@ def worker(side, spec):
     B, T = spec["batch_size"], spec["T"]
     tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
     cls = _TorchWorker if side == "pytorch" else _HandgradWorker
-    w = cls(config, spec["train"], flat, lora=None if side == "handgrad-full" else _lora(spec), seed=spec["seed"])
+    dtype = "float32" if side == "handgrad-fp32" else spec.get("dtype", "float32")
+    w = cls(config, spec["train"], flat, lora=None if side == "handgrad-full" else _lora(spec), seed=spec["seed"],
+            dtype=dtype)
     batches = [w.prepare(tok[:, :-1].astype(np.int32), tok[:, 1:].astype(np.int32)) for tok in tokens]
     del flat
     step_no = 0
@@ -285,14 +301,17 @@ class _Side:
         return memory
 
 
-def _spec(name, lora_rank=None):
+def _spec(name, lora_rank=None, dtype="float32"):
     shape = SHAPES[name]
     rc = load_run_config(shape["preset"])
     t = rc.train
     spec = {"arch": rc.model.arch, "model": asdict(rc.gpt_config(shape["vocab_size"])),
             "batch_size": shape["batch_size"], "T": shape["T"], "seed": t.seed,
             "train": {"lr": t.lr, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
-                      "grad_clip": t.grad_clip}}
+                      "grad_clip": t.grad_clip}, "dtype": dtype}
+    if lora_rank and dtype != "float32":
+        raise SystemExit("bench train: --lora runs in float32 (LoRA with bf16 products is not supported yet); "
+                         "leave out --dtype")
     if lora_rank:  # every linear of every block, PEFT's usual alpha = 2 r
         if rc.model.arch != "llama":
             raise SystemExit(f"bench train --lora: {name} is a GPT-2 shape; the LoRA rows compare against PEFT on "
@@ -301,30 +320,32 @@ def _spec(name, lora_rank=None):
     return spec
 
 
-def _check_losses(name, a, b):
-    """The first LOSS_CHECK_STEPS losses agree and every loss is finite, else exit 1 (nothing is
-    reported). Returns the largest relative difference over the checked steps."""
+def _check_losses(name, a, b, rtol=LOSS_RTOL):
+    """The first LOSS_CHECK_STEPS losses agree to rtol and every loss is finite, else exit 1 (nothing
+    is reported). Returns the largest relative difference over the checked steps."""
     a, b = np.asarray(a), np.asarray(b)
     if not np.all(np.isfinite(a)):
         i = int(np.flatnonzero(~np.isfinite(a))[0])
         raise SystemExit(f"bench train: CHECK FAILED for {name}: step {i + 1} handgrad loss is {a[i]}")
     a, b = a[:LOSS_CHECK_STEPS], b[:LOSS_CHECK_STEPS]
     rel = np.abs(a - b) / np.maximum(np.abs(b), 1e-12)
-    if not rel.max() <= LOSS_RTOL:
+    if not rel.max() <= rtol:
         i = int(np.nanargmax(np.where(np.isfinite(rel), rel, np.inf)))
         raise SystemExit(f"bench train: CHECK FAILED for {name}: step {i + 1} loss handgrad {a[i]:.6g} vs "
-                         f"pytorch {b[i]:.6g} (relative tolerance {LOSS_RTOL:g})")
+                         f"pytorch {b[i]:.6g} (relative tolerance {rtol:g})")
     return float(rel.max())
 
 
-def bench_shape(name, steps, profile, lora_rank=None):
+def bench_shape(name, steps, profile, lora_rank=None, dtype="float32"):
     """Warm up, then alternate timed chunks of the sides; one result dict. lora_rank: the LoRA row
-    (handgrad's LoRA, PyTorch + PEFT's, handgrad's full step beside them)."""
-    spec = _spec(name, lora_rank)
+    (handgrad's LoRA, PyTorch + PEFT's, handgrad's full step beside them). dtype bfloat16: handgrad's
+    bf16 step, PyTorch's autocast bf16 step, handgrad's float32 step."""
+    spec = _spec(name, lora_rank, dtype)
+    bf16 = dtype == "bfloat16"
     family = get_family(spec["arch"])
     config = family.config(**spec["model"])
     tokens_per_step = spec["batch_size"] * spec["T"]
-    sides = [_Side(s, spec) for s in (LORA_SIDES if lora_rank else SIDES)]
+    sides = [_Side(s, spec) for s in (LORA_SIDES if lora_rank else BF16_SIDES if bf16 else SIDES)]
     try:
         warm = {s.name: s.run(WARMUP_STEPS, keep=False) for s in sides}
         if steps is None:
@@ -340,7 +361,7 @@ def bench_shape(name, steps, profile, lora_rank=None):
                     s.run(n)
                 done += n
         hg, pt = sides[:2]
-        err = _check_losses(name, hg.losses, pt.losses)
+        err = _check_losses(name, hg.losses, pt.losses, LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
         prof = hg.ask(cmd="profile", n=min(steps, 10)) if profile else None
     finally:
         memory = {}
@@ -374,6 +395,12 @@ def bench_shape(name, steps, profile, lora_rank=None):
                                   family.model, config, _lora(spec))[0]))
         if h["peak_rss_mib"] and full["peak_rss_mib"]:
             result["lora"]["peak_rss_vs_full"] = h["peak_rss_mib"] / full["peak_rss_mib"]
+    if bf16:  # each bf16 side's first losses against handgrad's float32 ones: the price of the rounding
+        fp32 = np.asarray(sides[2].losses[:LOSS_CHECK_STEPS])
+        off = {s.name: float(np.max(np.abs(np.asarray(s.losses[:LOSS_CHECK_STEPS]) - fp32) / np.abs(fp32)))
+               for s in sides[:2]}
+        result["bf16"] = {"speedup_vs_fp32": h["tok_s"] / result["sides"]["handgrad-fp32"]["tok_s"],
+                          "loss_rel_diff_vs_fp32": off}
     if prof:
         result["profile"] = prof
     return result
@@ -391,7 +418,8 @@ def main(args):
     peak = sgemm_peak()
     rows = []
     for name in names:
-        r = bench_shape(name, args.steps, args.profile, getattr(args, "lora", None))
+        r = bench_shape(name, args.steps, args.profile, getattr(args, "lora", None),
+                        getattr(args, "dtype", None) or "float32")
         for side in r["sides"].values():
             side["mfu"] = side["gflops"] / peak["median_gflops"]
         rows.append(r)
@@ -412,10 +440,10 @@ def format_row(r):
     lines = [f"\n{r['name']}: n_layer {m['n_layer']}, n_head {m['n_head']}, n_embd {m['n_embd']}, "
              f"vocab {m['vocab_size']}, B {c['batch_size']}, T {c['T']}; {r['flops_per_token'] / 1e6:.1f} "
              f"MFLOP/token (the model's: causal attention as half); {r['steps']} timed steps per side",
-             f"  {'':<9} {'tok/s':>9} {'ms/step':>9} {'GFLOP/s':>8} {'MFU':>6} {'peak RSS':>10} {'(imports)':>10}"]
+             f"  {'':<13} {'tok/s':>9} {'ms/step':>9} {'GFLOP/s':>8} {'MFU':>6} {'peak RSS':>10} {'(imports)':>10}"]
     for name, s in r["sides"].items():
         mfu = f"{100 * s['mfu']:.1f}%" if "mfu" in s else "?"
-        lines.append(f"  {name:<9} {s['tok_s']:>9.1f} {s['step_ms']:>9.1f} {s['gflops']:>8.1f} {mfu:>6} "
+        lines.append(f"  {name:<13} {s['tok_s']:>9.1f} {s['step_ms']:>9.1f} {s['gflops']:>8.1f} {mfu:>6} "
                      f"{_mib(s['peak_rss_mib']):>10} {_mib(s['baseline_rss_mib']):>10}")
     mem = f"{r['ratio_peak_rss']:.2f}x" if "ratio_peak_rss" in r else "?"
     if "lora" in r:
@@ -423,6 +451,12 @@ def format_row(r):
         lines.append(f"  LoRA r {lo['rank']} on {','.join(lo['targets'])} ({lo['trained']:,} trained parameters); "
                      f"pytorch = transformers + PEFT; handgrad LoRA / handgrad full: tok/s {lo['speedup_vs_full']:.2f}x, "
                      f"peak RSS {lo.get('peak_rss_vs_full', float('nan')):.2f}x")
+    if "bf16" in r:
+        b = r["bf16"]
+        off = b["loss_rel_diff_vs_fp32"]
+        lines.append(f"  bf16: pytorch = torch.autocast('cpu', bfloat16); handgrad bf16 / handgrad float32: tok/s "
+                     f"{b['speedup_vs_fp32']:.2f}x; first {LOSS_CHECK_STEPS} losses off handgrad float32's by "
+                     f"{off['handgrad']:.1e} (handgrad bf16), {off['pytorch']:.1e} (pytorch autocast)")
     bg = "?" if r["background_cores"] is None else f"{r['background_cores']:.2f}"
     lines.append(f"  handgrad/pytorch: tok/s {r['ratio_tok_s']:.2f}x, peak RSS {mem}; losses agree to "
                  f"{r['loss_max_rel_diff']:.1e} over {LOSS_CHECK_STEPS} steps (first {r['first_loss'][0]:.5f} vs {r['first_loss'][1]:.5f}); "
@@ -459,7 +493,8 @@ def _mib(x):
 
 
 if __name__ == "__main__":  # a worker: python -m handgrad.bench.train SIDE SPEC_JSON
-    if len(sys.argv) != 3 or sys.argv[1] not in LORA_SIDES:
-        raise SystemExit("usage: python -m handgrad.bench.train {handgrad|pytorch|handgrad-full} SPEC_JSON (started by bench train)")
+    if len(sys.argv) != 3 or sys.argv[1] not in WORKERS:
+        raise SystemExit(f"usage: python -m handgrad.bench.train {{{'|'.join(WORKERS)}}} SPEC_JSON (started by bench "
+                         f"train)")
     sys.exit(worker(sys.argv[1], json.loads(sys.argv[2])))
 

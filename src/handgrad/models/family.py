@@ -105,8 +105,11 @@ class FlatModel:
         """buffer_multiple: the flat buffers (`flat_params`, `flat_grad`) are allocated zero-padded
         to a multiple of it, so data-parallel ranks can split them into equal shards; `params` and
         `grad` are their first num_params elements.
-        dtype: the activations' dtype. "bfloat16" (gpu backend only) is mixed precision: bf16
-        activations and matmul inputs, float32 weights, gradients, optimizer state and statistics.
+        dtype: "float32", or "bfloat16" mixed precision, float32 weights, gradients, optimizer
+        state and statistics in both backends. On the gpu the activations are bf16; on the cpu
+        the matrix products take bf16 operands (a bf16 copy of the weights, `params16`, and each
+        product's input narrowed by the kernel that writes it) and accumulate in float32 through
+        oneDNN, everything else staying float32; it needs a CPU with AVX512_BF16 or AMX.
         lora: a config.LoRAConfig: the base weights frozen (in `frozen_params`), adapters trained
         (models/lora.py); None: every weight trains.
         dropout: model.dropout, applied while `training` is set (set_training); off in evaluation
@@ -115,8 +118,12 @@ class FlatModel:
             raise ValueError(f"config must be a handgrad {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-        if dtype == "bfloat16" and backend != "gpu":
-            raise ValueError(f"dtype bfloat16 needs backend 'gpu' (the {backend} backend computes in float32)")
+        self.bf16_products = dtype == "bfloat16" and backend == "cpu"
+        if self.bf16_products and get_backend("cpu").bf16_path() is None:
+            raise ValueError("dtype bfloat16 on the cpu needs a CPU with AVX512_BF16 or AMX (bf16 products); this "
+                             "one has neither (`handgrad info` says so): use float32")
+        if self.bf16_products and lora is not None:
+            raise ValueError("LoRA with dtype bfloat16 on the cpu is not supported yet: use float32")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {dropout!r}")
         if (lora is not None or dropout) and backend != "cpu":
@@ -144,6 +151,11 @@ class FlatModel:
         self.p = {name: self.p.get(name, trained.get(name)) for name, _ in self.param_spec(config)}
         self.p.update((name, view) for name, view in trained.items() if name not in self.p)  # the adapters
         self.g = flat_views(self.grad, self.layout)
+        # bf16 products (cpu): the weights narrowed to bf16, refreshed by AdamW's pass (params_bf16)
+        # or, when stale (weights_changed), by the next forward
+        self.flat_params16 = self.ops.empty((padded,), np.uint16) if self.bf16_products else None
+        self.p16 = flat_views(self.flat_params16, self.layout) if self.bf16_products else self.p
+        self._weights16_fresh = False
         self._acts = None
         self._ready_for_backward = False
         self._grads_zero = True  # the gradient buffer starts at zero
@@ -156,7 +168,31 @@ class FlatModel:
         self.adapters = lora_parts.adapter_records(self) if lora is not None else []
 
     # ----------------------------------------------------------------- parameters
+    def weights_changed(self):
+        """Say that the float32 weights were written outside the optimizer (loaded, broadcast,
+        gathered): a bf16 model narrows them again before its next forward."""
+        self._weights16_fresh = False
+
+    def weights16_updated(self):
+        """Say that the bf16 copy matches the float32 weights again (AdamW wrote both)."""
+        self._weights16_fresh = True
+
+    def _narrow_weights(self):
+        if self.bf16_products and not self._weights16_fresh:
+            self.ops.to_bf16(self.flat_params, self.flat_params16)
+            self._weights16_fresh = True
+
+    def narrowed(self, x, buf, l=None):
+        """x as a bf16 product's input: narrowed into buf (buf[l] if l is given), or x itself where
+        buf is None (float32 products)."""
+        if buf is None:
+            return x
+        out = buf if l is None else buf[l]
+        self.ops.to_bf16(x, out)
+        return out
+
     def _init_weights(self, seed):
+        self.weights_changed()
         host = self.init_params(self.config, seed)
         if self.lora is None:
             self.params[:] = self.ops.from_numpy(host)
@@ -261,6 +297,7 @@ class FlatModel:
                 raise ValueError(f"load_state_dict: {name} has dtype {arr.dtype}, expected a float type")
         for name in want:
             self.p[name][...] = self.ops.from_numpy(np.asarray(state[name], dtype=np.float32))
+        self.weights_changed()
 
     def zero_grad(self):
         """Start the next backward from zero gradients.
@@ -304,7 +341,8 @@ class FlatModel:
         a = self._acts
         if a is None or (a.B, a.T) != (B, T):
             a = self._acts = None  # release the old set before allocating the new one
-            a = self._acts = self.ACTIVATIONS(self.ops, self.config, B, T, self._act_dtype())
+            a = self._acts = self.ACTIVATIONS(self.ops, self.config, B, T, self._act_dtype(),
+                                              products=np.uint16 if self.bf16_products else np.float32)
             a.lora_xs = None if self.lora is None else self.ops.empty(  # each adapter's s x A, per block
                 (self.config.n_layer, max(map(len, self.lora_blocks)), B, T, self.lora.rank), self._act_dtype())
             a.dbranch = None  # a dropped branch's gradient (model.dropout), made at its first use
@@ -355,11 +393,14 @@ class FlatModel:
         g = self.g.get(name)
         return None if g is None else g.T
 
-    def fused_view(self, first, last, grads=False):
+    def fused_view(self, first, last, grads=False, bf16=False):
         """The [out, in] matrix (or vector) of param_spec's consecutive tensors first .. last, in the
-        buffer that holds them; grads=True: its gradient, None where frozen."""
+        buffer that holds them; grads=True: its gradient, None where frozen; bf16=True: in the bf16
+        copy of the weights (`params16`; the float32 weights without bf16 products)."""
         if first in self.layout:
             buf, layout = (self.grad if grads else self.params), self.layout
+            if bf16 and self.bf16_products:
+                buf = self.flat_params16[:self.num_params]
         elif grads:
             return None
         else:
@@ -369,7 +410,7 @@ class FlatModel:
         return buf[o:end].reshape((-1, *layout[first][1][1:]))
 
     def _act_dtype(self):
-        if self.dtype == "bfloat16":
+        if self.dtype == "bfloat16" and not self.bf16_products:
             import torch
             return torch.bfloat16
         return np.float32
@@ -380,6 +421,7 @@ class FlatModel:
         if targets is not None:
             return float(self.forward_loss(idx, targets))  # the gpu's loss is a device scalar: this waits
         a = self.stage(idx)
+        self._narrow_weights()
         self._layers_forward(a)
         self._ready_for_backward = False
         return self.ops.to_numpy(a.logits).copy()
@@ -409,6 +451,7 @@ class FlatModel:
         """The forward over the tokens and targets stage() put into a; returns the mean loss as the
         backend's scalar and keeps what backward() needs. Touches only device memory (no host
         transfer, no allocation after the first call), so a CUDA graph can capture it."""
+        self._narrow_weights()
         self._layers_forward(a)
         loss = self.ops.crossentropy_forward(a.losses, a.lse, a.logits, a.targets)
         self._acts = a

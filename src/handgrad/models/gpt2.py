@@ -92,10 +92,15 @@ def flops_per_token(config, T):
 class Activations:
     """Every buffer one forward/backward of shape (B, T) needs, allocated once and reused."""
 
-    def __init__(self, ops, config, B, T, dtype=np.float32):
+    def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32):
+        """products: np.uint16 where the matrix products take bf16 operands (the cpu's mixed
+        precision): the buffers that only feed products are then bf16, and narrowed copies of the
+        others are kept (`*16`; None, or the float32 buffer itself, with float32 products)."""
         C, L, NH, V = config.n_embd, config.n_layer, config.n_head, config.vocab_size
         e = lambda *shape: ops.empty(shape, dtype)
-        self.B, self.T = B, T
+        x16 = lambda *shape: ops.empty(shape, products)  # a product's input only
+        bf16 = np.dtype(products) == np.uint16
+        self.B, self.T, self.products = B, T, products
         self.idx = ops.empty((B, T), np.int32)
         self.targets = ops.empty((B, T), np.int32)
         self.encoded = e(B, T, C)          # residual stream entering block 0
@@ -104,14 +109,16 @@ class Activations:
         self.qkv = e(L, B, T, 3 * C)
         self.att = f32(L, *ops.attention_state_shape(B, NH, T))  # cpu: probabilities; gpu: logsumexp
         self.atty = e(L, B, T, C)          # attention output before c_proj
+        self.atty16 = x16(L, B, T, C) if bf16 else None  # ... narrowed: c_proj's input
         self.res2 = e(L, B, T, C)          # residual after attention
         self.ln2_mean, self.ln2_rstd = f32(L, B, T), f32(L, B, T)
         self.fch = e(L, B, T, 4 * C)       # c_fc output + bias (GELU input)
-        self.fch_gelu = e(L, B, T, 4 * C)
+        self.fch_gelu = x16(L, B, T, 4 * C) if bf16 else e(L, B, T, 4 * C)
         self.res3 = e(L, B, T, C)          # residual after the MLP
-        self.lnf = e(B, T, C)
+        self.lnf = x16(B, T, C) if bf16 else e(B, T, C)
         self.lnf_mean, self.lnf_rstd = f32(B, T), f32(B, T)
         self.logits = e(B, T, V)           # overwritten in place by dlogits in the backward
+        self.dlogits16 = x16(B, T, V) if bf16 else self.logits  # dlogits narrowed (or the logits, in place)
         self.losses = f32(B, T)
         self.lse = ops.empty((B, T), ops.LSE_DTYPE)  # cpu float64: see crossentropy_forward
         self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add
@@ -128,11 +135,15 @@ class Activations:
     def alloc_grads(self, ops, config, dtype=np.float32):
         B, T, C = self.B, self.T, config.n_embd
         e = lambda *shape: ops.empty(shape, dtype)
+        bf16 = np.dtype(self.products) == np.uint16
+        x16 = lambda *shape: ops.empty(shape, self.products) if bf16 else None
         self.dres = e(B, T, C)             # gradient of the residual stream, carried down the blocks
         self.dlnf = e(B, T, C)
         self.datty = e(B, T, C)
         self.dqkv = e(B, T, 3 * C)
         self.dfch = e(B, T, 4 * C)
+        self.dres16, self.dqkv16 = x16(B, T, C), x16(B, T, 3 * C)  # narrowed for the products' backward
+        self.dfch16 = x16(B, T, 4 * C) if bf16 else self.dfch  # gelu's backward writes it (in place in float32)
         self.grads = True
 
 
@@ -169,7 +180,7 @@ class GPT(FlatModel):
 
     def _layers_forward(self, a):
         """Embeddings, the blocks, ln_f and the logits into a.logits, from the tokens in a.idx."""
-        ops, p, NH = self.ops, self.p, self.config.n_head
+        ops, p, w, NH = self.ops, self.p, self.p16, self.config.n_head  # w: the products' weights
         ops.encoder_forward(a.encoded, a.idx, p["wte.weight"], p["wpe.weight"])
         self.drop(a.encoded, -1, self.SITE_EMBED)
         x = a.encoded
@@ -177,24 +188,25 @@ class GPT(FlatModel):
             h = f"h.{l}."
             ops.layernorm_linear_forward(a.qkv[l], a.ln1_mean[l], a.ln1_rstd[l], x,
                                          p[h + "ln_1.weight"], p[h + "ln_1.bias"],
-                                         p[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"],
+                                         w[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"],
                                          adapters=self.lora_adapters(a, l, "c_attn"))
             ops.attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, **self.attention_dropout(l))
-            ops.linear_forward(a.proj, a.atty[l], p[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
+            ops.linear_forward(a.proj, self.narrowed(a.atty[l], a.atty16, l), w[h + "attn.c_proj.weight"],
+                               p[h + "attn.c_proj.bias"])
             self.lora_linear(a.proj, a.atty[l], a, l, "c_proj")
             self.drop(a.proj, l, self.SITE_ATTN_OUT)
             ops.residual_forward(a.res2[l], x, a.proj)
             ops.layernorm_linear_forward(a.fch[l], a.ln2_mean[l], a.ln2_rstd[l], a.res2[l],
                                          p[h + "ln_2.weight"], p[h + "ln_2.bias"],
-                                         p[h + "mlp.c_fc.weight"], None, adapters=self.lora_adapters(a, l, "c_fc"))
+                                         w[h + "mlp.c_fc.weight"], None, adapters=self.lora_adapters(a, l, "c_fc"))
             ops.gelu_forward(a.fch_gelu[l], a.fch[l], p[h + "mlp.c_fc.bias"])
-            ops.linear_forward(a.proj, a.fch_gelu[l], p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
+            ops.linear_forward(a.proj, a.fch_gelu[l], w[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
             self.lora_linear(a.proj, a.fch_gelu[l], a, l, "mlp.c_proj")
             self.drop(a.proj, l, self.SITE_MLP_OUT)
             ops.residual_forward(a.res3[l], a.res2[l], a.proj)
             x = a.res3[l]
         ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p["ln_f.weight"], p["ln_f.bias"])
-        ops.linear_forward(a.logits, a.lnf, p["wte.weight"].T)
+        ops.linear_forward(a.logits, a.lnf, w["wte.weight"].T)
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss.
@@ -209,7 +221,7 @@ class GPT(FlatModel):
         if not self._ready_for_backward:
             raise RuntimeError("backward() needs a forward(idx, targets) with targets first")
         self._ready_for_backward = False
-        ops, p, g, a, NH = self.ops, self.p, self.g, self._acts, self.config.n_head
+        ops, p, w, g, a, NH = self.ops, self.p, self.p16, self.g, self._acts, self.config.n_head
         # right after zero_grad() each weight gradient below gets its first contribution, so it
         # can be written by one GEMM; later backwards (gradient accumulation) add to it
         acc = not self._grads_zero
@@ -218,8 +230,8 @@ class GPT(FlatModel):
             a.alloc_grads(ops, self.config, self._act_dtype())
         L = self.config.n_layer
 
-        ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # dlogits, in place
-        ops.linear_backward(a.dlnf, self.grad_t("wte.weight"), None, a.logits, a.lnf, p["wte.weight"].T, acc)
+        ops.crossentropy_backward(a.dlogits16, a.logits, a.lse, a.targets)  # dlogits (in place in float32)
+        ops.linear_backward(a.dlnf, self.grad_t("wte.weight"), None, a.dlogits16, a.lnf, w["wte.weight"].T, acc)
         a.dres[...] = 0
         ops.layernorm_backward(a.dres, g.get("ln_f.weight"), g.get("ln_f.bias"), a.dlnf, a.res3[L - 1],
                                p["ln_f.weight"], a.lnf_mean, a.lnf_rstd)
@@ -228,27 +240,28 @@ class GPT(FlatModel):
             h = f"h.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
             # MLP: res3 = res2 + drop(c_proj(gelu(c_fc(ln_2(res2))))); dres holds d res3
-            dproj = self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT)
+            dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
             ops.linear_backward(a.dfch, g.get(h + "mlp.c_proj.weight"), g.get(h + "mlp.c_proj.bias"), dproj,
-                                a.fch_gelu[l], p[h + "mlp.c_proj.weight"], acc)
+                                a.fch_gelu[l], w[h + "mlp.c_proj.weight"], acc)
             self.lora_linear_grad(a.dfch, dproj, a.fch_gelu[l], a, l, "mlp.c_proj")
-            ops.gelu_backward(a.dfch, g.get(h + "mlp.c_fc.bias"), a.dfch, a.fch[l])
+            ops.gelu_backward(a.dfch16, g.get(h + "mlp.c_fc.bias"), a.dfch, a.fch[l])
             ops.layernorm_linear_backward(a.dres, g.get(h + "ln_2.weight"), g.get(h + "ln_2.bias"),
-                                          g.get(h + "mlp.c_fc.weight"), None, a.dfch, a.res2[l],
+                                          g.get(h + "mlp.c_fc.weight"), None, a.dfch16, a.res2[l],
                                           p[h + "ln_2.weight"], p[h + "ln_2.bias"],
-                                          a.ln2_mean[l], a.ln2_rstd[l], p[h + "mlp.c_fc.weight"], acc,
+                                          a.ln2_mean[l], a.ln2_rstd[l], w[h + "mlp.c_fc.weight"], acc,
                                           adapters=self.lora_adapters(a, l, "c_fc"))
             # attention: res2 = x + drop(c_proj(attn(c_attn(ln_1(x))))); dres now holds d res2
-            dproj = self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT)
+            dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
             ops.linear_backward(a.datty, g.get(h + "attn.c_proj.weight"), g.get(h + "attn.c_proj.bias"), dproj,
-                                a.atty[l], p[h + "attn.c_proj.weight"], acc)
+                                a.atty[l] if a.atty16 is None else a.atty16[l], w[h + "attn.c_proj.weight"], acc)
             self.lora_linear_grad(a.datty, dproj, a.atty[l], a, l, "c_proj")
             ops.attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, out=a.atty[l],
                                    **self.attention_dropout(l))
             ops.layernorm_linear_backward(a.dres, g.get(h + "ln_1.weight"), g.get(h + "ln_1.bias"),
-                                          g.get(h + "attn.c_attn.weight"), g.get(h + "attn.c_attn.bias"), a.dqkv,
-                                          x, p[h + "ln_1.weight"], p[h + "ln_1.bias"],
-                                          a.ln1_mean[l], a.ln1_rstd[l], p[h + "attn.c_attn.weight"], acc,
+                                          g.get(h + "attn.c_attn.weight"), g.get(h + "attn.c_attn.bias"),
+                                          self.narrowed(a.dqkv, a.dqkv16), x, p[h + "ln_1.weight"],
+                                          p[h + "ln_1.bias"], a.ln1_mean[l], a.ln1_rstd[l],
+                                          w[h + "attn.c_attn.weight"], acc,
                                           adapters=self.lora_adapters(a, l, "c_attn"))
             ready(*next(buckets))
         if "wte.weight" in g:

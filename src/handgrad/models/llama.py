@@ -89,12 +89,16 @@ def flops_per_token(config, T):
 class Activations:
     """Every buffer one forward/backward of shape (B, T) needs, allocated once and reused."""
 
-    def __init__(self, ops, config, B, T, dtype=np.float32):
+    def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32):
+        """products: np.uint16 where the matrix products take bf16 operands (the cpu's mixed
+        precision), as in models/gpt2.py's Activations."""
         C, L, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
         QKV = (NH + 2 * config.n_kv_head) * config.head_dim
         e = lambda *shape: ops.empty(shape, dtype)
         f32 = lambda *shape: ops.empty(shape, np.float32)
-        self.B, self.T = B, T
+        x16 = lambda *shape: ops.empty(shape, products)  # a product's input only
+        bf16 = np.dtype(products) == np.uint16
+        self.B, self.T, self.products = B, T, products
         self.idx = ops.empty((B, T), np.int32)
         self.targets = ops.empty((B, T), np.int32)
         self.encoded = e(B, T, C)          # residual stream entering block 0
@@ -102,13 +106,15 @@ class Activations:
         self.qkv = e(L, B, T, QKV)         # q and k after RoPE, v
         self.att = f32(L, *ops.gqa_attention_state_shape(B, NH, T))  # one logsumexp per score row
         self.atty = e(L, B, T, NH * config.head_dim)  # attention output before o_proj
+        self.atty16 = x16(L, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input
         self.res2 = e(L, B, T, C)          # residual after attention
         self.gu = e(L, B, T, 2 * H)        # gate | up
-        self.h = e(L, B, T, H)             # silu(gate) * up
+        self.h = x16(L, B, T, H) if bf16 else e(L, B, T, H)  # silu(gate) * up
         self.res3 = e(L, B, T, C)          # residual after the MLP
-        self.normf = e(B, T, C)
+        self.normf = x16(B, T, C) if bf16 else e(B, T, C)
         self.rstdf = f32(B, T)
         self.logits = e(B, T, V)           # overwritten in place by dlogits in the backward
+        self.dlogits16 = x16(B, T, V) if bf16 else self.logits  # dlogits narrowed (or the logits, in place)
         self.losses = f32(B, T)
         self.lse = ops.empty((B, T), ops.LSE_DTYPE)
         self.proj = e(B, T, C)             # scratch: o_proj and down_proj outputs before the residual add
@@ -127,11 +133,14 @@ class Activations:
         B, T, C, H = self.B, self.T, config.n_embd, config.ffn_hidden
         QKV = (config.n_head + 2 * config.n_kv_head) * config.head_dim
         e = lambda *shape: ops.empty(shape, dtype)
+        bf16 = np.dtype(self.products) == np.uint16
+        x16 = lambda *shape: ops.empty(shape, self.products) if bf16 else None
         self.dres = e(B, T, C)
         self.dnormf = e(B, T, C)
         self.datty = e(B, T, config.n_head * config.head_dim)
         self.dqkv = e(B, T, QKV)
-        self.dgu = e(B, T, 2 * H)
+        self.dres16, self.dqkv16 = x16(B, T, C), x16(B, T, QKV)  # narrowed for the products' backward
+        self.dgu = x16(B, T, 2 * H) if bf16 else e(B, T, 2 * H)  # swiglu's backward writes it
         self.dh = e(B, T, H)
         self.grads = True
 
@@ -172,6 +181,10 @@ class Llama(FlatModel):
                                      ("gu", "mlp.gate_proj.weight", "mlp.up_proj.weight"))
             if c.qkv_bias or key != "qkv_bias"})
         self.fp, self.fg = flat(False), flat(True)
+        self.fw = SimpleNamespace(**{key: [self.fused_view(f"model.layers.{l}.{first}", f"model.layers.{l}.{last}",
+                                                           bf16=True) for l in range(c.n_layer)]
+                                     for key, first, last in (("qkv", "self_attn.q_proj.weight", "self_attn.v_proj.weight"),
+                                                              ("gu", "mlp.gate_proj.weight", "mlp.up_proj.weight"))})
         self.lm_head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
 
     def _grad_buckets(self):
@@ -188,33 +201,33 @@ class Llama(FlatModel):
 
     def _layers_forward(self, a):
         """Embedding, the blocks, the final norm and the logits into a.logits, from a.idx."""
-        ops, p, fp, c = self.ops, self.p, self.fp, self.config
+        ops, p, fp, w, fw, c = self.ops, self.p, self.fp, self.p16, self.fw, self.config  # w, fw: the products'
         NH, NKV, rot = c.n_head, c.n_kv_head, (c.n_head + c.n_kv_head) * c.head_dim
         ops.encoder_forward(a.encoded, a.idx, p["model.embed_tokens.weight"])
         self.drop(a.encoded, -1, self.SITE_EMBED)
         x = a.encoded
         for l in range(c.n_layer):
             h = f"model.layers.{l}."
-            ops.rmsnorm_linear_forward(a.qkv[l], a.rstd1[l], x, p[h + "input_layernorm.weight"], fp.qkv[l].T,
+            ops.rmsnorm_linear_forward(a.qkv[l], a.rstd1[l], x, p[h + "input_layernorm.weight"], fw.qkv[l].T,
                                        fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
                                        adapters=self.lora_adapters(a, l, "qkv"))
             qk = a.qkv[l][:, :, :rot]  # q and k heads: one rotation per head, in place
             ops.rope_forward(qk, qk, self.cos, self.sin, NH + NKV)
             ops.gqa_attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, NKV, **self.attention_dropout(l))
-            ops.linear_forward(a.proj, a.atty[l], p[h + "self_attn.o_proj.weight"].T)
+            ops.linear_forward(a.proj, self.narrowed(a.atty[l], a.atty16, l), w[h + "self_attn.o_proj.weight"].T)
             self.lora_linear(a.proj, a.atty[l], a, l, "o")
             self.drop(a.proj, l, self.SITE_ATTN_OUT)
             ops.residual_forward(a.res2[l], x, a.proj)
             ops.rmsnorm_linear_forward(a.gu[l], a.rstd2[l], a.res2[l], p[h + "post_attention_layernorm.weight"],
-                                       fp.gu[l].T, None, c.norm_eps, adapters=self.lora_adapters(a, l, "gu"))
+                                       fw.gu[l].T, None, c.norm_eps, adapters=self.lora_adapters(a, l, "gu"))
             ops.swiglu_forward(a.h[l], a.gu[l])
-            ops.linear_forward(a.proj, a.h[l], p[h + "mlp.down_proj.weight"].T)
+            ops.linear_forward(a.proj, a.h[l], w[h + "mlp.down_proj.weight"].T)
             self.lora_linear(a.proj, a.h[l], a, l, "down")
             self.drop(a.proj, l, self.SITE_MLP_OUT)
             ops.residual_forward(a.res3[l], a.res2[l], a.proj)
             x = a.res3[l]
         ops.rmsnorm_forward(a.normf, a.rstdf, x, p["model.norm.weight"], c.norm_eps)
-        ops.linear_forward(a.logits, a.normf, p[self.lm_head].T)
+        ops.linear_forward(a.logits, a.normf, w[self.lm_head].T)
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss
@@ -226,14 +239,15 @@ class Llama(FlatModel):
             raise RuntimeError("backward() needs a forward(idx, targets) with targets first")
         self._ready_for_backward = False
         ops, p, g, fp, fg, a, c = self.ops, self.p, self.g, self.fp, self.fg, self._acts, self.config
+        w, fw = self.p16, self.fw  # the products' weights
         NH, NKV, rot = c.n_head, c.n_kv_head, (c.n_head + c.n_kv_head) * c.head_dim
         acc = not self._grads_zero  # first backward after zero_grad(): the matrices are written, not added
         self._grads_zero = False
         if a.grads is None:
             a.alloc_grads(ops, c, self._act_dtype())
         L = c.n_layer
-        ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # dlogits, in place
-        ops.linear_backward(a.dnormf, self.grad_t(self.lm_head), None, a.logits, a.normf, p[self.lm_head].T, acc)
+        ops.crossentropy_backward(a.dlogits16, a.logits, a.lse, a.targets)  # dlogits (in place in float32)
+        ops.linear_backward(a.dnormf, self.grad_t(self.lm_head), None, a.dlogits16, a.normf, w[self.lm_head].T, acc)
         a.dres[...] = 0
         ops.rmsnorm_backward(a.dres, g.get("model.norm.weight"), a.dnormf, a.res3[L - 1], p["model.norm.weight"],
                              a.rstdf)
@@ -242,26 +256,27 @@ class Llama(FlatModel):
             h = f"model.layers.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
             # MLP: res3 = res2 + drop(down(swiglu(gate|up(rmsnorm(res2))))); dres holds d res3
-            dproj = self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT)
+            dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
             ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dproj, a.h[l],
-                                p[h + "mlp.down_proj.weight"].T, acc)
+                                w[h + "mlp.down_proj.weight"].T, acc)
             self.lora_linear_grad(a.dh, dproj, a.h[l], a, l, "down")
             ops.swiglu_backward(a.dgu, a.dh, a.gu[l])
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), _t(fg.gu[l]), None,
                                         a.dgu, a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[l],
-                                        fp.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
+                                        fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
             # attention: res2 = x + drop(o(attn(rope(qkv(rmsnorm(x)))))); dres now holds d res2
-            dproj = self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT)
-            ops.linear_backward(a.datty, self.grad_t(h + "self_attn.o_proj.weight"), None, dproj, a.atty[l],
-                                p[h + "self_attn.o_proj.weight"].T, acc)
+            dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
+            ops.linear_backward(a.datty, self.grad_t(h + "self_attn.o_proj.weight"), None, dproj,
+                                a.atty[l] if a.atty16 is None else a.atty16[l], w[h + "self_attn.o_proj.weight"].T,
+                                acc)
             self.lora_linear_grad(a.datty, dproj, a.atty[l], a, l, "o")
             ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, NKV, out=a.atty[l],
                                        **self.attention_dropout(l))
             dqk = a.dqkv[:, :, :rot]
             ops.rope_backward(dqk, dqk, self.cos, self.sin, NH + NKV)  # back to the pre-rotation q and k
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), _t(fg.qkv[l]),
-                                        fg.qkv_bias[l] if c.qkv_bias else None, a.dqkv, x,
-                                        p[h + "input_layernorm.weight"], a.rstd1[l], fp.qkv[l].T, acc,
+                                        fg.qkv_bias[l] if c.qkv_bias else None, self.narrowed(a.dqkv, a.dqkv16), x,
+                                        p[h + "input_layernorm.weight"], a.rstd1[l], fw.qkv[l].T, acc,
                                         adapters=self.lora_adapters(a, l, "qkv"))
             ready(*next(buckets))
         if "model.embed_tokens.weight" in g:

@@ -53,15 +53,18 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
         xs = config.n_layer * max(map(len, blocks)) * batch_size * block_size * lora.rank * 4
     padded = -(-n // world_size) * world_size
     ops = get_backend(backend)
-    act_dtype = np.float32
-    if dtype == "bfloat16":
+    act_dtype, products = np.float32, np.float32
+    if dtype == "bfloat16" and backend == "cpu":  # bf16 products: float32 activations, bf16 product inputs
+        products = np.uint16
+    elif dtype == "bfloat16":
         import torch
         act_dtype = torch.bfloat16
     counter = _CountingOps(ops)
-    acts = family.activations(counter, config, batch_size, block_size, act_dtype)
+    acts = family.activations(counter, config, batch_size, block_size, act_dtype, products=products)
     acts.alloc_grads(counter, config, act_dtype)
     scratch = family.activations.scratch_bytes(ops, config, batch_size, block_size)  # the ops' workspaces
-    parts = {"parameters": 4 * (padded + frozen), "gradients": 4 * padded,
+    bf16_copy = 2 * padded if products is np.uint16 else 0  # the products' bf16 copy of the weights
+    parts = {"parameters": 4 * (padded + frozen) + bf16_copy, "gradients": 4 * padded,
              "AdamW moments": 8 * (padded // world_size if zero_stage == 1 else padded),
              "activations": counter.bytes + scratch + xs}
     if backend == "cpu":

@@ -38,9 +38,15 @@ class AdamW:
         self.t += 1
         b1, b2 = self.betas
         model = self.model
+        bf16 = getattr(model, "flat_params16", None)  # the bf16 products' copy (cpu), written in the same pass
+        extra = {} if bf16 is None else {"params_bf16": bf16[self.lo:self.hi]}
         self.model.ops.adamw_update(model.flat_params[self.lo:self.hi], model.flat_grad[self.lo:self.hi],
                                     self.m, self.v, self.chunks, self.t, self.lr if lr is None else lr,
-                                    b1, b2, self.eps, self.weight_decay, grad_scale)
+                                    b1, b2, self.eps, self.weight_decay, grad_scale, **extra)
+        if bf16 is not None:
+            # a shard's update leaves the rest of the copy stale until the weights are gathered
+            full = (self.lo, self.hi) == (0, model.num_params)
+            model.weights16_updated() if full else model.weights_changed()
 
     def step_on_device(self, hyper):
         """One update with its scalars decided on the device (gpu backend): hyper, written by

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends import get_backend
 from ..config import ConfigError
 from ..data.chat import CHAT_FILE, open_dataset
 from ..data.tokenizer import load_tokenizer
@@ -24,6 +25,22 @@ from .resume import Checkpointing, make_rng
 from .rundir import TrainError, check_data, check_same_data, data_identity, init_run_dir, lock_run_dir
 from .step import accumulate_gradients, lr_at
 from .tracking import open_tracker
+
+
+
+def cpu_bf16(config):
+    """Refuse, in one line, a train.dtype=bfloat16 run the cpu cannot do: no bf16 multiply in the
+    CPU (oneDNN would emulate it, slower than float32), no oneDNN, or LoRA (float32 only so far)."""
+    ops = get_backend("cpu")
+    if ops.bf16_path() is None:
+        raise ConfigError("train.dtype: bfloat16 on the cpu needs AVX512_BF16 or AMX, and this CPU has neither "
+                          "(`handgrad info` shows cpu_bf16); use --train.dtype float32")
+    if ops.onednn_library() is None:
+        raise ConfigError("train.dtype: bfloat16 on the cpu runs its products on oneDNN, which is not installed: "
+                          "pip install onednn-cpu-gomp, or use --train.dtype float32")
+    if config.lora_config() is not None:
+        raise ConfigError("train.dtype: bfloat16 with LoRA (train.lora_rank) is not supported on the cpu yet; "
+                          "use --train.dtype float32")
 
 
 class Trainer(Checkpointing, RunLoop):
@@ -52,15 +69,14 @@ class Trainer(Checkpointing, RunLoop):
             raise ConfigError(f"model.n_embd / model.n_head = {hs}: the gpu backend's attention needs a head size "
                               f"that is a power of two >= 16 (16, 32, 64, 128, 256); pick n_head so, or train with "
                               f"--device cpu")
+        if t.dtype == "bfloat16" and backend == "cpu":
+            cpu_bf16(config)
         # count what the run will hold before allocating any of it; refuse what cannot fit
         memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
                           self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, config.lora_config())
         need = check_memory(memory, config, backend, processes=self.dp.local_world_size)
         self.log(f"memory: {describe(memory)} per process" + (f", {need / 2**30:.2f} GiB on this machine"
                                                              if self.dp.local_world_size > 1 else ""))
-        if t.dtype == "bfloat16" and backend != "gpu":
-            raise ConfigError("train.dtype: bfloat16 is the gpu backend's mixed precision; add --device gpu, or "
-                              "use --train.dtype float32 on the cpu")
         if t.cuda_graph:
             check_cuda_graph(backend, self.dp.world_size)
         lora = config.lora_config()
@@ -100,6 +116,7 @@ class Trainer(Checkpointing, RunLoop):
         self.tracker = open_tracker(t.log_to, self.run_dir, config, self.step) if self.dp.is_main else None
         # every rank starts from rank 0's weights (resumed ones are equal already: checked above)
         self.dp.broadcast(self.model.flat_params)
+        self.model.weights_changed()
         if self.sharded:
             full, ours = 8 * self.model.num_params, 8 * (shard[1] - shard[0])
             self.log(f"zero_stage 1: AdamW moments sharded over {self.dp.world_size} ranks: {ours / 2**20:,.1f} MiB "

@@ -23,6 +23,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from . import onednn
 from .common import kernel, wheel_library, workspace
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -223,7 +224,10 @@ _DRIVERS = {2: _gemm2, 4: _gemm4}
 
 
 def gemm(a, b, c, beta=0.0):
-    """c = a @ b + beta * c, in place (c is never reallocated); see the module docstring."""
+    """c = a @ b + beta * c, in place (c is never reallocated); see the module docstring.
+    bf16 operands (uint16 bit patterns, 2-D) go to oneDNN (onednn.gemm), c float32."""
+    if a.dtype == np.uint16:
+        return onednn.gemm(a, b, c, beta)
     if _NAME == "mkl" and a.dtype == b.dtype == c.dtype and a.ndim == b.ndim == c.ndim:
         addr = (_addr or _load()).get(c.dtype)
         fn = _DRIVERS.get(c.ndim)

@@ -11,6 +11,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from .bf16 import load_as
+
 # Numba's OpenMP layer keeps its threads spinning after each parallel region, fighting OpenBLAS's
 # own spinning threads for the same cores between a kernel and the next matmul (measured: an
 # attention block 25x slower). The workqueue layer parks its threads instead. A user's own
@@ -113,6 +115,11 @@ def workspace(name, shape, dtype=np.float32):
     return buf
 
 
+def product_dtype(weight, inp):
+    """The dtype a product's input is written in: bf16 (uint16) where its weight is, else inp's."""
+    return np.uint16 if weight.dtype == np.uint16 else inp.dtype
+
+
 def rows(x):
     """View a (..., C) array as (N, C) without copying."""
     return x.reshape(-1, x.shape[-1])
@@ -142,12 +149,13 @@ def _colsum_blocks(partial, x):
             partial[blk, c] = 0.0
         for i in range(blk * ROWS_PER_BLOCK, min(N, (blk + 1) * ROWS_PER_BLOCK)):
             for c in range(C):
-                partial[blk, c] += x[i, c]
+                partial[blk, c] += load_as(x, x[i, c])
 
 
 def colsum_accumulate(dst, x):
-    """dst (C,) += x (N, C).sum(0), deterministic and parallel over row blocks."""
+    """dst (C,) += x (N, C).sum(0), deterministic and parallel over row blocks; x may be bf16
+    (uint16 bit patterns), summed in dst's dtype."""
     x = rows(x)
-    partial = workspace("colsum", (n_blocks(x.shape[0]), x.shape[1]), x.dtype)
+    partial = workspace("colsum", (n_blocks(x.shape[0]), x.shape[1]), dst.dtype)
     _colsum_blocks(partial, x)
     sum_blocks_into(dst, partial)

@@ -5,6 +5,7 @@ The backward writes dlogits over the logits buffer in place, so only one (B*T, V
 import numpy as np
 from numba import prange
 
+from .bf16 import store_as
 from .common import HEAVY, ROWS_PER_BLOCK, kernel, n_blocks, rows, workspace
 from .mathfn import exp32, max32, sum64
 
@@ -95,7 +96,7 @@ def _crossentropy_backward_kernel(zd, lse, targets, dloss):
 
 
 @kernel(min_parallel=HEAVY)
-def _crossentropy_backward_kernel32(zd, lse, targets, dloss):
+def _crossentropy_backward_kernel32(zd, lse, targets, dloss, d16, narrow):
     """float32 twin of _crossentropy_backward_kernel, all in float32 with exp32. lse must not be
     rounded to float32 (see crossentropy_forward): it is split as hi + lo, hi = float32(lse),
     lo = float32(lse - hi), and z - lse formed as (z - hi) - lo, as accurate as rounding the
@@ -107,28 +108,37 @@ def _crossentropy_backward_kernel32(zd, lse, targets, dloss):
         if tgt == -1:
             for j in range(V):
                 z[j] = np.float32(0.0)
+            if narrow:
+                d16[i, :] = 0
             continue
         hi = np.float32(lse[i])
         lo = np.float32(lse[i] - np.float64(hi))
         for j in range(V):
             z[j] = exp32((z[j] - hi) - lo) * dloss
         z[tgt] -= dloss
+        if narrow:  # the row, still in cache, as bf16 for the lm_head's backward products
+            hr = d16[i]
+            for j in range(V):
+                hr[j] = store_as(hr, z[j])
 
 
 def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
     """For loss = mean_i (lse_i - z_i[y_i]) over the n non-ignored rows:
         dz_i = (softmax(z_i) - onehot(y_i)) * dloss,  dloss = 1/n (the mean);  0 on ignored rows.
     Overwrites dlogits, which may be the logits buffer itself (in place, the fast path).
-    dloss defaults to 1/n.
+    dlogits may be bf16 (uint16 bit patterns: the input of the lm_head's bf16 backward products)
+    for float32 logits: then the logits are overwritten with the float32 dlogits too (in place),
+    each row narrowed into dlogits as it is finished. dloss defaults to 1/n.
     """
     t = targets.reshape(-1)
     if dloss is None:
         count = int(np.count_nonzero(t != IGNORE_INDEX))
         dloss = 1.0 / count if count else 0.0
-    zd = rows(dlogits)
-    if dlogits is not logits:
+    narrow = dlogits.dtype == np.uint16
+    zd = rows(logits) if narrow else rows(dlogits)
+    if dlogits is not logits and not narrow:
         zd[...] = rows(logits)
     if zd.dtype == np.float32:
-        _crossentropy_backward_kernel32(zd, lse.reshape(-1), t, np.float32(dloss))
+        _crossentropy_backward_kernel32(zd, lse.reshape(-1), t, np.float32(dloss), rows(dlogits), narrow)
     else:
         _crossentropy_backward_kernel(zd, lse.reshape(-1), t, dloss)

@@ -11,6 +11,7 @@ import math
 import numpy as np
 from numba import prange
 
+from .bf16 import store_as
 from .common import HEAVY, kernel, n_blocks, rows, serial_kernel, sum_blocks_into, workspace, ROWS_PER_BLOCK
 
 GELU_K = math.sqrt(2.0 / math.pi)
@@ -69,11 +70,12 @@ def _gelu_forward_kernel32(out, inp, bias, has_bias):
                 inp[i, c] += bias[c]
         for c in range(C):
             x = inp[i, c]
-            out[i, c] = HALF32 * x * (ONE32 + tanh32(K32 * (x + C32 * x * x * x)))
+            out[i, c] = store_as(out, HALF32 * x * (ONE32 + tanh32(K32 * (x + C32 * x * x * x))))
 
 
 def gelu_forward(out, inp, bias=None):
-    """out (B, T, C) = gelu(inp (B, T, C) [+ bias (C)]). Overwrites out.
+    """out (B, T, C) = gelu(inp (B, T, C) [+ bias (C)]). Overwrites out, which may be bf16 (uint16
+    bit patterns: the next product's input) for a float32 inp, narrowed as it is written.
 
     With a bias, inp is updated in place to inp + bias (the pre-activation the backward needs),
     so the linear before it can skip its own bias pass.
@@ -111,7 +113,7 @@ def _gelu_backward_kernel(dd, partial, inp, has_bias):
 
 
 @kernel(min_parallel=HEAVY)
-def _gelu_backward_kernel32(dd, partial, inp):
+def _gelu_backward_kernel32(dd, partial, inp, d16, narrow):
     N, C = inp.shape
     NB = partial.shape[0]
     for blk in prange(NB):
@@ -128,23 +130,31 @@ def _gelu_backward_kernel32(dd, partial, inp):
                 d = g * dr[c]
                 dr[c] = d
                 pr[c] += d  # cheap, and no branch in the loop; unused without a bias
+            if narrow:  # the row, still in cache, as bf16 for the next product
+                hr = d16[i]
+                for c in range(C):
+                    hr[c] = store_as(hr, dr[c])
 
 
 def gelu_backward(dinp, dbias, dout, inp):
     """With u = k (x + 0.044715 x^3):  gelu'(x) = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) k (1 + 3 * 0.044715 x^2).
 
     dinp = dout * gelu'(inp): overwrites dinp, which may be dout itself (in place, the fast path).
-    dbias += sum_rows(dinp) when dbias is given (the fused bias): accumulates.
+    dinp may be bf16 (uint16 bit patterns: the input of a bf16 product's backward) for float32
+    arrays: then dout is overwritten with the float32 dinp too (in place), each row narrowed into
+    dinp as it is finished. dbias += sum_rows(dinp) when dbias is given (the fused bias, from the
+    float32 values): accumulates.
     """
     inp2 = rows(inp)
     N, C = inp2.shape
     has_bias = dbias is not None
     partial = workspace("gelu_partial", (n_blocks(N), C), inp2.dtype)
-    dd = rows(dinp)
-    if dinp is not dout:
+    narrow = dinp.dtype == np.uint16
+    dd = rows(dout) if narrow else rows(dinp)
+    if dinp is not dout and not narrow:
         dd[...] = rows(dout)
     if inp2.dtype == np.float32:
-        _gelu_backward_kernel32(dd, partial, inp2)
+        _gelu_backward_kernel32(dd, partial, inp2, rows(dinp), narrow)
     else:
         _gelu_backward_kernel(dd, partial, inp2, has_bias)
     if has_bias:

@@ -3,6 +3,7 @@ import numpy as np
 from numba import prange
 
 from .common import HEAVY, kernel, n_blocks, rows, sum_blocks_into, workspace, ROWS_PER_BLOCK
+from .bf16 import store_as
 from .mathfn import dot64, dot_dev64, sqdev64, sum64
 
 EPS = 1e-5
@@ -16,7 +17,7 @@ def _layernorm_forward_kernel(out, mean, rstd, inp, weight, bias, eps):
         var = sqdev64(inp[i], m, C) / C
         s = 1.0 / np.sqrt(var + eps)
         for c in range(C):
-            out[i, c] = (inp[i, c] - m) * s * weight[c] + bias[c]
+            out[i, c] = store_as(out, (inp[i, c] - m) * s * weight[c] + bias[c])
         mean[i] = m
         rstd[i] = s
 
@@ -28,19 +29,21 @@ def _layernorm_apply_kernel(out, inp, mean, rstd, weight, bias):
         m = mean[i]
         s = rstd[i]
         for c in range(C):
-            out[i, c] = (inp[i, c] - m) * s * weight[c] + bias[c]
+            out[i, c] = store_as(out, (inp[i, c] - m) * s * weight[c] + bias[c])
 
 
 def layernorm_forward(out, mean, rstd, inp, weight, bias):
     """out (B, T, C) = layernorm(inp (B, T, C)) * weight (C) + bias (C).
 
-    Overwrites out, and mean (B, T) and rstd (B, T), which the backward needs.
+    Overwrites out, and mean (B, T) and rstd (B, T), which the backward needs. out may be bf16
+    (uint16 bit patterns: a bf16 product's input), narrowed as it is written.
     """
     _layernorm_forward_kernel(rows(out), mean.reshape(-1), rstd.reshape(-1), rows(inp), weight, bias, EPS)
 
 
 def layernorm_recompute(out, inp, mean, rstd, weight, bias):
-    """out = (inp - mean) * rstd * weight + bias from saved statistics (no reduction). Overwrites."""
+    """out = (inp - mean) * rstd * weight + bias from saved statistics (no reduction). Overwrites;
+    out may be bf16 (uint16), as in layernorm_forward."""
     _layernorm_apply_kernel(rows(out), rows(inp), mean.reshape(-1), rstd.reshape(-1), weight, bias)
 
 

@@ -3,7 +3,7 @@
 The normalized input (N, C) is never stored: the forward writes it to a reused scratch buffer and
 the backward recomputes it from the saved mean and rstd (one cheap pass, no reduction).
 """
-from .common import workspace
+from .common import product_dtype, workspace
 from .layernorm import layernorm_backward, layernorm_forward, layernorm_recompute
 from .linear import linear_backward, linear_forward
 from .lora import lora_backward, lora_forward
@@ -15,7 +15,7 @@ def layernorm_linear_forward(out, mean, rstd, inp, ln_weight, ln_bias, weight, b
 
     Overwrites out, mean (B, T) and rstd (B, T).
     """
-    xn = workspace("ln_linear_xn", inp.shape, inp.dtype)
+    xn = workspace("ln_linear_xn", inp.shape, product_dtype(weight, inp))
     layernorm_forward(xn, mean, rstd, inp, ln_weight, ln_bias)
     linear_forward(out, xn, weight, bias)
     lora_forward(out, xn, adapters)
@@ -32,7 +32,7 @@ def layernorm_linear_backward(dinp, dln_weight, dln_bias, dweight, dbias, dout, 
     dln_weight and dln_bias are None for frozen tensors (LoRA: their gradients are never formed), and
     the adapters add their part to dxn (lora_backward).
     """
-    xn = workspace("ln_linear_xn", inp.shape, inp.dtype)
+    xn = workspace("ln_linear_xn", inp.shape, product_dtype(weight, inp))
     dxn = workspace("ln_linear_dxn", inp.shape, inp.dtype)
     layernorm_recompute(xn, inp, mean, rstd, ln_weight, ln_bias)
     linear_backward(dxn, dweight, dbias, dout, xn, weight, accumulate)

@@ -5,10 +5,9 @@ libm's exp is a scalar call that LLVM cannot vectorise; `exp32` is straight-line
 AVX-512 / AVX2 instructions.
 """
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
+from .bf16 import bits_to_float32 as _bits_to_float32, float32_to_bits as _float32_to_bits
 from .common import serial_kernel
 
 # For float64 reductions only: `reassoc` lets LLVM vectorise a sum (partial sums in vector lanes,
@@ -16,33 +15,6 @@ from .common import serial_kernel
 # on the thread count, and with float64 accumulators the difference from a sequential sum is
 # ~1e-16 relative. No other fast-math flag: no contraction, NaN and inf keep IEEE semantics.
 reduce_kernel = njit(cache=True, error_model="numpy", fastmath={"reassoc"})
-
-
-@intrinsic
-def _bits_to_float32(typingctx, bits):
-    """Reinterpret an int32 bit pattern as a float32 (a bitcast, no conversion)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        v = args[0]
-        if v.type.width != 32:
-            v = builder.trunc(v, ir.IntType(32)) if v.type.width > 32 else builder.sext(v, ir.IntType(32))
-        return builder.bitcast(v, ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _float32_to_bits(typingctx, x):
-    """Reinterpret a float32 as its int32 bit pattern."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(x), codegen
 
 
 # Cephes expf: exp(x) = 2^n e^r, n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2], with ln 2
@@ -143,3 +115,4 @@ def dot_dev64(a, b, x, m, n):
     for s in range(n):
         t += np.float64(a[s]) * np.float64(b[s]) * (np.float64(x[s]) - m)
     return t
+

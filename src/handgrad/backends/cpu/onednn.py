@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from .common import kernel, wheel_library
+from .bf16 import narrow32, widen16
 
 _F32, _BF16 = 3, 2  # dnnl_data_type_t
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS = 1, 17, 33  # DNNL_ARG_*
@@ -202,16 +203,11 @@ def gemm(a, b, c, beta=0.0):
 # ---------------------------------------------------------------- float32 <-> bf16
 @kernel
 def _narrow(x, out):
-    """out = bf16 bits of x, rounded to nearest, ties to even; NaN -> a quiet NaN of the same sign."""
+    """out = bf16 bits of x (mathfn.narrow32: round to nearest even, NaN stays NaN)."""
     n = x.size
     xf, of = x.reshape(n), out.reshape(n)
-    u = xf.view(np.uint32)
     for i in prange(n):
-        bits = u[i]
-        if (bits & 0x7FFFFFFF) > 0x7F800000:  # NaN: keep the sign, set the quiet bit
-            of[i] = np.uint16((bits >> 16) | 0x40)
-        else:
-            of[i] = np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        of[i] = narrow32(xf[i])
 
 
 def to_bf16(x, out=None):
@@ -226,9 +222,9 @@ def to_bf16(x, out=None):
 @njit(cache=True)
 def _widen(h, out):
     n = h.size
-    hf, of = h.reshape(n), out.reshape(n).view(np.uint32)
+    hf, of = h.reshape(n), out.reshape(n)
     for i in range(n):
-        of[i] = np.uint32(hf[i]) << 16
+        of[i] = widen16(hf[i])
 
 
 def from_bf16(h):

@@ -10,6 +10,7 @@ import numpy as np
 from numba import prange
 
 from .common import HEAVY, kernel, n_blocks, rows, sum_blocks_into, workspace, ROWS_PER_BLOCK
+from .bf16 import store_as
 from .mathfn import dot64, dot_dev64
 
 
@@ -20,7 +21,7 @@ def _rmsnorm_forward_kernel(out, rstd, inp, weight, eps):
         xr, yr = inp[i], out[i]  # 1-D row views: the inner loop vectorises in both copies
         s = inp.dtype.type(1.0 / np.sqrt(dot64(xr, xr, C) / C + eps))
         for c in range(C):
-            yr[c] = xr[c] * s * weight[c]
+            yr[c] = store_as(yr, xr[c] * s * weight[c])
         rstd[i] = s
 
 
@@ -31,20 +32,22 @@ def _rmsnorm_apply_kernel(out, inp, rstd, weight):
         xr, yr = inp[i], out[i]
         s = inp.dtype.type(rstd[i])
         for c in range(C):
-            yr[c] = xr[c] * s * weight[c]
+            yr[c] = store_as(yr, xr[c] * s * weight[c])
 
 
 def rmsnorm_forward(out, rstd, inp, weight, eps):
     """out (B, T, C) = inp (B, T, C) * rstd * weight (C), rstd = 1 / sqrt(mean_c(inp^2) + eps).
 
     Overwrites out, and rstd (B, T) (float32 in the model, the dtype of the activations), which
-    the backward needs.
+    the backward needs. out may be bf16 (uint16 bit patterns: a bf16 product's input), narrowed as
+    it is written.
     """
     _rmsnorm_forward_kernel(rows(out), rstd.reshape(-1), rows(inp), weight, eps)
 
 
 def rmsnorm_recompute(out, inp, rstd, weight):
-    """out = inp * rstd * weight from the saved rstd (no reduction). Overwrites."""
+    """out = inp * rstd * weight from the saved rstd (no reduction). Overwrites; out may be bf16
+    (uint16), as in rmsnorm_forward."""
     _rmsnorm_apply_kernel(rows(out), rows(inp), rstd.reshape(-1), weight)
 
 

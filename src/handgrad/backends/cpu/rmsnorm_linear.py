@@ -6,7 +6,7 @@ the backward recomputes it from the saved rstd (one cheap pass, no reduction).
 `weight` is (C, OC) as in linear_forward; Hugging Face's nn.Linear weight (OC, C) is passed as
 its transposed view `.T` (BLAS takes it as a transpose flag, no copy), and so is its gradient.
 """
-from .common import workspace
+from .common import product_dtype, workspace
 from .linear import linear_backward, linear_forward
 from .lora import lora_backward, lora_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward, rmsnorm_recompute
@@ -18,7 +18,7 @@ def rmsnorm_linear_forward(out, rstd, inp, norm_weight, weight, bias, eps, adapt
 
     bias may be None (Llama's projections have none). Overwrites out and rstd (B, T).
     """
-    xn = workspace("rms_linear_xn", inp.shape, inp.dtype)
+    xn = workspace("rms_linear_xn", inp.shape, product_dtype(weight, inp))
     rmsnorm_forward(xn, rstd, inp, norm_weight, eps)
     linear_forward(out, xn, weight, bias)
     lora_forward(out, xn, adapters)
@@ -34,7 +34,7 @@ def rmsnorm_linear_backward(dinp, dnorm_weight, dweight, dbias, dout, inp, norm_
     dbias may be None (no bias); dweight, dbias and dnorm_weight are None for frozen tensors (LoRA:
     their gradients are never formed), and the adapters add their part to dxn (lora_backward).
     """
-    xn = workspace("rms_linear_xn", inp.shape, inp.dtype)
+    xn = workspace("rms_linear_xn", inp.shape, product_dtype(weight, inp))
     dxn = workspace("rms_linear_dxn", inp.shape, inp.dtype)
     rmsnorm_recompute(xn, inp, rstd, norm_weight)
     linear_backward(dxn, dweight, dbias, dout, xn, weight, accumulate)

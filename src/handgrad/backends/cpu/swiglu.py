@@ -12,6 +12,7 @@ exact np.exp, which the float64 tests against torch rely on.
 import numpy as np
 from numba import prange
 
+from .bf16 import store_as
 from .common import HEAVY, kernel, rows, serial_kernel
 from .mathfn import exp32
 
@@ -41,7 +42,7 @@ def _swiglu_forward_kernel32(out, gu):
         gr, ur, yr = gu[i, 0], gu[i, 1], out[i]
         for h in range(H):
             g = gr[h]
-            yr[h] = g * sigmoid32(g) * ur[h]
+            yr[h] = store_as(yr, g * sigmoid32(g) * ur[h])
 
 
 @kernel(min_parallel=HEAVY)
@@ -64,7 +65,8 @@ def _halves(gu, out):
 
 
 def swiglu_forward(out, gu):
-    """out (B, T, H) = silu(gu[..., :H]) * gu[..., H:], gu (B, T, 2H). Overwrites out."""
+    """out (B, T, H) = silu(gu[..., :H]) * gu[..., H:], gu (B, T, 2H). Overwrites out, which may be
+    bf16 (uint16 bit patterns: the next product's input) for a float32 gu, narrowed as written."""
     fn = _swiglu_forward_kernel32 if gu.dtype == np.float32 else _swiglu_forward_kernel
     fn(rows(out), _halves(gu, out))
 
@@ -80,11 +82,11 @@ def _swiglu_backward_kernel32(dgu, dout, gu):
         dgr, dur = dgu[i, 0], dgu[i, 1]
         for h in range(H):
             g = gr[h]
-            dur[h] = dr[h] * g * sigmoid32(g)
+            dur[h] = store_as(dur, dr[h] * g * sigmoid32(g))
         for h in range(H):
             g = gr[h]
             s = sigmoid32(g)
-            dgr[h] = dr[h] * ur[h] * s * (ONE32 + g * (ONE32 - s))
+            dgr[h] = store_as(dgr, dr[h] * ur[h] * s * (ONE32 + g * (ONE32 - s)))
 
 
 @kernel(min_parallel=HEAVY)
@@ -107,7 +109,8 @@ def swiglu_backward(dgu, dout, gu):
       silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))
       dg = dout * u * s (1 + g (1 - s)),   du = dout * silu(g) = dout * g s
     written to dgu (B, T, 2H) in gu's layout (dg in the first H columns, du in the last H).
-    Overwrites dgu (the gradient of a linear's output, never the residual stream).
+    Overwrites dgu (the gradient of a linear's output, never the residual stream); dgu may be
+    bf16 (uint16 bit patterns: the input of a bf16 product's backward) for float32 gu and dout.
     """
     fn = _swiglu_backward_kernel32 if gu.dtype == np.float32 else _swiglu_backward_kernel
     if dgu.shape != gu.shape:

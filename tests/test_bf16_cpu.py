@@ -1,0 +1,238 @@
+"""bf16 mixed precision on the cpu (train.dtype = bfloat16): bf16 products on oneDNN, float32 for
+everything else.
+
+The error bound is PyTorch's own: each op (and the whole model) runs three ways on the same inputs
+and the same random upstream gradient: handgrad's bf16 path, PyTorch under
+torch.autocast("cpu", dtype=torch.bfloat16) from float32 inputs, and PyTorch in float64 (the
+reference). handgrad's largest error on every output and gradient must be at most twice
+PyTorch's (flash-attention's tests bound theirs so), and above float32's (so the products did run
+in bf16: a test that passes in float32 proves nothing about bf16).
+"""
+import numpy as np
+import pytest
+
+from handgrad.backends import cpu as ops
+from handgrad.config import GPTConfig, LlamaConfig
+from handgrad.models.gpt2 import GPT
+from handgrad.models.llama import Llama
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+needs_bf16 = pytest.mark.skipif(ops.bf16_path() is None or ops.onednn_library() is None,
+                                reason="this CPU has neither AVX512_BF16 nor AMX (or oneDNN is missing)")
+
+BOUND = 2.0  # handgrad's error <= BOUND x PyTorch autocast's
+
+
+def bf16(x):
+    return ops.to_bf16(np.ascontiguousarray(x, dtype=np.float32))
+
+
+def max_err(x, ref):
+    return float(np.max(np.abs(np.asarray(x, np.float64) - ref)))
+
+
+def check(hg, pt, ref, where):
+    """Every quantity: handgrad's error <= BOUND x PyTorch's, and more than float32 rounding."""
+    lines, bad = [], []
+    for k, r in ref.items():
+        e_hg, e_pt = max_err(hg[k], r), max_err(pt[k], r)
+        scale = float(np.max(np.abs(r))) or 1.0
+        ok = e_hg <= BOUND * e_pt and e_hg > 1e-6 * scale
+        lines.append(f"{k:<10} handgrad {e_hg:.3e}  pytorch {e_pt:.3e}  ratio {e_hg / max(e_pt, 1e-30):.2f}"
+                     f"  (|ref| max {scale:.2e})")
+        if not ok:
+            bad.append(k)
+    print(where, *lines, sep="\n  ")
+    assert not bad, f"{where}: {bad} outside {BOUND}x PyTorch's bf16 error\n" + "\n".join(lines)
+
+
+def torch_run(fn, inputs, dout, dtype, autocast):
+    """fn(**inputs) in torch (float64 reference, or float32 under CPU autocast bf16), backward from
+    dout (None: a scalar output); returns {"out": ..., "d<name>": ...} as float64 NumPy arrays."""
+    leaves = {k: torch.tensor(v, dtype=dtype, requires_grad=True) if v.dtype.kind == "f" else torch.from_numpy(v)
+              for k, v in inputs.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = fn(**leaves)
+    out.backward(None if dout is None else torch.tensor(dout, dtype=out.dtype))
+    res = {"out": out.detach().double().numpy()}
+    res.update({"d" + k: t.grad.double().numpy() for k, t in leaves.items() if t.requires_grad})
+    return res
+
+
+def three_ways(fn, inputs, dout, hg):
+    ref = torch_run(fn, inputs, dout, torch.float64, False)
+    pt = torch_run(fn, inputs, dout, torch.float32, True)
+    return hg, pt, ref
+
+
+rng = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Each test draws the same inputs however the tests are selected or ordered."""
+    global rng
+    rng = np.random.default_rng(0)
+
+
+B, T, C, OC = 2, 13, 72, 100  # C and OC not powers of two, T odd
+
+
+def randn(*shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@needs_bf16
+def test_linear():
+    x, w, b, dout = randn(B, T, C), randn(C, OC, scale=0.1), randn(OC), randn(B, T, OC)
+    out = np.empty((B, T, OC), np.float32)
+    ops.linear_forward(out, bf16(x), bf16(w), b)
+    dx, dw, db = np.empty_like(x), np.zeros_like(w), np.zeros_like(b)
+    ops.linear_backward(dx, dw, db, bf16(dout), bf16(x), bf16(w))
+    hg = {"out": out, "dx": dx, "dw": dw, "db": db}
+    check(*three_ways(lambda x, w, b: F.linear(x, w.T, b), dict(x=x, w=w, b=b), dout, hg), "linear")
+
+
+@needs_bf16
+def test_layernorm_linear():
+    x, lw, lb = randn(B, T, C, scale=3.0), 1 + randn(C, scale=0.1), randn(C, scale=0.1)
+    w, b, dout = randn(C, OC, scale=0.1), randn(OC), randn(B, T, OC)
+    out, mean, rstd = np.empty((B, T, OC), np.float32), np.empty((B, T), np.float32), np.empty((B, T), np.float32)
+    ops.layernorm_linear_forward(out, mean, rstd, x, lw, lb, bf16(w), b)
+    dx, dlw, dlb, dw, db = (np.zeros_like(a) for a in (x, lw, lb, w, b))
+    ops.layernorm_linear_backward(dx, dlw, dlb, dw, db, bf16(dout), x, lw, lb, mean, rstd, bf16(w))
+    hg = {"out": out, "dx": dx, "dlw": dlw, "dlb": dlb, "dw": dw, "db": db}
+    fn = lambda x, lw, lb, w, b: F.linear(F.layer_norm(x, (C,), lw, lb, 1e-5), w.T, b)
+    check(*three_ways(fn, dict(x=x, lw=lw, lb=lb, w=w, b=b), dout, hg), "layernorm_linear")
+
+
+@needs_bf16
+def test_rmsnorm_linear():
+    """Llama's layout: the weight [out, in], passed as its transposed view (as the model does)."""
+    x, nw, w, dout = randn(B, T, C, scale=3.0), 1 + randn(C, scale=0.1), randn(OC, C, scale=0.1), randn(B, T, OC)
+    out, rstd = np.empty((B, T, OC), np.float32), np.empty((B, T), np.float32)
+    ops.rmsnorm_linear_forward(out, rstd, x, nw, bf16(w).T, None, 1e-5)
+    dx, dnw, dw = (np.zeros_like(a) for a in (x, nw, w))
+    ops.rmsnorm_linear_backward(dx, dnw, dw.T, None, bf16(dout), x, nw, rstd, bf16(w).T)
+    hg = {"out": out, "dx": dx, "dnw": dnw, "dw": dw}
+    fn = lambda x, nw, w: F.linear(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * nw, w)
+    check(*three_ways(fn, dict(x=x, nw=nw, w=w), dout, hg), "rmsnorm_linear")
+
+
+@needs_bf16
+def test_gelu_then_linear():
+    """GPT-2's MLP tail: gelu(fch + bias) narrowed as it is written, into c_proj's bf16 product;
+    the backward's dfch narrowed by gelu_backward (its float32 twin compared here)."""
+    H = 4 * C
+    fch, bfc, w, b, dout = randn(B, T, H), randn(H, scale=0.1), randn(H, C, scale=0.05), randn(C), randn(B, T, C)
+    pre = fch.copy()
+    h16 = np.empty((B, T, H), np.uint16)
+    ops.gelu_forward(h16, pre, bfc)  # pre becomes fch + bias
+    out = np.empty((B, T, C), np.float32)
+    ops.linear_forward(out, h16, bf16(w), b)
+    dh, dw, db, dbfc = np.empty((B, T, H), np.float32), np.zeros_like(w), np.zeros_like(b), np.zeros_like(bfc)
+    ops.linear_backward(dh, dw, db, bf16(dout), h16, bf16(w))
+    dfch16 = np.empty((B, T, H), np.uint16)
+    ops.gelu_backward(dfch16, dbfc, dh, pre)  # dh now holds the float32 dfch
+    assert np.array_equal(dfch16, bf16(dh))
+    hg = {"out": out, "dfch": dh, "dbfc": dbfc, "dw": dw, "db": db}
+    fn = lambda fch, bfc, w, b: F.linear(F.gelu(fch + bfc, approximate="tanh"), w.T, b)
+    check(*three_ways(fn, dict(fch=fch, bfc=bfc, w=w, b=b), dout, hg), "gelu + linear")
+
+
+@needs_bf16
+def test_swiglu_then_linear():
+    """Llama's MLP tail: silu(gate) * up narrowed as written, into down_proj's bf16 product; the
+    backward's dgu written narrowed by swiglu_backward (what the next product takes)."""
+    H = 88
+    gu, w, dout = randn(B, T, 2 * H, scale=2.0), randn(C, H, scale=0.1), randn(B, T, C)
+    h16 = np.empty((B, T, H), np.uint16)
+    ops.swiglu_forward(h16, gu)
+    out = np.empty((B, T, C), np.float32)
+    ops.linear_forward(out, h16, bf16(w).T)
+    dh, dw = np.empty((B, T, H), np.float32), np.zeros_like(w)
+    ops.linear_backward(dh, dw.T, None, bf16(dout), h16, bf16(w).T)
+    dgu16 = np.empty(gu.shape, np.uint16)
+    ops.swiglu_backward(dgu16, dh, gu)
+    hg = {"out": out, "dgu": ops.onednn.from_bf16(dgu16), "dw": dw}
+    fn = lambda gu, w: F.linear(F.silu(gu[..., :H]) * gu[..., H:], w)
+    check(*three_ways(fn, dict(gu=gu, w=w), dout, hg), "swiglu + linear")
+
+
+@needs_bf16
+def test_lm_head_and_crossentropy():
+    """The tied lm_head's product and the loss: dlogits narrowed by crossentropy_backward, one
+    ignored target; V not a multiple of 64."""
+    V = 203
+    x, wte = randn(B, T, C), randn(V, C, scale=0.3)
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+    targets[0, 3] = -1
+    logits = np.empty((B, T, V), np.float32)
+    ops.linear_forward(logits, bf16(x), bf16(wte).T)
+    losses, lse = np.empty((B, T), np.float32), np.empty((B, T), np.float64)
+    loss = ops.crossentropy_forward(losses, lse, logits, targets)
+    dl16 = np.empty((B, T, V), np.uint16)
+    ops.crossentropy_backward(dl16, logits, lse, targets)
+    dx, dwte = np.empty_like(x), np.zeros_like(wte)
+    ops.linear_backward(dx, dwte.T, None, dl16, bf16(x), bf16(wte).T)
+    hg = {"out": losses.reshape(-1), "dx": dx, "dwte": dwte}  # per-row losses: 25 samples of the error, not 1
+    assert loss == pytest.approx(losses.reshape(-1)[targets.reshape(-1) != -1].mean(), rel=1e-6)
+    n = int((targets != -1).sum())
+    dmean = np.where(targets.reshape(-1) != -1, 1.0 / n, 0.0).astype(np.float32)  # the mean's upstream gradient
+    fn = lambda x, wte, t: F.cross_entropy(F.linear(x, wte).reshape(-1, V).float(), t.reshape(-1), ignore_index=-1,
+                                           reduction="none")
+    check(*three_ways(fn, dict(x=x, wte=wte, t=targets.astype(np.int64)), dmean, hg), "lm_head + crossentropy")
+
+
+# ---------------------------------------------------------------- the whole model
+MODELS = {
+    "gpt2": (GPT, GPTConfig(block_size=16, vocab_size=203, n_layer=2, n_head=3, n_embd=72)),
+    # 6 query heads on 2 kv heads, head size 12; an untied head with q/k/v biases (Qwen2)
+    "llama": (Llama, LlamaConfig(block_size=16, vocab_size=203, n_layer=2, n_head=6, n_kv_head=2, n_embd=72,
+                                 ffn_hidden=120)),
+    "qwen2": (Llama, LlamaConfig(block_size=16, vocab_size=203, n_layer=2, n_head=6, n_kv_head=3, n_embd=72,
+                                 ffn_hidden=120, qkv_bias=True, tie_embeddings=False)),
+}
+
+
+def torch_model(cls, config, dtype):
+    from handgrad.torch_ref import TorchGPT, TorchLlama
+    return TorchGPT(config, dtype) if cls is GPT else TorchLlama(config, dtype)
+
+
+def torch_step(cls, config, state, idx, targets, dtype, autocast):
+    """logits, loss and every gradient of PyTorch's model (the test reference: torch_ref's GPT-2,
+    transformers' Llama / Qwen2) in dtype, the forward under CPU autocast bf16 if asked."""
+    model = torch_model(cls, config, dtype).load_numpy(state)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits, loss = model(torch.from_numpy(idx).long(), torch.from_numpy(targets).long())
+    loss.backward()
+    out = {"logits": logits.detach().double().numpy(), "loss": np.float64(loss.item())}
+    out.update({"d " + k: v.astype(np.float64) for k, v in model.grads_numpy().items()})
+    return out
+
+
+@needs_bf16
+@pytest.mark.parametrize("name", MODELS)
+def test_one_step_within_twice_pytorchs_bf16_error(name):
+    """logits, the loss and every parameter gradient: handgrad's bf16 step against PyTorch's own
+    autocast bf16 step, both measured from the float64 one. The loss is compared as the per-row
+    logits' error already bounds it (one scalar is one sample of the error, not a bound)."""
+    cls, config = MODELS[name]
+    idx = rng.integers(0, config.vocab_size, (2, 13)).astype(np.int32)
+    targets = rng.integers(0, config.vocab_size, (2, 13)).astype(np.int32)
+    model = cls(config, dtype="bfloat16", seed=3)
+    state = model.state_dict()
+    logits = model.forward(idx)
+    loss = model.forward(idx, targets)
+    model.zero_grad()
+    model.backward()
+    hg = {"logits": logits, "loss": np.float64(loss)}
+    hg.update({"d " + k: v for k, v in model.grads().items()})
+    ref = torch_step(cls, config, state, idx, targets, torch.float64, False)
+    pt = torch_step(cls, config, state, idx, targets, torch.float32, True)
+    assert abs(hg["loss"] - ref["loss"]) < 5e-3 * abs(ref["loss"])
+    del hg["loss"], ref["loss"]
+    check(hg, pt, ref, name)
