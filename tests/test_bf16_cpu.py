@@ -236,3 +236,104 @@ def test_one_step_within_twice_pytorchs_bf16_error(name):
     assert abs(hg["loss"] - ref["loss"]) < 5e-3 * abs(ref["loss"])
     del hg["loss"], ref["loss"]
     check(hg, pt, ref, name)
+
+
+# ---------------------------------------------------------------- training
+TEXT = "".join(f"To be, or not to be, that is the question {i}.\nWhether 'tis nobler in the mind.\n"
+               for i in range(300))
+RUNS = {
+    "gpt2": ["--preset", "tiny", "--model.n_layer", "1", "--model.n_embd", "48", "--model.n_head", "3"],
+    "llama": ["--preset", "llama-char", "--model.n_layer", "1", "--model.n_embd", "48", "--model.n_head", "6",
+              "--model.n_kv_head", "2", "--model.ffn_hidden", "72"],
+}
+COMMON = ["--model.block_size", "16", "--train.batch_size", "4", "--train.sample_interval", "0",
+          "--train.eval_steps", "2", "--train.eval_interval", "3", "--train.checkpoint_interval", "3",
+          "--train.grad_accum_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from helpers import prepared_char_data
+    return prepared_char_data(tmp_path_factory.mktemp("corpus"), TEXT)
+
+
+def train(data_dir, out, arch, *extra):
+    from handgrad.cli import main as cli
+    return cli(["train", "--data", str(data_dir), "--out", str(out), *RUNS[arch], *COMMON, *extra])
+
+
+def losses(run):
+    import json
+    return [json.loads(ln)["loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@needs_bf16
+@pytest.mark.parametrize("arch", RUNS)
+def test_train_bf16_resumes_bitwise_and_checkpoints_float32(data_dir, tmp_path, arch):
+    """A bf16 run stopped at step 4 and resumed ends with the bytes of an uninterrupted one (the
+    bf16 copy of the weights is narrowed again from the float32 checkpoint: the same bits AdamW's
+    pass had written); its checkpoints hold float32; its losses are not float32's (bf16 ran)."""
+    from safetensors.numpy import load_file
+    a, b, f32 = tmp_path / "a", tmp_path / "b", tmp_path / "f32"
+    bf16_flags = ("--train.dtype", "bfloat16")
+    assert train(data_dir, a, arch, "--train.max_steps", "7", *bf16_flags) == 0
+    assert train(data_dir, b, arch, "--train.max_steps", "4", *bf16_flags) == 0
+    assert train(data_dir, b, arch, "--resume", "--train.max_steps", "7") == 0  # the dtype comes from the run
+    ck = "ckpt/step_00000007/model.safetensors"
+    assert (a / ck).read_bytes() == (b / ck).read_bytes()
+    assert losses(a) == losses(b)
+    assert {v.dtype for v in load_file(a / ck).values()} == {np.dtype(np.float32)}
+    assert train(data_dir, f32, arch, "--train.max_steps", "7") == 0
+    la, lf = np.array(losses(a)), np.array(losses(f32))
+    assert not np.array_equal(la, lf) and np.allclose(la, lf, rtol=2e-2)
+    assert la[-1] < la[0]
+
+
+def test_cpu_without_bf16_refuses_in_one_line(data_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ops, "bf16_path", lambda flags=None: None)
+    assert train(data_dir, tmp_path / "r", "gpt2", "--train.dtype", "bfloat16") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "AVX512_BF16 or AMX" in err[0] and "--train.dtype float32" in err[0]
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ValueError, match="AVX512_BF16 or AMX"):
+        GPT(MODELS["gpt2"][1], dtype="bfloat16")
+
+
+@needs_bf16
+def test_lora_with_bf16_refuses_in_one_line(data_dir, tmp_path, capsys):
+    assert train(data_dir, tmp_path / "r", "llama", "--train.dtype", "bfloat16", "--train.lora_rank", "4") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "LoRA" in err[0] and "float32" in err[0]
+    assert not (tmp_path / "r").exists()
+
+
+@needs_bf16
+def test_adamw_writes_the_bf16_copy_in_its_pass_and_a_shard_marks_it_stale():
+    from handgrad.training.optim import AdamW
+    cls, config = MODELS["llama"]
+    model = cls(config, dtype="bfloat16")
+    idx = rng.integers(0, config.vocab_size, (2, 9))
+    model.forward(idx, idx)
+    model.zero_grad()
+    model.backward()
+    AdamW(model, lr=1e-2).step()
+    assert model._weights16_fresh
+    n = model.num_params
+    assert np.array_equal(model.flat_params16[:n], bf16(model.params))
+    half = AdamW(model, lr=1e-2, shard=(0, n // 2))
+    half.step()  # ZeRO-1: this rank's slice only; the rest comes by the all-gather
+    assert not model._weights16_fresh
+    model.forward(idx, idx)  # narrows the whole copy again
+    assert np.array_equal(model.flat_params16[:n], bf16(model.params))
+
+
+def test_memory_count_holds_the_bf16_copy_and_narrow_product_inputs():
+    from handgrad.models import get_family
+    from handgrad.training.memory import estimate
+    fam, config = get_family("gpt2"), MODELS["gpt2"][1]
+    f32 = estimate(fam, config, 4, 16, "cpu", "float32")
+    b16 = estimate(fam, config, 4, 16, "cpu", "bfloat16")
+    n = fam.num_params(config)
+    assert b16["parameters"] == f32["parameters"] + 2 * n
+    assert b16["gradients"] == f32["gradients"] and b16["AdamW moments"] == f32["AdamW moments"]
+    assert b16["activations"] != f32["activations"]

@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 OPS = ["encoder", "layernorm", "linear", "layernorm_linear", "attention", "gelu", "residual",
@@ -149,3 +150,23 @@ def test_bench_learn_lora_refuses_gpt2_and_mismatched_tokenizers(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "prepare both with one tokenizer" in out.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "docs").exists()
+
+
+@pytest.mark.skipif(__import__("handgrad.backends.cpu", fromlist=["x"]).bf16_path() is None,
+                    reason="this CPU has neither AVX512_BF16 nor AMX")
+def test_bench_learn_bf16_beside_autocast_and_float32(tmp_path):
+    from handgrad.data.prepare import prepare
+    (tmp_path / "t.txt").write_text("abcdefgh ijklmnop\n" * 300)
+    prepare([str(tmp_path / "t.txt")], tmp_path / "data", tokenizer="char")
+    out = subprocess.run([sys.executable, "-m", "handgrad", "bench", "learn", "--preset", "tiny", "--steps", "4",
+                          "--dtype", "bfloat16", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "docs")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "docs" / "learn-tiny-bf16.json").read_text())
+    curves = result["curves"]
+    assert set(curves) == {"handgrad", "pytorch", "handgrad-fp32"} and result["dtype"] == "bfloat16"
+    h, f = np.array(curves["handgrad"]["loss"]), np.array(curves["handgrad-fp32"]["loss"])
+    assert len(h) == len(f) == 4 and not np.array_equal(h, f) and np.allclose(h, f, rtol=1e-2)
+    s = result["bf16"]
+    assert abs(s["handgrad"]["val_diff"]) < 0.02 and s["fp32_final_val"] == curves["handgrad-fp32"]["val_loss"][-1]
+    assert "handgrad bf16 against handgrad float32" in out.stdout

@@ -27,7 +27,8 @@ def add_arguments(parser):
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="ops --backend gpu: the activations' dtype (default bfloat16); train: bfloat16 times "
                              "handgrad's cpu mixed precision beside PyTorch's torch.autocast('cpu', bfloat16) and "
-                             "handgrad float32 (default float32)")
+                             "handgrad float32 (default float32); learn: bfloat16 trains those three side by side "
+                             "and says how far each bf16 curve ends from handgrad float32's")
     parser.add_argument("--no-compile", action="store_true",
                         help="ops --backend gpu: leave out the torch.compile column (its compiles take minutes)")
     parser.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
@@ -97,11 +98,15 @@ def main(args):
     if args.what == "products":
         return bench_products((args.preset or "mid,gpt2-124m,smollm2-135m").split(","), args.json)
     if args.what == "learn":
+        if args.lora and args.dtype == "bfloat16":
+            raise SystemExit("bench learn: --lora runs in float32 (LoRA with bf16 products is not supported yet); "
+                             "leave out --dtype")
         if args.lora:
             result = run_learn_lora(args.lora, args.preset or "llama-char", args.steps, args.pretrain_steps,
                                     args.data, args.finetune_data, args.out)
         else:
-            result = run_learn(args.preset or "shakespeare-char", args.steps, args.data, args.out)
+            result = run_learn(args.preset or "shakespeare-char", args.steps, args.data, args.out,
+                               dtype=args.dtype or "float32")
         if args.json:
             print(json.dumps(result))
         return 0

@@ -13,6 +13,11 @@ side by side with PEFT's LoRA on transformers' LlamaForCausalLM holding the same
 and the same initial adapters. It records the fine-tuning corpus' val loss before and after (LoRA
 must lower it), both fine-tuning curves, and the pretraining corpus' val loss before and after
 (what the adapters cost the old corpus). Writes OUT/learn-{preset}-lora{R}.json and .png.
+
+`--dtype bfloat16` is the mixed-precision learning check: handgrad's bf16 run (train.dtype =
+bfloat16 on the cpu), PyTorch's under torch.autocast("cpu", dtype=torch.bfloat16), and handgrad's
+float32 run, three sides on the same batches from the same weights; it records how far each bf16
+curve ends from handgrad's float32 one. Writes OUT/learn-{preset}-bf16.json and .png.
 """
 import dataclasses
 import json
@@ -43,11 +48,13 @@ class _TorchSide:
     """PyTorch from the same weights: torch_ref.TorchGPT for GPT-2, transformers' own
     LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases) for the Llama family; float32, eager."""
 
-    def __init__(self, arch_config, state, t, lora=None, seed=0):
+    def __init__(self, arch_config, state, t, lora=None, seed=0, autocast=False):
         """lora: PEFT's LoRA on the Llama model (torch_ref.TorchLlama.with_peft), its initial
-        adapters handgrad's for `seed`; AdamW over the adapters alone (all 2-D: decayed, as handgrad's)."""
+        adapters handgrad's for `seed`; AdamW over the adapters alone (all 2-D: decayed, as handgrad's).
+        autocast: every forward under torch.autocast("cpu", dtype=torch.bfloat16)."""
         from ..torch_ref import TorchGPT, TorchLlama, torch
         self.torch = torch
+        self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
         ref = TorchLlama if isinstance(arch_config, LlamaConfig) else TorchGPT
         self.model = ref(arch_config, torch.float32).load_numpy(state)
         if lora is None:
@@ -57,7 +64,7 @@ class _TorchSide:
                                          betas=(t.beta1, t.beta2))
 
     def loss(self, x, y):
-        with self.torch.no_grad():
+        with self.torch.no_grad(), self.autocast():
             return self.model(self.torch.from_numpy(x).long(), self.torch.from_numpy(y).long())[1].item()
 
     def step(self, batches, lr, max_norm):
@@ -65,7 +72,8 @@ class _TorchSide:
         self.opt.zero_grad(set_to_none=True)
         total = 0.0
         for x, y in batches:
-            _, loss = self.model(torch.from_numpy(x).long(), torch.from_numpy(y).long())
+            with self.autocast():
+                _, loss = self.model(torch.from_numpy(x).long(), torch.from_numpy(y).long())
             (loss / len(batches)).backward()
             total += loss.item() / len(batches)
         if max_norm > 0:
@@ -131,7 +139,7 @@ def _write(result, record, out_dir, name, title):
 
 
 def run_learn(preset="shakespeare-char", steps=None, data_dir=None, out_dir="docs", source="shakespeare",
-              tokenizer="char"):
+              tokenizer="char", dtype="float32"):
     from ..torch_ref import require_torch
     require_torch()
     overrides = {"train.max_steps": steps} if steps else None
@@ -140,15 +148,46 @@ def run_learn(preset="shakespeare-char", steps=None, data_dir=None, out_dir="doc
     data_dir = _ensure_data(data_dir or Path.home() / ".cache" / "handgrad" / f"data-{source}-{tokenizer}",
                             source, tokenizer)
     train_data, val_data = Dataset(data_dir, "train"), Dataset(data_dir, "val")
-    model = get_family(config.model.arch).model(config.gpt_config(train_data.vocab_size), seed=t.seed)
-    sides = {"handgrad": _HandgradSide(model, t), "pytorch": _TorchSide(model.config, model.state_dict(), t)}
+    family, arch = get_family(config.model.arch), config.gpt_config(train_data.vocab_size)
+    bf16 = dtype == "bfloat16"
+    model = family.model(arch, seed=t.seed, dtype=dtype)
+    sides = {"handgrad": _HandgradSide(model, t),
+             "pytorch": _TorchSide(model.config, model.state_dict(), t, autocast=bf16)}
+    if bf16:
+        sides["handgrad-fp32"] = _HandgradSide(family.model(arch, seed=t.seed), t)
     record = _new_record(sides)
-    print(f"bench learn: preset {preset}, {t.max_steps} steps, data {data_dir}, vocab {train_data.vocab_size}")
+    print(f"bench learn: preset {preset}, {t.max_steps} steps, data {data_dir}, vocab {train_data.vocab_size}"
+          + (", handgrad bf16 / pytorch autocast bf16 / handgrad float32" if bf16 else ""))
     _train_side_by_side(sides, t, T, train_data, val_data, record)
-    result = {"preset": preset, "config": config.to_dict(), "data": str(data_dir),
+    result = {"preset": preset, "config": config.to_dict(), "data": str(data_dir), "dtype": dtype,
               "vocab_size": train_data.vocab_size, "curves": record}
-    _write(result, record, out_dir, f"learn-{preset}", preset)
+    name, title = f"learn-{preset}", preset
+    if bf16:
+        result["bf16"] = _bf16_summary(record)
+        name, title = f"{name}-bf16", f"{preset}, bf16 beside float32"
+    _write(result, record, out_dir, name, title)
     return result
+
+
+BF16_TAIL = 100  # steps: the end of a train curve, averaged (the sides see the same batches)
+
+
+def _bf16_summary(record):
+    """How far each bf16 side ends from handgrad's float32 run: the last val losses, and the train
+    losses over the last BF16_TAIL steps (mean of the per-step differences, same batches)."""
+    ref = record["handgrad-fp32"]
+    out = {}
+    for name in ("handgrad", "pytorch"):
+        r = record[name]
+        tail = np.subtract(r["loss"][-BF16_TAIL:], ref["loss"][-BF16_TAIL:])
+        out[name] = {"final_val": r["val_loss"][-1], "val_diff": r["val_loss"][-1] - ref["val_loss"][-1],
+                     "train_tail_diff": float(np.mean(tail)),
+                     "max_val_diff": float(np.max(np.abs(np.subtract(r["val_loss"], ref["val_loss"]))))}
+        print(f"{name} bf16 against handgrad float32: final val {r['val_loss'][-1]:.4f} vs {ref['val_loss'][-1]:.4f} "
+              f"({out[name]['val_diff']:+.4f}); last {BF16_TAIL} train losses {out[name]['train_tail_diff']:+.4f} on "
+              f"average", flush=True)
+    out["fp32_final_val"] = ref["val_loss"][-1]
+    return out
 
 
 LORA_FINETUNE_STEPS = 500
@@ -220,7 +259,7 @@ def _plot(record, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (name, r), color in zip(record.items(), ("C0", "C1")):
+    for (name, r), color in zip(record.items(), ("C0", "C1", "C2")):
         ax.plot(r["step"], r["loss"], lw=0.6, alpha=0.6, color=color, label=f"{name} train")
         ax.plot(r["val_step"], r["val_loss"], "o-", color=color, label=f"{name} val")
     ax.set_xlabel("step")

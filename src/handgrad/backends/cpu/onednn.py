@@ -22,6 +22,7 @@ Rapids and later), "avx512_bf16" (AVX512_BF16's dot products, AMD Zen 4, Intel C
 None (no hardware bf16: oneDNN would emulate it, slower than float32, so handgrad refuses).
 """
 import ctypes
+import os
 
 import numpy as np
 from numba import njit, prange
@@ -84,6 +85,12 @@ class _Library:
     """The loaded library, its engine and stream, and the cache of matmul primitives."""
 
     def __init__(self, path):
+        # oneDNN runs its products on GNU OpenMP, whose threads by default spin after each parallel
+        # region, holding the cores the next Numba kernel wants (the same fight as common.py's with
+        # OpenBLAS): measured on `mid`'s bf16 step, 627-642 ms spinning against 503 ms with
+        # OMP_WAIT_POLICY=PASSIVE (threads sleep at once). libgomp reads it when it is loaded, so it
+        # is set here, before the library; a user's own setting wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # RTLD_LOCAL (ctypes' default): its libgomp symbols stay its own
         self.lib = lib = ctypes.CDLL(path)
         lib.dnnl_version.restype = ctypes.POINTER(_Version)
