@@ -124,8 +124,12 @@ def test_bench_train_bf16_runs_three_sides():
     start within rounding of float32's, and the row says so."""
     out = _bench("--preset", "tiny", "--steps", "2", "--dtype", "bfloat16", "--json")
     assert out.returncode == 0, out.stderr
-    (row,) = json.loads(out.stdout)["rows"]
+    result = json.loads(out.stdout)
+    (row,) = result["rows"]
     assert set(row["sides"]) == {"handgrad", "pytorch", "handgrad-fp32"}
+    assert result["bf16_peak"]["dtype"] == "bfloat16" and result["bf16_peak"]["median_gflops"] > 0
+    peaks = {s: result["bf16_peak" if s != "handgrad-fp32" else "sgemm_peak"]["median_gflops"] for s in row["sides"]}
+    assert all(row["sides"][s]["mfu"] == pytest.approx(row["sides"][s]["gflops"] / peaks[s]) for s in peaks)
     assert row["config"]["dtype"] == "bfloat16" and row["loss_max_rel_diff"] <= bench_train.LOSS_RTOL_BF16
     b = row["bf16"]
     assert b["speedup_vs_fp32"] > 0 and set(b["loss_rel_diff_vs_fp32"]) == {"handgrad", "pytorch"}

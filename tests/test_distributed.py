@@ -270,3 +270,20 @@ def test_llama_two_ranks_zero1_equal_one_process(data_dir, tmp_path):
     assert rel(flat(ckpt(tmp_path / "zero", 3)), flat(ckpt(tmp_path / "single", 3))) < 1e-6
     assert rel(flat(ckpt(tmp_path / "zero", 3), "optim.safetensors"),
                flat(ckpt(tmp_path / "single", 3), "optim.safetensors")) < 1e-5
+
+
+@pytest.mark.skipif(__import__("handgrad.backends.cpu", fromlist=["x"]).bf16_path() is None,
+                    reason="this CPU has neither AVX512_BF16 nor AMX")
+def test_bf16_two_ranks_zero1_equal_one_process(data_dir, tmp_path):
+    """train.dtype=bfloat16 under torchrun with ZeRO-1: each rank updates its slice of the weights
+    and of their bf16 copy, the all-gather brings the float32 weights, and every rank narrows the
+    rest again before its next forward. A stale copy would train half the model on old weights:
+    the run must stay as close to one process as float32 rounding allows, far closer than bf16 is
+    to float32."""
+    bf16 = ["--train.dtype", "bfloat16", "--train.max_steps", "4", "--train.checkpoint_interval", "4"]
+    handgrad(data_dir, tmp_path / "single", "--train.batch_size", 2 * B, *bf16)
+    handgrad(data_dir, tmp_path / "zero", "--train.batch_size", B, "--train.zero_stage", 1, *bf16, nproc=2)
+    handgrad(data_dir, tmp_path / "fp32", "--train.batch_size", 2 * B, *bf16[2:])
+    single, zero, fp32 = (flat(ckpt(tmp_path / r, 4)) for r in ("single", "zero", "fp32"))
+    assert rel(zero, single) < 1e-4
+    assert rel(fp32, single) > 10 * rel(zero, single)

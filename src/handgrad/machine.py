@@ -8,7 +8,7 @@ import time
 import numba
 import numpy as np
 
-from .backends.cpu import blas, common
+from .backends.cpu import blas, common, onednn
 
 
 def cores_available():
@@ -125,19 +125,24 @@ class BackgroundLoad:
             self.cores = max(0.0, (self._ticks() - self._n) / os.sysconf("SC_CLK_TCK") / max(dt, 1e-9))
 
 
-def sgemm_peak(n=PEAK_N, runs=PEAK_RUNS):
+def sgemm_peak(n=PEAK_N, runs=PEAK_RUNS, dtype="float32"):
     """float32 (n, n) @ (n, n) on the BLAS handgrad's cpu backend uses (backends/cpu/blas.py: MKL or
-    numpy's OpenBLAS), checked on a few rows against float64; GFLOP/s median, best."""
+    numpy's OpenBLAS), checked on a few rows against float64; GFLOP/s median, best.
+    dtype "bfloat16": the same product with bf16 operands and float32 accumulation on oneDNN (what
+    train.dtype=bfloat16 multiplies with): the peak a bf16 run's MFU is measured against."""
     rng = np.random.default_rng(0)
     a, b, c = (common.aligned_empty((n, n)) for _ in range(3))
     a[...], b[...] = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    if dtype == "bfloat16":
+        a, b = onednn.to_bf16(a), onednn.to_bf16(b)
     blas.gemm(a, b, c)
-    ref = a[:8].astype(np.float64) @ b.astype(np.float64)
+    wide = (lambda x: onednn.from_bf16(x)) if dtype == "bfloat16" else (lambda x: x)
+    ref = wide(a[:8]).astype(np.float64) @ wide(b).astype(np.float64)
     if not np.max(np.abs(c[:8] - ref)) <= 1e-4 * np.max(np.abs(ref)):  # as bench's checks: 1e-4 of max |ref|
-        raise SystemExit(f"sgemm peak: CHECK FAILED: {blas.name()}'s product differs from float64's")
+        raise SystemExit(f"matmul peak: CHECK FAILED: the {dtype} product differs from float64's")
     with BackgroundLoad() as load:
         times = [timed(lambda: blas.gemm(a, b, c))[0] for _ in range(runs)]
     flops = 2.0 * n ** 3
-    return {"n": n, "runs": runs, "median_gflops": flops / np.median(times) / 1e9,
+    return {"n": n, "runs": runs, "dtype": dtype, "median_gflops": flops / np.median(times) / 1e9,
             "best_gflops": flops / min(times) / 1e9, "background_cores": load.cores}
 

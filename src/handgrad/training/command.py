@@ -101,10 +101,12 @@ def main(args):
     trainer = Trainer(args.data, run_dir, config, resume=args.resume, init_from=init_from, dp=dp, backend=args.device)
     peak = None
     if args.device == "cpu":
-        peak = float(dp.sum([sgemm_peak()["median_gflops"]])[0])  # every rank measures at once: their sum
+        dtype = config.train.dtype  # bf16 products: MFU against the bf16 product's peak
+        peak = float(dp.sum([sgemm_peak(dtype=dtype)["median_gflops"]])[0])  # every rank measures at once: their sum
         if dp.is_main:
             where = f" over {dp.world_size} ranks (gloo), {threads} threads each" if dp.world_size > 1 else ""
-            print(f"sgemm peak (measured now){where}: {peak:.0f} GFLOP/s")
+            what = "bf16 matmul peak (oneDNN" if dtype == "bfloat16" else "sgemm peak ("
+            print(f"{what} measured now){where}: {peak:.0f} GFLOP/s")
     trainer.run(peak_gflops=peak)
     dp.close()
     if trainer.interrupted:  # Ctrl-C: the checkpoint is written; a `&&` chain must not go on as if done
