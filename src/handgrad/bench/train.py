@@ -38,7 +38,8 @@ from ..models.lora import lora_flops_per_token, split_spec
 from ..training.optim import AdamW
 from ..training.step import accumulate_gradients
 from .common import SETTLE_S
-from .profile import _head_kernel_flop, _Profiler, format_profile
+from .profile import _head_kernel_flop, _Profiler
+from .train_report import format_footer, format_row
 
 
 # name -> the run preset whose model and optimizer settings are used, and the benchmark's shape
@@ -374,7 +375,8 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32"):
     # a LoRA step needs less: the frozen matrices' weight gradients are never formed
     flops = lora_flops_per_token(family, config, _lora(spec), spec["T"]) if lora_rank else full_flops
     result = {"name": name, "config": spec, "tokens_per_step": tokens_per_step, "flops_per_token": flops,
-              "steps": steps, "loss_max_rel_diff": err, "first_loss": [hg.losses[0], pt.losses[0]],
+              "steps": steps, "loss_max_rel_diff": err, "loss_check_steps": LOSS_CHECK_STEPS,
+              "first_loss": [hg.losses[0], pt.losses[0]],
               "background_cores": load.cores, "sides": {}}
     for s in sides:
         step_s = float(np.median(s.times))
@@ -437,66 +439,6 @@ def main(args):
     else:
         print(format_footer(result))
     return 0
-
-
-def format_row(r):
-    c = r["config"]
-    m = c["model"]
-    lines = [f"\n{r['name']}: n_layer {m['n_layer']}, n_head {m['n_head']}, n_embd {m['n_embd']}, "
-             f"vocab {m['vocab_size']}, B {c['batch_size']}, T {c['T']}; {r['flops_per_token'] / 1e6:.1f} "
-             f"MFLOP/token (the model's: causal attention as half); {r['steps']} timed steps per side",
-             f"  {'':<13} {'tok/s':>9} {'ms/step':>9} {'GFLOP/s':>8} {'MFU':>6} {'peak RSS':>10} {'(imports)':>10}"]
-    for name, s in r["sides"].items():
-        mfu = f"{100 * s['mfu']:.1f}%" if "mfu" in s else "?"
-        lines.append(f"  {name:<13} {s['tok_s']:>9.1f} {s['step_ms']:>9.1f} {s['gflops']:>8.1f} {mfu:>6} "
-                     f"{_mib(s['peak_rss_mib']):>10} {_mib(s['baseline_rss_mib']):>10}")
-    mem = f"{r['ratio_peak_rss']:.2f}x" if "ratio_peak_rss" in r else "?"
-    if "lora" in r:
-        lo = r["lora"]
-        lines.append(f"  LoRA r {lo['rank']} on {','.join(lo['targets'])} ({lo['trained']:,} trained parameters); "
-                     f"pytorch = transformers + PEFT; handgrad LoRA / handgrad full: tok/s {lo['speedup_vs_full']:.2f}x, "
-                     f"peak RSS {lo.get('peak_rss_vs_full', float('nan')):.2f}x")
-    if "bf16" in r:
-        b = r["bf16"]
-        off = b["loss_rel_diff_vs_fp32"]
-        lines.append(f"  bf16: pytorch = torch.autocast('cpu', bfloat16); handgrad bf16 / handgrad float32: tok/s "
-                     f"{b['speedup_vs_fp32']:.2f}x; first {LOSS_CHECK_STEPS} losses off handgrad float32's by "
-                     f"{off['handgrad']:.1e} (handgrad bf16), {off['pytorch']:.1e} (pytorch autocast)")
-    bg = "?" if r["background_cores"] is None else f"{r['background_cores']:.2f}"
-    lines.append(f"  handgrad/pytorch: tok/s {r['ratio_tok_s']:.2f}x, peak RSS {mem}; losses agree to "
-                 f"{r['loss_max_rel_diff']:.1e} over {LOSS_CHECK_STEPS} steps (first {r['first_loss'][0]:.5f} vs {r['first_loss'][1]:.5f}); "
-                 f"background load {bg} cores")
-    if "profile" in r:
-        lines += format_profile(r["profile"])
-        mm = r["profile"].get("matmuls")
-        if mm:
-            limit = r["sides"]["pytorch"]["step_ms"] / (1e3 * mm["s"])
-            lines.append(f"  pytorch's step / that floor = {limit:.2f}x: the most any engine making these "
-                         "matmul calls on this BLAS could be ahead of pytorch here")
-    return "\n".join(lines)
-
-
-def format_footer(result):
-    e, p0, p1 = result["environment"], result["sgemm_peak"], result["sgemm_peak_end"]
-    return "\n".join([
-        "",
-        f"machine {e['cpu']}, {e['cpus']} CPUs; handgrad matmuls on {e['handgrad_blas']}; numpy {e['numpy']} "
-        f"({e['numpy_blas']}), numba {e['numba']}, "
-        f"torch {e['torch']} ({e['torch_threads']} threads)",
-        f"sgemm peak ({e['handgrad_blas']} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
-        f"{p1['median_gflops']:.1f} at end; MFU = GFLOP/s / the start peak"
-        + (f"; bf16 sides: / the bf16 matmul peak (oneDNN {result['bf16_peak']['n']}^3), "
-           f"{result['bf16_peak']['median_gflops']:.1f} GFLOP/s" if "bf16_peak" in result else ""),
-        "GFLOP/s and MFU count the FLOPs the model needs, as `handgrad train` does (flops_per_token: "
-        "6 x the matrix parameters + 6·L·C·(T+1) for attention's causal half)",
-        "tok/s from the median step; peak RSS = the worker process's high-water mark (VmHWM), "
-        "(imports) = its resident set after imports, before the model",
-        f"total {result['seconds']:.0f} s",
-    ])
-
-
-def _mib(x):
-    return "?" if x is None else f"{x:.0f} MiB"
 
 
 if __name__ == "__main__":  # a worker: python -m handgrad.bench.train SIDE SPEC_JSON
