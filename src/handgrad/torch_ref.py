@@ -180,8 +180,6 @@ class TorchLlama(torch.nn.Module):
 
     adamw = TorchGPT.adamw
 
-    adamw = TorchGPT.adamw
-
     def with_peft(self, lora, seed):
         """PEFT's LoRA on this model, in place (its targeted linears become PEFT's LoRA layers), the
         adapters set to handgrad's initial ones for `seed` (models/lora.py's initial_adapters), so
