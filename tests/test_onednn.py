@@ -111,3 +111,21 @@ def test_bench_products_reports_every_linear_and_product(capsys):
     assert out["bf16_path"] == onednn.bf16_path() and out["onednn"] == onednn.version()
     with pytest.raises(SystemExit, match="unknown preset 'nope'"):
         bench_products(["nope"])
+
+
+@needs_onednn
+def test_loading_leaves_the_environment_as_it_was():
+    """oneDNN's GNU OpenMP is loaded with OMP_WAIT_POLICY=PASSIVE (its threads sleep between
+    products instead of spinning against the Numba kernels), but the variable is taken back after
+    the load: processes started later (bench train's PyTorch worker) must not inherit it."""
+    import os
+    import subprocess
+    import sys
+    code = ("import os; from handgrad.backends.cpu import onednn; onednn.load(); "
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, OMP_WAIT_POLICY="ACTIVE"), capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip() == "ACTIVE", out.stderr  # a user's own setting is theirs

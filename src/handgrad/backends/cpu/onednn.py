@@ -89,10 +89,17 @@ class _Library:
         # region, holding the cores the next Numba kernel wants (the same fight as common.py's with
         # OpenBLAS): measured on `mid`'s bf16 step, 627-642 ms spinning against 503 ms with
         # OMP_WAIT_POLICY=PASSIVE (threads sleep at once). libgomp reads it when it is loaded, so it
-        # is set here, before the library; a user's own setting wins.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        # RTLD_LOCAL (ctypes' default): its libgomp symbols stay its own
-        self.lib = lib = ctypes.CDLL(path)
+        # is set for the load and taken back after it (processes started later, a PyTorch benchmark
+        # worker, must not inherit it); a user's own setting wins.
+        ours = "OMP_WAIT_POLICY" not in os.environ
+        if ours:
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        try:
+            # RTLD_LOCAL (ctypes' default): its libgomp symbols stay its own
+            self.lib = lib = ctypes.CDLL(path)
+        finally:
+            if ours:
+                del os.environ["OMP_WAIT_POLICY"]
         lib.dnnl_version.restype = ctypes.POINTER(_Version)
         lib.dnnl_post_ops_append_sum.argtypes = [_vp, ctypes.c_float, ctypes.c_int32, ctypes.c_int]
         lib.dnnl_memory_set_data_handle.argtypes = [_vp, _vp]
