@@ -19,7 +19,7 @@ from handgrad.models.llama import Llama
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-needs_bf16 = pytest.mark.skipif(ops.bf16_path() is None or ops.onednn_library() is None,
+needs_bf16 = pytest.mark.skipif(ops.bf16_unavailable() is not None,
                                 reason="this CPU has neither AVX512_BF16 nor AMX (or oneDNN is missing)")
 
 BOUND = 2.0  # handgrad's error <= BOUND x PyTorch autocast's
@@ -290,7 +290,7 @@ def test_train_bf16_resumes_bitwise_and_checkpoints_float32(data_dir, tmp_path, 
 
 
 def test_cpu_without_bf16_refuses_in_one_line(data_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(ops, "bf16_path", lambda flags=None: None)
+    monkeypatch.setattr(ops.onednn, "bf16_path", lambda flags=None: None)
     assert train(data_dir, tmp_path / "r", "gpt2", "--train.dtype", "bfloat16") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "AVX512_BF16 or AMX" in err[0] and "--train.dtype float32" in err[0]

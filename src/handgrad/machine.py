@@ -136,7 +136,7 @@ def sgemm_peak(n=PEAK_N, runs=PEAK_RUNS, dtype="float32"):
     if dtype == "bfloat16":
         a, b = onednn.to_bf16(a), onednn.to_bf16(b)
     blas.gemm(a, b, c)
-    wide = (lambda x: onednn.from_bf16(x)) if dtype == "bfloat16" else (lambda x: x)
+    wide = onednn.from_bf16 if dtype == "bfloat16" else (lambda x: x)
     ref = wide(a[:8]).astype(np.float64) @ wide(b).astype(np.float64)
     if not np.max(np.abs(c[:8] - ref)) <= 1e-4 * np.max(np.abs(ref)):  # as bench's checks: 1e-4 of max |ref|
         raise SystemExit(f"matmul peak: CHECK FAILED: the {dtype} product differs from float64's")

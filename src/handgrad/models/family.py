@@ -33,6 +33,10 @@ from ..backends import get_backend
 from . import lora as lora_parts
 
 
+# why train.dtype=bfloat16 refuses a LoRA model on the cpu (its adapters' products run in float32)
+BF16_LORA = "does not train LoRA adapters yet (train.lora_rank)"
+
+
 @dataclass(frozen=True)
 class Family:
     arch: str
@@ -119,11 +123,11 @@ class FlatModel:
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         self.bf16_products = dtype == "bfloat16" and backend == "cpu"
-        if self.bf16_products and get_backend("cpu").bf16_path() is None:
-            raise ValueError("dtype bfloat16 on the cpu needs a CPU with AVX512_BF16 or AMX (bf16 products); this "
-                             "one has neither (`handgrad info` says so): use float32")
+        why = get_backend("cpu").bf16_unavailable() if self.bf16_products else None
+        if why:
+            raise ValueError(f"dtype bfloat16 on the cpu {why}; use float32")
         if self.bf16_products and lora is not None:
-            raise ValueError("LoRA with dtype bfloat16 on the cpu is not supported yet: use float32")
+            raise ValueError(f"dtype bfloat16 on the cpu {BF16_LORA}; use float32")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {dropout!r}")
         if (lora is not None or dropout) and backend != "cpu":

@@ -38,7 +38,7 @@ class AdamW:
         self.t += 1
         b1, b2 = self.betas
         model = self.model
-        bf16 = getattr(model, "flat_params16", None)  # the bf16 products' copy (cpu), written in the same pass
+        bf16 = model.flat_params16  # the bf16 products' copy (cpu; None otherwise), written in the same pass
         extra = {} if bf16 is None else {"params_bf16": bf16[self.lo:self.hi]}
         self.model.ops.adamw_update(model.flat_params[self.lo:self.hi], model.flat_grad[self.lo:self.hi],
                                     self.m, self.v, self.chunks, self.t, self.lr if lr is None else lr,

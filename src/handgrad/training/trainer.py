@@ -15,6 +15,7 @@ from ..files import write_atomic
 from ..interop.convert import fit_weights, load_base
 from ..models import family_of, get_family
 from ..models.decode import generate
+from ..models.family import BF16_LORA
 from ..models.lora import base_digest
 from .device_loop import DeviceLoop, check_cuda_graph
 from .distributed import DataParallel
@@ -31,16 +32,9 @@ from .tracking import open_tracker
 def cpu_bf16(config):
     """Refuse, in one line, a train.dtype=bfloat16 run the cpu cannot do: no bf16 multiply in the
     CPU (oneDNN would emulate it, slower than float32), no oneDNN, or LoRA (float32 only so far)."""
-    ops = get_backend("cpu")
-    if ops.bf16_path() is None:
-        raise ConfigError("train.dtype: bfloat16 on the cpu needs AVX512_BF16 or AMX, and this CPU has neither "
-                          "(`handgrad info` shows cpu_bf16); use --train.dtype float32")
-    if ops.onednn_library() is None:
-        raise ConfigError("train.dtype: bfloat16 on the cpu runs its products on oneDNN, which is not installed: "
-                          "pip install onednn-cpu-gomp, or use --train.dtype float32")
-    if config.lora_config() is not None:
-        raise ConfigError("train.dtype: bfloat16 with LoRA (train.lora_rank) is not supported on the cpu yet; "
-                          "use --train.dtype float32")
+    why = get_backend("cpu").bf16_unavailable() or (BF16_LORA if config.lora_config() is not None else None)
+    if why:
+        raise ConfigError(f"train.dtype: bfloat16 on the cpu {why}; use --train.dtype float32")
 
 
 class Trainer(Checkpointing, RunLoop):

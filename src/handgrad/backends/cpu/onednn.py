@@ -70,6 +70,17 @@ def bf16_path(flags=None):
     return None
 
 
+def bf16_unavailable():
+    """Why bf16 products cannot run in this process, as the end of one line ("... on the cpu " + it),
+    or None where they can: the CPU multiplies bf16 and oneDNN is installed."""
+    if bf16_path() is None:
+        return ("needs a CPU with AVX512_BF16 or AMX, and this one has neither (`handgrad info` shows cpu_bf16; "
+                "oneDNN would emulate bf16, slower than float32)")
+    if library_path() is None:
+        return f"runs its products on oneDNN, which is not installed: pip install {_DISTRIBUTION}"
+    return None
+
+
 def _cpu_flags():
     try:
         with open("/proc/cpuinfo") as f:
