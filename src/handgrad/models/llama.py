@@ -202,7 +202,7 @@ class Llama(FlatModel):
     def _layers_forward(self, a):
         """Embedding, the blocks, the final norm and the logits into a.logits, from a.idx."""
         ops, p, fp, w, fw, c = self.ops, self.p, self.fp, self.p16, self.fw, self.config  # w, fw: the products'
-        NH, NKV, rot = c.n_head, c.n_kv_head, (c.n_head + c.n_kv_head) * c.head_dim
+        NH, NKV = c.n_head, c.n_kv_head
         ops.encoder_forward(a.encoded, a.idx, p["model.embed_tokens.weight"])
         self.drop(a.encoded, -1, self.SITE_EMBED)
         x = a.encoded
@@ -211,9 +211,9 @@ class Llama(FlatModel):
             ops.rmsnorm_linear_forward(a.qkv[l], a.rstd1[l], x, p[h + "input_layernorm.weight"], fw.qkv[l].T,
                                        fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
                                        adapters=self.lora_adapters(a, l, "qkv"))
-            qk = a.qkv[l][:, :, :rot]  # q and k heads: one rotation per head, in place
-            ops.rope_forward(qk, qk, self.cos, self.sin, NH + NKV)
-            ops.gqa_attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, NKV, **self.attention_dropout(l))
+            # RoPE inside the op: qkv stays as projected (the gpu rotates q and k as its kernels load them)
+            ops.gqa_attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, NKV, rope=(self.cos, self.sin),
+                                      **self.attention_dropout(l))
             ops.linear_forward(a.proj, self.narrowed(a.atty[l], a.atty16, l), w[h + "self_attn.o_proj.weight"].T)
             self.lora_linear(a.proj, a.atty[l], a, l, "o")
             self.drop(a.proj, l, self.SITE_ATTN_OUT)
@@ -240,7 +240,7 @@ class Llama(FlatModel):
         self._ready_for_backward = False
         ops, p, g, fp, fg, a, c = self.ops, self.p, self.g, self.fp, self.fg, self._acts, self.config
         w, fw = self.p16, self.fw  # the products' weights
-        NH, NKV, rot = c.n_head, c.n_kv_head, (c.n_head + c.n_kv_head) * c.head_dim
+        NH, NKV = c.n_head, c.n_kv_head
         acc = not self._grads_zero  # first backward after zero_grad(): the matrices are written, not added
         self._grads_zero = False
         if a.grads is None:
@@ -271,9 +271,7 @@ class Llama(FlatModel):
                                 acc)
             self.lora_linear_grad(a.datty, dproj, a.atty[l], a, l, "o")
             ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, NKV, out=a.atty[l],
-                                       **self.attention_dropout(l))
-            dqk = a.dqkv[:, :, :rot]
-            ops.rope_backward(dqk, dqk, self.cos, self.sin, NH + NKV)  # back to the pre-rotation q and k
+                                       rope=(self.cos, self.sin), **self.attention_dropout(l))  # dq, dk before RoPE
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), _t(fg.qkv[l]),
                                         fg.qkv_bias[l] if c.qkv_bias else None, self.narrowed(a.dqkv, a.dqkv16), x,
                                         p[h + "input_layernorm.weight"], a.rstd1[l], fw.qkv[l].T, acc,

@@ -28,6 +28,12 @@ y_h = (P * M / (1 - p)) v_g, M the keep mask of the whole (B, NH, T, T) probabil
 (`dropout.keep_mask((B, NH, T, T), p, seed)`, element ((b*NH + h)*T + t)*T + s). The forward masks
 a row in place in the scores scratch right after its softmax (the logsumexp is taken first, from P
 undropped); the backward draws the row's mask again when it recomputes the row. It is never stored.
+
+RoPE (`rope=(cos, sin)`, the gpu op's argument): q and k in qkv are before the rotation. The forward
+rotates them into a workspace copy of qkv (rope.py's kernel, positions [0, T)) and attends over
+that; the backward rotates again, and takes the gradients of the rotated q and k back through R^T
+in place in dqkv. What the model saves is the unrotated qkv on both backends; the gpu's kernels
+rotate the tiles as they load them instead.
 """
 import math
 
@@ -38,6 +44,7 @@ from . import blas
 from .attention import (CAUSAL_BLOCK, _exp, _gemm_add_at, _row_max, apply_keep, dropout_args, dropout_heads_kernel,
                         keep_row, keep_scratch, softmax_backward_row)
 from .blas import NO_TRANS, TRANS, gemm_at, restore_threads, single_threaded
+from .rope import rope_backward, rope_forward
 from .common import HEAVY, kernel, serial_kernel, workspace
 from .mathfn import sum64
 
@@ -228,17 +235,30 @@ def _expect(name, a, shape, dtype):
         raise ValueError(f"{name} must be {tuple(shape)} {np.dtype(dtype)}, got {a.shape} {a.dtype}")
 
 
-def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0):
+def _rotated(qkv, rope, n_head, n_kv_head, hs):
+    """qkv, or with rope = (cos, sin) a workspace copy of it with q and k rotated at positions [0, T)."""
+    if rope is None:
+        return qkv
+    rot = (n_head + n_kv_head) * hs
+    buf = workspace("gqa_rope_qkv", qkv.shape, qkv.dtype)
+    rope_forward(buf[:, :, :rot], qkv[:, :, :rot], *rope, n_head + n_kv_head)
+    buf[:, :, rot:] = qkv[:, :, rot:]
+    return buf
+
+
+def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0, rope=None):
     """out (B, T, NH*hs) = causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs).
 
     Overwrites out and att (B, NH, T) (gqa_attention_state_shape), the logsumexp of each row of
     scaled scores (undropped), kept for the backward. att is qkv's dtype, as out is.
     dropout_p > 0 (training): out_h = (P * M / (1 - p)) v_g with M the keep mask
     `dropout.keep_mask((B, NH, T, T), dropout_p, seed)`.
+    rope=(cos, sin) (rope_cache's tables): q and k are rotated here first (qkv is not changed).
     """
     hs = _head_size(qkv, n_head, n_kv_head)
     B, T, _ = qkv.shape
     _expect("out", out, (B, T, n_head * hs), qkv.dtype)
+    qkv = _rotated(qkv, rope, n_head, n_kv_head, hs)
     _expect("att", att, gqa_attention_state_shape(B, n_head, T), qkv.dtype)
     scale, G = qkv.dtype.type(1.0 / math.sqrt(hs)), n_head // n_kv_head
     drop = dropout_args(dropout_p, seed, qkv.dtype)  # checks p; bound 0 when off
@@ -260,7 +280,7 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=
         blas.gemm(s, v, y[:, :, j])
 
 
-def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dropout_p=0.0, seed=0):
+def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dropout_p=0.0, seed=0, rope=None):
     """With, per query head h and its kv head g, y = Pd v_g, Pd = P * M / (1 - p) (Pd = P without
     dropout), P = softmax(S), S = q_h k_g^T * scale:
         P  = exp(S * scale - lse)   (recomputed from the saved logsumexp, masked entries 0),
@@ -274,8 +294,16 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
     output y too, sum_s P_s dP_s = sum_s Pd_s (dy . v_s) = dy . (Pd v) = dy . y, which a backward
     that uses out (the gpu's) relies on. out is accepted, as attention_backward accepts it, so
     the backends keep one signature.
+    With rope=(cos, sin) (the forward's), qkv is before RoPE: the rotation is applied again here, and
+    the rotated q's and k's gradients are taken back through R^T (rope_backward) in place in dqkv.
     """
     hs = _head_size(qkv, n_head, n_kv_head)
+    if rope is not None:
+        rot = (n_head + n_kv_head) * hs
+        gqa_attention_backward(dqkv, dout, _rotated(qkv, rope, n_head, n_kv_head, hs), att, n_head, n_kv_head,
+                               out, dropout_p, seed)
+        rope_backward(dqkv[:, :, :rot], dqkv[:, :, :rot], *rope, n_head + n_kv_head)
+        return
     B, T, _ = qkv.shape
     _expect("dqkv", dqkv, qkv.shape, qkv.dtype)
     _expect("dout", dout, (B, T, n_head * hs), qkv.dtype)

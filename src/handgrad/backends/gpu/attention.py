@@ -50,18 +50,20 @@ def _check(qkv, n_head, att, **rows):
 
 
 # ---------------------------------------------------------------- forward
-def attention_forward(out, att, qkv, n_head):
+def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0):
     """out (B, T, C) = causal attention of qkv (B, T, 3C) with n_head heads, scale 1/sqrt(hs).
 
     Overwrites out and att (B, NH, T) float32: the row logsumexp L = log sum_s exp(S[t, s]) of the
-    scaled, masked scores, all the backward needs to recompute P = exp(S - L).
+    scaled, masked scores, all the backward needs to recompute P = exp(S - L). dropout_p > 0
+    (training): y = (P * M / (1 - p)) v with the cpu op's mask M for (dropout_p, seed), drawn in the
+    kernel and again in the backward.
     """
     _check(qkv, n_head, att, out=(out, (qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)))
-    gqa_attention_forward(out, att, qkv, n_head, n_head)  # GPT-2's qkv: grouped-query with NKV = NH
+    gqa_attention_forward(out, att, qkv, n_head, n_head, dropout_p, seed)  # GPT-2's: grouped-query, NKV = NH
 
 
 # ---------------------------------------------------------------- backward
-def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
+def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, seed=0):
     """With y = P v, P = softmax(S), S = q k^T * scale (scale = 1/sqrt(hs)), per head:
         dV = P^T dO,   dP = dO V^T,
         dS = P * (dP - D),  D = rowsum(P * dP) = rowsum(dO * O)   (softmax backward),
@@ -69,6 +71,8 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
     with P recomputed block by block as exp(S - L) from att (B, NH, T), the forward's logsumexp.
     Overwrites dqkv (B, T, 3C). dout is (B, T, C); out (B, T, C), the forward's output, is required
     (for D). Two kernels, no atomics: dQ (and D) per query block, then dK, dV per key block.
+    With dropout (the forward's dropout_p and seed), Pd = P * M / (1 - p) replaces P in y and dV,
+    and dP = (dO V^T) * M / (1 - p).
     """
     if out is None:
         raise ValueError("gpu attention_backward needs out=, the forward's output (B, T, C), for "
@@ -76,7 +80,7 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None):
     B, T, C3 = qkv.shape
     row = (B, T, C3 // 3)
     _check(qkv, n_head, att, dout=(dout, row), out=(out, row), dqkv=(dqkv, tuple(qkv.shape)))
-    gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_head, out=out)
+    gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_head, out=out, dropout_p=dropout_p, seed=seed)
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)

@@ -28,6 +28,22 @@ def _dropout_kernel(out, x, n, seed, bound, scale, BLOCK: tl.constexpr):
         tl.store(out + i, to_dtype(tl.where(keep, v * scale, v * 0.0), out.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def keep_tile(seed, idx, bound):
+    """Whether each element of the int64 index tile idx is kept: word idx % 4 of
+    Philox(seed, idx // 4) >= bound, the mask dropout_forward draws for the same elements (fused
+    into attention's probabilities, which are never stored)."""
+    r0, r1, r2, r3 = tl.randint4x(seed, idx >> 2)
+    w = idx & 3
+    r = tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
+    return (r.to(tl.int64) & 0xFFFFFFFF) >= bound
+
+
+def kernel_args(p, seed):
+    """(seed, bound, 1 / (1 - p)) as kernels take them (the seed as a signed int64); p is checked."""
+    return _signed(seed), int(threshold(p)), 1.0 / (1.0 - p)
+
+
 def _signed(seed):
     """The 64-bit seed as the int64 Triton passes (randint4x splits it into the same two words)."""
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF

@@ -4,8 +4,13 @@ forward and backward (attention.py's docstring has the method; GPT-2's attention
 NKV = NH, and its ops launch these kernels).
 
 The columns of qkv are the q heads [0, NH*hs), the k heads [NH*hs, (NH+NKV)*hs) and the v heads
-after them (q_proj, k_proj and v_proj's outputs side by side); RoPE has been applied to q and k
-(rope.py). k and v are never repeated in memory: a query head's program reads its group's kv head.
+after them (q_proj, k_proj and v_proj's outputs side by side). With `rope=(cos, sin)` q and k are
+the projections before RoPE: the kernels rotate each tile as they load it (rope.load_rotated) and
+the backward takes dq and dk back through the inverse rotation before storing them (rope.store_unrotated),
+so neither direction makes a pass of its own over q and k; without it, RoPE has been applied.
+With dropout_p > 0 the probabilities are dropped as the cpu op drops them: element
+((b*NH + h)*T + t)*T + s of dropout.keep_mask((B, NH, T, T), p, seed), drawn in the kernels from
+the same Philox words (dropout.keep_tile) in the forward and again in the backward, never stored. k and v are never repeated in memory: a query head's program reads its group's kv head.
 The forward saves the row logsumexp (float32, (B, NH, T)); the backward recomputes P from it. dK
 and dV are summed over each group inside one program per (key block, b, kv head), which walks the
 G query heads of its group: no atomics, deterministic. Reference (what the tests compare to):
@@ -18,6 +23,8 @@ import triton
 import triton.language as tl
 
 from .common import cdiv, interpreting
+from .dropout import keep_tile, kernel_args
+from .rope import check_tables, load_rotated, store_unrotated
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)    # ln(2):   log(x) = log2(x) * LN2
@@ -82,6 +89,19 @@ def gqa_attention_state_shape(B, n_head, T):
     return (B, n_head, T)
 
 
+def _fused_args(qkv, hs, dropout_p, seed, rope):
+    """The kernels' RoPE and dropout arguments: (cos, sin, table stride, ROPE), (seed, bound, 1/(1-p),
+    DROPOUT); stand-ins that are never read when one is off."""
+    T = qkv.shape[1]
+    if rope is None:
+        tables = (qkv, qkv, 0, False)
+    else:
+        cos, sin = check_tables("gqa_attention rope", *rope, hs, T)
+        tables = (cos, sin, cos.stride(0), True)
+    drop = (*kernel_args(dropout_p, seed), True) if dropout_p else (0, 0, 1.0, False)
+    return tables, drop
+
+
 def _check(qkv, n_head, n_kv_head, att, **tensors):
     """Shapes, dtypes and layout shared by the forward and the backward; returns (B, T, hs)."""
     if qkv.dim() != 3 or n_kv_head < 1 or n_head % n_kv_head or qkv.shape[2] % (n_head + 2 * n_kv_head):
@@ -108,10 +128,12 @@ def _check(qkv, n_head, n_kv_head, att, **tensors):
 @triton.jit
 def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
                         stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, qk_scale,
+                        cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale,
                         HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr):
     """One (query block, b * NH + h) per program: attention.py's online softmax, with k and v read
-    from kv head h // (NH / NKV)."""
+    from kv head h // (NH / NKV); q and k rotated on load (ROPE); the row sums l of undropped P,
+    the values weighted by the dropped P * M / (1 - p) (DROPOUT)."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) rows first
     bh = tl.program_id(1)
     b = bh // NH
@@ -124,7 +146,7 @@ def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HS)
     row_ok = offs_m < T
-    q = tl.load(base + h * HS + offs_m[:, None] * stride_qkv_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = load_rotated(base + h * HS, offs_m, row_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -134,7 +156,7 @@ def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
         cols = start_n + offs_n
         kv_off = cols[:, None] * stride_qkv_t + offs_d[None, :]
         col_ok = cols[:, None] < T
-        k = tl.load(k_base + kv_off, mask=col_ok, other=0.0)
+        k = load_rotated(k_base, cols, cols < T, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
         v = tl.load(v_base + kv_off, mask=col_ok, other=0.0)
         s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
         s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
@@ -142,6 +164,9 @@ def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = keep_tile(seed, (bh.to(tl.int64) * T + offs_m[:, None]) * T + cols[None, :], bound)
+            p = tl.where(keep, p * keep_scale, 0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
         m_i = m_new
 
@@ -152,17 +177,24 @@ def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
              mask=row_ok[:, None])
 
 
-def gqa_attention_forward(out, att, qkv, n_head, n_kv_head):
+def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0, rope=None):
     """out (B, T, NH*hs) = causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs), scale
     1/sqrt(hs). Overwrites out and att (B, NH, T) float32: the row logsumexp of the scaled, masked
-    scores, all the backward needs to recompute P."""
+    scores, all the backward needs to recompute P.
+
+    rope=(cos, sin), rope_cache's (T_max, hs) tables: q and k in qkv are before RoPE, rotated here
+    at positions [0, T) as they are loaded (qkv itself is not changed). dropout_p > 0 (training):
+    out_h = (P * M / (1 - p)) v_g, M the cpu op's keep mask for (dropout_p, seed)."""
     B, T, hs = _check(qkv, n_head, n_kv_head, att)
     _check(qkv, n_head, n_kv_head, att, out=(out, (B, T, n_head * hs)))
+    (cos, sin, stride_tab, use_rope), (seed_, bound, keep_scale, use_drop) = _fused_args(qkv, hs, dropout_p,
+                                                                                          seed, rope)
     cfg = _blocks(hs, qkv.dtype)
     _gqa_forward_kernel[(cdiv(T, cfg.fwd_m), B * n_head)](
         out, att, qkv, T, n_head, n_kv_head, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
-        LOG2E.value / hs ** 0.5, HS=hs, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, DOT_PRECISION=_dot_precision(qkv.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        LOG2E.value / hs ** 0.5, cos, sin, stride_tab, seed_, bound, keep_scale,
+        HS=hs, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, DOT_PRECISION=_dot_precision(qkv.dtype),
+        ROPE=use_rope, DROPOUT=use_drop, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---------------------------------------------------------------- backward
@@ -170,11 +202,13 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head):
 def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse_ptr, T, NH, NKV,
                             stride_qkv_b, stride_qkv_t, stride_dqkv_b, stride_dqkv_t,
                             stride_out_b, stride_out_t, stride_dout_b, stride_dout_t, scale, qk_scale,
+                            cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale,
                             HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr):
+                            DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr):
     """One (query block, b * NH + h) per program: D = rowsum(dO * O) (stored for the dK/dV kernel),
-    then over key blocks up to the diagonal P = exp2(s - L log2 e), dP = dO v^T, dS = P * (dP - D),
-    dQ += dS k; finally dQ *= scale. k and v are kv head h // (NH / NKV)'s."""
+    then over key blocks up to the diagonal P = exp2(s - L log2 e), dP = dO v^T (times M / (1 - p)
+    with DROPOUT), dS = P * (dP - D), dQ += dS k; finally dQ *= scale (and R^T dQ with ROPE, q and
+    k rotated on load). k and v are kv head h // (NH / NKV)'s."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // NH
@@ -188,7 +222,7 @@ def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse
     offs_d = tl.arange(0, HS)
     row_ok = offs_m < T
     rows = offs_m[:, None]
-    q = tl.load(base + h * HS + rows * stride_qkv_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = load_rotated(base + h * HS, offs_m, row_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
     do = tl.load(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HS + rows * stride_dout_t + offs_d[None, :],
                  mask=row_ok[:, None], other=0.0)
     o = tl.load(out_ptr + b.to(tl.int64) * stride_out_b + h * HS + rows * stride_out_t + offs_d[None, :],
@@ -203,29 +237,37 @@ def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse
         cols = start_n + offs_n
         kv_off = cols[:, None] * stride_qkv_t + offs_d[None, :]
         col_ok = cols[:, None] < T
-        k = tl.load(k_base + kv_off, mask=col_ok, other=0.0)
+        k = load_rotated(k_base, cols, cols < T, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
         v = tl.load(v_base + kv_off, mask=col_ok, other=0.0)
         s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
         p = tl.exp2(tl.where(rows >= cols[None, :], s, float("-inf")) - lse2[:, None])
         dp = _dot(do, tl.trans(v), DOT_PRECISION)
+        if DROPOUT:  # dP = dPd * M / (1 - p)
+            keep = keep_tile(seed, (bh.to(tl.int64) * T + rows) * T + cols[None, :], bound)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, DOT_PRECISION)
 
     dq_base = dqkv_ptr + b.to(tl.int64) * stride_dqkv_b + h * HS
-    tl.store(dq_base + rows * stride_dqkv_t + offs_d[None, :], (dq * scale).to(dqkv_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    if ROPE:
+        store_unrotated(dq_base, offs_m, row_ok, stride_dqkv_t, dq * scale, cos_ptr, sin_ptr, stride_tab, BLOCK_M, HS)
+    else:
+        tl.store(dq_base + rows * stride_dqkv_t + offs_d[None, :], (dq * scale).to(dqkv_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
 
 
 @triton.jit
 def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T, NH, NKV,
                               stride_qkv_b, stride_qkv_t, stride_dqkv_b, stride_dqkv_t,
                               stride_dout_b, stride_dout_t, scale, qk_scale,
+                              cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale,
                               HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr):
+                              DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr):
     """One (key block, b * NKV + g) per program: over the G query heads of group g and, for each,
     the query blocks from the diagonal to T (keys along rows): P^T = exp2(s^T - L log2 e),
     dV += P^T dO, dP^T = v dO^T, dS^T = P^T * (dP^T - D), dK += dS^T q; finally dK *= scale. The
-    group's sum is taken here, in a fixed order."""
+    group's sum is taken here, in a fixed order. DROPOUT: dV takes the dropped P^T * M^T / (1 - p)
+    and dP^T the same factor; ROPE: q and k rotated on load, dK taken back through R^T."""
     pid_n = tl.program_id(0)
     bg = tl.program_id(1)
     b = bg // NKV
@@ -237,7 +279,7 @@ def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T
     offs_d = tl.arange(0, HS)
     col_ok = offs_n < T
     kv_off = offs_n[:, None] * stride_qkv_t + offs_d[None, :]
-    k = tl.load(base + (NH + g) * HS + kv_off, mask=col_ok[:, None], other=0.0)
+    k = load_rotated(base + (NH + g) * HS, offs_n, col_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
     v = tl.load(base + (NH + NKV + g) * HS + kv_off, mask=col_ok[:, None], other=0.0)
 
     dk = tl.zeros([BLOCK_N, HS], tl.float32)
@@ -251,26 +293,35 @@ def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T
         for start_m in range(lo, T, BLOCK_M):
             rows = start_m + offs_m
             row_ok = rows < T
-            q = tl.load(q_base + rows[:, None] * stride_qkv_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            q = load_rotated(q_base, rows, row_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
             do = tl.load(do_base + rows[:, None] * stride_dout_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             lse2 = tl.load(lse_ptr + bh * T + rows, mask=row_ok, other=0.0) * LOG2E
             delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)
             s_t = _dot(k, tl.trans(q), DOT_PRECISION) * qk_scale
             keep = (rows[None, :] >= offs_n[:, None]) & row_ok[None, :]
             p_t = tl.exp2(tl.where(keep, s_t, float("-inf")) - lse2[None, :])
-            dv += _dot(p_t.to(do.dtype), do, DOT_PRECISION)
             dp_t = _dot(v, tl.trans(do), DOT_PRECISION)
+            if DROPOUT:
+                kept = keep_tile(seed, (bh.to(tl.int64) * T + rows[None, :]) * T + offs_n[:, None], bound)
+                dv += _dot(tl.where(kept, p_t * keep_scale, 0.0).to(do.dtype), do, DOT_PRECISION)
+                dp_t = tl.where(kept, dp_t * keep_scale, 0.0)
+            else:
+                dv += _dot(p_t.to(do.dtype), do, DOT_PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += _dot(ds_t.to(q.dtype), q, DOT_PRECISION)
 
     out_ty = dqkv_ptr.dtype.element_ty
     dbase = dqkv_ptr + b.to(tl.int64) * stride_dqkv_b
     dkv_off = offs_n[:, None] * stride_dqkv_t + offs_d[None, :]
-    tl.store(dbase + (NH + g) * HS + dkv_off, (dk * scale).to(out_ty), mask=col_ok[:, None])
-    tl.store(dbase + (NH + NKV + g) * HS + dkv_off, dv.to(out_ty), mask=col_ok[:, None])
+    tl.store(dbase + (NH + NKV + g) * HS + dkv_off, dv.to(out_ty), mask=col_ok[:, None])  # dv's registers free
+    if ROPE:
+        store_unrotated(dbase + (NH + g) * HS, offs_n, col_ok, stride_dqkv_t, dk * scale, cos_ptr, sin_ptr,
+                        stride_tab, BLOCK_N, HS)
+    else:
+        tl.store(dbase + (NH + g) * HS + dkv_off, (dk * scale).to(out_ty), mask=col_ok[:, None])
 
 
-def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None):
+def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dropout_p=0.0, seed=0, rope=None):
     """With, per query head h and its kv head g, y = P v_g, P = softmax(S), S = q_h k_g^T * scale:
         dV_g = sum over the group's h of P^T dO_h,   dP = dO_h v_g^T,
         dS = P * (dP - D),  D = rowsum(P * dP) = rowsum(dO_h * O_h)   (softmax backward),
@@ -279,6 +330,10 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None):
     (B, T, (NH + 2*NKV)*hs). dout is (B, T, NH*hs); out, the forward's output, is required (for D).
     Two kernels, no atomics: dQ (and D) per query block and head, then dK, dV per key block and kv
     head, walking its group.
+    With dropout (dropout_p, seed: the forward's), y = Pd v, Pd = P * M / (1 - p): dV takes Pd, and
+    dP = dPd * M / (1 - p) with dPd = dO v^T; D = rowsum(P * dP) is still rowsum(dO * O), O = Pd v.
+    With rope=(cos, sin) (the forward's), q and k in qkv are before the rotation R, and what is
+    written for them is R^T of the rotated q's and k's gradients (rope_backward's map).
     """
     if out is None:
         raise ValueError("gpu gqa_attention_backward needs out=, the forward's output (B, T, NH*hs), for "
@@ -289,17 +344,20 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None):
     cfg = _blocks(hs, qkv.dtype)
     scale = 1.0 / hs ** 0.5
     prec = _dot_precision(qkv.dtype)
+    (cos, sin, stride_tab, use_rope), (seed_, bound, keep_scale, use_drop) = _fused_args(qkv, hs, dropout_p,
+                                                                                          seed, rope)
+    fused = (cos, sin, stride_tab, seed_, bound, keep_scale)
     delta = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # D per row
     strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1))
     _gqa_backward_dq_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
         dqkv, delta, dout, out, qkv, att, T, n_head, n_kv_head, *strides, out.stride(0), out.stride(1),
-        dout.stride(0), dout.stride(1), scale, scale * LOG2E.value,
-        HS=hs, BLOCK_M=cfg.bwd_res, BLOCK_N=cfg.bwd_stream, DOT_PRECISION=prec,
+        dout.stride(0), dout.stride(1), scale, scale * LOG2E.value, *fused,
+        HS=hs, BLOCK_M=cfg.bwd_res, BLOCK_N=cfg.bwd_stream, DOT_PRECISION=prec, ROPE=use_rope, DROPOUT=use_drop,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gqa_backward_dkdv_kernel[(cdiv(T, cfg.bwd_res), B * n_kv_head)](
         dqkv, delta, dout, qkv, att, T, n_head, n_kv_head, *strides, dout.stride(0), dout.stride(1),
-        scale, scale * LOG2E.value,
-        HS=hs, BLOCK_M=cfg.bwd_stream, BLOCK_N=cfg.bwd_res, DOT_PRECISION=prec,
+        scale, scale * LOG2E.value, *fused,
+        HS=hs, BLOCK_M=cfg.bwd_stream, BLOCK_N=cfg.bwd_res, DOT_PRECISION=prec, ROPE=use_rope, DROPOUT=use_drop,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

@@ -6,6 +6,10 @@ One program holds R rows (b, t) of one head: it loads both halves of every pair 
 either, so out may be inp. The tables are cpu's rope_cache (bit-identical to transformers'), on
 the device; the arithmetic is float32 whatever the activations' dtype.
 Reference (what the tests compare to): transformers' apply_rotary_pos_emb on the same tables.
+
+`load_rotated` and `store_unrotated` are the same rotation for other kernels to fuse: grouped-query
+attention (gqa_attention.py, `rope=`) rotates q and k as it loads them and takes dq and dk back
+through R^T before it stores them, so training makes no pass of its own over q and k.
 """
 import torch
 import triton
@@ -13,6 +17,53 @@ import triton.language as tl
 
 from ..cpu import rope as cpu_rope
 from .common import ROWS_PER_BLOCK, cdiv, next_pow2, to_dtype
+
+
+@triton.jit
+def load_rotated(base, pos, ok, stride_t, cos, sin, stride_tab, HS: tl.constexpr, ROPE: tl.constexpr):
+    """The (len(pos), HS) tile of one head at rows pos (masked by ok; position = row), rotated by
+    RoPE when ROPE: x_d c_d - x_(d+hs/2) s_d in the first half, x_d c_d + x_(d-hs/2) s_d in the
+    second (the partner column is a second load, from cache), computed in float32 and rounded once
+    to x's dtype, as rope_forward stores it."""
+    d = tl.arange(0, HS)
+    ptr = base + pos[:, None] * stride_t
+    x = tl.load(ptr + d[None, :], mask=ok[:, None], other=0.0)
+    if ROPE:
+        HALF: tl.constexpr = HS // 2
+        partner = tl.load(ptr + ((d + HALF) % HS)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        tab = pos[:, None] * stride_tab + d[None, :]
+        c = tl.load(cos + tab, mask=ok[:, None], other=0.0)
+        s = tl.load(sin + tab, mask=ok[:, None], other=0.0)
+        sign = tl.where(d < HALF, -1.0, 1.0)
+        x = to_dtype(x.to(tl.float32) * c + (sign[None, :] * partner) * s, x.dtype)
+    return x
+
+
+@triton.jit
+def store_unrotated(base, pos, ok, stride_t, dy, cos, sin, stride_tab, BLOCK: tl.constexpr, HS: tl.constexpr):
+    """Store R^T dy, dy a float32 (BLOCK, HS) tile at positions pos (rows masked by ok), as
+    rope_backward maps it: dx1 = dy1 c1 + dy2 s2,  dx2 = dy2 c2 - dy1 s1. dy is split into its
+    halves in registers; each half of the result is stored on its own (no join), in base's dtype."""
+    HALF: tl.constexpr = HS // 2
+    i = tl.arange(0, HALF)
+    dy1, dy2 = tl.split(tl.permute(tl.reshape(dy, [BLOCK, 2, HALF]), [0, 2, 1]))
+    tab = pos[:, None] * stride_tab + i[None, :]
+    m = ok[:, None]
+    ptr = base + pos[:, None] * stride_t + i[None, :]
+    dx1 = dy1 * tl.load(cos + tab, mask=m, other=0.0) + dy2 * tl.load(sin + tab + HALF, mask=m, other=0.0)
+    tl.store(ptr, to_dtype(dx1, base.dtype.element_ty), mask=m)
+    dx2 = dy2 * tl.load(cos + tab + HALF, mask=m, other=0.0) - dy1 * tl.load(sin + tab, mask=m, other=0.0)
+    tl.store(ptr + HALF, to_dtype(dx2, base.dtype.element_ty), mask=m)
+
+
+def check_tables(name, cos, sin, hs, T, offset=0):
+    """cos and sin must be (T_max, hs) float32 tables covering positions [offset, offset + T)."""
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != hs or cos.dtype != torch.float32:
+        raise ValueError(f"{name}: cos and sin must both be float32 (T_max, {hs}), got {tuple(cos.shape)} "
+                         f"{cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+    if offset < 0 or offset + T > cos.shape[0]:
+        raise ValueError(f"{name}: positions [{offset}, {offset + T}) are outside the tables' [0, {cos.shape[0]})")
+    return cos.contiguous(), sin.contiguous()
 
 
 def rope_cache(T_max, head_dim, theta, device=None):
@@ -61,11 +112,7 @@ def _launch(name, out, inp, cos, sin, n_head, offset, backward):
     if n_head < 1 or C % n_head or (C // n_head) % 2:
         raise ValueError(f"{name}: {C} columns are not {n_head} heads of an even size")
     hs = C // n_head
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != hs:
-        raise ValueError(f"{name}: cos and sin must both be (T_max, {hs}), got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    if offset < 0 or offset + T > cos.shape[0]:
-        raise ValueError(f"{name}: positions [{offset}, {offset + T}) are outside the tables' [0, {cos.shape[0]})")
-    cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = check_tables(name, cos, sin, hs, T, offset)
     BLOCK = next_pow2(hs // 2)
     R = max(1, min(ROWS_PER_BLOCK, 2048 // BLOCK))
     _rope_kernel[(cdiv(B * T, R), n_head)](
