@@ -124,10 +124,11 @@ class Activations:
     def scratch_bytes(ops, config, B, T):
         """The ops' own workspaces at this shape (float32): grouped-query attention's scores, their
         gradient and the stacked rows of one block of CAUSAL_BLOCK query rows of every head, and
-        rmsnorm_linear's normalised input and its gradient."""
+        rmsnorm_linear's normalised input and its gradient, and the copy of qkv that RoPE rotates."""
         rows = min(T, 64)
         attention = 2 * B * config.n_head * rows * (T + config.head_dim)
-        return 4 * (attention + 2 * B * T * config.n_embd)
+        qkv = B * T * (config.n_head + 2 * config.n_kv_head) * config.head_dim
+        return 4 * (attention + 2 * B * T * config.n_embd + qkv)
 
     def alloc_grads(self, ops, config, dtype=np.float32):
         B, T, C, H = self.B, self.T, config.n_embd, config.ffn_hidden
