@@ -5,7 +5,8 @@ launch recorded as (module, kernel, argument types, constexprs) into a JSON file
 records instead the launches of full-size training steps and decoding without running the kernels
 (their outputs are left as garbage; only the launch parameters matter), with the launch choices a
 GPU would make: one block of GPT-2 124M's widths at B 2, T 1024, float32 and bf16, head sizes 64
-(two micro-batches), 32 and 128, and two tokens of KV-cache decoding each.
+(two micro-batches), 32 and 128, and two tokens of KV-cache decoding each; smollm2-135m's blocks at
+T 2048, plain and fine-tuned (LoRA and dropout), and decoding.
 Step 2 (`compile`, without the interpreter): compiles each recorded specialisation with
 triton.compile for GPUTarget("cuda", 90, 32), using the ptxas Triton ships. A kernel that only
 the interpreter accepts fails here.
@@ -98,28 +99,32 @@ def record_sizes(out, quick=False):
             loop.step(batch)
             generate(model, np.zeros((2, 1), np.int64), 2, temperature=0.0)
         _llama_step(dtype, quick)
+        _llama_step(dtype, quick, fine_tune=True)
     _save(seen, out, "full-size steps, kernels not run")
     return 0
 
 
-def _llama_step(dtype, quick):
+def _llama_step(dtype, quick, fine_tune=False):
     """A training step and decoding of smollm2-135m's shape (C 576, 9 query heads on 3 kv heads of
     64, SwiGLU 1536, vocab 49152, T 2048; one layer when quick, as the GPT-2 steps): every Llama
-    kernel launch with the sizes a real run gives it."""
+    kernel launch with the sizes a real run gives it. fine_tune: with rank-16 LoRA adapters on every
+    linear, their dropout, and model.dropout (the attention kernels' dropout variants)."""
     import numpy as np
-    from handgrad.config import LlamaConfig, load_run_config
+    from handgrad.config import LlamaConfig, LoRAConfig, load_run_config
     from handgrad.models.decode import generate
     from handgrad.models.llama import Llama
     from handgrad.training.device_loop import DeviceLoop
     from handgrad.training.optim import AdamW
     config = LlamaConfig(block_size=2048, vocab_size=49152, n_layer=1 if quick else 2, n_head=9, n_kv_head=3,
                          n_embd=576, ffn_hidden=1536, rope_theta=100000.0)
-    model = Llama(config, backend="gpu", dtype=dtype)
+    lora = LoRAConfig(16, 32.0, tuple(Llama.LORA_MODULES), dropout=0.05) if fine_tune else None
+    model = Llama(config, backend="gpu", dtype=dtype, lora=lora, dropout=0.1 if fine_tune else 0.0)
     t = load_run_config("smollm2-135m", overrides={"train.max_steps": 3, "train.grad_accum_steps": 1}).train
     loop = DeviceLoop(model, AdamW(model, lr=t.lr, weight_decay=t.weight_decay), t, 0)
     rng = np.random.default_rng(0)
     loop.step([(rng.integers(0, 49152, (1, 2048)), rng.integers(0, 49152, (1, 2048)))])
-    generate(model, np.zeros((2, 1), np.int64), 2, temperature=0.0)
+    if not fine_tune:
+        generate(model, np.zeros((2, 1), np.int64), 2, temperature=0.0)
 
 
 def compile_all(path):

@@ -206,14 +206,20 @@ def rope(x, cos, sin, n_head, offset=0):
     return y.transpose(1, 2).reshape(B, T, C)
 
 
-def gqa_attention(qkv, n_head, n_kv_head):
+def gqa_attention(qkv, n_head, n_kv_head, keep=None, p=0.0):
     """Causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs): q heads, then k, then v;
-    query head h reads kv head h // (NH // NKV), k and v repeated as transformers' repeat_kv."""
+    query head h reads kv head h // (NH // NKV), k and v repeated as transformers' repeat_kv.
+    keep (B, NH, T, T) bool: the probabilities dropped, P * keep / (1 - p) (an explicit softmax)."""
     B, T, W = qkv.shape
     hs = W // (n_head + 2 * n_kv_head)
     q, k, v = qkv.split([n_head * hs, n_kv_head * hs, n_kv_head * hs], dim=2)
     q, k, v = (t.reshape(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))
     g = n_head // n_kv_head
-    y = F.scaled_dot_product_attention(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1),
-                                       is_causal=True)
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    if keep is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        s = (q @ k.transpose(-2, -1) / math.sqrt(hs)).masked_fill(
+            ~torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril(), float("-inf"))
+        y = torch.where(keep, s.softmax(-1) / (1 - p), 0.0) @ v
     return y.transpose(1, 2).reshape(B, T, n_head * hs)

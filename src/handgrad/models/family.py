@@ -130,9 +130,6 @@ class FlatModel:
             raise ValueError(f"dtype bfloat16 on the cpu {BF16_LORA}; use float32")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {dropout!r}")
-        if (lora is not None or dropout) and backend != "cpu":
-            raise ValueError(f"LoRA and model.dropout run on the cpu backend only so far (not {backend!r}); "
-                             f"train with --device cpu")
         self.dtype = dtype
         self.config = config
         self.ops = get_backend(backend)

@@ -58,7 +58,7 @@ class DeviceLoop:
         self.unread = []  # the loop steps (1-based) whose (loss, grad_norm) are still on the device
         self.cuda_graph = cuda_graph
         if cuda_graph:
-            check_cuda_graph(model.backend, world_size=1)
+            check_cuda_graph(model.backend, 1, model.dropout or (model.lora.dropout if model.lora else 0.0))
         self.graphs = None  # after capture: {"first", "more", "update"} and the captured activations
         self.graph_factory = None  # tests swap in a stand-in for torch.cuda.CUDAGraph
         self._eager_steps = 0
@@ -109,8 +109,11 @@ class DeviceLoop:
         model = self.model
         if i == 0:
             model.zero_grad()
+        # dropout's masks, keyed as on the cpu (training/step.py): the run's seed, this step, micro-batch i
+        model.set_training(True, step=self.step_count, micro_step=i, seed=self.t.seed)
         loss = model.forward_staged(a)
         model.backward()
+        model.set_training(False)
         n = self.t.grad_accum_steps  # the mean over micro-batches, in float64 as on the host
         if i == 0:
             self.loss.copy_(loss).div_(n)
@@ -170,14 +173,19 @@ class DeviceLoop:
         return out, bool(host[gpu_adamw.FAULT])
 
 
-def check_cuda_graph(backend, world_size):
-    """ConfigError unless train.cuda_graph can work: the gpu backend, one process, real CUDA."""
+def check_cuda_graph(backend, world_size, dropout=0.0):
+    """ConfigError unless train.cuda_graph can work: the gpu backend, one process, no dropout (a
+    replayed graph would draw the captured step's masks again), real CUDA."""
     if backend != "gpu":
         raise ConfigError("train.cuda_graph: CUDA graphs replay the gpu backend's step; add --device gpu, "
                           "or drop --train.cuda_graph")
     if world_size > 1:
         raise ConfigError("train.cuda_graph: needs a single process (under torchrun the gradients are "
                           "all-reduced between the kernels, from Python); drop --train.cuda_graph")
+    if dropout:
+        raise ConfigError("train.cuda_graph: a captured step would replay its dropout masks every step "
+                          "(model.dropout and train.lora_dropout draw new ones per step); drop --train.cuda_graph "
+                          "or set the dropout to 0")
     import torch
 
     from ..backends.gpu.common import interpreting

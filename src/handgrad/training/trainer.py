@@ -72,13 +72,10 @@ class Trainer(Checkpointing, RunLoop):
         self.log(f"memory: {describe(memory)} per process" + (f", {need / 2**30:.2f} GiB on this machine"
                                                              if self.dp.local_world_size > 1 else ""))
         if t.cuda_graph:
-            check_cuda_graph(backend, self.dp.world_size)
+            check_cuda_graph(backend, self.dp.world_size, config.model.dropout or (t.lora_rank and t.lora_dropout))
         lora = config.lora_config()
         if init_from is not None and "adapter" in (init_from[2:] or [{}])[0]:  # continue training a LoRA adapter
             lora = self._adapter_config(init_from[0], lora, init_from[2]["adapter"]["lora"])
-        if (lora is not None or config.model.dropout) and backend != "cpu":
-            raise ConfigError("train.lora_rank and model.dropout run on --device cpu so far (the gpu backend's "
-                              "models have neither yet); train with --device cpu, or without them")
         self.model = self.family.model(self.gpt_config, backend=backend, seed=t.seed,
                                        buffer_multiple=self.dp.world_size, dtype=t.dtype, lora=lora,
                                        dropout=config.model.dropout)

@@ -82,6 +82,7 @@ def run_all(backend="cpu"):
         rows += check_rope(**shape, NH=6, NKV=2, hs=16, offset=5, backend=backend)
     if _has_llama(backend):
         rows += check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend)
+        rows += check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend, rope=True, dropout_p=0.1)
         for config in VERIFY_LLAMA:
             rows += check_model_step(config, B=2, T=17, backend=backend)
             rows += check_model_adamw(config, B=2, T=17, steps=10, backend=backend)

@@ -85,6 +85,8 @@ class _HostArrays:
             sent = {}
 
             def send(a):
+                if isinstance(a, tuple):  # rope=(cos, sin)
+                    return tuple(map(send, a))
                 if not isinstance(a, np.ndarray):
                     return a
                 if id(a) not in sent:

@@ -88,17 +88,31 @@ def check_rope(B=2, T=5, NH=6, NKV=2, hs=16, offset=3, theta=10000.0, dtype=np.f
             compare("rope", "dinp (in place)", dbuf, tx.grad, tol)]
 
 
-def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, backend="cpu"):
+def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, backend="cpu", rope=False,
+                        dropout_p=0.0):
+    """Grouped-query attention; rope: q and k given before RoPE (`rope=(cos, sin)`, as the model
+    trains: the gpu rotates them inside its kernels); dropout_p: the probabilities dropped with the
+    cpu's keep mask (the reference multiplies by the mask itself)."""
     ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    import torch
+
     from .. import torch_ref as R
-    W = (NH + 2 * NKV) * hs
+    from ..backends.cpu.dropout import keep_mask
+    W, QK = (NH + 2 * NKV) * hs, (NH + NKV) * hs
     qkv, dout = _randn(rng, (B, T, W), dtype), _randn(rng, (B, T, NH * hs), dtype)
+    kw = {"dropout_p": dropout_p, "seed": 4242} if dropout_p else {}
+    if rope:
+        kw["rope"] = tuple(c if isinstance(c, np.ndarray) else ops.to_numpy(c) for c in ops.rope_cache(T, hs, 1e4))
     out, att = np.empty((B, T, NH * hs), dtype), np.empty(ops.gqa_attention_state_shape(B, NH, T), dtype)
-    ops.gqa_attention_forward(out, att, qkv, NH, NKV)
+    ops.gqa_attention_forward(out, att, qkv, NH, NKV, **kw)
     dqkv = np.empty_like(qkv)
-    ops.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out)
+    ops.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out, **kw)
     tq = _t(qkv, True)
-    ref = R.gqa_attention(tq, NH, NKV)
+    x = torch.cat([R.rope(tq[:, :, :QK], *map(_t, kw["rope"]), NH + NKV), tq[:, :, QK:]], 2) if rope else tq
+    keep = torch.from_numpy(keep_mask((B, NH, T, T), dropout_p, kw["seed"])) if dropout_p else None
+    ref = R.gqa_attention(x, NH, NKV, keep=keep, p=dropout_p)
     ref.backward(_t(dout))
-    return [compare("gqa_attention", "out", out, ref.detach(), tol),
-            compare("gqa_attention", "dqkv", dqkv, tq.grad, tol)]
+    fused = ", ".join(["rope"] * rope + [f"dropout {dropout_p:g}"] * bool(dropout_p))
+    tag = f" ({fused})" if fused else ""
+    return [compare("gqa_attention", "out" + tag, out, ref.detach(), tol),
+            compare("gqa_attention", "dqkv" + tag, dqkv, tq.grad, tol)]

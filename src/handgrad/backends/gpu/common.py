@@ -172,7 +172,10 @@ def n_blocks(N):
 
 
 def sum_partials_into(dst, partial):
-    """dst (C,) += partial (NB, C).sum(0), summing the blocks in order (deterministic)."""
+    """dst (C,) += partial (NB, C).sum(0), summing the blocks in order (deterministic). dst None: a
+    frozen parameter's gradient (LoRA), not formed."""
+    if dst is None:
+        return
     NB, C = partial.shape
     assert partial.stride(1) == 1
     BLOCK_C = min(BLOCK_COLS, next_pow2(C))
@@ -190,9 +193,3 @@ def colsum_accumulate(dst, x):
                                                             R=R, BLOCK_C=BLOCK_C)
     sum_partials_into(dst, partial)
 
-
-def no_adapters(adapters):
-    """The fused norm + linear ops take LoRA adapters on the cpu (backends/cpu/lora.py); the gpu
-    models carry none yet (FlatModel refuses LoRA off the cpu)."""
-    if adapters:
-        raise NotImplementedError("LoRA adapters on the gpu backend's fused norm + linear ops: not built yet")

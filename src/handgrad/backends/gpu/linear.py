@@ -15,8 +15,11 @@ def matmul_accumulate(dst, a, b, accumulate=True):
 
     In dst's dtype: one GEMM with beta = 1 (addmm_) or straight into dst. When dst is wider than
     a and b (float32 gradients of bf16 activations) the GEMM writes a scratch buffer in their
-    dtype that is then added in, as torch autocast's weight gradients are.
+    dtype that is then added in, as torch autocast's weight gradients are. dst None (a frozen
+    weight's gradient, LoRA): nothing is computed.
     """
+    if dst is None:
+        return
     if not dst.is_contiguous():
         assert dst.t().is_contiguous(), "dst must be contiguous or a transposed contiguous tensor"
         dst, a, b = dst.t(), b.t(), a.t()
@@ -52,8 +55,8 @@ def linear_backward(dinp, dweight, dbias, dout, inp, weight, accumulate=True):
 
     Overwrites dinp (a linear's input is never the residual stream here). Accumulates (+=) into
     dweight and dbias (parameter gradients); with accumulate=False dweight is overwritten instead,
-    by one GEMM straight into it. dinp or dbias may be None to skip them; dweight may be a
-    transposed view, as for the tied lm_head (dwte.T). db is a Triton two-stage column sum.
+    by one GEMM straight into it. dinp, dweight (frozen) or dbias may be None to skip them; dweight
+    may be a transposed view, as for the tied lm_head (dwte.T). db is a Triton two-stage column sum.
     """
     dout2, inp2 = rows(dout), rows(inp)
     if dinp is not None:

@@ -7,10 +7,17 @@ W (C, OC), A (C, r), B (r, OC) in GPT-2's Conv1D layout; nn.Linear / PEFT's [out
 as transposed views. Every product is cuBLAS's (torch.mm / addmm, fp32 accumulation), as the base
 linears'; float32 parameters meet bf16 activations as bf16 copies (linear.py's as_dtype), and the
 adapter's float32 gradients take the bf16 products through matmul_accumulate, as a weight's do.
+
+The two forms are the cpu's: lora_linear_forward / lora_linear_backward for one linear and its
+adapter (handgrad.torch's LoRALinear), and lora_forward / lora_backward for the adapters the
+models hang on their products' output columns (the fused norm + linear ops call them on the
+normalised input they hold in scratch); an adapter record is described in the cpu file. An
+adapter's dropout draws the cpu's mask (dropout.py) and is drawn again in the backward.
 """
 import torch
 
 from .common import as_dtype, rows, workspace
+from .dropout import dropout_forward
 from .linear import linear_forward, matmul_accumulate
 
 
@@ -54,3 +61,47 @@ def lora_linear_backward(dinp, dlora_a, dlora_b, dout, inp, xs, weight, lora_a, 
         if adapter_inp is None:
             dinp2.addmm_(gs, A.t())
     return da
+
+
+def _adapter_input(x2, ad):
+    """dropout(x) with the adapter's own mask (into scratch), or x itself."""
+    if not ad.dropout:
+        return x2
+    buf = workspace("lora_dropped", x2.shape, x2.dtype, x2.device)
+    dropout_forward(buf, x2, ad.dropout, ad.seed)
+    return buf
+
+
+def lora_forward(out, inp, adapters):
+    """out[..., lo:hi] += s * (dropout(inp) @ A) @ B for each adapter, onto the frozen product the
+    caller wrote into out (B, T, OC); writes each adapter's xs = s dropout(inp) A."""
+    x2, out2 = rows(inp), rows(out)
+    for ad in adapters:
+        a, xs2 = _adapter_input(x2, ad), rows(ad.xs)
+        torch.mm(a, as_dtype(ad.lora_a, a.dtype, "lora_a"), out=xs2)
+        xs2.mul_(ad.scale)
+        out2[:, ad.lo:ad.hi].addmm_(xs2, as_dtype(ad.lora_b, xs2.dtype, "lora_b"))
+
+
+def lora_backward(dinp, dout, inp, adapters):
+    """The adapters' part of the backward (the cpu op's derivation), per adapter on its columns
+    g = dout[..., lo:hi]: dB += xs^T g, dA += s d^T (g B^T) with d = dropout(inp) (the mask drawn
+    again), and dinp += M / (1 - p) * s (g B^T) A^T (M the mask; without dropout s (g B^T) A^T).
+    dinp holds the frozen product's input gradient already; accumulates into it and into each
+    adapter's dlora_a, dlora_b (float32, through matmul_accumulate)."""
+    x2, g2, dx2 = rows(inp), rows(dout), rows(dinp)
+    for ad in adapters:
+        g, a = g2[:, ad.lo:ad.hi], _adapter_input(x2, ad)
+        A, Bm = as_dtype(ad.lora_a, g.dtype, "lora_a"), as_dtype(ad.lora_b, g.dtype, "lora_b")
+        matmul_accumulate(ad.dlora_b, rows(ad.xs).t(), g)
+        gs = workspace("lora_gs", (g.shape[0], Bm.shape[0]), g.dtype, g.device)  # s g B^T (N, r)
+        torch.mm(g, Bm.t(), out=gs)
+        gs.mul_(ad.scale)
+        matmul_accumulate(ad.dlora_a, a.t(), gs)
+        if not ad.dropout:
+            dx2.addmm_(gs, A.t())
+            continue
+        da = workspace("lora_da", x2.shape, x2.dtype, x2.device)
+        torch.mm(gs, A.t(), out=da)
+        dropout_forward(da, da, ad.dropout, ad.seed)  # the mask's derivative: the same mask and scale
+        dx2.add_(da)
