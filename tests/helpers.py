@@ -72,3 +72,37 @@ class forced_kernels:
     def __exit__(self, *exc):
         for k, threshold in self.saved:
             k.min_parallel = threshold
+
+
+def peft_reference(model, tmp_path, dtype="float64"):
+    """transformers' model class with a handgrad LoRA model's base weights (written by handgrad's hf
+    export) and its adapter (by handgrad's PEFT export), loaded by PeftModel.from_pretrained, in
+    dtype; (the PeftModel in eval mode, the arch). Needs transformers and peft."""
+    import peft
+    import torch
+    import transformers
+
+    from handgrad.config import LlamaConfig
+    from handgrad.interop.hf import write_hf
+    from handgrad.interop.hf_llama import write_hf_llama
+    from handgrad.interop.peft import write_peft
+    arch = "llama" if isinstance(model.config, LlamaConfig) else "gpt2"
+    base = {n: model.ops.to_numpy(model.p[n]) for n, _ in model.param_spec(model.config)}
+    (write_hf_llama if arch == "llama" else write_hf)(tmp_path / "base", model.config, base)
+    trained = {n: model.ops.to_numpy(model.p[n]) for n in model.layout}
+    write_peft(tmp_path / "adapter", arch, model.lora, trained, tmp_path / "base",
+               tied=getattr(model.config, "tie_embeddings", True))
+    torch_dtype = getattr(torch, dtype)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch_dtype,
+                                                           attn_implementation="eager")
+    ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True).to(torch_dtype)
+    return ref.eval(), arch  # eval: no dropout (GPT-2's config has its own); gradients flow all the same
+
+
+def peft_name(name, arch):
+    """handgrad's name of a trained tensor -> PEFT's parameter name in the loaded PeftModel."""
+    hf = "base_model.model." + ("transformer." if arch == "gpt2" else "")
+    if ".lora_" in name:
+        return hf + name.replace(".weight", ".default.weight")
+    module, leaf = name.rsplit(".", 1)
+    return hf + module + ".modules_to_save.default." + leaf

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import prepared_char_data
+from helpers import peft_name, peft_reference, prepared_char_data
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -14,7 +14,6 @@ peft = pytest.importorskip("peft")
 from handgrad.cli import main as cli  # noqa: E402
 from handgrad.config import GPTConfig, LlamaConfig, LoRAConfig  # noqa: E402
 from handgrad.interop.convert import load_pretrained  # noqa: E402
-from handgrad.interop.hf import write_hf  # noqa: E402
 from handgrad.interop.hf_llama import write_hf_llama  # noqa: E402
 from handgrad.interop.peft import write_peft  # noqa: E402
 from handgrad.models.gpt2 import GPT  # noqa: E402
@@ -39,30 +38,6 @@ def _model(config, lora, seed=0):
     return model
 
 
-def _peft_reference(model, tmp_path):
-    """transformers' model class with the model's base weights (written by handgrad's hf export) and
-    the adapter (by handgrad's PEFT export), loaded by PeftModel.from_pretrained, in float64."""
-    arch = "llama" if isinstance(model.config, LlamaConfig) else "gpt2"
-    base = {n: model.ops.to_numpy(model.p[n]) for n, _ in model.param_spec(model.config)}
-    (write_hf_llama if arch == "llama" else write_hf)(tmp_path / "base", model.config, base)
-    trained = {n: model.ops.to_numpy(model.p[n]) for n in model.layout}
-    write_peft(tmp_path / "adapter", arch, model.lora, trained, tmp_path / "base",
-               tied=getattr(model.config, "tie_embeddings", True))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float64,
-                                                           attn_implementation="eager")
-    ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True).to(torch.float64)
-    return ref.eval(), arch  # eval: no dropout (GPT-2's config has its own); gradients flow all the same
-
-
-def _peft_name(name, arch):
-    """handgrad's name of a trained tensor -> PEFT's parameter name in the loaded PeftModel."""
-    hf = "base_model.model." + ("transformer." if arch == "gpt2" else "")
-    if ".lora_" in name:
-        return hf + name.replace(".weight", ".default.weight")
-    module, leaf = name.rsplit(".", 1)
-    return hf + module + ".modules_to_save.default." + leaf
-
-
 CASES = {
     "llama_all": (LLAMA, LoRAConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))),
     "llama_qv_norms": (LLAMA, LoRAConfig(rank=3, alpha=5.0, targets=("q", "v", "down"), train_norms=True)),
@@ -77,7 +52,7 @@ CASES = {
 def test_lora_matches_peft_on_transformers(case, tmp_path):
     config, lora = CASES[case]
     model = _model(config, lora)
-    ref, arch = _peft_reference(model, tmp_path)
+    ref, arch = peft_reference(model, tmp_path)
     rng = np.random.default_rng(5)
     for B, T in ((2, 17), (1, 1)):
         idx = rng.integers(0, config.vocab_size, (B, T))
@@ -96,7 +71,7 @@ def test_lora_matches_peft_on_transformers(case, tmp_path):
         grads = model.grads()
         assert set(grads) == set(model.layout)
         for name, g in grads.items():
-            want = params[_peft_name(name, arch)].grad.numpy()
+            want = params[peft_name(name, arch)].grad.numpy()
             scale = max(np.abs(want).max(), 1e-6)
             assert np.abs(g - want).max() / scale < 5e-5, (case, name, np.abs(g - want).max() / scale)
             assert T == 1 or np.abs(want).max() > 0, name  # (T = 1: one key, so q and k get none)
@@ -107,7 +82,7 @@ def test_lora_matches_peft_on_transformers(case, tmp_path):
     assert frozen and all(n not in model.g for n in frozen)
     assert len(model.frozen_params) == sum(int(np.prod(model.p[n].shape)) for n in frozen)
     peft_trainable = {n for n, p in ref.named_parameters() if p.requires_grad}
-    assert peft_trainable == {_peft_name(n, arch) for n in model.layout}
+    assert peft_trainable == {peft_name(n, arch) for n in model.layout}
 
 
 def test_a_new_adapter_leaves_the_model_unchanged_and_merging_folds_it_in():
