@@ -28,7 +28,7 @@ def test_bench_ops_gpu_json(dtype):
     rows = result["rows"]
     names = [(r["name"].split()[0], r["phase"]) for r in rows]
     assert names == [(op, ph) for op in ("layernorm", "gelu+bias", "attention", "crossentropy", "rmsnorm", "rope",
-                                         "gqa-attention", "swiglu")
+                                         "gqa-attention", "rope+gqa-attention", "swiglu")
                      for ph in ("fwd", "bwd")] + [("adamw", "step")]
     for r in rows[:-1]:
         assert r["max_rel_err"] <= bench_gpu.TOLERANCE[dtype]

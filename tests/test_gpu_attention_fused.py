@@ -146,7 +146,7 @@ def keep_mask(B, NH, T, p, seed):
     return torch.from_numpy(cpu_dropout.keep_mask((B, NH, T, T), p, seed))
 
 
-@pytest.mark.parametrize("B,T,NH,NKV,hs", SHAPES[:3])
+@pytest.mark.parametrize("B,T,NH,NKV,hs", SHAPES[:3] + SHAPES[4:])
 def test_dropout_in_the_kernels_against_autograd_with_the_cpu_mask(B, T, NH, NKV, hs):
     """The kernels drop exactly the cpu's mask element ((b*NH + h)*T + t)*T + s, in the forward and,
     drawn again, in the backward; the cpu op with the same (p, seed) agrees."""

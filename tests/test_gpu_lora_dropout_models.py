@@ -6,7 +6,7 @@ same trained gradients on both backends, and `handgrad train --device gpu` with 
 logs the cpu's losses and resumes exactly. Without CUDA in Triton's interpreter (tiny shapes)."""
 import numpy as np
 import pytest
-from gpu_helpers import assert_trains_like_the_cpu_and_resumes_exactly
+from gpu_helpers import REAL_GPU, assert_trains_like_the_cpu_and_resumes_exactly
 
 from handgrad.config import ConfigError, GPTConfig, LlamaConfig, LoRAConfig
 from handgrad.models.gpt2 import GPT
@@ -42,7 +42,11 @@ def _train_step(model, idx, targets, step, micro):
     return loss, model.grads()
 
 
-@pytest.mark.parametrize("family", [GPT2, LLAMA, QWEN2], ids=["gpt2", "llama", "qwen2"])
+SMOLLM2_4 = (Llama, LlamaConfig(2048, 49152, 4, 9, 576, 3, 1536, 100000.0))  # smollm2-135m's blocks, 4 of them
+
+
+@pytest.mark.parametrize("family", [GPT2, LLAMA, QWEN2] + ([SMOLLM2_4] if REAL_GPU else []),
+                         ids=["gpt2", "llama", "qwen2"] + (["smollm2-4-layers"] if REAL_GPU else []))
 @pytest.mark.parametrize("lora, dropout", [(dict(rank=4, alpha=8.0, dropout=0.1), 0.0),
                                            (None, 0.2),
                                            (dict(rank=2, alpha=4.0, dropout=0.25, train_norms=True), 0.1)],
@@ -53,7 +57,8 @@ def test_gpu_and_cpu_models_agree_with_lora_and_dropout(family, lora, dropout):
         lora = LoRAConfig(**lora, targets=tuple(cls.LORA_MODULES))
     cpu, gpu = _pair(cls, config, lora, dropout)
     rng = np.random.default_rng(1)
-    idx, targets = rng.integers(0, config.vocab_size, (2, 11)), rng.integers(0, config.vocab_size, (2, 11))
+    T = 1024 if REAL_GPU and config.block_size > 1024 else 11
+    idx, targets = rng.integers(0, config.vocab_size, (2, T)), rng.integers(0, config.vocab_size, (2, T))
     for step, micro in ((0, 0), (5, 1)):  # two dropout keys: different masks, the same on both backends
         (lc, gc), (lg, gg) = _train_step(cpu, idx, targets, step, micro), _train_step(gpu, idx, targets, step, micro)
         assert abs(lc - lg) <= 1e-5 * abs(lc), (lc, lg)

@@ -3,7 +3,8 @@ attention) scaled_dot_product_attention, in the same run, on the same tensors.
 
 Rows: layernorm, GELU with its bias fused, causal attention (the flash kernels), fused softmax +
 cross-entropy at GPT-2's widths; RMSNorm, RoPE, grouped-query attention (beside SDPA with
-enable_gqa, which reads the kv heads without repeating them) and SwiGLU at the Llama family's
+enable_gqa, which reads the kv heads without repeating them), the same with RoPE fused into its
+kernels (as the model trains: torch rotates first) and SwiGLU at the Llama family's
 (smollm2-135m's); each forward and backward; AdamW over a GPT-2-sized flat buffer. Before a row is
 timed, handgrad's output and gradients are checked against PyTorch eager's (a row that disagrees
 stops the run with an error: a benchmark of a wrong kernel measures nothing).
@@ -264,11 +265,15 @@ class GQAttention(_Row):
     """Causal grouped-query attention: torch eager as transformers' eager path (k and v repeated per
     group, the scores materialised); SDPA with enable_gqa (no repeat) beside it."""
 
+    ROPE = False  # RopeGQAttention: q and k come in before RoPE, which the kernels apply
+
     def __init__(self, ops, torch, s, dtype):
+        from .. import torch_ref
         F = torch.nn.functional
         B, T, C, NH, NKV = s["B"], s["T"], s["C"], s["NH"], s["NKV"]
         hs = C // NH
-        self.name = f"gqa-attention T={T} NH={NH} NKV={NKV}"
+        self.name = f"{'rope+' if self.ROPE else ''}gqa-attention T={T} NH={NH} NKV={NKV}"
+        self.rope = ops.rope_cache(T, hs, s["theta"]) if self.ROPE else None
         g = torch.Generator(device="cpu").manual_seed(7)
         dev = ops.device()
         self.qkv = torch.randn((B, T, (NH + 2 * NKV) * hs), generator=g).to(dev, dtype)
@@ -280,6 +285,10 @@ class GQAttention(_Row):
         self.leaves = [self.qkv.clone().requires_grad_(True)]
 
         def heads(qkv):
+            if self.ROPE:  # the rotation in float32, as transformers' apply_rotary_pos_emb under autocast
+                QK = (NH + NKV) * hs
+                qk = torch_ref.rope(qkv[:, :, :QK].float(), *self.rope, NH + NKV).to(qkv.dtype)
+                qkv = torch.cat([qk, qkv[:, :, QK:]], dim=2)
             q, k, v = qkv.split([NH * hs, NKV * hs, NKV * hs], dim=2)
             return (t.reshape(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))
 
@@ -299,10 +308,18 @@ class GQAttention(_Row):
         self.torch_fn, self.sdpa = eager, sdpa
 
     def hg_forward(self):
-        self.ops.gqa_attention_forward(self.out, self.state, self.qkv, self.NH, self.NKV)
+        self.ops.gqa_attention_forward(self.out, self.state, self.qkv, self.NH, self.NKV, rope=self.rope)
 
     def hg_backward(self):
-        self.ops.gqa_attention_backward(self.dqkv, self.dy, self.qkv, self.state, self.NH, self.NKV, out=self.out)
+        self.ops.gqa_attention_backward(self.dqkv, self.dy, self.qkv, self.state, self.NH, self.NKV, out=self.out,
+                                        rope=self.rope)
+
+
+class RopeGQAttention(GQAttention):
+    """RoPE and grouped-query attention as the model trains them: handgrad's kernels rotate q and k
+    as they load them (and dq, dk on the way out); torch rotates first, then attends."""
+
+    ROPE = True
 
 
 class SwiGLU(_Row):
@@ -399,7 +416,7 @@ def bench_adamw(ops, torch, shape, repeat):
 
 
 ROWS = (LayerNorm, Gelu, Attention, CrossEntropy)
-LLAMA_ROWS = (RMSNorm, Rope, GQAttention, SwiGLU)
+LLAMA_ROWS = (RMSNorm, Rope, GQAttention, RopeGQAttention, SwiGLU)
 
 
 def bench_ops_gpu(repeat, as_json, dtype="bfloat16", compile_torch=True):

@@ -213,17 +213,15 @@ class LlamaAttentionBlock(_Block):
     def hg_forward(self):
         (_, wq, _), (_, wo, _) = self.params
         self.ops.linear_forward(self.qkv, self.x, wq)
-        qk = self.qkv[:, :, :self.rot]
-        self.ops.rope_forward(qk, qk, self.cos, self.sin, N_HEAD + NKV_HEAD)
-        self.ops.gqa_attention_forward(self.a, self.att, self.qkv, N_HEAD, NKV_HEAD)
+        # RoPE inside the attention op, as the model trains
+        self.ops.gqa_attention_forward(self.a, self.att, self.qkv, N_HEAD, NKV_HEAD, rope=(self.cos, self.sin))
         self.ops.linear_forward(self.y, self.a, wo)
 
     def hg_backward(self):
         (_, wq, dwq), (_, wo, dwo) = self.params
         self.ops.linear_backward(self.da, dwo, None, self.dy, self.a, wo, accumulate=False)
-        self.ops.gqa_attention_backward(self.dqkv, self.da, self.qkv, self.att, N_HEAD, NKV_HEAD)
-        dqk = self.dqkv[:, :, :self.rot]
-        self.ops.rope_backward(dqk, dqk, self.cos, self.sin, N_HEAD + NKV_HEAD)
+        self.ops.gqa_attention_backward(self.dqkv, self.da, self.qkv, self.att, N_HEAD, NKV_HEAD,
+                                        rope=(self.cos, self.sin))
         self.ops.linear_backward(self.dx, dwq, None, self.dqkv, self.x, wq, accumulate=False)
 
     def torch_forward(self):
