@@ -2,6 +2,7 @@
 and backward, against PyTorch autograd in float64."""
 import numpy as np
 
+from ..backends.cpu.dropout import keep_mask
 from .common import _ops, _randn, _rng, _t, _tol, compare
 
 
@@ -97,7 +98,6 @@ def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, 
     import torch
 
     from .. import torch_ref as R
-    from ..backends.cpu.dropout import keep_mask
     W, QK = (NH + 2 * NKV) * hs, (NH + NKV) * hs
     qkv, dout = _randn(rng, (B, T, W), dtype), _randn(rng, (B, T, NH * hs), dtype)
     kw = {"dropout_p": dropout_p, "seed": 4242} if dropout_p else {}
