@@ -124,11 +124,10 @@ class Activations:
     def scratch_bytes(ops, config, B, T):
         """The ops' own workspaces at this shape (float32): grouped-query attention's scores, their
         gradient and the stacked rows of one block of CAUSAL_BLOCK query rows of every head, and
-        rmsnorm_linear's normalised input and its gradient, and the copy of qkv that RoPE rotates."""
+        rmsnorm_linear's normalised input and its gradient."""
         rows = min(T, 64)
         attention = 2 * B * config.n_head * rows * (T + config.head_dim)
-        qkv = B * T * (config.n_head + 2 * config.n_kv_head) * config.head_dim
-        return 4 * (attention + 2 * B * T * config.n_embd + qkv)
+        return 4 * (attention + 2 * B * T * config.n_embd)
 
     def alloc_grads(self, ops, config, dtype=np.float32):
         B, T, C, H = self.B, self.T, config.n_embd, config.ffn_hidden
@@ -212,7 +211,7 @@ class Llama(FlatModel):
             ops.rmsnorm_linear_forward(a.qkv[l], a.rstd1[l], x, p[h + "input_layernorm.weight"], fw.qkv[l].T,
                                        fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
                                        adapters=self.lora_adapters(a, l, "qkv"))
-            # RoPE inside the op: qkv stays as projected (the gpu rotates q and k as its kernels load them)
+            # RoPE inside the op (the gpu rotates q and k as its kernels load them; the cpu in place in qkv)
             ops.gqa_attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, NKV, rope=(self.cos, self.sin),
                                       **self.attention_dropout(l))
             ops.linear_forward(a.proj, self.narrowed(a.atty[l], a.atty16, l), w[h + "self_attn.o_proj.weight"].T)

@@ -100,6 +100,7 @@ def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, 
     from .. import torch_ref as R
     W, QK = (NH + 2 * NKV) * hs, (NH + NKV) * hs
     qkv, dout = _randn(rng, (B, T, W), dtype), _randn(rng, (B, T, NH * hs), dtype)
+    tq = _t(qkv, True)  # before the forward: with rope the cpu op rotates q and k in qkv in place
     kw = {"dropout_p": dropout_p, "seed": 4242} if dropout_p else {}
     if rope:
         kw["rope"] = tuple(c if isinstance(c, np.ndarray) else ops.to_numpy(c) for c in ops.rope_cache(T, hs, 1e4))
@@ -107,7 +108,6 @@ def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, 
     ops.gqa_attention_forward(out, att, qkv, NH, NKV, **kw)
     dqkv = np.empty_like(qkv)
     ops.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out, **kw)
-    tq = _t(qkv, True)
     x = torch.cat([R.rope(tq[:, :, :QK], *map(_t, kw["rope"]), NH + NKV), tq[:, :, QK:]], 2) if rope else tq
     keep = torch.from_numpy(keep_mask((B, NH, T, T), dropout_p, kw["seed"])) if dropout_p else None
     ref = R.gqa_attention(x, NH, NKV, keep=keep, p=dropout_p)

@@ -29,11 +29,12 @@ y_h = (P * M / (1 - p)) v_g, M the keep mask of the whole (B, NH, T, T) probabil
 a row in place in the scores scratch right after its softmax (the logsumexp is taken first, from P
 undropped); the backward draws the row's mask again when it recomputes the row. It is never stored.
 
-RoPE (`rope=(cos, sin)`, the gpu op's argument): q and k in qkv are before the rotation. The forward
-rotates them into a workspace copy of qkv (rope.py's kernel, positions [0, T)) and attends over
-that; the backward rotates again, and takes the gradients of the rotated q and k back through R^T
-in place in dqkv. What the model saves is the unrotated qkv on both backends; the gpu's kernels
-rotate the tiles as they load them instead.
+RoPE (`rope=(cos, sin)`, the gpu op's argument): q and k come in before the rotation. The forward
+rotates them in place in qkv (rope.py's kernel, positions [0, T)), one pass, and attends; the
+backward, given qkv as the forward left it, takes the rotated q's and k's gradients back through
+R^T in place in dqkv. That is RoPE's own cost and no more: no copy, no second rotation. The gpu's
+kernels rotate the tiles as they load them and leave qkv unchanged; on either backend the backward
+takes the qkv the forward was given, as the forward left it.
 """
 import math
 
@@ -235,17 +236,6 @@ def _expect(name, a, shape, dtype):
         raise ValueError(f"{name} must be {tuple(shape)} {np.dtype(dtype)}, got {a.shape} {a.dtype}")
 
 
-def _rotated(qkv, rope, n_head, n_kv_head, hs):
-    """qkv, or with rope = (cos, sin) a workspace copy of it with q and k rotated at positions [0, T)."""
-    if rope is None:
-        return qkv
-    rot = (n_head + n_kv_head) * hs
-    buf = workspace("gqa_rope_qkv", qkv.shape, qkv.dtype)
-    rope_forward(buf[:, :, :rot], qkv[:, :, :rot], *rope, n_head + n_kv_head)
-    buf[:, :, rot:] = qkv[:, :, rot:]
-    return buf
-
-
 def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0, rope=None):
     """out (B, T, NH*hs) = causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs).
 
@@ -253,12 +243,15 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=
     scaled scores (undropped), kept for the backward. att is qkv's dtype, as out is.
     dropout_p > 0 (training): out_h = (P * M / (1 - p)) v_g with M the keep mask
     `dropout.keep_mask((B, NH, T, T), dropout_p, seed)`.
-    rope=(cos, sin) (rope_cache's tables): q and k are rotated here first (qkv is not changed).
+    rope=(cos, sin) (rope_cache's tables): q and k come in before RoPE and are rotated here, in place
+    in qkv (what the backward then takes; the gpu op leaves qkv unchanged).
     """
     hs = _head_size(qkv, n_head, n_kv_head)
     B, T, _ = qkv.shape
     _expect("out", out, (B, T, n_head * hs), qkv.dtype)
-    qkv = _rotated(qkv, rope, n_head, n_kv_head, hs)
+    if rope is not None:
+        qk = qkv[:, :, :(n_head + n_kv_head) * hs]
+        rope_forward(qk, qk, *rope, n_head + n_kv_head)
     _expect("att", att, gqa_attention_state_shape(B, n_head, T), qkv.dtype)
     scale, G = qkv.dtype.type(1.0 / math.sqrt(hs)), n_head // n_kv_head
     drop = dropout_args(dropout_p, seed, qkv.dtype)  # checks p; bound 0 when off
@@ -294,14 +287,14 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
     output y too, sum_s P_s dP_s = sum_s Pd_s (dy . v_s) = dy . (Pd v) = dy . y, which a backward
     that uses out (the gpu's) relies on. out is accepted, as attention_backward accepts it, so
     the backends keep one signature.
-    With rope=(cos, sin) (the forward's), qkv is before RoPE: the rotation is applied again here, and
-    the rotated q's and k's gradients are taken back through R^T (rope_backward) in place in dqkv.
+    With rope=(cos, sin) (the forward's), qkv is as the forward left it (q and k rotated in place), and
+    the rotated q's and k's gradients are taken back through R^T (rope_backward) in place in dqkv:
+    what is written is the gradient of q and k before RoPE.
     """
     hs = _head_size(qkv, n_head, n_kv_head)
     if rope is not None:
         rot = (n_head + n_kv_head) * hs
-        gqa_attention_backward(dqkv, dout, _rotated(qkv, rope, n_head, n_kv_head, hs), att, n_head, n_kv_head,
-                               out, dropout_p, seed)
+        gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out, dropout_p, seed)
         rope_backward(dqkv[:, :, :rot], dqkv[:, :, :rot], *rope, n_head + n_kv_head)
         return
     B, T, _ = qkv.shape

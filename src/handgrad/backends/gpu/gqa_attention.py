@@ -183,7 +183,8 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=
     scores, all the backward needs to recompute P.
 
     rope=(cos, sin), rope_cache's (T_max, hs) tables: q and k in qkv are before RoPE, rotated here
-    at positions [0, T) as they are loaded (qkv itself is not changed). dropout_p > 0 (training):
+    at positions [0, T) as they are loaded (qkv itself is not changed here; the cpu op rotates it in
+    place: on either backend the backward takes qkv as the forward left it). dropout_p > 0 (training):
     out_h = (P * M / (1 - p)) v_g, M the cpu op's keep mask for (dropout_p, seed)."""
     B, T, hs = _check(qkv, n_head, n_kv_head, att)
     _check(qkv, n_head, n_kv_head, att, out=(out, (B, T, n_head * hs)))
