@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_helpers import REAL_GPU, assert_bf16_close, assert_close, on_device
+from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, on_device
 
 from handgrad.backends import cpu
 from handgrad.backends.cpu import dropout as cpu_dropout
@@ -100,8 +100,9 @@ def test_rope_fused_into_attention_against_autograd_and_the_cpu_op(B, T, NH, NKV
 @pytest.mark.parametrize("blocks", MANY_BLOCKS, ids=["m16-n32", "m32-n16"])
 def test_rope_fused_across_many_blocks_equals_the_separate_pass(monkeypatch, blocks):
     """rope_forward then attention then rope_backward (three passes) against the fused kernels: the
-    same forward bit for bit (the rotated tile is rounded as rope_forward stores it), the same
-    gradients to float32 rounding."""
+    same forward (bit for bit in the interpreter, where the rotated tile is rounded as rope_forward
+    stores it; compiled, fused multiply-adds may round either one differently), the same gradients
+    to float32 rounding."""
     monkeypatch.setattr(GQA, "_blocks", lambda hs, dtype: blocks)
     B, T, NH, NKV, hs = 1, 45, 4, 2, 16
     qkv, dout = (on_device(x) for x in inputs(B, T, NH, NKV, hs, seed=5))
@@ -112,7 +113,11 @@ def test_rope_fused_across_many_blocks_equals_the_separate_pass(monkeypatch, blo
     out, att, dqkv = run(rotated, dout, NH, NKV)
     ROPE.rope_backward(dqkv[:, :, :QK], dqkv[:, :, :QK], cos, sin, NH + NKV)
     f_out, f_att, f_dqkv = run(qkv, dout, NH, NKV, rope=(cos, sin))
-    assert torch.equal(f_out, out) and torch.equal(f_att, att)
+    if REAL_GPU:
+        assert_close(f_out, out, "fused out", atol=1e-6, rtol=1e-6)
+        assert_close(f_att, att, "fused logsumexp", atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(f_out, out) and torch.equal(f_att, att)
     assert_close(f_dqkv, dqkv, "fused dqkv", atol=1e-6, rtol=1e-6)
     assert torch.equal(f_dqkv[:, :, QK:], dqkv[:, :, QK:])  # dv: no rotation on either path
 
@@ -146,7 +151,7 @@ def keep_mask(B, NH, T, p, seed):
     return torch.from_numpy(cpu_dropout.keep_mask((B, NH, T, T), p, seed))
 
 
-@pytest.mark.parametrize("B,T,NH,NKV,hs", SHAPES[:3] + SHAPES[4:])
+@pytest.mark.parametrize("B,T,NH,NKV,hs", SHAPES)
 def test_dropout_in_the_kernels_against_autograd_with_the_cpu_mask(B, T, NH, NKV, hs):
     """The kernels drop exactly the cpu's mask element ((b*NH + h)*T + t)*T + s, in the forward and,
     drawn again, in the backward; the cpu op with the same (p, seed) agrees."""
@@ -183,9 +188,9 @@ def test_gpt2_attention_op_drops_the_cpu_ops_mask():
     B, T, NH, hs, p, seed = 2, 7, 2, 16, 0.25, 2024
     qkv, dout = inputs(B, T, NH, NH, hs, seed=4)
     C = NH * hs
-    out, att = torch.empty(B, T, C), torch.empty(B, NH, T)
+    out, att = torch.empty(B, T, C, device=DEVICE), torch.empty(B, NH, T, device=DEVICE)
     ATT.attention_forward(out, att, on_device(qkv), NH, dropout_p=p, seed=seed)
-    dqkv = torch.empty(B, T, 3 * C)
+    dqkv = torch.empty(B, T, 3 * C, device=DEVICE)
     ATT.attention_backward(dqkv, on_device(dout), on_device(qkv), att, NH, out=out, dropout_p=p, seed=seed)
     q, d = qkv.float().numpy().copy(), dout.float().numpy().copy()
     cout, catt, cdq = np.empty((B, T, C), np.float32), np.empty((B, NH, T, T), np.float32), np.empty_like(q)

@@ -74,10 +74,29 @@ def test_gpu_and_cpu_models_agree_with_lora_and_dropout(family, lora, dropout):
         np.testing.assert_allclose(gpu.forward(idx), cpu.forward(idx), rtol=0, atol=2e-5)
 
 
-def test_cuda_graphs_refuse_dropout():
-    """A captured step would replay its masks: refused with one line naming both settings."""
+def test_cuda_graphs_refuse_dropout(data_dir, tmp_path, capsys):
+    """A captured step would replay its masks: refused with one line naming both settings, by the
+    check, by the device loop of a model with dropout or LoRA dropout, and by `handgrad train`
+    before anything is written."""
+    from handgrad.cli import main as cli
+    from handgrad.config import load_run_config
+    from handgrad.training.device_loop import DeviceLoop
+    from handgrad.training.optim import AdamW
     with pytest.raises(ConfigError, match="replay its dropout masks"):
         check_cuda_graph("gpu", 1, 0.1)
+    cls, config = GPT2
+    lora = LoRAConfig(rank=2, alpha=4.0, targets=("c_attn",), dropout=0.1)
+    for model in (cls(config, backend="gpu", dropout=0.1), cls(config, backend="gpu", lora=lora)):
+        t = load_run_config("shakespeare-char", overrides={"train.max_steps": 2}).train
+        with pytest.raises(ConfigError, match="replay its dropout masks"):
+            DeviceLoop(model, AdamW(model, lr=1e-3), t, 0, cuda_graph=True)
+    out = tmp_path / "run"
+    assert cli(["train", "--data", str(data_dir), "--out", str(out), "--preset", "shakespeare-char",
+                "--model.n_embd", "32", "--model.n_head", "2", "--device", "gpu", "--train.cuda_graph", "true",
+                "--model.dropout", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "replay its dropout masks" in err and len(err.strip().splitlines()) == 1, err
+    assert not (out / "ckpt").exists() and not (out / "metrics.jsonl").exists()
 
 
 @pytest.fixture(scope="module")

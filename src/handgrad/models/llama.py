@@ -103,7 +103,7 @@ class Activations:
         self.targets = ops.empty((B, T), np.int32)
         self.encoded = e(B, T, C)          # residual stream entering block 0
         self.rstd1, self.rstd2 = f32(L, B, T), f32(L, B, T)
-        self.qkv = e(L, B, T, QKV)         # q and k after RoPE, v
+        self.qkv = e(L, B, T, QKV)         # q, k (the cpu's attention rotates them in place), v
         self.att = f32(L, *ops.gqa_attention_state_shape(B, NH, T))  # one logsumexp per score row
         self.atty = e(L, B, T, NH * config.head_dim)  # attention output before o_proj
         self.atty16 = x16(L, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input

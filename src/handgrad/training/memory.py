@@ -44,13 +44,18 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
              lora=None):
     """{part: bytes} of one process of a run; config is the family's architecture config. lora (a
     LoRAConfig): gradients and moments of what trains only, the frozen base beside the parameters,
-    and each adapter's s x A per block in the activations."""
+    and in the activations each adapter's s x A per block and the lora ops' workspaces (s g B^T, and
+    with lora_dropout the dropped input and its gradient, one of each per input width)."""
     n, frozen, xs = family.num_params(config), 0, 0
+    act_bytes = 2 if dtype == "bfloat16" and backend != "cpu" else 4
     if lora is not None:
         trained, frozen_spec, blocks = split_spec(family.model, config, lora)
         n = sum(math.prod(s) for _, s in trained)
         frozen = sum(math.prod(s) for _, s in frozen_spec)
-        xs = config.n_layer * max(map(len, blocks)) * batch_size * block_size * lora.rank * 4
+        N = batch_size * block_size
+        widths = {t.fan_in for block in blocks for t in block}
+        xs = (config.n_layer * max(map(len, blocks)) + 1) * N * lora.rank * act_bytes
+        xs += 2 * N * sum(widths) * act_bytes if lora.dropout else 0
     padded = -(-n // world_size) * world_size
     ops = get_backend(backend)
     act_dtype, products = np.float32, np.float32

@@ -249,12 +249,12 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=
     hs = _head_size(qkv, n_head, n_kv_head)
     B, T, _ = qkv.shape
     _expect("out", out, (B, T, n_head * hs), qkv.dtype)
-    if rope is not None:
-        qk = qkv[:, :, :(n_head + n_kv_head) * hs]
-        rope_forward(qk, qk, *rope, n_head + n_kv_head)
     _expect("att", att, gqa_attention_state_shape(B, n_head, T), qkv.dtype)
     scale, G = qkv.dtype.type(1.0 / math.sqrt(hs)), n_head // n_kv_head
     drop = dropout_args(dropout_p, seed, qkv.dtype)  # checks p; bound 0 when off
+    if rope is not None:  # after every check: a refused call leaves qkv as it was
+        qk = qkv[:, :, :(n_head + n_kv_head) * hs]
+        rope_forward(qk, qk, *rope, n_head + n_kv_head)
     keep = keep_scratch(B * n_head, T, qkv.dtype)
     mkl = _per_head_mkl(qkv, (out, att))
     if mkl is not None:
