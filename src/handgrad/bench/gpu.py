@@ -236,8 +236,8 @@ class RMSNorm(_Row):
 
 
 class Rope(_Row):
-    """RoPE over the q and k heads (NH + NKV of them), out of place (the model rotates qkv's q and k
-    columns in place)."""
+    """RoPE over the q and k heads (NH + NKV of them), out of place (decoding rotates qkv's q and k
+    columns in place; training has the attention kernels rotate them: RopeGQAttention)."""
 
     def __init__(self, ops, torch, s, dtype):
         from .. import torch_ref

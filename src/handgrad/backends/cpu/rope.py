@@ -124,8 +124,8 @@ def rope_backward(dinp, dout, cos, sin, n_head, offset=0):
     """dinp = the inverse rotation of dout (rotation by -angle), per pair (x1, x2) and position:
         forward  y = R x,  R = [[c, -s], [s, c]]   (y1 = x1 c - x2 s,  y2 = x2 c + x1 s)
         dx = R^T dy, and R^T = R(-angle):  dx1 = dy1 c + dy2 s,  dx2 = dy2 c - dy1 s.
-    Shapes as rope_forward's; dinp may be dout (in place, as the model runs it on dqkv's q and k
-    columns). Overwrites dinp. The forward's input is not needed (the map is linear).
+    Shapes as rope_forward's; dinp may be dout (in place, as gqa_attention_backward(rope=) runs it
+    on dqkv's q and k columns). Overwrites dinp. The forward's input is not needed (the map is linear).
     """
     _check("rope_backward", dinp, dout, cos, sin, n_head, offset)
     _rope_backward_kernel(dinp, dout, cos, sin, n_head, offset)

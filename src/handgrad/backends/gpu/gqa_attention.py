@@ -48,8 +48,9 @@ class _Blocks(NamedTuple):
 
 def _blocks(hs, dtype):
     """Launch settings by dtype and head size: tiles for which ptxas reports no register spills on
-    sm_90 up to hs 256 in bf16 and hs 128 in float32 (kernels compiled without a GPU; not yet timed
-    on one). Every block is >= 16, tl.dot's minimum."""
+    sm_90 up to hs 256 in bf16 and hs 128 in float32 for the plain kernels; the RoPE and dropout
+    variants spill a little in bf16 (24-196 bytes at hs 64) and more in float32 (PERFORMANCE.md).
+    Compiled without a GPU; not yet timed on one. Every block is >= 16, tl.dot's minimum."""
     if dtype == torch.bfloat16:  # tensor-core dots
         if hs <= 64:
             return _Blocks(128, 64, 128, 32, num_warps=8, num_stages=3)
