@@ -4,13 +4,16 @@ forward and backward (attention.py's docstring has the method; GPT-2's attention
 NKV = NH, and its ops launch these kernels).
 
 The columns of qkv are the q heads [0, NH*hs), the k heads [NH*hs, (NH+NKV)*hs) and the v heads
-after them (q_proj, k_proj and v_proj's outputs side by side). With `rope=(cos, sin)` q and k are
-the projections before RoPE: the kernels rotate each tile as they load it (rope.load_rotated) and
-the backward takes dq and dk back through the inverse rotation before storing them (rope.store_unrotated),
-so neither direction makes a pass of its own over q and k; without it, RoPE has been applied.
-With dropout_p > 0 the probabilities are dropped as the cpu op drops them: element
-((b*NH + h)*T + t)*T + s of dropout.keep_mask((B, NH, T, T), p, seed), drawn in the kernels from
-the same Philox words (dropout.keep_tile) in the forward and again in the backward, never stored. k and v are never repeated in memory: a query head's program reads its group's kv head.
+after them (q_proj, k_proj and v_proj's outputs side by side). k and v are never repeated in
+memory: a query head's program reads its group's kv head.
+
+With `rope=(cos, sin)` q and k are the projections before RoPE: the kernels rotate each tile as
+they load it (rope.load_rotated) and the backward takes dq and dk back through the inverse
+rotation as it stores them (rope.store_unrotated), so neither direction makes a pass of its own
+over q and k; without it, RoPE has been applied. With dropout_p > 0 the probabilities are dropped
+as the cpu op drops them: element ((b*NH + h)*T + t)*T + s of dropout.keep_mask((B, NH, T, T), p,
+seed), drawn in the kernels from the same Philox words (dropout.keep_tile) in the forward and again
+in the backward, never stored.
 The forward saves the row logsumexp (float32, (B, NH, T)); the backward recomputes P from it. dK
 and dV are summed over each group inside one program per (key block, b, kv head), which walks the
 G query heads of its group: no atomics, deterministic. Reference (what the tests compare to):
@@ -91,16 +94,15 @@ def gqa_attention_state_shape(B, n_head, T):
 
 
 def _fused_args(qkv, hs, dropout_p, seed, rope):
-    """The kernels' RoPE and dropout arguments: (cos, sin, table stride, ROPE), (seed, bound, 1/(1-p),
-    DROPOUT); stand-ins that are never read when one is off."""
-    T = qkv.shape[1]
+    """The kernels' RoPE and dropout arguments, (cos, sin, table stride, seed, bound, 1/(1-p)), and
+    their constexpr switches {ROPE, DROPOUT}; stand-ins that are never read where one is off."""
     if rope is None:
-        tables = (qkv, qkv, 0, False)
+        tables = (qkv, qkv, 0)
     else:
-        cos, sin = check_tables("gqa_attention rope", *rope, hs, T)
-        tables = (cos, sin, cos.stride(0), True)
-    drop = (*kernel_args(dropout_p, seed), True) if dropout_p else (0, 0, 1.0, False)
-    return tables, drop
+        cos, sin = check_tables("gqa_attention rope", *rope, hs, qkv.shape[1])
+        tables = (cos, sin, cos.stride(0))
+    drop = kernel_args(dropout_p, seed) if dropout_p else (0, 0, 1.0)
+    return (*tables, *drop), {"ROPE": rope is not None, "DROPOUT": bool(dropout_p)}
 
 
 def _check(qkv, n_head, n_kv_head, att, **tensors):
@@ -189,14 +191,13 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=
     out_h = (P * M / (1 - p)) v_g, M the cpu op's keep mask for (dropout_p, seed)."""
     B, T, hs = _check(qkv, n_head, n_kv_head, att)
     _check(qkv, n_head, n_kv_head, att, out=(out, (B, T, n_head * hs)))
-    (cos, sin, stride_tab, use_rope), (seed_, bound, keep_scale, use_drop) = _fused_args(qkv, hs, dropout_p,
-                                                                                          seed, rope)
+    fused, switches = _fused_args(qkv, hs, dropout_p, seed, rope)
     cfg = _blocks(hs, qkv.dtype)
     _gqa_forward_kernel[(cdiv(T, cfg.fwd_m), B * n_head)](
         out, att, qkv, T, n_head, n_kv_head, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
-        LOG2E.value / hs ** 0.5, cos, sin, stride_tab, seed_, bound, keep_scale,
-        HS=hs, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, DOT_PRECISION=_dot_precision(qkv.dtype),
-        ROPE=use_rope, DROPOUT=use_drop, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        LOG2E.value / hs ** 0.5, *fused,
+        HS=hs, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, DOT_PRECISION=_dot_precision(qkv.dtype), **switches,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---------------------------------------------------------------- backward
@@ -346,20 +347,18 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
     cfg = _blocks(hs, qkv.dtype)
     scale = 1.0 / hs ** 0.5
     prec = _dot_precision(qkv.dtype)
-    (cos, sin, stride_tab, use_rope), (seed_, bound, keep_scale, use_drop) = _fused_args(qkv, hs, dropout_p,
-                                                                                          seed, rope)
-    fused = (cos, sin, stride_tab, seed_, bound, keep_scale)
+    fused, switches = _fused_args(qkv, hs, dropout_p, seed, rope)
     delta = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # D per row
     strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1))
     _gqa_backward_dq_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
         dqkv, delta, dout, out, qkv, att, T, n_head, n_kv_head, *strides, out.stride(0), out.stride(1),
         dout.stride(0), dout.stride(1), scale, scale * LOG2E.value, *fused,
-        HS=hs, BLOCK_M=cfg.bwd_res, BLOCK_N=cfg.bwd_stream, DOT_PRECISION=prec, ROPE=use_rope, DROPOUT=use_drop,
+        HS=hs, BLOCK_M=cfg.bwd_res, BLOCK_N=cfg.bwd_stream, DOT_PRECISION=prec, **switches,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gqa_backward_dkdv_kernel[(cdiv(T, cfg.bwd_res), B * n_kv_head)](
         dqkv, delta, dout, qkv, att, T, n_head, n_kv_head, *strides, dout.stride(0), dout.stride(1),
         scale, scale * LOG2E.value, *fused,
-        HS=hs, BLOCK_M=cfg.bwd_stream, BLOCK_N=cfg.bwd_res, DOT_PRECISION=prec, ROPE=use_rope, DROPOUT=use_drop,
+        HS=hs, BLOCK_M=cfg.bwd_stream, BLOCK_N=cfg.bwd_res, DOT_PRECISION=prec, **switches,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

@@ -21,6 +21,25 @@ from .dropout import dropout_forward
 from .linear import linear_forward, matmul_accumulate
 
 
+def _adapter_forward(out2, a2, lora_a, lora_b, xs2, scale):
+    """xs = s a A, then out += xs B (out2 may be a column slice)."""
+    torch.mm(a2, as_dtype(lora_a, a2.dtype, "lora_a"), out=xs2)
+    xs2.mul_(scale)
+    out2.addmm_(xs2, as_dtype(lora_b, xs2.dtype, "lora_b"))
+
+
+def _adapter_backward(g, a2, xs2, lora_a, lora_b, dlora_a, dlora_b, scale, accumulate):
+    """dB (+)= xs^T g, gs = s g B^T, dA (+)= a^T gs; returns (gs, A in g's dtype), a reused scratch
+    buffer and the copy from which the adapter input's gradient is gs A^T."""
+    A, Bm = as_dtype(lora_a, g.dtype, "lora_a"), as_dtype(lora_b, g.dtype, "lora_b")
+    matmul_accumulate(dlora_b, xs2.t(), g, accumulate)
+    gs = workspace("lora_gs", (g.shape[0], Bm.shape[0]), g.dtype, g.device)  # s g B^T (N, r)
+    torch.mm(g, Bm.t(), out=gs)
+    gs.mul_(scale)
+    matmul_accumulate(dlora_a, a2.t(), gs, accumulate)
+    return gs, A
+
+
 def lora_linear_forward(out, xs, inp, weight, bias, lora_a, lora_b, scale, adapter_inp=None):
     """out (B, T, OC) = inp @ weight (C, OC) [+ bias] + scale * (adapter_inp @ lora_a (C, r)) @ lora_b (r, OC).
 
@@ -28,10 +47,7 @@ def lora_linear_forward(out, xs, inp, weight, bias, lora_a, lora_b, scale, adapt
     which the backward needs. bias may be None.
     """
     linear_forward(out, inp, weight, bias)
-    a2, xs2, out2 = rows(inp if adapter_inp is None else adapter_inp), rows(xs), rows(out)
-    torch.mm(a2, as_dtype(lora_a, a2.dtype, "lora_a"), out=xs2)
-    xs2.mul_(scale)
-    out2.addmm_(xs2, as_dtype(lora_b, xs2.dtype, "lora_b"))
+    _adapter_forward(rows(out), rows(inp if adapter_inp is None else adapter_inp), lora_a, lora_b, rows(xs), scale)
 
 
 def lora_linear_backward(dinp, dlora_a, dlora_b, dout, inp, xs, weight, lora_a, lora_b, scale,
@@ -45,12 +61,7 @@ def lora_linear_backward(dinp, dlora_a, dlora_b, dout, inp, xs, weight, lora_a, 
     adapter_inp is given (a reused scratch buffer), else None.
     """
     g, a = rows(dout), rows(inp if adapter_inp is None else adapter_inp)
-    A, Bm = as_dtype(lora_a, g.dtype, "lora_a"), as_dtype(lora_b, g.dtype, "lora_b")
-    matmul_accumulate(dlora_b, rows(xs).t(), g, accumulate)
-    gs = workspace("lora_gs", (g.shape[0], Bm.shape[0]), g.dtype, g.device)  # s g B^T (N, r)
-    torch.mm(g, Bm.t(), out=gs)
-    gs.mul_(scale)
-    matmul_accumulate(dlora_a, a.t(), gs, accumulate)
+    gs, A = _adapter_backward(g, a, rows(xs), lora_a, lora_b, dlora_a, dlora_b, scale, accumulate)
     da = None
     if adapter_inp is not None:
         da = workspace("lora_da", a.shape, a.dtype, a.device)
@@ -77,10 +88,7 @@ def lora_forward(out, inp, adapters):
     caller wrote into out (B, T, OC); writes each adapter's xs = s dropout(inp) A."""
     x2, out2 = rows(inp), rows(out)
     for ad in adapters:
-        a, xs2 = _adapter_input(x2, ad), rows(ad.xs)
-        torch.mm(a, as_dtype(ad.lora_a, a.dtype, "lora_a"), out=xs2)
-        xs2.mul_(ad.scale)
-        out2[:, ad.lo:ad.hi].addmm_(xs2, as_dtype(ad.lora_b, xs2.dtype, "lora_b"))
+        _adapter_forward(out2[:, ad.lo:ad.hi], _adapter_input(x2, ad), ad.lora_a, ad.lora_b, rows(ad.xs), ad.scale)
 
 
 def lora_backward(dinp, dout, inp, adapters):
@@ -91,13 +99,8 @@ def lora_backward(dinp, dout, inp, adapters):
     adapter's dlora_a, dlora_b (float32, through matmul_accumulate)."""
     x2, g2, dx2 = rows(inp), rows(dout), rows(dinp)
     for ad in adapters:
-        g, a = g2[:, ad.lo:ad.hi], _adapter_input(x2, ad)
-        A, Bm = as_dtype(ad.lora_a, g.dtype, "lora_a"), as_dtype(ad.lora_b, g.dtype, "lora_b")
-        matmul_accumulate(ad.dlora_b, rows(ad.xs).t(), g)
-        gs = workspace("lora_gs", (g.shape[0], Bm.shape[0]), g.dtype, g.device)  # s g B^T (N, r)
-        torch.mm(g, Bm.t(), out=gs)
-        gs.mul_(ad.scale)
-        matmul_accumulate(ad.dlora_a, a.t(), gs)
+        gs, A = _adapter_backward(g2[:, ad.lo:ad.hi], _adapter_input(x2, ad), rows(ad.xs), ad.lora_a, ad.lora_b,
+                                  ad.dlora_a, ad.dlora_b, ad.scale, True)
         if not ad.dropout:
             dx2.addmm_(gs, A.t())
             continue
