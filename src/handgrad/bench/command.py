@@ -93,14 +93,14 @@ def main(args):
         if args.backend == "gpu":
             return bench_ops_gpu(args.repeat, args.json, args.dtype or "bfloat16", not args.no_compile)
         return bench_ops(args.backend, args.repeat, args.json)
+    if args.what in ("train", "learn") and args.lora and args.dtype == "bfloat16":  # before any peak is measured
+        raise SystemExit(f"bench {args.what}: --lora runs in float32 (LoRA with bf16 products is not supported "
+                         "yet); leave out --dtype")
     if args.what == "train":
         return bench_train_main(args)
     if args.what == "products":
         return bench_products((args.preset or "mid,gpt2-124m,smollm2-135m").split(","), args.json)
     if args.what == "learn":
-        if args.lora and args.dtype == "bfloat16":
-            raise SystemExit("bench learn: --lora runs in float32 (LoRA with bf16 products is not supported yet); "
-                             "leave out --dtype")
         if args.lora:
             result = run_learn_lora(args.lora, args.preset or "llama-char", args.steps, args.pretrain_steps,
                                     args.data, args.finetune_data, args.out)

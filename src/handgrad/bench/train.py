@@ -310,9 +310,6 @@ def _spec(name, lora_rank=None, dtype="float32"):
             "batch_size": shape["batch_size"], "T": shape["T"], "seed": t.seed,
             "train": {"lr": t.lr, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
                       "grad_clip": t.grad_clip}, "dtype": dtype}
-    if lora_rank and dtype != "float32":
-        raise SystemExit("bench train: --lora runs in float32 (LoRA with bf16 products is not supported yet); "
-                         "leave out --dtype")
     if lora_rank:  # every linear of every block, PEFT's usual alpha = 2 r
         if rc.model.arch != "llama":
             raise SystemExit(f"bench train --lora: {name} is a GPT-2 shape; the LoRA rows compare against PEFT on "
