@@ -7,7 +7,7 @@ chunk order: the same result on any number of threads.
 import numpy as np
 from numba import prange
 
-from .bf16 import store_as
+from .bf16 import narrow_into
 from .common import HEAVY, kernel
 from .mathfn import dot64
 
@@ -55,10 +55,8 @@ def _adamw_kernel(params, grads, m, v, chunks, lr, beta1, one_minus_beta1, beta2
             mm[i] = mi
             vv[i] = vi
             p[i] -= lr * ((mi * inv_bc1) / (np.sqrt(vi) * inv_sqrt_bc2 + eps) + wd * p[i])
-        if narrow:  # the chunk, still in cache, as bf16 for the products (a loop of its own vectorises)
-            h = params16[a:b]
-            for i in range(b - a):
-                h[i] = store_as(h, p[i])
+        if narrow:  # the chunk, still in cache, as bf16 for the products
+            narrow_into(params16[a:b], p)
 
 
 def adamw_update(params, grads, m, v, chunks, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,

@@ -71,6 +71,14 @@ def load_as(x, v):
     raise NotImplementedError("load_as is for Numba kernels")
 
 
+@njit(cache=True, inline="always")
+def narrow_into(dst, src):
+    """dst[i] = store_as(dst, src[i]) over src: a float32 row or chunk, still in cache, written to
+    its bf16 copy by the kernel that finished it (a loop of its own, so it vectorises)."""
+    for i in range(src.shape[0]):
+        dst[i] = store_as(dst, src[i])
+
+
 @overload(store_as, inline="always")
 def _store_as(out, v):
     if isinstance(out, types.Array) and out.dtype == types.uint16:

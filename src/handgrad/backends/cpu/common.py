@@ -120,6 +120,18 @@ def product_dtype(weight, inp):
     return np.uint16 if weight.dtype == np.uint16 else inp.dtype
 
 
+def backward_rows(dinp, dout):
+    """(the float32 rows an elementwise backward kernel overwrites, whether it narrows): with a bf16
+    (uint16) dinp, dout's own rows, each then narrowed into dinp as it is finished; otherwise
+    dinp's, holding a copy of dout unless dinp is dout."""
+    if dinp.dtype == np.uint16:
+        return rows(dout), True
+    work = rows(dinp)
+    if dinp is not dout:
+        work[...] = rows(dout)
+    return work, False
+
+
 def rows(x):
     """View a (..., C) array as (N, C) without copying."""
     return x.reshape(-1, x.shape[-1])

@@ -5,8 +5,8 @@ The backward writes dlogits over the logits buffer in place, so only one (B*T, V
 import numpy as np
 from numba import prange
 
-from .bf16 import store_as
-from .common import HEAVY, ROWS_PER_BLOCK, kernel, n_blocks, rows, workspace
+from .bf16 import narrow_into
+from .common import HEAVY, ROWS_PER_BLOCK, backward_rows, kernel, n_blocks, rows, workspace
 from .mathfn import exp32, max32, sum64
 
 IGNORE_INDEX = -1
@@ -117,9 +117,7 @@ def _crossentropy_backward_kernel32(zd, lse, targets, dloss, d16, narrow):
             z[j] = exp32((z[j] - hi) - lo) * dloss
         z[tgt] -= dloss
         if narrow:  # the row, still in cache, as bf16 for the lm_head's backward products
-            hr = d16[i]
-            for j in range(V):
-                hr[j] = store_as(hr, z[j])
+            narrow_into(d16[i], z)
 
 
 def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
@@ -134,10 +132,7 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
     if dloss is None:
         count = int(np.count_nonzero(t != IGNORE_INDEX))
         dloss = 1.0 / count if count else 0.0
-    narrow = dlogits.dtype == np.uint16
-    zd = rows(logits) if narrow else rows(dlogits)
-    if dlogits is not logits and not narrow:
-        zd[...] = rows(logits)
+    zd, narrow = backward_rows(dlogits, logits)
     if zd.dtype == np.float32:
         _crossentropy_backward_kernel32(zd, lse.reshape(-1), t, np.float32(dloss), rows(dlogits), narrow)
     else:

@@ -11,8 +11,8 @@ import math
 import numpy as np
 from numba import prange
 
-from .bf16 import store_as
-from .common import HEAVY, kernel, n_blocks, rows, serial_kernel, sum_blocks_into, workspace, ROWS_PER_BLOCK
+from .bf16 import narrow_into, store_as
+from .common import HEAVY, backward_rows, kernel, n_blocks, rows, serial_kernel, sum_blocks_into, workspace, ROWS_PER_BLOCK
 
 GELU_K = math.sqrt(2.0 / math.pi)
 K32, C32, C3_32 = np.float32(GELU_K), np.float32(0.044715), np.float32(3.0 * 0.044715)
@@ -131,9 +131,7 @@ def _gelu_backward_kernel32(dd, partial, inp, d16, narrow):
                 dr[c] = d
                 pr[c] += d  # cheap, and no branch in the loop; unused without a bias
             if narrow:  # the row, still in cache, as bf16 for the next product
-                hr = d16[i]
-                for c in range(C):
-                    hr[c] = store_as(hr, dr[c])
+                narrow_into(d16[i], dr)
 
 
 def gelu_backward(dinp, dbias, dout, inp):
@@ -149,10 +147,7 @@ def gelu_backward(dinp, dbias, dout, inp):
     N, C = inp2.shape
     has_bias = dbias is not None
     partial = workspace("gelu_partial", (n_blocks(N), C), inp2.dtype)
-    narrow = dinp.dtype == np.uint16
-    dd = rows(dout) if narrow else rows(dinp)
-    if dinp is not dout and not narrow:
-        dd[...] = rows(dout)
+    dd, narrow = backward_rows(dinp, dout)
     if inp2.dtype == np.float32:
         _gelu_backward_kernel32(dd, partial, inp2, rows(dinp), narrow)
     else:
