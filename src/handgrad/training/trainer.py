@@ -28,7 +28,6 @@ from .step import accumulate_gradients, lr_at
 from .tracking import open_tracker
 
 
-
 def cpu_bf16(config):
     """Refuse, in one line, a train.dtype=bfloat16 run the cpu cannot do: no bf16 multiply in the
     CPU (oneDNN would emulate it, slower than float32), no oneDNN, or LoRA (float32 only so far)."""

@@ -68,6 +68,11 @@ def check_swiglu(B=2, T=5, H=24, dtype=np.float32, seed=0, backend="cpu", scale=
 
 
 
+def _rope_tables(ops, T, hs, theta):
+    """rope_cache's (cos, sin) as host arrays, whichever backend made them."""
+    return tuple(c if isinstance(c, np.ndarray) else ops.to_numpy(c) for c in ops.rope_cache(T, hs, theta))
+
+
 def check_rope(B=2, T=5, NH=6, NKV=2, hs=16, offset=3, theta=10000.0, dtype=np.float32, seed=0, backend="cpu"):
     """RoPE in place on the q and k columns of a fused qkv, one call over both as the model makes
     it, at positions [offset, offset + T)."""
@@ -76,7 +81,7 @@ def check_rope(B=2, T=5, NH=6, NKV=2, hs=16, offset=3, theta=10000.0, dtype=np.f
 
     from .. import torch_ref as R
     QK, W = (NH + NKV) * hs, (NH + 2 * NKV) * hs
-    cos, sin = (c if isinstance(c, np.ndarray) else ops.to_numpy(c) for c in ops.rope_cache(offset + T, hs, theta))
+    cos, sin = _rope_tables(ops, offset + T, hs, theta)
     qkv, dout = _randn(rng, (B, T, W), dtype), _randn(rng, (B, T, W), dtype)
     buf, dbuf = qkv.copy(), dout.copy()
     qk, dqk = buf[:, :, :QK], dbuf[:, :, :QK]  # one view each, passed as out and inp: in place
@@ -103,7 +108,7 @@ def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, 
     tq = _t(qkv, True)  # before the forward: with rope the cpu op rotates q and k in qkv in place
     kw = {"dropout_p": dropout_p, "seed": 4242} if dropout_p else {}
     if rope:
-        kw["rope"] = tuple(c if isinstance(c, np.ndarray) else ops.to_numpy(c) for c in ops.rope_cache(T, hs, 1e4))
+        kw["rope"] = _rope_tables(ops, T, hs, 1e4)
     out, att = np.empty((B, T, NH * hs), dtype), np.empty(ops.gqa_attention_state_shape(B, NH, T), dtype)
     ops.gqa_attention_forward(out, att, qkv, NH, NKV, **kw)
     dqkv = np.empty_like(qkv)

@@ -115,4 +115,3 @@ def dot_dev64(a, b, x, m, n):
     for s in range(n):
         t += np.float64(a[s]) * np.float64(b[s]) * (np.float64(x[s]) - m)
     return t
-

@@ -228,7 +228,7 @@ def gemm(a, b, c, beta=0.0):
 # ---------------------------------------------------------------- float32 <-> bf16
 @kernel
 def _narrow(x, out):
-    """out = bf16 bits of x (mathfn.narrow32: round to nearest even, NaN stays NaN)."""
+    """out = bf16 bits of x (bf16.narrow32: round to nearest even, NaN stays NaN)."""
     n = x.size
     xf, of = x.reshape(n), out.reshape(n)
     for i in prange(n):
