@@ -4,6 +4,7 @@ Both BLAS run here when MKL is installed (the `mkl` dependency on Linux x86-64):
 checked against a float64 product, and the ops built on gemm are checked against torch under the
 numpy fallback too (test_ops.py checks them under whichever BLAS the process picked).
 """
+import json
 import os
 import subprocess
 import sys
@@ -249,3 +250,76 @@ def test_backend_buffers_are_64_byte_aligned(shape, dtype):
         assert buf.shape == want and buf.dtype == dtype
         assert buf.ctypes.data % 64 == 0 and buf.flags.c_contiguous and buf.flags.writeable
     assert not zeros(shape, dtype).any()
+
+
+# ---------------------------------------------------------------- one OpenMP pool
+_POOL_PROBE = r"""
+import json
+import numba
+import numpy as np
+from handgrad.backends.cpu import blas, swiglu
+a = np.ones((256, 256), np.float32)
+blas.gemm(a, a, np.empty_like(a), 0.0)
+h, gu = np.empty((1, 512, 1408), np.float32), np.ones((1, 512, 2816), np.float32)
+swiglu._swiglu_forward_kernel32.parallel(h.reshape(512, 1408), gu.reshape(512, 2, 1408))
+libs = {line.split()[-1].rsplit("/", 1)[-1].split(".so")[0] for line in open("/proc/self/maps") if ".so" in line}
+print(json.dumps({"mkl": blas.threading_layer(), "numba": numba.threading_layer(),
+                  "libs": sorted(n for n in libs if "omp" in n or "thread" in n)}))
+"""
+
+
+def _pool(**env):
+    full = {k: v for k, v in os.environ.items() if k not in ("NUMBA_THREADING_LAYER", "MKL_THREADING_LAYER")}
+    r = subprocess.run([sys.executable, "-c", _POOL_PROBE], env={**full, **env}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.skipif(not blas._PATH, reason="the mkl package is not installed")
+def test_mkl_and_kernels_share_one_gnu_openmp_pool():
+    """Where libgomp loads, MKL runs on its GNU threading library and Numba's kernels on its OpenMP
+    layer: one pool, and Intel's OpenMP runtime is never loaded."""
+    p = _pool()
+    # whether libgomp loads, asked apart: MKL picks GNU threading by itself once libgomp is loaded
+    gomp = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.CDLL('libgomp.so.1')"]).returncode == 0
+    if not gomp:
+        assert (p["mkl"], p["numba"]) == ("intel", "workqueue")
+        pytest.skip("no libgomp.so.1 on this machine: MKL keeps Intel OpenMP, the kernels workqueue")
+    assert (p["mkl"], p["numba"]) == ("gnu", "omp"), p
+    assert "libmkl_gnu_thread" in p["libs"] and "libgomp" in p["libs"], p
+    assert "libiomp5" not in p["libs"] and "libmkl_intel_thread" not in p["libs"], p
+
+
+@pytest.mark.skipif(not blas._PATH, reason="the mkl package is not installed")
+@pytest.mark.parametrize("var", ["NUMBA_THREADING_LAYER", "MKL_THREADING_LAYER"])
+def test_a_users_threading_layer_wins(var):
+    p = _pool(**{var: {"NUMBA_THREADING_LAYER": "workqueue", "MKL_THREADING_LAYER": "INTEL"}[var]})
+    assert (p["mkl"], p["numba"]) == ("intel", "workqueue"), p
+    assert "libiomp5" in p["libs"] and "libmkl_gnu_thread" not in p["libs"], p
+
+
+@pytest.mark.skipif(not blas._PATH, reason="the mkl package is not installed")
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_training_bits_do_not_depend_on_the_pool(tmp_path, arch):
+    """Three training steps (with dropout, every kernel large enough to run its parallel copy) give
+    the same weights, bit for bit, on the shared GNU OpenMP pool and on workqueue + Intel OpenMP."""
+    from helpers import prepared_char_data
+    data = prepared_char_data(tmp_path, "".join(f"To be, or not to be, {i}: that is the question.\n"
+                                                for i in range(400)))
+    shape = {"llama": ["--preset", "llama-char", "--model.n_kv_head", "2", "--model.ffn_hidden", "384"],
+             "gpt2": ["--preset", "shakespeare-char"]}[arch]
+    weights = []
+    for layer in ("", "workqueue"):
+        env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_THREADING_LAYER", "MKL_THREADING_LAYER")}
+        if layer:
+            env["NUMBA_THREADING_LAYER"] = layer
+        run = tmp_path / f"run{layer}"
+        r = subprocess.run([sys.executable, "-m", "handgrad", "train", "--data", str(data), "--out", str(run), *shape,
+                            "--model.n_layer", "2", "--model.n_embd", "128", "--model.n_head", "4",
+                            "--model.block_size", "64", "--model.dropout", "0.1", "--train.batch_size", "8",
+                            "--train.max_steps", "3", "--train.sample_interval", "0", "--train.eval_steps", "1"],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        weights.append((run / "ckpt/step_00000003/model.safetensors").read_bytes())
+    assert weights[0] == weights[1]

@@ -97,7 +97,11 @@ def test_info_json():
     assert info["cores"] >= 1 and info["sgemm_peak_gflops"] > 0
     from handgrad.backends.cpu import onednn
     assert info["cpu_bf16"].startswith({"amx": "AMX-BF16", "avx512_bf16": "AVX512_BF16", None: "none"}[onednn.bf16_path()])
-    assert info["numba_threading_layer"] == "workqueue"
+    # MKL and Numba's kernels on one GNU OpenMP pool where the machine has it (blas._one_openmp),
+    # else Numba's workqueue layer beside MKL's own Intel OpenMP
+    from handgrad.backends.cpu import blas
+    assert (info["numba_threading_layer"], info["mkl_threading"]) == (
+        {"gnu": ("omp", "gnu"), "intel": ("workqueue", "intel"), None: ("workqueue", None)}[blas.threading_layer()])
     assert {"numpy", "numba", "numpy_blas", "cuda", "triton"} <= set(info)
 
 

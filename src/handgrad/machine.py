@@ -21,7 +21,7 @@ def cores_available():
 
 PEAK_N, PEAK_RUNS = 2048, 7
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
-              "NUMBA_THREADING_LAYER", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")
+              "NUMBA_THREADING_LAYER", "MKL_THREADING_LAYER", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")
 
 
 # ---------------------------------------------------------------- environment
@@ -72,7 +72,7 @@ def environment(torch=None):
     except ValueError:  # no parallel kernel has run yet
         layer = numba.config.THREADING_LAYER
     return {
-        "cpu": cpu, "cpus": os.cpu_count(), "handgrad_blas": blas.name(),
+        "cpu": cpu, "cpus": os.cpu_count(), "handgrad_blas": blas.name(), "mkl_threading": blas.threading_layer(),
         "numpy": np.__version__, "numpy_blas": numpy_blas,
         "openblas_runtime": _openblas_runtime(),
         "numba": numba.__version__, "numba_threads": numba.get_num_threads(), "numba_threading_layer": layer,

@@ -315,7 +315,8 @@ def format_table(result):
     e, ob = result["environment"], result["environment"]["openblas_runtime"]
     lines = [
         f"machine  {e['cpu']}, {e['cpus']} CPUs",
-        f"handgrad matmuls on {e['handgrad_blas']} (backends/cpu/blas.py)",
+        f"handgrad matmuls on {e['handgrad_blas']} (backends/cpu/blas.py)"
+        + (f", on {e['mkl_threading']} OpenMP" if e.get("mkl_threading") else ""),
         f"numpy    {e['numpy']}, BLAS {e['numpy_blas']}"
         + (f", runtime core {ob['core']}, {ob['threads']} threads" if ob else ""),
         f"numba    {e['numba']}, {e['numba_threads']} threads ({e['numba_threading_layer']} layer)",

@@ -43,7 +43,9 @@ def format_footer(result):
     e, p0, p1 = result["environment"], result["sgemm_peak"], result["sgemm_peak_end"]
     return "\n".join([
         "",
-        f"machine {e['cpu']}, {e['cpus']} CPUs; handgrad matmuls on {e['handgrad_blas']}; numpy {e['numpy']} "
+        f"machine {e['cpu']}, {e['cpus']} CPUs; handgrad matmuls on {e['handgrad_blas']}"
+        f"{' (' + e['mkl_threading'] + ' OpenMP)' if e.get('mkl_threading') else ''}; numba kernels on "
+        f"{e['numba_threading_layer']}; numpy {e['numpy']} "
         f"({e['numpy_blas']}), numba {e['numba']}, "
         f"torch {e['torch']} ({e['torch_threads']} threads)",
         f"sgemm peak ({e['handgrad_blas']} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "

@@ -18,6 +18,7 @@ passed to BLAS as a transpose flag, never copied); c's last axis must have unit 
 import ctypes
 import os
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -46,6 +47,55 @@ def _choose():
 
 
 _NAME, _PATH = _choose()
+
+
+# MKL_Set_Threading_Layer's argument for GNU OpenMP (mkl_service.h: INTEL 0, SEQUENTIAL 1, PGI 2,
+# GNU 3, TBB 4).
+_MKL_THREADING_GNU = 3
+
+
+def _one_openmp():
+    """Put MKL's threads and Numba's kernels on one pool: GNU OpenMP (the libgomp.so.1 that PyTorch
+    and oneDNN's wheel use too). True when it is done.
+
+    Left alone, MKL runs on Intel OpenMP (libiomp5, whose workers spin 200 ms after each product)
+    and Numba's kernels on its workqueue layer (a second pool, parked between kernels): the
+    kernel after a product waits for its worker to be scheduled beside MKL's spinning one, and
+    most of the time the second core does nothing for it (docs/PERFORMANCE.md, "one OpenMP pool":
+    the SwiGLU pass 0.37 ms after a product against 0.17 on one pool; `bench train` steps 13-16%
+    faster). On one pool the kernel starts on workers that are already awake, as PyTorch's do.
+
+    Needs MKL's GNU threading library in the mkl wheel, a loadable libgomp.so.1 (the system's, or
+    PyTorch's when torch is already imported) and Numba's OpenMP layer. A user's own
+    NUMBA_THREADING_LAYER or MKL_THREADING_LAYER leaves both as they are. Numba's OpenMP layer
+    refuses (SIGTERM) a parallel kernel in a child forked after the parent ran one: fork-then-train
+    code sets NUMBA_THREADING_LAYER=workqueue (exec'd children, torchrun's included, are not
+    affected)."""
+    if _NAME != "mkl" or "NUMBA_THREADING_LAYER" in os.environ or "MKL_THREADING_LAYER" in os.environ:
+        return False
+    if wheel_library("mkl", "libmkl_gnu_thread") is None:
+        return False
+    try:
+        ctypes.CDLL("libgomp.so.1")
+        import numba.np.ufunc.omppool  # noqa: F401  (Numba's OpenMP layer loads)
+    except (OSError, ImportError):
+        return False
+    # before MKL's first call (MKL picks its layer once); a process whose MKL already runs keeps it
+    if ctypes.CDLL(_PATH).MKL_Set_Threading_Layer(_MKL_THREADING_GNU) != _MKL_THREADING_GNU:
+        return False
+    numba.config.THREADING_LAYER = "omp"
+    return True
+
+
+_GNU_OPENMP = _one_openmp()
+
+
+def threading_layer():
+    """The OpenMP runtime MKL's products run on here: 'gnu' (shared with Numba's kernels), 'intel'
+    (MKL's own libiomp5), or None when the products do not run on MKL."""
+    if _NAME != "mkl":
+        return None
+    return "gnu" if _GNU_OPENMP else "intel"
 _addr = None  # {dtype: address of cblas_sgemm / cblas_dgemm}, once MKL is loaded
 _threads_addr = None  # address of MKL_Set_Num_Threads_Local, once MKL is loaded
 _mkl = None  # the loaded library (ctypes.CDLL)

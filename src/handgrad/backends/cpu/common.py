@@ -15,8 +15,9 @@ from .bf16 import load_as
 
 # Numba's OpenMP layer keeps its threads spinning after each parallel region, fighting OpenBLAS's
 # own spinning threads for the same cores between a kernel and the next matmul (measured: an
-# attention block 25x slower). The workqueue layer parks its threads instead. A user's own
-# NUMBA_THREADING_LAYER still wins.
+# attention block 25x slower). The workqueue layer parks its threads instead. This is the default;
+# when the products run on MKL, blas.py moves MKL and the kernels onto one GNU OpenMP pool instead
+# (blas._one_openmp), so nothing spins against anything. A user's own NUMBA_THREADING_LAYER wins.
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
 
