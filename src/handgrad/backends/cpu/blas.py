@@ -25,7 +25,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import onednn
-from .common import kernel, wheel_library, workspace
+from .common import cheap_launches, kernel, wheel_library, workspace
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
@@ -88,6 +88,8 @@ def _one_openmp():
 
 
 _GNU_OPENMP = _one_openmp()
+if _GNU_OPENMP:
+    cheap_launches()
 
 
 def threading_layer():

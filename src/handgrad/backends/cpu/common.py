@@ -37,6 +37,17 @@ serial_kernel = njit(cache=True, error_model="numpy")
 # every activation of `mid`) still run parallel: forcing those serial cost gpt2-124m 1.54x -> 1.32x.
 MIN_PARALLEL = 1 << 20  # memory-bound passes (adds, copies, column sums)
 HEAVY = 1 << 18  # kernels with an exp, tanh, sqrt or a row reduction per element
+# On MKL's own OpenMP pool (blas._one_openmp) a launch finds its workers awake: ~5 us instead of
+# ~95-190. Measured there, right after a product: a memory-bound add breaks even at about 2^16
+# elements, a SwiGLU pass at about 2^15.5 (docs/PERFORMANCE.md, "one OpenMP pool"); so on it every
+# threshold above is divided by 8 (cheap_launches()).
+_threshold_divisor = 1
+
+
+def cheap_launches():
+    """Parallel launches cost little in this process (blas put the kernels on MKL's pool)."""
+    global _threshold_divisor
+    _threshold_divisor = 8
 
 
 class _Kernel:
@@ -54,7 +65,7 @@ class _Kernel:
 
     def __call__(self, *args):
         work = max((a.size for a in args if isinstance(a, np.ndarray)), default=0)
-        fn = self.parallel if work >= self.min_parallel else self.serial
+        fn = self.parallel if work * _threshold_divisor >= self.min_parallel else self.serial
         return fn(*args)
 
 
