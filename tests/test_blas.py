@@ -268,9 +268,14 @@ print(json.dumps({"mkl": blas.threading_layer(), "numba": numba.threading_layer(
 """
 
 
-def _pool(**env):
+def _env(**env):
+    """This process's environment without its threading-layer choices, plus env."""
     full = {k: v for k, v in os.environ.items() if k not in ("NUMBA_THREADING_LAYER", "MKL_THREADING_LAYER")}
-    r = subprocess.run([sys.executable, "-c", _POOL_PROBE], env={**full, **env}, capture_output=True, text=True,
+    return {**full, **env}
+
+
+def _pool(**env):
+    r = subprocess.run([sys.executable, "-c", _POOL_PROBE], env=_env(**env), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
@@ -311,9 +316,7 @@ def test_training_bits_do_not_depend_on_the_pool(tmp_path, arch):
              "gpt2": ["--preset", "shakespeare-char"]}[arch]
     weights = []
     for layer in ("", "workqueue"):
-        env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_THREADING_LAYER", "MKL_THREADING_LAYER")}
-        if layer:
-            env["NUMBA_THREADING_LAYER"] = layer
+        env = _env(NUMBA_THREADING_LAYER=layer) if layer else _env()
         run = tmp_path / f"run{layer}"
         r = subprocess.run([sys.executable, "-m", "handgrad", "train", "--data", str(data), "--out", str(run), *shape,
                             "--model.n_layer", "2", "--model.n_embd", "128", "--model.n_head", "4",
