@@ -10,7 +10,6 @@ model bit for bit, the masks move with seed, step and micro-step and repeat for 
 `handgrad train` run with --model.dropout resumes bitwise exactly in both families, and its hf
 export records the rate (GPT-2's attn/resid/embd_pdrop, Llama's attention_dropout)."""
 import json
-import math
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from handgrad.cli import main as cli
 from handgrad.config import LlamaConfig
 from handgrad.models.family import FlatModel
 from handgrad.models.llama import Llama
+from handgrad.torch_ref import causal_softmax
 from handgrad.verify import compare
 
 from helpers import assert_rows, prepared_char_data
@@ -69,13 +69,6 @@ def masker(model, p):
         keep = keep_mask(tuple(x.shape), p, model.dropout_seed(layer, site))
         return x * torch.from_numpy(keep).to(F64) / (1 - p)
     return drop
-
-
-def causal_softmax(q, k):
-    T, hs = q.shape[-2], q.shape[-1]
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(hs)
-    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    return scores.softmax(dim=-1)
 
 
 def torch_gpt(config, W, idx, drop):

@@ -43,15 +43,20 @@ def gelu(x):
     return F.gelu(x, approximate="tanh")
 
 
+def causal_softmax(q, k):
+    """P = softmax(q k^T / sqrt(hs)) over (..., T, hs) heads, scores above the diagonal masked."""
+    T = q.shape[-2]
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
 def attention(qkv, n_head):
     B, T, C3 = qkv.shape
     C = C3 // 3
     q, k, v = qkv.split(C, dim=2)
     q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v))
-    att = (q @ k.transpose(-2, -1)) / math.sqrt(C // n_head)
-    mask = torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril()
-    att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return (att @ v).transpose(1, 2).reshape(B, T, C)
+    return (causal_softmax(q, k) @ v).transpose(1, 2).reshape(B, T, C)
 
 
 def crossentropy(logits, targets):
@@ -219,7 +224,5 @@ def gqa_attention(qkv, n_head, n_kv_head, keep=None, p=0.0):
     if keep is None:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     else:
-        s = (q @ k.transpose(-2, -1) / math.sqrt(hs)).masked_fill(
-            ~torch.ones(T, T, dtype=torch.bool, device=qkv.device).tril(), float("-inf"))
-        y = torch.where(keep, s.softmax(-1) / (1 - p), 0.0) @ v
+        y = torch.where(keep, causal_softmax(q, k) / (1 - p), 0.0) @ v
     return y.transpose(1, 2).reshape(B, T, n_head * hs)

@@ -62,8 +62,8 @@ def _one_openmp():
     and Numba's kernels on its workqueue layer (a second pool, parked between kernels): the
     kernel after a product waits for its worker to be scheduled beside MKL's spinning one, and
     most of the time the second core does nothing for it (docs/PERFORMANCE.md, "one OpenMP pool":
-    the SwiGLU pass 0.37 ms after a product against 0.17 on one pool; `bench train` steps 13-16%
-    faster). On one pool the kernel starts on workers that are already awake, as PyTorch's do.
+    the SwiGLU pass 0.37 ms after a product against 0.17 on one pool; `bench train` steps 13-19%
+    shorter). On one pool the kernel starts on workers that are already awake, as PyTorch's do.
 
     Needs MKL's GNU threading library in the mkl wheel, a loadable libgomp.so.1 (the system's, or
     PyTorch's when torch is already imported) and Numba's OpenMP layer. A user's own
@@ -98,6 +98,8 @@ def threading_layer():
     if _NAME != "mkl":
         return None
     return "gnu" if _GNU_OPENMP else "intel"
+
+
 _addr = None  # {dtype: address of cblas_sgemm / cblas_dgemm}, once MKL is loaded
 _threads_addr = None  # address of MKL_Set_Num_Threads_Local, once MKL is loaded
 _mkl = None  # the loaded library (ctypes.CDLL)

@@ -60,8 +60,7 @@ def dropout_forward(out, x, p, seed):
             out.copy_(x)
         return
     n = x.numel()
-    _dropout_kernel[(cdiv(cdiv(n, 4), BLOCK),)](out, x, n, _signed(seed), int(threshold(p)), 1.0 / (1.0 - p),
-                                                BLOCK=BLOCK)
+    _dropout_kernel[(cdiv(cdiv(n, 4), BLOCK),)](out, x, n, *kernel_args(p, seed), BLOCK=BLOCK)
 
 
 def dropout_backward(dx, dout, p, seed):
