@@ -8,7 +8,7 @@ import time
 import numba
 import numpy as np
 
-from .backends.cpu import blas, common, onednn
+from .backends.cpu import blas, common, onednn, target
 
 
 def cores_available():
@@ -76,6 +76,7 @@ def environment(torch=None):
         "numpy": np.__version__, "numpy_blas": numpy_blas,
         "openblas_runtime": _openblas_runtime(),
         "numba": numba.__version__, "numba_threads": numba.get_num_threads(), "numba_threading_layer": layer,
+        "numba_vector_bits": target.vector_bits(),
         "torch": torch and torch.__version__, "torch_threads": torch and torch.get_num_threads(),
         "torch_mkl": torch and torch.backends.mkl.is_available(), "env": env,
     }

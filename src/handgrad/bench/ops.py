@@ -319,7 +319,8 @@ def format_table(result):
         + (f", on {e['mkl_threading']} OpenMP" if e.get("mkl_threading") else ""),
         f"numpy    {e['numpy']}, BLAS {e['numpy_blas']}"
         + (f", runtime core {ob['core']}, {ob['threads']} threads" if ob else ""),
-        f"numba    {e['numba']}, {e['numba_threads']} threads ({e['numba_threading_layer']} layer)",
+        f"numba    {e['numba']}, {e['numba_threads']} threads ({e['numba_threading_layer']} layer)"
+        + (f", {e['numba_vector_bits']}-bit vectors" if e.get("numba_vector_bits") else ""),
         f"torch    {e['torch']}, {e['torch_threads']} threads, MKL {e['torch_mkl']}",
         "env      " + (" ".join(f"{k}={v}" for k, v in e["env"].items()) or "(no thread settings)"),
     ]

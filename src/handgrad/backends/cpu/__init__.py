@@ -4,6 +4,7 @@ Every op is a forward/backward pair with the same name and arguments in every ba
 """
 import numpy as np
 
+from . import target  # first: it sets Numba's target before any kernel below is decorated
 from .adamw import adamw_update, global_norm, make_chunks
 from . import blas
 from .common import aligned_empty, aligned_zeros
