@@ -1,4 +1,6 @@
 """Shared test helpers (imported by the test modules; pytest puts tests/ on sys.path)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -106,3 +108,8 @@ def peft_name(name, arch):
         return hf + name.replace(".weight", ".default.weight")
     module, leaf = name.rsplit(".", 1)
     return hf + module + ".modules_to_save.default." + leaf
+
+
+def env_without(names, **env):
+    """This process's environment for a subprocess, less the variables in names, plus env."""
+    return {**{k: v for k, v in os.environ.items() if k not in names}, **env}

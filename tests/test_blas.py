@@ -15,7 +15,7 @@ import pytest
 from handgrad.backends.cpu import aligned_empty, blas, empty, zeros
 from handgrad.verify import check_attention, check_layernorm_linear, check_linear
 
-from helpers import assert_rows, forced_kernels
+from helpers import assert_rows, env_without, forced_kernels
 
 IMPLS = ["numpy"] + (["mkl"] if blas._PATH else [])
 
@@ -270,8 +270,7 @@ print(json.dumps({"mkl": blas.threading_layer(), "numba": numba.threading_layer(
 
 def _env(**env):
     """This process's environment without its threading-layer choices, plus env."""
-    full = {k: v for k, v in os.environ.items() if k not in ("NUMBA_THREADING_LAYER", "MKL_THREADING_LAYER")}
-    return {**full, **env}
+    return env_without(("NUMBA_THREADING_LAYER", "MKL_THREADING_LAYER"), **env)
 
 
 def _pool(**env):

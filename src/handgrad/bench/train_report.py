@@ -45,7 +45,8 @@ def format_footer(result):
         "",
         f"machine {e['cpu']}, {e['cpus']} CPUs; handgrad matmuls on {e['handgrad_blas']}"
         f"{' (' + e['mkl_threading'] + ' OpenMP)' if e.get('mkl_threading') else ''}; numba kernels on "
-        f"{e['numba_threading_layer']}{', 512-bit vectors' if e.get('numba_vector_bits') else ''}; numpy {e['numpy']} "
+        f"{e['numba_threading_layer']}"
+        f"{', ' + str(e['numba_vector_bits']) + '-bit vectors' if e.get('numba_vector_bits') else ''}; numpy {e['numpy']} "
         f"({e['numpy_blas']}), numba {e['numba']}, "
         f"torch {e['torch']} ({e['torch_threads']} threads)",
         f"sgemm peak ({e['handgrad_blas']} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
