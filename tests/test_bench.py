@@ -137,3 +137,22 @@ def test_bench_train_bf16_runs_three_sides():
     assert "bf16: pytorch = torch.autocast" in bench_train.format_row(row)
     out = _bench("--preset", "llama-mid", "--lora", "4", "--dtype", "bfloat16")
     assert out.returncode != 0 and "--lora runs in float32" in out.stderr
+
+
+def test_bench_ops_blocks_zero_only_what_their_backward_accumulates(monkeypatch):
+    """bench ops times each block as the model runs it: zero_grads leaves the written-first weight
+    gradients alone (the model's zero_grad does too), and check() starts every gradient at NaN,
+    so a gradient the backward accumulates into but zero_grads skipped cannot pass."""
+    torch = pytest.importorskip("torch")
+    import handgrad.bench.ops as bench_ops
+    from handgrad.backends import get_backend
+    ops = get_backend("cpu")
+    blocks = (bench_ops.AttentionBlock, bench_ops.MLPBlock, bench_ops.RMSNormLinearBlock,
+              bench_ops.LlamaAttentionBlock, bench_ops.SwiGLUBlock)
+    for cls in blocks:
+        block = cls(ops, torch, 5, np.random.default_rng(0))
+        assert block.check(cls.__name__) < 1e-5
+        assert set(cls.WRITTEN_FIRST) <= {name for name, _, _ in block.params}  # no misspelt name
+    monkeypatch.setattr(bench_ops.MLPBlock, "WRITTEN_FIRST", ("w_fc", "w_proj", "b_fc"))  # b_fc accumulates
+    with pytest.raises(SystemExit, match="db_fc differs from torch by nan"):
+        bench_ops.MLPBlock(ops, torch, 5, np.random.default_rng(0)).check("mlp")
