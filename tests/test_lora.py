@@ -2,12 +2,15 @@
 with the base weight frozen: the output, the input's gradient and the adapter's gradients match, and
 no gradient of the frozen weight is formed. Awkward shapes: T = 1, widths that are not powers of
 two, rank 1, transposed ([out, in]) views."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 import handgrad.torch as ht
-from handgrad.backends.cpu import lora_linear_backward, lora_linear_forward
+from handgrad.backends.cpu import lora_backward, lora_forward, lora_linear_backward, lora_linear_forward
+from handgrad.backends.cpu.dropout import dropout_forward
 
 SHAPES = [(2, 5, 37, 53, 3), (1, 1, 16, 8, 1), (3, 7, 24, 40, 8)]  # B, T, C, OC, r
 
@@ -70,6 +73,64 @@ def test_lora_linear_accumulates_and_takes_transposed_views():
     np.testing.assert_allclose(dA_hf, 1 + tA.grad.numpy().T, rtol=1e-12)
     np.testing.assert_allclose(dB_hf, 1 + tB.grad.numpy().T, rtol=1e-12)
     np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-12)
+
+
+def _adapters(C, cols, r, seed):
+    """Adapter records (backends' lora.py) on the column ranges `cols` of one product, PEFT's
+    [out, in] tensors passed as .T views as the models pass them, their gradients prefilled."""
+    rng = np.random.default_rng(seed)
+    ads = []
+    for i, (lo, hi) in enumerate(cols):
+        A_hf, B_hf = rng.standard_normal((r, C)), rng.standard_normal((hi - lo, r))
+        dA_hf, dB_hf = rng.standard_normal((r, C)), rng.standard_normal((hi - lo, r))
+        ads.append(SimpleNamespace(lo=lo, hi=hi, lora_a=A_hf.T, lora_b=B_hf.T, dlora_a=dA_hf.T, dlora_b=dB_hf.T,
+                                   scale=1.5 + i, dropout=0.0, seed=0, xs=None, index=i))
+    return ads
+
+
+# q|k|v-like (three adapters on adjacent columns, as the stacked path takes them), two with a column
+# left without one (as targets q, v), and one adapter alone
+GROUPS = [(2, 5, 36, [(0, 36), (36, 48), (48, 60)], 4), (1, 1, 24, [(0, 16), (30, 40)], 3),
+          (3, 7, 52, [(10, 33)], 8)]  # B, T, C, column ranges, r
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_lora_forward_backward_of_a_fused_product_match_autograd(group, p):
+    """lora_forward / lora_backward (the models' form: adapters on column ranges of a product the
+    caller computed) against autograd in float64: the output, dinp and every adapter's gradient,
+    accumulated (+=) into what the gradients held; with p > 0, each adapter with its own mask."""
+    B, T, C, cols, r = group
+    ads = _adapters(C, cols, r, seed=B + T + C)
+    rng = np.random.default_rng(7)
+    OC = cols[-1][1] + 3
+    x, base, g = rng.standard_normal((B, T, C)), rng.standard_normal((B, T, OC)), rng.standard_normal((B, T, OC))
+    for ad in ads:
+        ad.dropout, ad.seed, ad.xs = p, 1000 + 17 * ad.index, np.full((B, T, r), np.nan)
+    out = base.copy()
+    lora_forward(out, x, ads)
+    before = [(ad.dlora_a.T.copy(), ad.dlora_b.T.copy()) for ad in ads]
+    dx = rng.standard_normal(x.shape)
+    dx0 = dx.copy()
+    lora_backward(dx, g, x, ads)
+
+    tx = torch.tensor(x, requires_grad=True)
+    ref, tAB = torch.tensor(base), []
+    for ad in ads:
+        a = tx
+        if p:  # the adapter's own mask, as dropout_forward draws it from its seed
+            keep = np.empty_like(x)
+            dropout_forward(keep, np.ones_like(x), p, ad.seed)
+            a = tx * torch.tensor(keep)
+        tA, tB = (torch.tensor(np.ascontiguousarray(v.T), requires_grad=True) for v in (ad.lora_a, ad.lora_b))
+        tAB.append((tA, tB))
+        ref = ref + torch.nn.functional.pad(ad.scale * (a @ tA.T) @ tB.T, (ad.lo, OC - ad.hi))
+    ref.backward(torch.tensor(g))
+    np.testing.assert_allclose(out, ref.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dx, dx0 + tx.grad.numpy(), rtol=1e-12, atol=1e-12)
+    for ad, (dA0, dB0), (tA, tB) in zip(ads, before, tAB):
+        np.testing.assert_allclose(ad.dlora_a.T, dA0 + tA.grad.numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(ad.dlora_b.T, dB0 + tB.grad.numpy(), rtol=1e-12, atol=1e-12)
 
 
 def test_float32_within_float32_rounding():

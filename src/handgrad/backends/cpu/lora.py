@@ -31,6 +31,8 @@ Two forms:
                       (backends' dropout_seed); the backward regenerates the mask, nothing stored
       dlora_a, dlora_b  (C, r) and (r, hi - lo) gradient views, accumulated into (backward only)
 """
+import numpy as np
+
 from .common import rows, workspace
 from . import blas
 from .dropout import dropout_forward
@@ -38,12 +40,25 @@ from .linear import linear_forward
 
 
 def _gemm_into(dst, a, b, beta):
-    """dst = a @ b + beta * dst, where dst may be a transposed view (an [out, in] parameter's
-    gradient seen as [in, out]): then dst^T = b^T @ a^T, which is contiguous, is written instead."""
+    """dst = a @ b + beta * dst for an adapter's (r, X) or (X, r) gradient, where dst may be a
+    transposed view (an [out, in] parameter's gradient seen as [in, out]).
+
+    The product is formed with its short side (the rank) first: MKL's thin products with M = r run
+    1.5-2.7x faster than the same product with M = X and N = r (N 1,024 rows, r 8, X 1,536: 0.48
+    against 0.72 ms from memory, 0.20 against 0.54 in cache). So a (X, r) dst is written through its
+    transpose (r, X) = b^T a^T; where that orientation is not contiguous (dlora_b, lora_B.weight's
+    gradient seen as (r, OC)), it is formed in scratch and added into place (r X elements)."""
+    if dst.shape[0] > dst.shape[1]:
+        dst, a, b = dst.T, b.T, a.T
     if dst.flags.c_contiguous:
         blas.gemm(a, b, dst, beta)
+        return
+    tmp = workspace("lora_dw", dst.shape, dst.dtype)
+    blas.gemm(a, b, tmp)
+    if beta:
+        dst += tmp
     else:
-        blas.gemm(b.T, a.T, dst.T, beta)
+        dst[...] = tmp
 
 
 def _adapter_forward(out2, a2, lora_a, lora_b, xs2, scale):
@@ -115,12 +130,41 @@ def _adapter_input(x2, ad):
     return buf
 
 
+def _stacked(adapters):
+    """True when the adapters' A products can be formed as one: several adapters, all reading the
+    same input (no adapter dropout, whose masks differ per adapter)."""
+    return len(adapters) > 1 and not any(ad.dropout for ad in adapters)
+
+
+def _stack_a(adapters, dtype):
+    """The adapters' lora_A.weight (r, C) stacked into one (k r, C) scratch matrix (k r C elements)."""
+    r = adapters[0].lora_a.shape[1]
+    a_rows = workspace("lora_a_stack", (len(adapters) * r, adapters[0].lora_a.shape[0]), dtype)
+    for i, ad in enumerate(adapters):
+        a_rows[i * r:(i + 1) * r] = ad.lora_a.T
+    return a_rows, r
+
+
 def lora_forward(out, inp, adapters):
     """out[..., lo:hi] += s * (dropout(inp) @ A) @ B for each adapter (see the module docstring),
-    onto the frozen product the caller wrote into out (B, T, OC); writes each adapter's xs."""
+    onto the frozen product the caller wrote into out (B, T, OC); writes each adapter's xs.
+
+    Adapters on one input (q, k and v on the normalised x; gate and up) form their xs in one
+    product, x @ [A_1 | ... | A_k], reading x once instead of k times (N 1,024, C 576, r 8: 0.21
+    against 3 x 0.19 ms for q, k and v)."""
     x2, out2 = rows(inp), rows(out)
-    for ad in adapters:
-        _adapter_forward(out2[:, ad.lo:ad.hi], _adapter_input(x2, ad), ad.lora_a, ad.lora_b, rows(ad.xs), ad.scale)
+    if not _stacked(adapters):
+        for ad in adapters:
+            _adapter_forward(out2[:, ad.lo:ad.hi], _adapter_input(x2, ad), ad.lora_a, ad.lora_b, rows(ad.xs),
+                             ad.scale)
+        return
+    a_rows, r = _stack_a(adapters, x2.dtype)
+    xs_all = workspace("lora_xs_stack", (x2.shape[0], a_rows.shape[0]), x2.dtype)
+    blas.gemm(x2, a_rows.T, xs_all)
+    for i, ad in enumerate(adapters):
+        xs2 = rows(ad.xs)
+        np.multiply(xs_all[:, i * r:(i + 1) * r], ad.scale, out=xs2)
+        blas.gemm(xs2, ad.lora_b, out2[:, ad.lo:ad.hi], 1.0)
 
 
 def lora_backward(dinp, dout, inp, adapters):
@@ -131,6 +175,8 @@ def lora_backward(dinp, dout, inp, adapters):
     dinp (B, T, C) holds the frozen product's input gradient already; accumulates into it and into
     each adapter's dlora_a, dlora_b."""
     x2, g2, dx2 = rows(inp), rows(dout), rows(dinp)
+    if _stacked(adapters):
+        return _stacked_backward(dx2, g2, x2, adapters)
     for ad in adapters:
         gs = _adapter_backward(g2[:, ad.lo:ad.hi], _adapter_input(x2, ad), rows(ad.xs), ad.lora_a, ad.lora_b,
                                ad.dlora_a, ad.dlora_b, ad.scale, 1.0)
@@ -141,3 +187,24 @@ def lora_backward(dinp, dout, inp, adapters):
         blas.gemm(gs, ad.lora_a.T, da)
         dropout_forward(da, da, ad.dropout, ad.seed)  # the mask's derivative: the same mask and scale
         dx2 += da
+
+
+def _stacked_backward(dx2, g2, x2, adapters):
+    """lora_backward for adapters on one undropped input: each gs_i = s g_i B_i^T goes into its
+    columns of one (N, k r) matrix, so that dA for all of them is one product, [gs_1 | ... ]^T x,
+    and their part of dinp another, dinp += [gs_1 | ... ] [A_1; ...]: x is read once and dinp
+    read and written once, instead of k times each (q, k, v: 0.19 against 3 x 0.15 ms and 0.17
+    against 3 x 0.12)."""
+    a_rows, r = _stack_a(adapters, x2.dtype)
+    gs_all = workspace("lora_gs_stack", (x2.shape[0], a_rows.shape[0]), x2.dtype)
+    for i, ad in enumerate(adapters):
+        g = g2[:, ad.lo:ad.hi]
+        _gemm_into(ad.dlora_b, rows(ad.xs).T, g, 1.0)  # dB += xs^T g
+        gs = gs_all[:, i * r:(i + 1) * r]
+        blas.gemm(g, ad.lora_b.T, gs)
+        gs *= ad.scale
+    da_all = workspace("lora_da_stack", a_rows.shape, x2.dtype)
+    blas.gemm(gs_all.T, x2, da_all)  # row block i: dA_i^T = gs_i^T x
+    for i, ad in enumerate(adapters):
+        ad.dlora_a.T[...] += da_all[i * r:(i + 1) * r]
+    blas.gemm(gs_all, a_rows, dx2, 1.0)
