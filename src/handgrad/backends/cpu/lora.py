@@ -68,14 +68,17 @@ def _adapter_forward(out2, a2, lora_a, lora_b, xs2, scale):
     blas.gemm(xs2, lora_b, out2, 1.0)
 
 
-def _adapter_backward(g, a2, xs2, lora_a, lora_b, dlora_a, dlora_b, scale, beta):
-    """dB (+)= xs^T g, gs = s g B^T, dA (+)= a^T gs; returns gs (a reused scratch buffer), from
-    which the adapter input's gradient is gs A^T."""
+def _adapter_backward(g, a2, xs2, lora_b, dlora_a, dlora_b, scale, beta, gs=None):
+    """dB (+)= xs^T g, gs = s g B^T, dA (+)= a^T gs; returns gs (into `gs` if given, else a reused
+    scratch buffer), from which the adapter input's gradient is gs A^T. dlora_a None: dA is the
+    caller's (the stacked adapters form theirs together)."""
     _gemm_into(dlora_b, xs2.T, g, beta)
-    gs = workspace("lora_gs", (g.shape[0], lora_b.shape[0]), g.dtype)  # s g B^T (N, r)
+    if gs is None:
+        gs = workspace("lora_gs", (g.shape[0], lora_b.shape[0]), g.dtype)  # s g B^T (N, r)
     blas.gemm(g, lora_b.T, gs)
     gs *= scale
-    _gemm_into(dlora_a, a2.T, gs, beta)
+    if dlora_a is not None:
+        _gemm_into(dlora_a, a2.T, gs, beta)
     return gs
 
 
@@ -108,7 +111,7 @@ def lora_linear_backward(dinp, dlora_a, dlora_b, dout, inp, xs, weight, lora_a, 
     transposed view. Returns da (N, C) when adapter_inp is given (a reused scratch buffer), else None.
     """
     g, a = rows(dout), rows(inp if adapter_inp is None else adapter_inp)
-    gs = _adapter_backward(g, a, rows(xs), lora_a, lora_b, dlora_a, dlora_b, scale, 1.0 if accumulate else 0.0)
+    gs = _adapter_backward(g, a, rows(xs), lora_b, dlora_a, dlora_b, scale, 1.0 if accumulate else 0.0)
     da = None
     if adapter_inp is not None:
         da = workspace("lora_da", a.shape, a.dtype)
@@ -178,8 +181,8 @@ def lora_backward(dinp, dout, inp, adapters):
     if _stacked(adapters):
         return _stacked_backward(dx2, g2, x2, adapters)
     for ad in adapters:
-        gs = _adapter_backward(g2[:, ad.lo:ad.hi], _adapter_input(x2, ad), rows(ad.xs), ad.lora_a, ad.lora_b,
-                               ad.dlora_a, ad.dlora_b, ad.scale, 1.0)
+        gs = _adapter_backward(g2[:, ad.lo:ad.hi], _adapter_input(x2, ad), rows(ad.xs), ad.lora_b, ad.dlora_a,
+                               ad.dlora_b, ad.scale, 1.0)
         if not ad.dropout:
             blas.gemm(gs, ad.lora_a.T, dx2, 1.0)
             continue
@@ -198,11 +201,8 @@ def _stacked_backward(dx2, g2, x2, adapters):
     a_rows, r = _stack_a(adapters, x2.dtype)
     gs_all = workspace("lora_gs_stack", (x2.shape[0], a_rows.shape[0]), x2.dtype)
     for i, ad in enumerate(adapters):
-        g = g2[:, ad.lo:ad.hi]
-        _gemm_into(ad.dlora_b, rows(ad.xs).T, g, 1.0)  # dB += xs^T g
-        gs = gs_all[:, i * r:(i + 1) * r]
-        blas.gemm(g, ad.lora_b.T, gs)
-        gs *= ad.scale
+        _adapter_backward(g2[:, ad.lo:ad.hi], x2, rows(ad.xs), ad.lora_b, None, ad.dlora_b, ad.scale, 1.0,
+                          gs=gs_all[:, i * r:(i + 1) * r])
     da_all = workspace("lora_da_stack", a_rows.shape, x2.dtype)
     blas.gemm(gs_all.T, x2, da_all)  # row block i: dA_i^T = gs_i^T x
     for i, ad in enumerate(adapters):
