@@ -24,6 +24,7 @@ input rewritten just before (as its producer would leave it).
 """
 import argparse
 import time
+from types import SimpleNamespace
 
 import numpy as np
 from numba import njit, prange
@@ -34,7 +35,8 @@ GROUPS = (("q|k|v", 576, (576, 192, 192)), ("o", 576, (576,)), ("gate|up", 576, 
 
 
 def adapter_flops(groups=GROUPS):
-    """FLOPs of one block's adapters per step: 2 N r (C + OC) forward, twice that backward."""
+    """FLOPs of one block's adapters per step: 2 N r (C + OC) forward, twice that backward (6 per
+    adapter parameter per row, as models/lora.py's lora_flops_per_token counts them)."""
     return sum(6 * N * R * (c + oc) for _, c, cols in groups for oc in cols)
 
 
@@ -74,7 +76,7 @@ def step_mode(reps):
 
     steps(lora, 2)  # warm-up: compiles, workspaces
     steps(full, 2)
-    flops = config.n_layer * adapter_flops()
+    flops = 6 * B * T * sum(int(np.prod(shape)) for name, shape in lora.model.spec if ".lora_" in name)
     print(f"smollm2-135m, B {B}, T {T}, r {R} on q,k,v,o,gate,up,down: the adapters' products "
           f"{flops / 1e9:.2f} GFLOP per step")
     times = {"full": [], "lora": [], "no-op adapters": []}
@@ -155,7 +157,6 @@ class _Group:
     ranges of the output."""
 
     def __init__(self, c, cols, rng):
-        from types import SimpleNamespace
         self.c, self.cols, self.k, oc = c, cols, len(cols), sum(cols)
         self.lo = np.cumsum((0,) + cols)
         f32 = lambda *shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05)  # noqa: E731
