@@ -236,7 +236,8 @@ def init_from_smaller_vocab(w, tmp):
 
 
 def llama2c_truncated(w, tmp):
-    from handgrad.interop.convert import load_pretrained, save_pretrained
+    from handgrad.interop.convert import save_pretrained
+    from handgrad.interop.load import load_pretrained
     config, weights, _ = load_pretrained(hf_llama(w, tmp))
     d, _ = save_pretrained(tmp / "l2c", config, weights, fmt="llama2c")
     raw = (d / "model.bin").read_bytes()
@@ -582,7 +583,7 @@ def test_prompt_longer_than_the_context_is_cropped(world, capsys):
     does handgrad: the whole prompt is printed, the continuation is what the model predicts from the
     prompt's last block_size tokens, and one note on stderr says so. Not an error: a prompt is text
     to continue, and decoding already runs past block_size the same way."""
-    from handgrad.training.checkpoint import load_model
+    from handgrad.interop.checkpoint import load_model
     from handgrad.sample import SEPARATOR
     from handgrad.models.decode import generate
     from handgrad.data.tokenizer import load_tokenizer

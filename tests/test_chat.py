@@ -18,7 +18,7 @@ from handgrad.data.sources import DataError
 from handgrad.models.llama import Llama
 from handgrad.sample import SEPARATOR
 from handgrad.config import LlamaConfig
-from handgrad.training.checkpoint import load_model, read_state, resolve
+from handgrad.interop.checkpoint import load_model, read_state, resolve
 
 transformers = pytest.importorskip("transformers")
 

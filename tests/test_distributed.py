@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import prepared_char_data
 
-from handgrad.training.checkpoint import read_state
+from handgrad.interop.checkpoint import read_state
 from handgrad.config import ConfigError, GPTConfig, load_run_config
 from handgrad.data.shards import Dataset
 from handgrad.models.gpt2 import GPT

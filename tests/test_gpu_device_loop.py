@@ -17,7 +17,7 @@ import torch
 from gpu_helpers import DEVICE, REAL_GPU
 
 from handgrad import GPT, GPTConfig
-from handgrad.training.checkpoint import list_checkpoints
+from handgrad.interop.checkpoint import list_checkpoints
 from handgrad.backends.gpu import adamw as gpu_adamw
 from handgrad.config import ConfigError, load_run_config
 from handgrad.training.device_loop import DeviceLoop

@@ -16,10 +16,10 @@ transformers = pytest.importorskip("transformers")
 import handgrad  # noqa: E402
 from handgrad.cli import main as cli  # noqa: E402
 from handgrad.data.shards import Dataset  # noqa: E402
-from handgrad.interop.convert import load_pretrained  # noqa: E402
+from handgrad.interop.checkpoint import read_state, resolve  # noqa: E402
 from handgrad.interop.hf import read_safetensors  # noqa: E402
+from handgrad.interop.load import load_pretrained  # noqa: E402
 from handgrad.models.decode import generate  # noqa: E402
-from handgrad.training.checkpoint import read_state, resolve  # noqa: E402
 
 from helpers import prepared_char_data  # noqa: E402
 

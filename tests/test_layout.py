@@ -1,6 +1,7 @@
-"""The package's shape (docs/ARCHITECTURE.md): no import circles, project imports at the top of each
-file (only the modules that load torch or triton may be imported inside a function), every model
-family known to the config, and modules small enough to read in one sitting."""
+"""The package's shape (docs/ARCHITECTURE.md): every import runs down the layers, no import circles,
+project imports at the top of each file (only the modules that load torch or triton may be imported
+inside a function), every model family known to the config, and modules small enough to read in one
+sitting."""
 import ast
 from pathlib import Path
 
@@ -14,6 +15,18 @@ SRC = Path(handgrad.__file__).parent
 # imported lazily, inside functions: they load torch (and triton), optional dependencies
 LAZY_MODULES = ("handgrad.torch_ref", "handgrad.backends.gpu")
 MAX_LINES = 500
+# docs/ARCHITECTURE.md's layers, bottom first, by module prefix; a module is in the layer of its
+# longest matching prefix, so training/command.py, data/prepare.py and interop/convert.py are commands
+# (they may import anything), not training, data and interop. Beside the layers, unranked: machine,
+# torch, torch_ref and the package's __init__ (the public names).
+COMMANDS = ("handgrad.__main__", "handgrad.cli", "handgrad.sample", "handgrad.verify", "handgrad.bench",
+            "handgrad.training.command", "handgrad.data.prepare", "handgrad.interop.convert")
+LAYERS = (("config, files", ("handgrad.config", "handgrad.files")),
+          ("ops", ("handgrad.backends",)),
+          ("model family", ("handgrad.models",)),
+          ("data, interop", ("handgrad.data", "handgrad.interop")),
+          ("training", ("handgrad.training",)),
+          ("commands", COMMANDS))
 
 
 def _modules():
@@ -85,6 +98,43 @@ def _cycles(edges):
         if v not in index:
             visit(v)
     return found
+
+
+def _layer(module):
+    """The index in LAYERS of the module's layer, or None for a module beside them."""
+    found = [(len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+             if module == p or module.startswith(p + ".")]
+    return max(found)[1] if found else None
+
+
+def _upward(edges):
+    """(module, target, line) for every import of a module in a higher layer than the importer's."""
+    return [(m, t, line) for m, targets in edges.items() if (below := _layer(m)) is not None
+            for t, line in targets if (above := _layer(t)) is not None and above > below]
+
+
+def test_imports_run_down_the_layers():
+    mods = _modules()
+    assert [p for _, prefixes in LAYERS for p in prefixes if p not in mods] == []  # no layer names a lost module
+    edges = {m: [(t, line) for t, line, _ in _imports(m, f, mods)] for m, f in mods.items()}
+    up = [f"{mods[m].relative_to(SRC.parent)}:{line} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0]})"
+          for m, t, line in _upward(edges)]
+    assert up == [], "imports up the layers (move what is imported down, or the importer up):\n" + "\n".join(up)
+
+
+def test_layer_check_finds_an_upward_import():
+    edges = {"handgrad.interop.hf": [("handgrad.training.optim", 1), ("handgrad.models.gpt2", 2)],
+             "handgrad.data.chat": [("handgrad.sample", 3), ("handgrad.data.prepare", 4)],
+             "handgrad.models.llama": [("handgrad.interop.common", 5), ("handgrad.backends.cpu", 6)],
+             "handgrad.config": [("handgrad.models", 7)],
+             "handgrad.interop.convert": [("handgrad.training.optim", 8)],  # a command
+             "handgrad.training.trainer": [("handgrad.interop.load", 9), ("handgrad.torch_ref", 10)],
+             "handgrad.machine": [("handgrad.backends.cpu.blas", 11)]}  # beside the layers
+    assert _upward(edges) == [("handgrad.interop.hf", "handgrad.training.optim", 1),
+                              ("handgrad.data.chat", "handgrad.sample", 3),
+                              ("handgrad.data.chat", "handgrad.data.prepare", 4),
+                              ("handgrad.models.llama", "handgrad.interop.common", 5),
+                              ("handgrad.config", "handgrad.models", 7)]
 
 
 def test_no_import_cycles():

@@ -12,7 +12,8 @@ from handgrad.cli import main as cli
 from handgrad.config import GPTConfig, LlamaConfig
 from handgrad.data.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer
 from handgrad.interop.common import ConvertError
-from handgrad.interop.convert import from_pretrained, load_pretrained, write_handgrad
+from handgrad.interop.convert import write_handgrad
+from handgrad.interop.load import from_pretrained, load_pretrained
 from handgrad.interop.llama2c import read_llama2c, tokenizer_bin, write_llama2c
 from handgrad.models import family_of
 

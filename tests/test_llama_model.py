@@ -15,7 +15,7 @@ from handgrad.data.prepare import prepare
 from handgrad.models import get_family
 from handgrad.models.decode import generate
 from handgrad.models.llama import FAMILY, Llama, num_params, param_spec
-from handgrad.training.checkpoint import load_model
+from handgrad.interop.checkpoint import load_model
 from handgrad.training.memory import estimate
 from handgrad.verify import check_model_adamw, check_model_step
 

@@ -13,12 +13,12 @@ peft = pytest.importorskip("peft")
 
 from handgrad.cli import main as cli  # noqa: E402
 from handgrad.config import GPTConfig, LlamaConfig, LoRAConfig  # noqa: E402
-from handgrad.interop.convert import load_pretrained  # noqa: E402
+from handgrad.interop.checkpoint import list_checkpoints, read_state  # noqa: E402
 from handgrad.interop.hf_llama import write_hf_llama  # noqa: E402
+from handgrad.interop.load import load_pretrained  # noqa: E402
 from handgrad.interop.peft import write_peft  # noqa: E402
 from handgrad.models.gpt2 import GPT  # noqa: E402
 from handgrad.models.llama import Llama  # noqa: E402
-from handgrad.training.checkpoint import list_checkpoints, read_state  # noqa: E402
 
 # awkward widths: C not a power of two, 6 query heads over 2 kv heads (3 per group), V not a multiple of 64
 LLAMA = LlamaConfig(block_size=32, vocab_size=83, n_layer=2, n_head=6, n_kv_head=2, n_embd=36, ffn_hidden=52)

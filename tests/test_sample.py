@@ -377,7 +377,7 @@ def test_cli_user_errors(cli, argv, match):
 @pytest.fixture
 def run_dir(tmp_path):
     """A run directory written by the real checkpoint and tokenizer modules."""
-    checkpoint = pytest.importorskip("handgrad.training.checkpoint")
+    checkpoint = pytest.importorskip("handgrad.interop.checkpoint")
     tokenizer = pytest.importorskip("handgrad.data.tokenizer")
     if not all(hasattr(checkpoint, f) for f in ("save_checkpoint", "load_model")) \
             or not hasattr(tokenizer, "ByteTokenizer"):

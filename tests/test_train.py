@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from helpers import prepared_char_data
 
-from handgrad.training.checkpoint import CheckpointError, list_checkpoints, load_model, read_state
 from handgrad.cli import main as cli
+from handgrad.interop.checkpoint import CheckpointError, list_checkpoints, load_model, read_state
 from handgrad.training.step import lr_at
 from handgrad.config import load_run_config
 

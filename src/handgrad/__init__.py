@@ -13,7 +13,7 @@ Where things are (docs/ARCHITECTURE.md has the whole map):
 __version__ = "0.1.0"  # first: data/prepare.py records it, and is imported below
 
 from .config import GPTConfig  # noqa: E402
-from .interop.convert import from_pretrained  # noqa: E402
+from .interop.load import from_pretrained  # noqa: E402
 from .models.gpt2 import GPT  # noqa: E402
 
 # GPT.from_pretrained(path, backend="cpu"): the format readers (interop/) build on the models, so

@@ -26,7 +26,7 @@ from .interop.common import ConvertError
 from .machine import environment, sgemm_peak
 from .models.decode import SampleError
 from .training import command as train
-from .training.checkpoint import CheckpointError
+from .interop.checkpoint import CheckpointError
 from .training.distributed import DistributedError, exit_if_lost
 from .training.rundir import TrainError
 

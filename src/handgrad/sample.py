@@ -13,10 +13,10 @@ import numpy as np
 from .data.chat import load_chat_format
 from .data.sources import DataError
 from .data.tokenizer import load_tokenizer
-from .interop.convert import foreign_format, load_base, load_pretrained, model_tokenizer_path
+from .interop.checkpoint import CheckpointError, load_model, read_state, resolve
+from .interop.load import foreign_format, load_base, load_pretrained, model_tokenizer_path
 from .models.decode import SampleError, check_sampling, generate
 from .models import family_of
-from .training.checkpoint import CheckpointError, load_model, read_state, resolve
 
 
 SEPARATOR = "---------------"

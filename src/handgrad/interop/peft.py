@@ -109,7 +109,7 @@ def _short_names(cls, targets, where):
 def read_peft(path, fields, arch, config):
     """(LoRAConfig, {param name: array}) of the adapter at path, whose adapter_config.json
     read_peft_config read into `fields`, for a base of family `arch` and architecture config (the
-    tensors' shapes are checked when a model takes them: convert.lora_model)."""
+    tensors' shapes are checked when a model takes them: load.lora_model)."""
     from safetensors.numpy import load_file
     cls = get_family(arch).model
     where = Path(path) / CONFIG_FILE

@@ -22,7 +22,7 @@ provides, as a `Family` record (models/__init__.py lists them by `model.arch`):
 
 Everything that is not a family's own math is shared: the flat buffers (`flat_layout`,
 `flat_views` below), the optimizer (training/optim.py, over the flat buffers), checkpoints
-(training/checkpoint.py, by param_spec names), sampling (models/decode.py) and data parallelism.
+(interop/checkpoint.py, by param_spec names), sampling (models/decode.py) and data parallelism.
 """
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol

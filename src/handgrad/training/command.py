@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..backends.cpu import set_threads
 from ..config import CHOICES, RUN_PRESETS, SECTIONS, ConfigError, load_run_config
-from ..interop.convert import load_pretrained
+from ..interop.load import load_pretrained
 from ..machine import cores_available, sgemm_peak
 from ..models import family_of
 from .distributed import DataParallel

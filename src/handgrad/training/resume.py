@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..interop.convert import load_base
-from .checkpoint import CheckpointError, list_checkpoints, prune_checkpoints, restore, save_checkpoint
+from ..interop.checkpoint import CheckpointError, list_checkpoints, prune_checkpoints, restore, save_checkpoint
+from ..interop.load import load_base
 from .rundir import TrainError
 
 

@@ -6,7 +6,7 @@ from ..config import ConfigError, load_run_config, read_config_file
 from ..data.sources import DataError
 from ..data.tokenizer import TOKENIZER_FILE, GPT2Tokenizer, copy_tokenizer, load_tokenizer
 from ..files import OutputLock, write_atomic
-from .checkpoint import list_checkpoints
+from ..interop.checkpoint import list_checkpoints
 
 
 LOCK_FILE = ".lock"  # in RUN_DIR: held (flock) by the process training into it

@@ -12,7 +12,7 @@ from ..config import ConfigError
 from ..data.chat import CHAT_FILE, open_dataset
 from ..data.tokenizer import load_tokenizer
 from ..files import write_atomic
-from ..interop.convert import fit_weights, load_base
+from ..interop.load import fit_weights, load_base
 from ..models import family_of, get_family
 from ..models.decode import generate
 from ..models.family import BF16_LORA

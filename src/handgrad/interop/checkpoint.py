@@ -196,7 +196,7 @@ def resolve(path):
 def load_model(path, backend="cpu", base=None):
     """The model (of the family state.json names) with the weights of a checkpoint, or of a run
     directory's newest checkpoint. A LoRA run's comes back as a LoRA model: base(model, ref) loads
-    its frozen base weights first (interop.convert.load_base)."""
+    its frozen base weights first (load.py's load_base)."""
     ckpt = resolve(path)
     state = read_state(ckpt)
     try:

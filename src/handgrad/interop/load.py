@@ -1,0 +1,225 @@
+"""Any format in, a model out: format detection and the readers of Hugging Face GPT-2 directories
+(hf.py) and Llama / Qwen2 ones (hf_llama.py), llm.c model files (llmc.py), llama2.c model files
+(llama2c.py), PEFT adapters (peft.py) and handgrad runs (here, through checkpoint.py); what
+`from_pretrained`, `handgrad train --init-from`, `handgrad sample` and `handgrad convert` load with.
+
+Every format is read into one common form, (config, weights): the config a family's architecture
+config (GPTConfig or LlamaConfig), the weights a dict of float32 arrays under the family's
+param_spec names and layouts (llama: Hugging Face LlamaForCausalLM's own; gpt2: Hugging Face
+GPT-2's: Conv1D weights [in, out], no `transformer.` prefix, no lm_head), and written from it by
+`handgrad convert` (convert.py):
+
+* **hf**: a directory with config.json (model_type "gpt2") and model.safetensors (or shards
+  listed in model.safetensors.index.json). On import a `transformer.` key prefix is optional, the
+  `attn.bias` / `attn.masked_bias` buffers are ignored and a stored lm_head.weight must equal wte
+  (GPT-2 ties them). float32, float16 and bfloat16 tensors are read. An export is what
+  GPT2LMHeadModel.save_pretrained writes, and GPT2LMHeadModel.from_pretrained loads it, with the
+  run's tokenizer where transformers.AutoTokenizer loads it (hf.py: _export_hf_tokenizer) and
+  bos/eos ids only where that tokenizer has an end-of-text token. A directory whose config.json
+  names LlamaForCausalLM or Qwen2ForCausalLM is a llama-family model (hf_llama.py: the fields it
+  maps, the ones it refuses); a llama run exports as one of those two (Qwen2 when it has q/k/v
+  biases), with generation_config.json, and an imported directory's tokenizer files byte for byte.
+* **llmc**: llm.c's model file (train_gpt2.c's gpt2_build_from_checkpoint): a 256 x int32 header
+  (magic 20240326, version 3 = float32 or 5 = bfloat16, maxT, V, L, NH, C, Vp), then the tensors
+  in llm.c's order with nn.Linear's [out, in] layout and wte padded to Vp rows (padding ignored on
+  import, zero on export).
+* **llama2c**: llama2.c's model file (run.c's legacy format: 7 x int32 header, float32 tensors, q/k
+  rows in interleaved-pair RoPE order; detected by its header and exact size), a Llama model. An
+  export is a directory: model.bin, and with a tokenizer llama2.c's tokenizer.bin and handgrad's
+  tokenizer.json (`./run DST/model.bin -z DST/tokenizer.bin`); see llama2c.py.
+* **handgrad**: a run directory (its newest checkpoint) or a checkpoint directory; an export is a
+  run directory holding one weights-only checkpoint (step 0), so `handgrad sample --run DST` and
+  `handgrad train --init-from DST` take it.
+
+Nothing is ever unpickled: a pytorch_model.bin is refused with the command that converts it.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..models import family_of
+from ..models.family import flat_layout, flat_views
+from ..models.lora import base_digest, weights_digest
+from .checkpoint import load_model, load_weights, read_state, resolve
+from .common import ConvertError, check_weights, make_config
+from .hf import read_hf
+from .hf_llama import is_hf_llama, read_hf_llama
+from .llama2c import is_llama2c, read_llama2c, size_mismatch
+from .llmc import LLMC_MAGIC, read_llmc
+from .peft import is_peft, read_peft, read_peft_config, resolve_base
+
+
+# ---------------------------------------------------------------- detection and the common form
+def detect_format(path):
+    """'hf', 'llmc', 'llama2c', 'peft' or 'handgrad' for a path, or a ConvertError saying what it is not."""
+    path = Path(path)
+    if not path.exists():
+        raise ConvertError(f"{path}: no such file or directory")
+    if path.is_file():
+        if path.name == "config.json":
+            return detect_format(path.parent)
+        with open(path, "rb") as f:
+            head = np.frombuffer(f.read(8).ljust(8, b"\0"), dtype="<i4")
+        if head[0] == LLMC_MAGIC:
+            return "llmc"
+        if is_llama2c(path):
+            return "llama2c"
+        if (reason := size_mismatch(path)) is not None:
+            raise ConvertError(reason)
+        raise ConvertError(f"{path}: not an llm.c model file (magic {head[0]}, expected {LLMC_MAGIC}) nor a "
+                           f"llama2.c one; pass an llm.c or llama2.c .bin model, a Hugging Face model directory "
+                           f"or a handgrad run")
+    if (path / "state.json").is_file() or (path / "ckpt").is_dir():
+        return "handgrad"
+    if is_peft(path):
+        return "peft"
+    if (path / "config.json").is_file():
+        try:
+            doc = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = None
+        if isinstance(doc, dict) and "train" in doc and "model" in doc and "model_type" not in doc:
+            return "handgrad"  # a run directory without a checkpoint yet
+        return "hf"
+    if is_llama2c(path):  # a directory holding model.bin, as an export writes it
+        return "llama2c"
+    raise ConvertError(f"{path}: neither a Hugging Face model directory (no config.json) nor a handgrad run "
+                       f"(no ckpt/ or state.json)")
+
+
+def foreign_format(path):
+    """'hf', 'llmc' or 'llama2c' where path is plainly one of those, else None (no error): lets a
+    command that takes handgrad runs also take the other formats, keeping its own errors for
+    everything else."""
+    try:
+        fmt = detect_format(path)
+    except ConvertError:
+        return None
+    return fmt if fmt != "handgrad" else None
+
+
+def load_pretrained(path, merge=True):
+    """(config, weights, info) from any supported format; info says the format and where a
+    tokenizer.json lies (or None). A LoRA adapter (a PEFT directory, a handgrad LoRA run) comes
+    with its base model: merge=True gives the weights with the adapter folded in (the model it
+    computes); merge=False the base's, and info["adapter"] = {"lora": LoRAConfig, "tensors": what
+    trains, under model.layout's names, "base": the base's record (path, sha256)}."""
+    fmt = detect_format(path)
+    config, weights, info = {"hf": _read_hf, "llmc": read_llmc, "llama2c": read_llama2c,
+                             "handgrad": read_handgrad, "peft": _read_peft}[fmt](path)
+    info["format"] = fmt
+    if merge and "adapter" in info:
+        weights = lora_model(config, weights, info["adapter"]).merged_state_dict()
+    return config, weights, info
+
+
+def lora_model(config, base, adapter, backend="cpu"):
+    """A LoRA model holding base weights `base` and the adapter (load_pretrained's info["adapter"])."""
+    model = family_of(config).model(config, backend=backend, lora=adapter["lora"])
+    model.load_state_dict(base, names=model.base_names)
+    try:
+        model.load_state_dict(adapter["tensors"], names=model.layout)
+    except ValueError as e:
+        raise ConvertError(f"the adapter does not fit its base model ({e})") from None
+    return model
+
+
+def fit_weights(weights, config):
+    """Pretrained weights cut to a run's config: GPT-2's wpe keeps its first block_size rows
+    (nanoGPT's crop_block_size)."""
+    if "wpe.weight" in weights:
+        weights = dict(weights, **{"wpe.weight": weights["wpe.weight"][:config.block_size]})
+    return weights
+
+
+def load_base(model, ref):
+    """Load a LoRA model's frozen base, as its checkpoint records it (ref: {"path": where it was
+    loaded from} or {"init": "random", "seed": s}, and the "sha256" of its weights), checking the
+    digest: adapters on another base would compute something else."""
+    if "path" in ref:
+        try:
+            _, weights, _ = load_pretrained(ref["path"])
+        except ConvertError as e:
+            raise ConvertError(f"the LoRA run's base model: {e}") from None
+        where = ref["path"]
+    else:
+        layout, _ = flat_layout(model.param_spec(model.config))
+        weights = flat_views(model.init_params(model.config, ref["seed"]), layout)
+        where = f"the random initialisation of seed {ref['seed']}"
+    try:
+        model.load_state_dict(fit_weights(weights, model.config), names=model.base_names)
+    except ValueError as e:
+        raise ConvertError(f"{where}: not the base model of this LoRA run ({e})") from None
+    digest = base_digest(model)
+    if digest != ref["sha256"]:
+        raise ConvertError(f"{where}: its weights differ from the base this LoRA run's adapters were trained on "
+                           f"(SHA-256 {digest[:12]}..., recorded {ref['sha256'][:12]}...); put the original base "
+                           f"model back at that path")
+
+
+def _read_peft(path):
+    """A PEFT adapter directory: its base model (adapter_config.json's base_model_name_or_path)
+    and the adapter."""
+    fields, base = read_peft_config(path)
+    base = resolve_base(path, base)
+    if detect_format(base) == "peft":
+        raise ConvertError(f"{Path(path) / 'adapter_config.json'}: its base {base} is itself an adapter; point "
+                           f"base_model_name_or_path at a model")
+    config, weights, info = load_pretrained(base)
+    family = family_of(config)
+    lora, tensors = read_peft(path, fields, family.arch, config)
+    info["adapter"] = {"lora": lora, "tensors": tensors, "base": {"path": str(Path(base).resolve()),
+                                                                  "sha256": weights_digest(family.param_spec(config),
+                                                                                           weights)}}
+    if (Path(path) / "tokenizer.json").is_file():
+        info["tokenizer"] = str(Path(path) / "tokenizer.json")
+    return config, weights, info
+
+
+def _read_hf(path):
+    """A Hugging Face directory by its config.json's architecture: Llama or Qwen2 (hf_llama.py),
+    else GPT-2 (hf.py, which names the architectures handgrad reads when it is none of them)."""
+    return read_hf_llama(path) if is_hf_llama(path) else read_hf(path)
+
+
+def from_pretrained(path, backend="cpu"):
+    """A model with the weights at `path`, in any supported format (handgrad.GPT.from_pretrained)."""
+    config, weights, _ = load_pretrained(path)
+    model = family_of(config).model(config, backend=backend)
+    model.load_state_dict(weights)
+    return model
+
+
+# ---------------------------------------------------------------- handgrad
+def read_handgrad(path):
+    ckpt = resolve(path)
+    state = read_state(ckpt)
+    config = make_config(ckpt / "state.json", state.get("arch", "gpt2"), **state["model_config"])
+    tok = next((p / "tokenizer.json" for p in (Path(path), ckpt, ckpt.parent.parent)
+                if (p / "tokenizer.json").is_file()), None)
+    info = {"tokenizer": str(tok) if tok else None,  # a run's model.dropout, for the exports that record it
+            "dropout": state.get("config", {}).get("model", {}).get("dropout")}
+    if state.get("lora"):  # the adapters (and what else trained) over a base recorded by path and digest
+        model = load_model(ckpt, base=load_base)
+        info["adapter"] = {"lora": model.lora, "tensors": {n: model.ops.to_numpy(model.p[n]) for n in model.layout},
+                           "base": state["base"]}
+        return config, {n: model.ops.to_numpy(model.p[n]) for n in model.base_names}, info
+    weights = load_weights(ckpt)
+    check_weights(config, weights, ckpt / "model.safetensors")
+    return config, weights, info
+
+
+def model_tokenizer_path(src, info, config):
+    """Where the tokenizer of a pretrained model lies, for load_tokenizer: a tokenizer.json beside
+    it, GPT-2's vocab.json + merges.txt beside it, or "gpt2" (tiktoken) for a 50257-token llm.c
+    model (llm.c trains on GPT-2's tokens)."""
+    if info.get("tokenizer"):
+        return info["tokenizer"]
+    d = Path(src)
+    if d.is_dir() and (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+        return d
+    if info.get("format") == "llmc" and config.vocab_size == 50257:
+        return "gpt2"
+    raise ConvertError(f"{src}: no tokenizer beside the model (no tokenizer.json, no vocab.json + merges.txt); "
+                       f"pass --tokenizer PATH")
