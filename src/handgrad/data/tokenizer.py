@@ -21,7 +21,8 @@ Five kinds, each a `Tokenizer` with `name`, `vocab_size`, `eot_id`, `encode`, `d
   as `chat_template`).
 
 `save(dir)` writes `dir/tokenizer.json` (hf: and `tokenizer_config.json`); `load_tokenizer(dir)`
-reads it back (also a model directory or a tokenizer.json path); `copy_tokenizer` copies them from a
+reads it back (also a model directory, a tokenizer.json path, or a GGUF model file, whose
+`tokenizer.*` metadata becomes an hf tokenizer: data/gguf_tokenizer.py); `copy_tokenizer` copies them from a
 data directory into a run directory. A Hugging Face file is bpe when it is a byte-level BPE whose
 one added token is <|endoftext|> (handgrad's own, and GPT-2's), char or byte when it is their
 to_hf_json() form, otherwise hf. `to_hf_json()` is the tokenizer as Hugging
@@ -453,10 +454,14 @@ def _model_settings(d: Path) -> tuple[dict, list]:
 def load_tokenizer(path) -> Tokenizer:
     """The tokenizer saved in a data or run directory, or a Hugging Face model directory (or the
     `tokenizer.json` file itself, reading the model's settings beside it); also GPT-2's vocab.json +
-    merges.txt in a directory, and "gpt2" for GPT-2's through tiktoken."""
+    merges.txt in a directory, "gpt2" for GPT-2's through tiktoken, and a GGUF model file (any file
+    that starts with b"GGUF"; data/gguf_tokenizer.py)."""
     if str(path) == "gpt2":
         return GPT2Tokenizer()
     d = Path(path)
+    from .gguf_tokenizer import is_gguf, tokenizer_from_gguf  # here: it imports this module
+    if is_gguf(d):
+        return tokenizer_from_gguf(d)
     if d.is_dir() and not (d / TOKENIZER_FILE).is_file() and (d / "vocab.json").is_file() \
             and (d / "merges.txt").is_file():
         return load_gpt2_files(d / "vocab.json", d / "merges.txt")

@@ -1,0 +1,548 @@
+"""GGUF tokenizers in and out: a GGUF file's `tokenizer.*` metadata as a Hugging Face tokenizers
+file (handgrad's `hf` kind), and a tokenizer written into a GGUF as llama.cpp's converter writes it.
+
+In: `tokenizer_from_gguf(path_or_reader) -> HFTokenizer` (`load_tokenizer` calls it for any file
+that starts with the magic b"GGUF"). The tokenizer is rebuilt as llama.cpp tokenizes, in Hugging
+Face's terms (transformers' GGUF loader, integrations/gguf/gguf_tokenizer_mapping.py, does the same
+and differs where noted):
+
+* `tokenizer.ggml.model` "gpt2": byte-level BPE over `tokens` and `merges`, split first by the
+  pre-tokenizer `tokenizer.ggml.pre` names (PRE_TOKENIZERS; llama.cpp's regexes, written as the
+  models' own tokenizer.json writes them): "smollm" and the StarCoder family isolate every digit and
+  then split by GPT-2's regex; "gpt-2" and its family by GPT-2's regex; "llama-bpe" (Llama 3), "qwen2",
+  "gpt-4o" and theirs by their own regexes (Llama 3's family also ignores merges for a word that is
+  a whole token). "default", or no key: GPT-2's regex, as transformers reads it (llama.cpp's own
+  "default" splits otherwise and warns that quality suffers). Any other name is refused, naming the
+  key: a wrong split gives wrong ids without any error. transformers splits "smollm" by GPT-2's regex
+  alone, so it disagrees with llama.cpp (and with SmolLM2's own tokenizer.json) where a digit
+  follows two or more spaces: "x  1" is [x, ĠĠ, 1] here, [x, Ġ, Ġ, 1] there.
+* "llama": SentencePiece BPE with byte fallback (<0xXX> tokens): spaces become "▁", and with
+  `tokenizer.ggml.add_space_prefix` (default true) each stretch of text between added tokens gets a
+  leading "▁" as llama.cpp adds one (a Prepend normalizer: Hugging Face's own Llama 2 tokenizer.json;
+  transformers uses Metaspace "first", which ignores add_space_prefix, adds no "▁" after a special
+  token and none before text that starts with a space). Merges are `tokenizer.ggml.merges` where the
+  file has them, else rebuilt from `scores` as transformers rebuilds them (every split of a token
+  into two tokens, best score first).
+* any other model ("bert", "t5", "rwkv", ...): refused, naming the key and its value.
+Only the metadata is read (`read_gguf_metadata`, one memory map; gguf.GGUFReader, also accepted,
+takes seconds over a tokenizer's 100,000 strings): a file cut short before the end of its metadata
+is refused in one line, one cut in its tensors still gives its tokenizer.
+
+Token types (llama.cpp's: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte):
+control and unknown tokens are special added tokens, user-defined ones plain added tokens (both
+matched whole in text, as llama.cpp matches them; handgrad's encode keeps special ones as text).
+The tokenizer_config (`HFTokenizer.config`): bos_token, eos_token, unk_token, pad_token (the token
+strings of `tokenizer.ggml.{bos,eos,unknown,padding}_token_id`, where the file has them), add_bos_token
+and add_eos_token (the file's `tokenizer.ggml.add_bos_token` / `add_eos_token`, else llama.cpp's
+defaults: BOS for "llama" and for Llama 3's pre-tokenizer family, no EOS), chat_template
+(`tokenizer.chat_template`). So eot_id is the file's eos. The tokenizer's post-processor puts BOS
+first when add_bos_token (for tools that encode with special tokens; handgrad never does).
+
+Out: `write_gguf_tokenizer(writer, tok, vocab_size=None)` adds the `tokenizer.*` keys to a
+gguf.GGUFWriter as llama.cpp's convert_hf_to_gguf.py writes them: tokens in id order (ids with no
+token, and ids up to vocab_size, the model's embedding rows, as "[PAD{id}]", unused), token_type
+(added special tokens, and added ones that look special such as <|...|>, control; other added
+tokens user-defined), bos/eos/unk/pad ids from the tokenizer's config (eos: its eot_id), add_bos_token
+/ add_eos_token (the config's, else whether the post-processor adds them), the chat template.
+* A byte-level BPE (handgrad's bpe: <|endoftext|> becomes bos and eos too, as for GPT-2; GPT-2's,
+  SmolLM2's, Llama 3's, Qwen2's tokenizer.json): model "gpt2", merges, and the pre-tokenizer's name,
+  found by comparing the tokenizer.json's pre-tokenizer with PRE_TOKENIZERS (llama.cpp's converter
+  compares the ids of a test text instead); one it does not know is refused. add_space_prefix false.
+* A SentencePiece-style BPE (Metaspace or Prepend/Replace "▁", byte fallback): model "llama",
+  scores (-rank of the merge that makes a token; -1e9 for tokens no merge makes, so that llama.cpp,
+  which merges by score and ignores the merges, merges them last), token types (its unk_token
+  unknown, <0xXX> byte), add_space_prefix, and the merges too (transformers and tokenizer_from_gguf
+  use them, so they read back the same merges; a Metaspace "first" tokenizer reads back with
+  llama.cpp's "▁" after special tokens and before a leading space).
+* Anything else (char, byte, gpt2 through tiktoken, WordPiece, Unigram): refused, naming the kind.
+
+`gguf_chat_format(tok)` is the chat format (data/chat.py's ChatFormat) of a GGUF tokenizer: its
+template and special tokens, rendering and masking as for a model directory.
+"""
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .sources import DataError
+from .tokenizer import EOT_TEXT, HFTokenizer
+
+
+GGUF_MAGIC = b"GGUF"
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
+SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+               "pad_token": "padding_token_id"}  # tokenizer_config name -> tokenizer.ggml.{key}
+NO_MERGE_SCORE = -1e9  # "llama" out: the score of a token that no merge makes
+
+# GPT2_SPLIT: ByteLevel's own regex, 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+GPT2_SPLIT = "gpt-2"
+DIGITS = "digits"  # each digit isolated, then GPT-2's regex (StarCoder's and SmolLM2's tokenizer.json)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> (the split, ignore_merges, add_bos by default), as llama-vocab.cpp reads each
+# name; the first name of each split is the one written out.
+PRE_TOKENIZERS = {
+    "smollm": (DIGITS, False, False), "starcoder": (DIGITS, False, False), "refact": (DIGITS, False, False),
+    "command-r": (DIGITS, False, False), "codeshell": (DIGITS, False, False), "exaone": (DIGITS, False, False),
+    "minerva-7b": (DIGITS, False, False),
+    "gpt-2": (GPT2_SPLIT, False, False), "phi-2": (GPT2_SPLIT, False, False), "mpt": (GPT2_SPLIT, False, False),
+    "olmo": (GPT2_SPLIT, False, False), "default": (GPT2_SPLIT, False, False),
+    "llama-bpe": (LLAMA3_SPLIT, True, True), "llama3": (LLAMA3_SPLIT, True, True),
+    "llama-v3": (LLAMA3_SPLIT, True, True), "falcon3": (LLAMA3_SPLIT, True, True),
+    "pixtral": (LLAMA3_SPLIT, True, True), "dbrx": (LLAMA3_SPLIT, False, False),
+    "smaug-bpe": (LLAMA3_SPLIT, False, False),
+    "qwen2": (QWEN2_SPLIT, False, False), "deepseek-r1-qwen": (QWEN2_SPLIT, False, False),
+    "stablelm2": (QWEN2_SPLIT, False, False), "megrez": (QWEN2_SPLIT, False, False),
+    "gpt-4o": (GPT4O_SPLIT, False, False), "llama4": (GPT4O_SPLIT, False, False),
+}
+
+
+# ---------------------------------------------------------------- in
+def is_gguf(path) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:  # a directory, a missing or unreadable file
+        return False
+
+
+# GGUF's value types (gguf-py's GGUFValueType): struct formats of the scalars; 8 string, 9 array
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
+
+
+class _Cursor:
+    """Reads GGUF's little-endian values from a buffer, front to back."""
+
+    def __init__(self, buf, pos=0):
+        self.buf, self.pos = buf, pos
+
+    def scalar(self, fmt):
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)  # struct.error past the end
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.buf):
+            raise EOFError(f"{n} bytes at offset {self.pos} run past the end")
+        self.pos += n
+        return self.buf[self.pos - n:self.pos]
+
+    def value(self, vtype):
+        if vtype == STRING:
+            return self.take(self.scalar("<Q")).decode("utf-8")
+        if vtype in SCALARS:
+            return self.scalar(SCALARS[vtype])
+        if vtype != ARRAY:
+            raise ValueError(f"unknown value type {vtype}")
+        etype, n = self.scalar("<I"), self.scalar("<Q")
+        if etype in SCALARS and etype != 7:  # numbers: one read
+            return np.frombuffer(self.take(n * struct.calcsize(SCALARS[etype])), dtype=SCALARS[etype]).tolist()
+        return [self.value(etype) for _ in range(n)]
+
+
+def read_gguf_metadata(path) -> dict:
+    """A GGUF file's key/value metadata ({key: str, int, float, bool or a list of them}), read
+    through a memory map, without the tensors (gguf.GGUFReader takes seconds over the 100,000
+    strings of a tokenizer; this, a tenth of one). DataError, in one line, for a file that is not
+    GGUF version 2 or 3 or that ends inside its metadata."""
+    where = str(path)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != GGUF_MAGIC:
+                raise DataError(f"{where}: not a GGUF file (it does not start with b'GGUF')")
+            cur = _Cursor(buf, 4)
+            version = cur.scalar("<I")
+            if version not in (2, 3):
+                raise DataError(f"{where}: GGUF version {version}; handgrad reads versions 2 and 3 "
+                                f"(little-endian); convert the model again with a current llama.cpp")
+            _, n_kv = cur.scalar("<Q"), cur.scalar("<Q")  # tensors, keys
+            meta = {}
+            for _ in range(n_kv):
+                key = cur.value(STRING)
+                meta[key] = cur.value(cur.scalar("<I"))
+            return meta
+    except DataError:
+        raise
+    except OSError as e:
+        raise DataError(f"{where}: cannot read it ({e.strerror or e})") from None
+    except (struct.error, EOFError, ValueError, UnicodeDecodeError, MemoryError) as e:  # ValueError: an empty file
+        reason = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+        raise DataError(f"{where}: not a readable GGUF file, truncated or corrupt ({reason}); "
+                        f"download or write it again") from None
+
+
+def _metadata(path_or_reader) -> tuple[dict, str]:
+    """(the metadata, the name errors give the file) of a path or a gguf.GGUFReader."""
+    if isinstance(path_or_reader, (str, Path)):
+        return read_gguf_metadata(path_or_reader), str(path_or_reader)
+    reader = path_or_reader
+    where = str(getattr(reader.data, "filename", None) or "the GGUF file")
+    try:
+        return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}, where
+    except Exception as e:  # a value whose bytes are not what its type says (bad UTF-8, short)
+        raise DataError(f"{where}: its tokenizer metadata cannot be read ({type(e).__name__}); the file is "
+                        f"corrupt") from None
+
+
+def tokenizer_from_gguf(path_or_reader) -> HFTokenizer:
+    """The tokenizer in a GGUF file's metadata (a path or a gguf.GGUFReader), as handgrad's hf
+    tokenizer with its tokenizer_config (see the module docstring)."""
+    meta, where = _metadata(path_or_reader)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        raise DataError(f"{where}: no tokenizer.ggml.model; this GGUF carries no tokenizer, give the "
+                        f"model's tokenizer.json instead")
+    if kind not in ("gpt2", "llama"):
+        raise DataError(f"{where}: tokenizer.ggml.model is {kind!r}; handgrad reads only 'gpt2' (byte-level "
+                        f"BPE) and 'llama' (SentencePiece BPE) tokenizers")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise DataError(f"{where}: tokenizer.ggml.tokens is missing or not a list of strings; the file is corrupt")
+    if (dup := _duplicate(tokens)) is not None:
+        raise DataError(f"{where}: tokenizer.ggml.tokens has {dup!r} twice; the file is corrupt")
+    n = len(tokens)
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * n
+    scores = meta.get("tokenizer.ggml.scores")
+    merges = meta.get("tokenizer.ggml.merges")
+    for key, value in (("token_type", types), ("scores", scores)):
+        if value is not None and (not isinstance(value, list) or len(value) != n):
+            raise DataError(f"{where}: tokenizer.ggml.{key} has {len(value) if isinstance(value, list) else 'no'} "
+                            f"entries for {n} tokens; the file is corrupt")
+    pre = meta.get("tokenizer.ggml.pre") or "default"
+    if kind == "gpt2":
+        if pre not in PRE_TOKENIZERS:
+            raise DataError(f"{where}: tokenizer.ggml.pre is {pre!r}, a pre-tokenizer handgrad does not know "
+                            f"(it knows {', '.join(sorted(PRE_TOKENIZERS))})")
+        if merges is None:
+            raise DataError(f"{where}: a gpt2 tokenizer without tokenizer.ggml.merges; the file is corrupt")
+        add_bos_default = PRE_TOKENIZERS[pre][2]
+    else:
+        if merges is None and scores is None:
+            raise DataError(f"{where}: a llama tokenizer with neither tokenizer.ggml.scores nor merges; "
+                            f"the file is corrupt")
+        add_bos_default = True
+    config = {}
+    for name, key in SPECIAL_IDS.items():
+        i = meta.get(f"tokenizer.ggml.{key}")
+        if isinstance(i, int) and 0 <= i < n:
+            config[name] = tokens[i]
+    config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    config["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, str):
+        config["chat_template"] = template
+    if merges is not None:
+        bad = next((m for m in merges if not isinstance(m, str) or m.find(" ", 1) in (-1, len(m) - 1)), None)
+        if bad is not None:
+            raise DataError(f"{where}: tokenizer.ggml.merges has {bad!r}, not two tokens and a space between; "
+                            f"the file is corrupt")
+    try:
+        if kind == "gpt2":
+            tok = _byte_level(tokens, merges, pre)
+        else:
+            space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+            pairs = [_split_merge(m) for m in merges] if merges is not None else _merges_from_scores(tokens, scores)
+            tok = _sentencepiece(tokens, pairs, space_prefix, config.get("unk_token"))
+    except Exception as e:  # tokenizers raises a plain Exception, e.g. for a merge of tokens not in the vocabulary
+        reason = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+        raise DataError(f"{where}: its tokenizer.ggml keys do not form a tokenizer ({reason}); the file is corrupt") \
+            from None
+    _add_tokens(tok, tokens, types)
+    _post_processor(tok, config)
+    return HFTokenizer(tok.to_str(), config, (), where)
+
+
+def _duplicate(tokens):
+    """The first token text that comes twice, or None."""
+    seen = set()
+    for t in tokens:
+        if t in seen:
+            return t
+        seen.add(t)
+    return None
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    """'a b' -> ('a', 'b'), split at the first space after the first character, as llama.cpp splits."""
+    i = merge.find(" ", 1)
+    return merge[:i], merge[i + 1:]
+
+
+def _byte_level(tokens, merges, pre):
+    """A byte-level BPE (tokenizers.Tokenizer) over the file's tokens and merges, split as `pre` says."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    split, ignore_merges, _ = PRE_TOKENIZERS[pre]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[_split_merge(m) for m in merges],
+                               ignore_merges=ignore_merges))
+    if split == GPT2_SPLIT:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif split == DIGITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _merges_from_scores(tokens, scores) -> list[tuple[str, str]]:
+    """SentencePiece merges from scores, as transformers' generate_merges makes them: every split of
+    a token into two tokens, ranked by the token's score (best first), then the longer left piece,
+    then the longer right piece, then token order, then the pieces' ids."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        local = [(token[:k], token[k:], score) for k in range(1, len(token))
+                 if token[:k] in vocab and token[k:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable: ties keep their order
+    return [(a, b) for a, b, _ in merges]
+
+
+def _sentencepiece(tokens, merges, space_prefix: bool, unk):
+    """SentencePiece's BPE as llama.cpp runs it: " " -> "▁" (and a leading "▁" with space_prefix),
+    merges, byte fallback; decoding undoes each."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token=unk,
+                               fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Prepend("▁")] if space_prefix else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    return tok
+
+
+def _add_tokens(tok, tokens, types):
+    """Control and unknown tokens as special added tokens, user-defined ones as plain added tokens
+    (each keeps its id: every token is in the model's vocabulary)."""
+    from tokenizers import AddedToken
+    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN)]
+    plain = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    tok.add_special_tokens(special)
+    tok.add_tokens(plain)
+
+
+def _post_processor(tok, config):
+    """BOS first (and EOS last) when the config says to add them, as Hugging Face's Llama files do."""
+    from tokenizers import processors
+    bos, eos = config.get("bos_token"), config.get("eos_token")
+    first = [bos] if bos is not None and config["add_bos_token"] else []
+    last = [eos] if eos is not None and config["add_eos_token"] else []
+    if not (first or last):
+        return
+    specials = {t: tok.token_to_id(t) for t in first + last}
+    tok.post_processor = processors.TemplateProcessing(
+        single=first + ["$A"] + last,
+        pair=first + ["$A"] + last + [f"{t}:1" for t in first] + ["$B:1"] + [f"{t}:1" for t in last],
+        special_tokens=list(specials.items()))
+
+
+def gguf_chat_format(tok: HFTokenizer):
+    """data/chat.py's ChatFormat for a tokenizer read from a GGUF: its chat_template (else the
+    default ChatML or plain template, as for a model directory) and its special tokens."""
+    from tokenizers import Tokenizer
+    from .chat import CHATML_TEMPLATE, PLAIN_TEMPLATE, SPECIAL_NAMES, ChatFormat
+    hf = Tokenizer.from_str(tok.hf.to_str())
+    hf.encode_special_tokens = False  # the template's special tokens are special
+    special = {name: t for name in SPECIAL_NAMES if (t := _token_text(tok.config.get(name)))}
+    template, source = tok.config.get("chat_template"), "tokenizer.chat_template"
+    if template is None and {"<|im_start|>", "<|im_end|>"} <= set(hf.get_vocab(with_added_tokens=True)):
+        template, source = CHATML_TEMPLATE, "default ChatML"
+    elif template is None:
+        template, source = PLAIN_TEMPLATE, "default plain"
+    return ChatFormat(hf, template, special, "the GGUF tokenizer", source)
+
+
+# ---------------------------------------------------------------- out
+def write_gguf_tokenizer(writer, tok, vocab_size: int | None = None) -> None:
+    """Add `tok`'s tokenizer.* keys to a gguf.GGUFWriter as convert_hf_to_gguf.py writes them (see
+    the module docstring); `vocab_size`, the model's embedding rows, pads the token list to that
+    length. DataError for a tokenizer llama.cpp has no form for."""
+    from tokenizers import Tokenizer
+    doc = tok.to_hf_json()
+    model = (doc or {}).get("model") or {}
+    spm = model.get("type") == "BPE" and _is_sentencepiece(doc)
+    if model.get("type") != "BPE" or not (spm or _byte_level_pre(doc)):
+        steps = "+".join(s.get("type", "?") for s in _parts(doc.get("pre_tokenizer"))) if doc else ""
+        what = (" (no Hugging Face form)" if doc is None else f" ({model.get('type')})" if model.get("type") != "BPE"
+                else f" (BPE split by {steps or 'nothing'})")
+        raise DataError(f"a {tok.name} tokenizer{what} has no GGUF form; GGUF holds byte-level BPE (gpt2, split as "
+                        f"one of llama.cpp's pre-tokenizers) and SentencePiece BPE (llama) tokenizers")
+    hf = Tokenizer.from_str(json.dumps(doc))
+    config = dict(getattr(tok, "config", {}) or {})
+    if tok.name == "bpe":  # handgrad's own: <|endoftext|> begins and ends text, as GPT-2's does
+        config.setdefault("bos_token", EOT_TEXT)
+        config.setdefault("eos_token", EOT_TEXT)
+    elif tok.eot_id is not None and not _token_text(config.get("eos_token")):
+        config["eos_token"] = hf.id_to_token(tok.eot_id)
+    tokens, types, merges = _vocab_for_gguf(doc, hf, spm, vocab_size)
+    if spm:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(_scores(tokens, merges))
+        writer.add_token_types(types)
+        writer.add_add_space_prefix(_space_prefix(doc))
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(_pre_name(doc))
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_add_space_prefix(False)
+    writer.add_token_merges([f"{a} {b}" for a, b in merges])
+    ids = {name: hf.token_to_id(t) for name in SPECIAL_IDS if (t := _token_text(config.get(name)))}
+    for name, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                      ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+        if ids.get(name) is not None:
+            add(ids[name])
+    add_bos, add_eos = _adds_specials(doc, config, hf, ids)
+    writer.add_add_bos_token(add_bos)
+    writer.add_add_eos_token(add_eos)
+    if config.get("chat_template"):
+        writer.add_chat_template(config["chat_template"])
+
+
+def _token_text(value):
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) and value else None
+
+
+def _parts(node) -> list[dict]:
+    """A pre-tokenizer, normalizer or decoder as the list of its steps."""
+    if not isinstance(node, dict):
+        return []
+    if node.get("type") == "Sequence":
+        steps = node.get("pretokenizers") or node.get("normalizers") or node.get("decoders") or []
+        return [p for s in steps for p in _parts(s)]
+    return [node]
+
+
+def _byte_level_pre(doc):
+    """The split (a PRE_TOKENIZERS value) of a byte-level BPE's pre-tokenizer, or None where it is
+    not byte-level BPE or not one of those splits. A normalizer other than NFC is refused (llama.cpp
+    has none; Qwen2's NFC is dropped, as its converter drops it)."""
+    steps = _parts(doc.get("pre_tokenizer"))
+    if any(s.get("type") != "NFC" for s in _parts(doc.get("normalizer"))):
+        return None
+    if [s.get("type") for s in _parts(doc.get("decoder"))] != ["ByteLevel"] or not steps:
+        return None
+    last = steps[-1]
+    if last.get("type") != "ByteLevel" or last.get("add_prefix_space"):
+        return None
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["ByteLevel"] and last.get("use_regex", True):
+        return GPT2_SPLIT
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and last.get("use_regex", True):
+        return DIGITS
+    if kinds == ["Split", "ByteLevel"] and not last.get("use_regex", True) \
+            and str(steps[0].get("behavior")).lower() == "isolated" and not steps[0].get("invert"):
+        pattern = (steps[0].get("pattern") or {}).get("Regex")
+        return pattern if pattern in {s for s, _, _ in PRE_TOKENIZERS.values()} else None
+    return None
+
+
+def _pre_name(doc) -> str:
+    """tokenizer.ggml.pre for a byte-level BPE: the first name PRE_TOKENIZERS gives its split."""
+    split = _byte_level_pre(doc)
+    ignore = bool(doc["model"].get("ignore_merges"))
+    names = [n for n, (s, ig, _) in PRE_TOKENIZERS.items() if s == split]
+    return next((n for n in names if PRE_TOKENIZERS[n][1] == ignore), names[0])
+
+
+def _is_sentencepiece(doc) -> bool:
+    """A BPE that turns spaces into "▁" (a Metaspace pre-tokenizer, or Prepend/Replace normalizers)
+    and whose decoder turns them back."""
+    pre, norm = _parts(doc.get("pre_tokenizer")), _parts(doc.get("normalizer"))
+    decoder = _parts(doc.get("decoder"))
+    metaspace = len(pre) == 1 and pre[0].get("type") == "Metaspace" and pre[0].get("replacement") == "▁" \
+        and not pre[0].get("split", True) and not norm
+    replace = not pre and norm and all(s.get("type") in ("Prepend", "Replace") for s in norm) \
+        and norm[-1].get("type") == "Replace" and (norm[-1].get("pattern") or {}).get("String") == " " \
+        and norm[-1].get("content") == "▁" and all(s.get("prepend") == "▁" for s in norm[:-1])
+    undo = bool(decoder) and decoder[0].get("type") == "Replace" and decoder[0].get("content") == " "
+    return bool((metaspace or replace) and undo)
+
+
+def _space_prefix(doc) -> bool:
+    """Whether a SentencePiece-style tokenizer puts "▁" before the text."""
+    pre = _parts(doc.get("pre_tokenizer"))
+    if pre:
+        return pre[0].get("prepend_scheme", "always" if pre[0].get("add_prefix_space", True) else "never") != "never"
+    return any(s.get("type") == "Prepend" for s in _parts(doc.get("normalizer")))
+
+
+def _looks_special(token: str) -> bool:
+    """convert_hf_to_gguf.py's does_token_look_special: added tokens that ought to be control tokens."""
+    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>"))
+            or (token.startswith("<｜") and token.endswith("｜>"))
+            or (token.startswith("<unused") and token.endswith(">")))
+
+
+def _vocab_for_gguf(doc, hf, spm: bool, vocab_size):
+    """(tokens, token types, merges as pairs) in id order, padded to vocab_size."""
+    vocab = dict(doc["model"].get("vocab") or {})
+    added = {t["id"]: t for t in doc.get("added_tokens") or []}
+    by_id = {i: t for t, i in vocab.items()}
+    by_id.update({i: t["content"] for i, t in added.items()})
+    n = max(by_id, default=-1) + 1
+    if vocab_size is not None and vocab_size < n:
+        raise DataError(f"the tokenizer has ids up to {n - 1} but the model only {vocab_size} embedding rows; "
+                        f"use the tokenizer the model was trained with")
+    n = max(n, vocab_size or 0)
+    unk = doc["model"].get("unk_token")
+    tokens, types = [], []
+    for i in range(n):
+        token = by_id.get(i)
+        if token is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(UNUSED)
+        else:
+            tokens.append(token)
+            types.append(UNKNOWN if spm and token == unk else
+                         (CONTROL if added[i].get("special") or _looks_special(token) else USER_DEFINED) if i in added
+                         else BYTE if spm and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+                         else NORMAL)
+    if (dup := _duplicate(tokens)) is not None:
+        raise DataError(f"the tokenizer spells two ids as {dup!r}; GGUF needs one id per token text")
+    merges = [tuple(m) if isinstance(m, list) else _split_merge(m) for m in doc["model"].get("merges") or []]
+    if not spm and any(" " in a or " " in b for a, b in merges):
+        raise DataError("a byte-level tokenizer with a space inside a merge; GGUF's merges cannot hold it")
+    return tokens, types, merges
+
+
+def _scores(tokens, merges) -> list[float]:
+    """SentencePiece scores that make llama.cpp's merge order the merges' order: -rank of the first
+    merge that makes a token, NO_MERGE_SCORE for the others."""
+    rank = {}
+    for r, (a, b) in enumerate(merges):
+        rank.setdefault(a + b, r)
+    return [-float(rank[t]) if t in rank else NO_MERGE_SCORE for t in tokens]
+
+
+def _adds_specials(doc, config, hf, ids) -> tuple[bool, bool]:
+    """(add_bos_token, add_eos_token): the config's, else whether the post-processor adds them."""
+    post = [p for p in (doc.get("post_processor") or {}).get("processors", [doc.get("post_processor")]) if p]
+    single = next((p.get("single") or [] for p in post if p.get("type") == "TemplateProcessing"), [])
+    first = single[0].get("SpecialToken", {}).get("id") if single else None
+    last = single[-1].get("SpecialToken", {}).get("id") if single else None
+    add_bos = config.get("add_bos_token")
+    add_eos = config.get("add_eos_token")
+    if not isinstance(add_bos, bool):
+        add_bos = first is not None and hf.token_to_id(first) == ids.get("bos_token")
+    if not isinstance(add_eos, bool):
+        add_eos = last is not None and hf.token_to_id(last) == ids.get("eos_token")
+    return bool(add_bos), bool(add_eos)
+
