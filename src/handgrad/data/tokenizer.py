@@ -21,9 +21,8 @@ Five kinds, each a `Tokenizer` with `name`, `vocab_size`, `eot_id`, `encode`, `d
   as `chat_template`).
 
 `save(dir)` writes `dir/tokenizer.json` (hf: and `tokenizer_config.json`); `load_tokenizer(dir)`
-reads it back (also a model directory, a tokenizer.json path, or a GGUF model file, whose
-`tokenizer.*` metadata becomes an hf tokenizer: data/gguf_tokenizer.py); `copy_tokenizer` copies them from a
-data directory into a run directory. A Hugging Face file is bpe when it is a byte-level BPE whose
+reads it back (also a model directory, a tokenizer.json path, or a GGUF file: data/gguf_tokenizer.py);
+`copy_tokenizer` copies them from a data directory into a run directory. A Hugging Face file is bpe when it is a byte-level BPE whose
 one added token is <|endoftext|> (handgrad's own, and GPT-2's), char or byte when it is their
 to_hf_json() form, otherwise hf. `to_hf_json()` is the tokenizer as Hugging
 Face tokenizers' own `tokenizer.json` with the same ids (char: a WordLevel model over one piece per
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .gguf_tokenizer import gguf_tokenizer_parts, is_gguf
 from .sources import DataError
 
 
@@ -454,12 +454,10 @@ def _model_settings(d: Path) -> tuple[dict, list]:
 def load_tokenizer(path) -> Tokenizer:
     """The tokenizer saved in a data or run directory, or a Hugging Face model directory (or the
     `tokenizer.json` file itself, reading the model's settings beside it); also GPT-2's vocab.json +
-    merges.txt in a directory, "gpt2" for GPT-2's through tiktoken, and a GGUF model file (any file
-    that starts with b"GGUF"; data/gguf_tokenizer.py)."""
+    merges.txt in a directory, "gpt2" for GPT-2's through tiktoken, and a GGUF file (by its magic)."""
     if str(path) == "gpt2":
         return GPT2Tokenizer()
     d = Path(path)
-    from .gguf_tokenizer import is_gguf, tokenizer_from_gguf  # here: it imports this module
     if is_gguf(d):
         return tokenizer_from_gguf(d)
     if d.is_dir() and not (d / TOKENIZER_FILE).is_file() and (d / "vocab.json").is_file() \
@@ -476,6 +474,12 @@ def load_tokenizer(path) -> Tokenizer:
         raise DataError(f"{file}: not valid JSON ({e}); point at an intact tokenizer.json (for a data "
                         f"directory: re-run handgrad prepare)") from None
     return tokenizer_from_json(doc, str(file), text, file.parent)
+
+
+def tokenizer_from_gguf(path_or_reader) -> "HFTokenizer":
+    """A GGUF file's tokenizer (a path or a gguf.GGUFReader; data/gguf_tokenizer.py) as an hf one."""
+    text, config, where = gguf_tokenizer_parts(path_or_reader)
+    return HFTokenizer(text, config, (), where)
 
 
 def copy_tokenizer(src_dir, dst_dir) -> Path:

@@ -1,7 +1,7 @@
 """`handgrad convert`: a model in any format load.py reads (its docstring lists the formats, what
 each holds and what its export is) written out in another, a LoRA adapter alone (--format peft) or
 folded into its base (--merge). save_pretrained picks the writer: a foreign format's lies beside its
-reader (hf.py, hf_llama.py, llmc.py, llama2c.py, peft.py), a handgrad run's here
+reader (hf.py, hf_llama.py, llmc.py, llama2c.py, gguf.py, peft.py), a handgrad run's here
 (write_handgrad: a run directory holding one weights-only checkpoint).
 
 A command (docs/ARCHITECTURE.md, "The layers"): nothing in the package imports it but cli.py;
@@ -16,6 +16,7 @@ from ..models import family_of
 from .checkpoint import save_weights
 from .common import ConvertError, check_weights, describe, prepare_dir, publish_dir
 from .hf import write_hf
+from .gguf import GGUF_TYPES, write_gguf
 from .hf_llama import write_hf_llama
 from .llama2c import write_llama2c
 from .llmc import write_llmc
@@ -23,7 +24,7 @@ from .load import load_pretrained, lora_model
 from .peft import write_peft
 
 
-FORMATS = ("handgrad", "hf", "llmc", "llama2c", "peft")
+FORMATS = ("handgrad", "hf", "llmc", "llama2c", "gguf", "peft")
 
 
 def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=None):
@@ -44,6 +45,11 @@ def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=N
         return path, f"wrote an llm.c model file (version {version}, {dtype}){left}"
     if fmt == "llama2c":
         return write_llama2c(dst, config, weights, tokenizer, source=info.get("path"))
+    if fmt == "gguf":
+        if family_of(config).arch != "llama":
+            raise ConvertError(f"--format gguf: handgrad writes GGUF for its llama family (llama, qwen2); this is a "
+                               f"{family_of(config).arch} model: use --format hf or llmc")
+        return write_gguf(dst, config, weights, tokenizer, info.get("gguf_type", "f32"))
     if fmt == "peft":
         adapter = info["adapter"]
         return write_peft(dst, family_of(config).arch, adapter["lora"], adapter["tensors"],
@@ -89,19 +95,24 @@ def _hf_tokenizer(path):
 
 # ---------------------------------------------------------------- the verb
 def add_arguments(parser):
-    parser.add_argument("src", metavar="SRC", help="a Hugging Face directory (GPT-2, Llama, Qwen2), an llm.c or "
-                                                   "llama2.c model file, or a handgrad run or checkpoint "
-                                                   "directory (detected)")
+    parser.add_argument("src", metavar="SRC", help="a Hugging Face directory (GPT-2, Llama, Qwen2), a GGUF file, an "
+                                                   "llm.c or llama2.c model file, a handgrad run or checkpoint "
+                                                   "directory, a PEFT adapter directory (detected), or a published "
+                                                   "model's name (smollm2-135m-instruct)")
     parser.add_argument("dst", metavar="DST", help="where to write (must not exist, or be an empty directory)")
     parser.add_argument("--format", default="handgrad", choices=FORMATS,
                         help="DST's format (default handgrad); llama2c writes DST as a directory of model.bin "
-                             "and tokenizer.bin: ./run DST/model.bin -z DST/tokenizer.bin")
+                             "and tokenizer.bin: ./run DST/model.bin -z DST/tokenizer.bin; gguf writes one file "
+                             "llama.cpp and ollama run (llama-family models)")
+    parser.add_argument("--gguf-type", default="f32", choices=GGUF_TYPES,
+                        help="GGUF output: the 2-D weights in f32 (default), bf16 or q8_0 (blocks of 32, one scale); "
+                             "norms and biases stay f32")
     parser.add_argument("--llmc-dtype", default=None, choices=["float32", "bfloat16"],
                         help="llm.c output: version 3 (float32, the default) or 5 (bfloat16)")
     parser.add_argument("--merge", action="store_true",
                         help="SRC is a LoRA adapter (a handgrad LoRA run or a PEFT directory): fold it into its base "
-                             "model's weights, W + (alpha / r) B A, and write that model (--format hf, llmc, llama2c "
-                             "or handgrad); without it such a SRC converts only to --format peft")
+                             "model's weights, W + (alpha / r) B A, and write that model (--format hf, gguf, llmc, "
+                             "llama2c or handgrad); without it such a SRC converts only to --format peft")
 
 
 def _adapter_or_merged(args, config, weights, info):
@@ -132,6 +143,7 @@ def main(args):
     info["path"] = str(args.src)
     if args.llmc_dtype:  # else an llm.c source keeps its version, and anything else gets 3 (float32)
         info["llmc_version"] = 3 if args.llmc_dtype == "float32" else 5
+    info["gguf_type"] = args.gguf_type
     try:
         with lock_output(args.dst):  # one process writes DST; a second one stops with this one's pid
             dst, what = save_pretrained(args.dst, config, weights, args.format, info.get("tokenizer"), info)

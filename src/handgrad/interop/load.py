@@ -27,9 +27,14 @@ GPT-2's: Conv1D weights [in, out], no `transformer.` prefix, no lm_head), and wr
   rows in interleaved-pair RoPE order; detected by its header and exact size), a Llama model. An
   export is a directory: model.bin, and with a tokenizer llama2.c's tokenizer.bin and handgrad's
   tokenizer.json (`./run DST/model.bin -z DST/tokenizer.bin`); see llama2c.py.
+* **gguf**: a GGUF file (llama.cpp, ollama, LM Studio) of architecture llama or qwen2, its tensors
+  dequantized when the model reads them and its tokenizer read from the file (gguf.py).
 * **handgrad**: a run directory (its newest checkpoint) or a checkpoint directory; an export is a
   run directory holding one weights-only checkpoint (step 0), so `handgrad sample --run DST` and
   `handgrad train --init-from DST` take it.
+
+A published model's name (published.py: `smollm2-135m-instruct`) stands for its file wherever a
+path is taken, unless a file or directory of that name exists.
 
 Nothing is ever unpickled: a pytorch_model.bin is refused with the command that converts it.
 """
@@ -43,24 +48,33 @@ from ..models.family import flat_layout, flat_views
 from ..models.lora import base_digest, weights_digest
 from .checkpoint import load_model, load_weights, read_state, resolve
 from .common import ConvertError, check_weights, make_config
+from .gguf import GGUF_MAGIC, read_gguf
 from .hf import read_hf
 from .hf_llama import is_hf_llama, read_hf_llama
 from .llama2c import is_llama2c, read_llama2c, size_mismatch
 from .llmc import LLMC_MAGIC, read_llmc
 from .peft import is_peft, read_peft, read_peft_config, resolve_base
+from .published import resolve_model
 
 
 # ---------------------------------------------------------------- detection and the common form
 def detect_format(path):
-    """'hf', 'llmc', 'llama2c', 'peft' or 'handgrad' for a path, or a ConvertError saying what it is not."""
-    path = Path(path)
+    """'hf', 'llmc', 'llama2c', 'gguf', 'peft' or 'handgrad' for a path (or a published model's
+    name), or a ConvertError saying what it is not."""
+    path = Path(resolve_model(path))
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory")
     if path.is_file():
         if path.name == "config.json":
             return detect_format(path.parent)
         with open(path, "rb") as f:
-            head = np.frombuffer(f.read(8).ljust(8, b"\0"), dtype="<i4")
+            first = f.read(8).ljust(8, b"\0")
+        head = np.frombuffer(first, dtype="<i4")
+        if first[:4] == GGUF_MAGIC:
+            return "gguf"
+        if path.suffix.lower() == ".gguf":
+            raise ConvertError(f"{path}: not a GGUF file (it starts with {first[:4]!r}, not {GGUF_MAGIC!r}); the file "
+                               f"is corrupt or not a model: download it again")
         if head[0] == LLMC_MAGIC:
             return "llmc"
         if is_llama2c(path):
@@ -68,8 +82,8 @@ def detect_format(path):
         if (reason := size_mismatch(path)) is not None:
             raise ConvertError(reason)
         raise ConvertError(f"{path}: not an llm.c model file (magic {head[0]}, expected {LLMC_MAGIC}) nor a "
-                           f"llama2.c one; pass an llm.c or llama2.c .bin model, a Hugging Face model directory "
-                           f"or a handgrad run")
+                           f"llama2.c one; pass a GGUF file, an llm.c or llama2.c .bin model, a Hugging Face model "
+                           f"directory or a handgrad run")
     if (path / "state.json").is_file() or (path / "ckpt").is_dir():
         return "handgrad"
     if is_peft(path):
@@ -89,7 +103,7 @@ def detect_format(path):
 
 
 def foreign_format(path):
-    """'hf', 'llmc' or 'llama2c' where path is plainly one of those, else None (no error): lets a
+    """'hf', 'llmc', 'llama2c', 'gguf' or 'peft' where path is plainly one of those, else None (no error): lets a
     command that takes handgrad runs also take the other formats, keeping its own errors for
     everything else."""
     try:
@@ -105,8 +119,9 @@ def load_pretrained(path, merge=True):
     with its base model: merge=True gives the weights with the adapter folded in (the model it
     computes); merge=False the base's, and info["adapter"] = {"lora": LoRAConfig, "tensors": what
     trains, under model.layout's names, "base": the base's record (path, sha256)}."""
+    path = resolve_model(path)
     fmt = detect_format(path)
-    config, weights, info = {"hf": _read_hf, "llmc": read_llmc, "llama2c": read_llama2c,
+    config, weights, info = {"hf": _read_hf, "llmc": read_llmc, "llama2c": read_llama2c, "gguf": read_gguf,
                              "handgrad": read_handgrad, "peft": _read_peft}[fmt](path)
     info["format"] = fmt
     if merge and "adapter" in info:

@@ -289,8 +289,9 @@ class FlatModel:
             if extra:
                 parts.append(f"unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
             raise ValueError("load_state_dict: " + "; ".join(parts))
-        for name in want:
-            arr, view = np.asarray(state[name]), self.p[name]
+        for name in want:  # shape and dtype only: a lazily read tensor (interop/gguf.py) is read once, below
+            arr, view = state[name], self.p[name]
+            arr = arr if hasattr(arr, "shape") and hasattr(arr, "dtype") else np.asarray(arr)
             if tuple(arr.shape) != tuple(view.shape):
                 raise ValueError(f"load_state_dict: {name} has shape {tuple(arr.shape)}, "
                                  f"expected {tuple(view.shape)}")

@@ -1,0 +1,307 @@
+"""GGUF model files (llama.cpp, ollama, LM Studio) in and out, as handgrad's llama family.
+
+A GGUF file is a header of typed key/value metadata, a table of tensors (name, shape with the
+contiguous dimension first, type, offset) and the tensors' bytes, read here through one memory map
+by ggml-org's own `gguf` package. Two architectures map onto the llama family: `llama` (SmolLM2,
+TinyLlama, Llama 2/3.x) and `qwen2` (q/k/v biases).
+
+In: the config from `{arch}.*` keys; each tensor dequantized to float32 by handgrad's own code
+(gguf_quants.py: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K) only when a consumer
+reads it (`GGUFTensor`: the model's load_state_dict copies each one into its flat buffer in turn,
+so the file stays a memory map and no second float32 copy of the model is ever held); tied when
+there is no `output.weight`. The tokenizer is the file itself (data/gguf_tokenizer.py builds the
+Hugging Face tokenizer, chat template included, from the `tokenizer.*` keys). Refused, in one line
+naming the key or tensor: another architecture, a LoRA-adapter GGUF, scaled RoPE, experts, heads
+whose width is not n_embd / n_head, a tensor handgrad has no place for, a tensor type it cannot
+dequantize.
+
+Out: what llama.cpp's convert_hf_to_gguf.py writes for LlamaForCausalLM / Qwen2ForCausalLM:
+the same keys, tensor names and q/k row order, the tokenizer (gguf_tokenizer.write_gguf_tokenizer),
+`--gguf-type` f32 (every tensor float32), bf16 or q8_0 (the 2-D weights in that type, norms and
+biases float32, as the converter leaves them). The file is written to a temporary sibling and
+renamed, so a failed write leaves nothing that looks valid.
+
+The q/k row permutation. Hugging Face's Llama rotates the two halves of each head (`rotate_half`:
+dimension i pairs with i + hs/2); llama.cpp's `llama` architecture rotates adjacent pairs (2i with
+2i + 1). The converter reorders the rows of q_proj and k_proj (per head; k with n_kv_head heads)
+so that llama.cpp's pairs are Hugging Face's pairs:
+
+    permute(W) = W.reshape(H, 2, hs/2, C).swapaxes(1, 2).reshape(H hs, C)
+
+GGUF row h hs + 2 i + j is Hugging Face row h hs + j hs/2 + i (i < hs/2, j in {0, 1}). Its inverse
+reshapes the GGUF rows as (H, hs/2, 2, C) and swaps back: row h hs + j hs/2 + i of the result is
+GGUF row h hs + 2 i + j. `qwen2` is written unpermuted (llama.cpp rotates it NeoX-style, halves).
+A wrong inverse still runs and produces fluent-looking nonsense, so tests compare logits with
+transformers' own GGUF loader.
+"""
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..data.sources import DataError
+from ..data.tokenizer import load_tokenizer
+from ..models import family_of
+from .common import ConvertError, check_weights, make_config
+from .gguf_quants import SUPPORTED, dequantize, quantize_q8_0
+from .gguf_vocab import write_gguf_tokenizer
+
+
+GGUF_MAGIC = b"GGUF"
+ARCHS = ("llama", "qwen2")
+GGUF_TYPES = ("f32", "bf16", "q8_0")  # convert --gguf-type
+FILE_TYPE = {"f32": 0, "bf16": 32, "q8_0": 7}  # general.file_type (llama.cpp's LlamaFileType)
+GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+          "output.weight": "lm_head.weight"}
+PER_BLOCK = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+             "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+             "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+             "attn_v.bias": "self_attn.v_proj.bias", "attn_output.weight": "self_attn.o_proj.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+             "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def is_gguf(path):
+    """Whether path is a file that starts with GGUF's magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def hf_name(name):
+    """The Hugging Face (param_spec) name of a GGUF tensor name, or None."""
+    if name in GLOBAL:
+        return GLOBAL[name]
+    m = BLOCK_NAME.fullmatch(name)
+    if m and m.group(2) in PER_BLOCK:
+        return f"model.layers.{m.group(1)}.{PER_BLOCK[m.group(2)]}"
+    return None
+
+
+def gguf_name(name):
+    """The GGUF name of a param_spec name (hf_name's inverse)."""
+    inverse = {v: k for k, v in GLOBAL.items()}
+    if name in inverse:
+        return inverse[name]
+    layer, rest = name[len("model.layers."):].split(".", 1)
+    return f"blk.{layer}." + {v: k for k, v in PER_BLOCK.items()}[rest]
+
+
+def permute_rows(w, n_head):
+    """llama.cpp's order of q/k rows from Hugging Face's (see the module docstring)."""
+    hs = w.shape[0] // n_head
+    return w.reshape(n_head, 2, hs // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rows(w, n_head):
+    """Hugging Face's order of q/k rows from llama.cpp's: permute_rows' inverse."""
+    hs = w.shape[0] // n_head
+    return w.reshape(n_head, hs // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFTensor:
+    """One tensor of a GGUF file, dequantized to float32 when read (np.asarray): shape and dtype
+    without touching its bytes; `heads` where its rows are to be put back in Hugging Face's order."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, tensor, heads=None):
+        self._t, self._heads = tensor, heads
+        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        self.ndim, self.size = len(self.shape), int(tensor.n_elements)
+
+    def __array__(self, dtype=None, copy=None):
+        raw = np.asarray(self._t.data).reshape(-1).view(np.uint8)
+        w = dequantize(raw, int(self._t.tensor_type), self.shape)
+        if self._heads is not None:
+            w = np.ascontiguousarray(unpermute_rows(w, self._heads))
+        return w if dtype is None else w.astype(dtype, copy=False)
+
+
+# ---------------------------------------------------------------- in
+def open_gguf(path):
+    """gguf.GGUFReader over path, or a ConvertError saying in one line what is wrong with it."""
+    from gguf import GGUFReader
+    try:
+        return GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConvertError(f"{path}: not a readable GGUF file ({reason}); the file may be truncated or "
+                           f"corrupt: download it again") from None
+
+
+def field(reader, key, default=None):
+    """A metadata value (int, float, str, bool or list), or default where the key is absent."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _refuse(path, key, value, what):
+    return ConvertError(f"{path}: {key} = {value!r}: {what}")
+
+
+def gguf_config(path, reader):
+    """(config.LlamaConfig, arch) from the metadata, or a ConvertError naming the key."""
+    arch = field(reader, "general.architecture")
+    if field(reader, "general.type") == "adapter" or field(reader, "adapter.type") is not None:
+        raise _refuse(path, "general.type", "adapter", "a LoRA adapter GGUF, which handgrad does not read; pass "
+                      "the model it adapts, or the adapter in PEFT's format (a directory)")
+    if arch not in ARCHS:
+        raise _refuse(path, "general.architecture", arch, f"handgrad reads GGUF models of architecture "
+                      f"{' or '.join(ARCHS)} (its llama family)")
+    a = arch + "."
+    scaling = field(reader, a + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise _refuse(path, a + "rope.scaling.type", scaling, "scaled RoPE, which handgrad's llama family does "
+                      "not implement; it has plain RoPE")
+    if (field(reader, a + "expert_count") or 0) > 0:
+        raise _refuse(path, a + "expert_count", field(reader, a + "expert_count"), "a mixture of experts, which "
+                      "handgrad's llama family cannot express")
+    need = {"n_layer": a + "block_count", "n_embd": a + "embedding_length", "ffn_hidden": a + "feed_forward_length",
+            "n_head": a + "attention.head_count", "block_size": a + "context_length"}
+    missing = [k for k in need.values() if field(reader, k) is None]
+    if missing:
+        raise ConvertError(f"{path}: metadata key {missing[0]} is missing; the file is not a complete {arch} model")
+    sizes = {ours: int(field(reader, key)) for ours, key in need.items()}
+    C, NH = sizes["n_embd"], sizes["n_head"]
+    head_dim = C // NH if NH > 0 else 0
+    for key in (a + "rope.dimension_count", a + "attention.key_length", a + "attention.value_length"):
+        value = field(reader, key)
+        if value is not None and value != head_dim:
+            raise _refuse(path, key, value, f"heads (or rotary dimensions) {value} wide, which handgrad's llama "
+                          f"family cannot express: its heads are n_embd / n_head = {C} / {NH} wide and fully rotated")
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = field(reader, a + "vocab_size") or (int(embd.shape[1]) if embd is not None else None)
+    if vocab is None:
+        raise ConvertError(f"{path}: neither {a}vocab_size nor token_embd.weight; the file is not a complete model")
+    kv = field(reader, a + "attention.head_count_kv")
+    config = make_config(path, "llama", **sizes, vocab_size=int(vocab), n_kv_head=int(NH if kv is None else kv),
+                         rope_theta=float(field(reader, a + "rope.freq_base", 10000.0)),
+                         norm_eps=float(field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+                         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+                         qkv_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors))
+    if config.qkv_bias and arch == "llama":
+        raise _refuse(path, "general.architecture", arch, "a llama model with q/k/v biases, which handgrad "
+                      "reads only as qwen2")
+    return config, arch
+
+
+def read_gguf(path):
+    """(LlamaConfig, {param_spec name: GGUFTensor}, info) from a GGUF file; every tensor is checked
+    (name, type, shape) before any is dequantized."""
+    reader = open_gguf(path)
+    config, arch = gguf_config(path, reader)
+    weights = {}
+    spans = sorted((t.data_offset, t.n_bytes, t.name) for t in reader.tensors) + [(len(reader.data), 0, None)]
+    for (start, n, name), (end, _, _) in zip(spans, spans[1:]):
+        if start + n > end:
+            raise ConvertError(f"{path}: tensor {name}: its shape needs {n:,} bytes, but "
+                               f"{'the file ends' if end == len(reader.data) else 'the next tensor starts'} after "
+                               f"{end - start:,}; the file is corrupt or truncated: download it again")
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            what = ("RoPE frequency factors (Llama 3.1's rope scaling), which handgrad's llama family does not "
+                    "implement" if t.name == "rope_freqs.weight" else "a tensor handgrad's llama family has no place "
+                    "for")
+            raise ConvertError(f"{path}: tensor {t.name}: {what}")
+        if int(t.tensor_type) not in SUPPORTED:
+            raise ConvertError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which handgrad cannot "
+                               f"dequantize; supported: {', '.join(SUPPORTED.values())} (re-quantize the model, "
+                               f"e.g. llama.cpp's llama-quantize --allow-requantize ... Q8_0)")
+        heads = None
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.n_head if "attn_q" in t.name else config.n_kv_head
+        weights[name] = GGUFTensor(t, heads)
+    check_weights(config, weights, path)
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    has_tok = field(reader, "tokenizer.ggml.model") is not None
+    return config, weights, {"tokenizer": str(path) if has_tok else None,
+                             "eot_id": eos if type(eos) is int and 0 <= eos < config.vocab_size else None}
+
+
+# ---------------------------------------------------------------- out
+def _encode(w, gguf_type):
+    """(array to write, its GGML type) for one float32 tensor: 1-D ones stay float32, as
+    convert_hf_to_gguf.py leaves norms and biases."""
+    from gguf import GGMLQuantizationType as Q
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if gguf_type == "f32" or w.ndim < 2:
+        return w, Q.F32
+    if gguf_type == "bf16":  # round to nearest even, as gguf's and PyTorch's bf16
+        bits = w.view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        nan = np.isnan(w)  # kept NaN (sign and payload's top bits, the quiet bit set)
+        rounded[nan] = ((bits[nan] & 0xFFFF0000) | 0x00400000) >> 16
+        return rounded.view(np.uint8).reshape(*w.shape[:-1], w.shape[-1] * 2), Q.BF16
+    if w.shape[-1] % 32:
+        raise ConvertError(f"--gguf-type q8_0: a row of {w.shape[-1]} values is not a whole number of Q8_0 "
+                           f"blocks of 32; use --gguf-type bf16 or f32")
+    return quantize_q8_0(w), Q.Q8_0
+
+
+def write_gguf(dst, config, weights, tokenizer=None, gguf_type="f32", name=None):
+    """dst, a GGUF file of config and weights (+ the tokenizer, a path load_tokenizer reads), as
+    convert_hf_to_gguf.py writes the model. Returns (dst, one line saying what was written)."""
+    from gguf import GGUFWriter
+    if gguf_type not in GGUF_TYPES:
+        raise ConvertError(f"--gguf-type {gguf_type}: choose from {', '.join(GGUF_TYPES)}")
+    check_weights(config, weights, "weights")
+    dst = Path(dst)
+    if dst.exists():
+        raise ConvertError(f"{dst}: already exists; choose a new output path")
+    tok = None
+    if tokenizer is not None:
+        try:
+            tok = load_tokenizer(tokenizer)
+        except DataError as e:
+            raise ConvertError(f"the tokenizer: {e}") from None
+    arch = "qwen2" if config.qkv_bias else "llama"
+    tmp = dst.with_name(f".tmp_{dst.name}_{os.getpid()}")
+    writer = GGUFWriter(tmp, arch)
+    try:
+        writer.add_type("model")
+        writer.add_name(name or f"handgrad {arch}")
+        writer.add_block_count(config.n_layer)
+        writer.add_context_length(config.block_size)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_feed_forward_length(config.ffn_hidden)
+        writer.add_head_count(config.n_head)
+        writer.add_head_count_kv(config.n_kv_head)
+        writer.add_rope_freq_base(config.rope_theta)
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+        writer.add_file_type(FILE_TYPE[gguf_type])
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(config.head_dim)
+        if tok is not None:
+            try:
+                write_gguf_tokenizer(writer, tok, config.vocab_size)
+            except DataError as e:
+                raise ConvertError(f"the tokenizer: {e}") from None
+        writer.add_quantization_version(2)
+        for spec_name, _ in family_of(config).param_spec(config):
+            w = np.asarray(weights[spec_name], dtype=np.float32)
+            g = gguf_name(spec_name)
+            if arch == "llama" and g.endswith(("attn_q.weight", "attn_k.weight")):
+                w = permute_rows(w, config.n_head if "attn_q" in g else config.n_kv_head)
+            data, qtype = _encode(w, gguf_type)
+            writer.add_tensor(g, data, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    what = f"wrote a GGUF file ({arch}, {gguf_type})"
+    if tok is None:
+        what += "; no tokenizer came with the model (llama.cpp needs one: convert from a run or directory that has one)"
+    else:
+        what += " with the tokenizer" + (" and its chat template" if getattr(tok, "config", {}).get("chat_template") else "")
+    return dst, what

