@@ -69,3 +69,35 @@ def test_the_greedy_chat_reply_is_transformers(reference, path, capsys):
     assert cli(["sample", "--run", str(path), "--chat", "--prompt", QUESTION, "--temperature", "0",
                 "--max-new-tokens", "30"]) == 0
     assert capsys.readouterr().out.split("\n---")[0].strip() == theirs.strip()
+
+
+def test_a_lora_fine_tune_renames_it_and_exports_to_gguf(path, tmp_path, capsys):
+    """The README's walkthrough, small: identity conversations (tools/identity_chats.py) prepared
+    with the GGUF's own tokenizer and chat template, rank-8 adapters trained from the GGUF, and the
+    model's answer to "What is your name?" changes from SmolLM2's to the new one; the merged export
+    to GGUF gives the same reply."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    chats, data, run = tmp_path / "identity.jsonl", tmp_path / "data", tmp_path / "run"
+    tool = Path(__file__).parent.parent / "tools" / "identity_chats.py"
+    subprocess.run([sys.executable, str(tool), str(chats), "-n", "200"], check=True, capture_output=True)
+    ask = ["sample", "--chat", "--prompt", "What is your name?", "--temperature", "0", "--max-new-tokens", "24"]
+    assert cli(ask + ["--run", str(path)]) == 0
+    before = capsys.readouterr().out
+    assert "Quill" not in before
+    assert cli(["prepare", str(chats), "--format", "chat", "--tokenizer", str(path), "--block-size", "96",
+                "--out", str(data)]) == 0
+    assert cli(["train", "--init-from", str(path), "--data", str(data), "--out", str(run), "--train.lora_rank", "8",
+                "--train.batch_size", "4", "--train.max_steps", "12", "--train.lr", "2e-3", "--train.min_lr", "2e-4",
+                "--train.warmup_steps", "2", "--train.eval_interval", "0", "--train.sample_interval", "0",
+                "--train.checkpoint_interval", "12"]) == 0
+    capsys.readouterr()
+    assert cli(ask + ["--run", str(run)]) == 0
+    after = capsys.readouterr().out.split("\n---")[0]
+    assert "Quill" in after, after
+    out = tmp_path / "quill.gguf"
+    assert cli(["convert", str(run), str(out), "--format", "gguf", "--merge"]) == 0
+    capsys.readouterr()
+    assert cli(ask + ["--run", str(out)]) == 0
+    assert capsys.readouterr().out.split("\n---")[0] == after

@@ -172,7 +172,7 @@ def main(args, file=None):
             padded = _pads_vocab(args.run)
         else:
             config, weights, info = load_pretrained(args.run)
-            model = family_of(config).model(config)
+            model = family_of(config).model(config, seed=None)
             model.load_state_dict(weights)
             tok_path = args.tokenizer or model_tokenizer_path(args.run, info, config)
         tokenizer = load_tokenizer(tok_path)

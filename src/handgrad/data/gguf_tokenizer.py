@@ -133,10 +133,17 @@ class _Cursor:
 
 
 def read_gguf_metadata(path) -> dict:
-    """A GGUF file's key/value metadata ({key: str, int, float, bool or a list of them}), read
-    through a memory map, without the tensors (gguf.GGUFReader takes seconds over the 100,000
-    strings of a tokenizer; this, a tenth of one). DataError, in one line, for a file that is not
-    GGUF version 2 or 3 or that ends inside its metadata."""
+    """A GGUF file's key/value metadata ({key: str, int, float, bool or a list of them}); see
+    read_gguf_header."""
+    return read_gguf_header(path)[0]
+
+
+def read_gguf_header(path, tensors=False):
+    """(metadata, tensor infos) of a GGUF file, read through a memory map without its tensors' bytes
+    (gguf.GGUFReader takes seconds over the 100,000 strings of a tokenizer; this, a tenth of one).
+    The metadata: {key: str, int, float, bool or a list of them}; with tensors=True the infos
+    [(name, dims with the contiguous one first, GGML type, byte offset in the file)], else [].
+    DataError, in one line, for a file that is not GGUF version 2 or 3 or that ends inside its header."""
     where = str(path)
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -147,12 +154,21 @@ def read_gguf_metadata(path) -> dict:
             if version not in (2, 3):
                 raise DataError(f"{where}: GGUF version {version}; handgrad reads versions 2 and 3 "
                                 f"(little-endian); convert the model again with a current llama.cpp")
-            _, n_kv = cur.scalar("<Q"), cur.scalar("<Q")  # tensors, keys
+            n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
             meta = {}
             for _ in range(n_kv):
                 key = cur.value(STRING)
                 meta[key] = cur.value(cur.scalar("<I"))
-            return meta
+            infos = []
+            for _ in range(n_tensors if tensors else 0):
+                name = cur.value(STRING)
+                dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
+                infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
+            align = meta.get("general.alignment", 32)
+            if not isinstance(align, int) or align <= 0 or align & (align - 1):
+                raise DataError(f"{where}: general.alignment = {align!r} is not a power of two; the file is corrupt")
+            start = -(-cur.pos // align) * align  # the tensors' bytes begin at the next multiple of it
+            return meta, [(name, dims, qtype, start + offset) for name, dims, qtype, offset in infos]
     except DataError:
         raise
     except OSError as e:

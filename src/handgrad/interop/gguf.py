@@ -2,7 +2,8 @@
 
 A GGUF file is a header of typed key/value metadata, a table of tensors (name, shape with the
 contiguous dimension first, type, offset) and the tensors' bytes, read here through one memory map
-by ggml-org's own `gguf` package. Two architectures map onto the llama family: `llama` (SmolLM2,
+by handgrad's own header reader (data/gguf_tokenizer.py; ggml-org's `gguf` package writes them,
+and its GGUFReader, which the tests use, spends seconds on a tokenizer's strings). Two architectures map onto the llama family: `llama` (SmolLM2,
 TinyLlama, Llama 2/3.x) and `qwen2` (q/k/v biases).
 
 In: the config from `{arch}.*` keys; each tensor dequantized to float32 by handgrad's own code
@@ -40,15 +41,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.gguf_tokenizer import read_gguf_header
 from ..data.sources import DataError
 from ..data.tokenizer import load_tokenizer
 from ..models import family_of
 from .common import ConvertError, check_weights, make_config
-from .gguf_quants import SUPPORTED, dequantize, quantize_q8_0
+from .gguf_quants import SUPPORTED, dequantize, nbytes, quantize_q8_0, type_name
 from .gguf_vocab import write_gguf_tokenizer
 
 
-GGUF_MAGIC = b"GGUF"
 ARCHS = ("llama", "qwen2")
 GGUF_TYPES = ("f32", "bf16", "q8_0")  # convert --gguf-type
 FILE_TYPE = {"f32": 0, "bf16": 32, "q8_0": 7}  # general.file_type (llama.cpp's LlamaFileType)
@@ -61,15 +62,6 @@ PER_BLOCK = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "sel
              "ffn_norm.weight": "post_attention_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
              "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
 BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-def is_gguf(path):
-    """Whether path is a file that starts with GGUF's magic."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
 
 
 def hf_name(name):
@@ -105,18 +97,17 @@ def unpermute_rows(w, n_head):
 
 class GGUFTensor:
     """One tensor of a GGUF file, dequantized to float32 when read (np.asarray): shape and dtype
-    without touching its bytes; `heads` where its rows are to be put back in Hugging Face's order."""
+    without touching its bytes (`raw`, a view of the file's memory map); `heads` where its rows
+    are to be put back in Hugging Face's order."""
 
     dtype = np.dtype(np.float32)
 
-    def __init__(self, tensor, heads=None):
-        self._t, self._heads = tensor, heads
-        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        self.ndim, self.size = len(self.shape), int(tensor.n_elements)
+    def __init__(self, raw, qtype, shape, heads=None):
+        self._raw, self._qtype, self._heads = raw, qtype, heads
+        self.shape, self.ndim, self.size = tuple(shape), len(shape), int(np.prod(shape))
 
     def __array__(self, dtype=None, copy=None):
-        raw = np.asarray(self._t.data).reshape(-1).view(np.uint8)
-        w = dequantize(raw, int(self._t.tensor_type), self.shape)
+        w = dequantize(self._raw, self._qtype, self.shape)
         if self._heads is not None:
             w = np.ascontiguousarray(unpermute_rows(w, self._heads))
         return w if dtype is None else w.astype(dtype, copy=False)
@@ -124,66 +115,65 @@ class GGUFTensor:
 
 # ---------------------------------------------------------------- in
 def open_gguf(path):
-    """gguf.GGUFReader over path, or a ConvertError saying in one line what is wrong with it."""
-    from gguf import GGUFReader
+    """(metadata, {name: (shape, GGML type, byte offset)}) of a GGUF file, read by
+    data/gguf_tokenizer.read_gguf_header (gguf.GGUFReader spends 4-5 s on SmolLM2's 49,152 token
+    strings), or a ConvertError saying in one line what is wrong with it."""
     try:
-        return GGUFReader(path)
-    except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConvertError(f"{path}: not a readable GGUF file ({reason}); the file may be truncated or "
-                           f"corrupt: download it again") from None
-
-
-def field(reader, key, default=None):
-    """A metadata value (int, float, str, bool or list), or default where the key is absent."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+        meta, infos = read_gguf_header(path, tensors=True)
+    except DataError as e:
+        raise ConvertError(str(e)) from None
+    tensors = {}
+    for name, dims, qtype, offset in infos:
+        if name in tensors:
+            raise ConvertError(f"{path}: tensor {name} is listed twice; the file is corrupt: download it again")
+        tensors[name] = (tuple(int(d) for d in reversed(dims)), qtype, offset)
+    return meta, tensors
 
 
 def _refuse(path, key, value, what):
     return ConvertError(f"{path}: {key} = {value!r}: {what}")
 
 
-def gguf_config(path, reader):
+def gguf_config(path, meta, tensors):
     """(config.LlamaConfig, arch) from the metadata, or a ConvertError naming the key."""
-    arch = field(reader, "general.architecture")
-    if field(reader, "general.type") == "adapter" or field(reader, "adapter.type") is not None:
+    arch = meta.get("general.architecture")
+    if meta.get("general.type") == "adapter" or meta.get("adapter.type") is not None:
         raise _refuse(path, "general.type", "adapter", "a LoRA adapter GGUF, which handgrad does not read; pass "
                       "the model it adapts, or the adapter in PEFT's format (a directory)")
     if arch not in ARCHS:
         raise _refuse(path, "general.architecture", arch, f"handgrad reads GGUF models of architecture "
                       f"{' or '.join(ARCHS)} (its llama family)")
     a = arch + "."
-    scaling = field(reader, a + "rope.scaling.type")
+    scaling = meta.get(a + "rope.scaling.type")
     if scaling not in (None, "none"):
         raise _refuse(path, a + "rope.scaling.type", scaling, "scaled RoPE, which handgrad's llama family does "
                       "not implement; it has plain RoPE")
-    if (field(reader, a + "expert_count") or 0) > 0:
-        raise _refuse(path, a + "expert_count", field(reader, a + "expert_count"), "a mixture of experts, which "
+    if (meta.get(a + "expert_count") or 0) > 0:
+        raise _refuse(path, a + "expert_count", meta.get(a + "expert_count"), "a mixture of experts, which "
                       "handgrad's llama family cannot express")
     need = {"n_layer": a + "block_count", "n_embd": a + "embedding_length", "ffn_hidden": a + "feed_forward_length",
             "n_head": a + "attention.head_count", "block_size": a + "context_length"}
-    missing = [k for k in need.values() if field(reader, k) is None]
+    missing = [k for k in need.values() if meta.get(k) is None]
     if missing:
         raise ConvertError(f"{path}: metadata key {missing[0]} is missing; the file is not a complete {arch} model")
-    sizes = {ours: int(field(reader, key)) for ours, key in need.items()}
+    sizes = {ours: int(meta.get(key)) for ours, key in need.items()}
     C, NH = sizes["n_embd"], sizes["n_head"]
     head_dim = C // NH if NH > 0 else 0
     for key in (a + "rope.dimension_count", a + "attention.key_length", a + "attention.value_length"):
-        value = field(reader, key)
+        value = meta.get(key)
         if value is not None and value != head_dim:
             raise _refuse(path, key, value, f"heads (or rotary dimensions) {value} wide, which handgrad's llama "
                           f"family cannot express: its heads are n_embd / n_head = {C} / {NH} wide and fully rotated")
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    vocab = field(reader, a + "vocab_size") or (int(embd.shape[1]) if embd is not None else None)
+    embd = tensors.get("token_embd.weight")
+    vocab = meta.get(a + "vocab_size") or (embd[0][0] if embd is not None and len(embd[0]) == 2 else None)
     if vocab is None:
         raise ConvertError(f"{path}: neither {a}vocab_size nor token_embd.weight; the file is not a complete model")
-    kv = field(reader, a + "attention.head_count_kv")
+    kv = meta.get(a + "attention.head_count_kv")
     config = make_config(path, "llama", **sizes, vocab_size=int(vocab), n_kv_head=int(NH if kv is None else kv),
-                         rope_theta=float(field(reader, a + "rope.freq_base", 10000.0)),
-                         norm_eps=float(field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
-                         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-                         qkv_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors))
+                         rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
+                         norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
+                         tie_embeddings="output.weight" not in tensors,
+                         qkv_bias=any(name.endswith("attn_q.bias") for name in tensors))
     if config.qkv_bias and arch == "llama":
         raise _refuse(path, "general.architecture", arch, "a llama model with q/k/v biases, which handgrad "
                       "reads only as qwen2")
@@ -193,33 +183,38 @@ def gguf_config(path, reader):
 def read_gguf(path):
     """(LlamaConfig, {param_spec name: GGUFTensor}, info) from a GGUF file; every tensor is checked
     (name, type, shape) before any is dequantized."""
-    reader = open_gguf(path)
-    config, arch = gguf_config(path, reader)
-    weights = {}
-    spans = sorted((t.data_offset, t.n_bytes, t.name) for t in reader.tensors) + [(len(reader.data), 0, None)]
-    for (start, n, name), (end, _, _) in zip(spans, spans[1:]):
-        if start + n > end:
-            raise ConvertError(f"{path}: tensor {name}: its shape needs {n:,} bytes, but "
-                               f"{'the file ends' if end == len(reader.data) else 'the next tensor starts'} after "
-                               f"{end - start:,}; the file is corrupt or truncated: download it again")
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None:
+    meta, tensors = open_gguf(path)
+    config, arch = gguf_config(path, meta, tensors)
+    for name, (_, qtype, _) in tensors.items():
+        if hf_name(name) is None:
             what = ("RoPE frequency factors (Llama 3.1's rope scaling), which handgrad's llama family does not "
-                    "implement" if t.name == "rope_freqs.weight" else "a tensor handgrad's llama family has no place "
+                    "implement" if name == "rope_freqs.weight" else "a tensor handgrad's llama family has no place "
                     "for")
-            raise ConvertError(f"{path}: tensor {t.name}: {what}")
-        if int(t.tensor_type) not in SUPPORTED:
-            raise ConvertError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which handgrad cannot "
+            raise ConvertError(f"{path}: tensor {name}: {what}")
+        if qtype not in SUPPORTED:
+            raise ConvertError(f"{path}: tensor {name} has type {type_name(qtype)}, which handgrad cannot "
                                f"dequantize; supported: {', '.join(SUPPORTED.values())} (re-quantize the model, "
                                f"e.g. llama.cpp's llama-quantize --allow-requantize ... Q8_0)")
+        try:
+            nbytes(qtype, tensors[name][0])
+        except ValueError as e:
+            raise ConvertError(f"{path}: tensor {name} of shape {tensors[name][0]}: {e}; the file is corrupt") from None
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    spans = sorted((offset, nbytes(qtype, shape), name) for name, (shape, qtype, offset) in tensors.items())
+    for (start, n, name), (end, _, _) in zip(spans, spans[1:] + [(len(file), 0, None)]):
+        if start + n > end:
+            raise ConvertError(f"{path}: tensor {name}: its shape needs {n:,} bytes, but "
+                               f"{'the file ends' if end == len(file) else 'the next tensor starts'} after "
+                               f"{max(end - start, 0):,}; the file is corrupt or truncated: download it again")
+    weights = {}
+    for name, (shape, qtype, offset) in tensors.items():
         heads = None
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.n_head if "attn_q" in t.name else config.n_kv_head
-        weights[name] = GGUFTensor(t, heads)
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.n_head if "attn_q" in name else config.n_kv_head
+        weights[hf_name(name)] = GGUFTensor(file[offset:offset + nbytes(qtype, shape)], qtype, shape, heads)
     check_weights(config, weights, path)
-    eos = field(reader, "tokenizer.ggml.eos_token_id")
-    has_tok = field(reader, "tokenizer.ggml.model") is not None
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    has_tok = meta.get("tokenizer.ggml.model") is not None
     return config, weights, {"tokenizer": str(path) if has_tok else None,
                              "eot_id": eos if type(eos) is int and 0 <= eos < config.vocab_size else None}
 

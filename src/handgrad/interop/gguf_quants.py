@@ -197,6 +197,16 @@ def type_name(qtype):
     return SUPPORTED.get(qtype) or _OTHER_NAMES.get(qtype) or f"type {qtype}"
 
 
+def nbytes(qtype, shape):
+    """The bytes of a tensor of a supported type and numpy shape; ValueError where its last
+    dimension is not a whole number of the type's blocks."""
+    name, block, size = _LAYOUT[int(qtype)]
+    row = int(shape[-1]) if len(shape) else 1
+    if row % block:
+        raise ValueError(f"a {name} row of {row} values is not a whole number of its blocks of {block}")
+    return math.prod(int(n) for n in shape) // block * size
+
+
 def dequantize(raw, qtype, shape):
     """A GGUF tensor's bytes `raw` (uint8, contiguous; a read-only memmap view is fine) of ggml type
     `qtype` -> a new float32 C-contiguous array of numpy `shape` (last dim = GGUF's ne[0])."""

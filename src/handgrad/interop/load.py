@@ -43,18 +43,19 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.gguf_tokenizer import GGUF_MAGIC
 from ..models import family_of
 from ..models.family import flat_layout, flat_views
 from ..models.lora import base_digest, weights_digest
 from .checkpoint import load_model, load_weights, read_state, resolve
 from .common import ConvertError, check_weights, make_config
-from .gguf import GGUF_MAGIC, read_gguf
+from .gguf import read_gguf
 from .hf import read_hf
 from .hf_llama import is_hf_llama, read_hf_llama
 from .llama2c import is_llama2c, read_llama2c, size_mismatch
 from .llmc import LLMC_MAGIC, read_llmc
 from .peft import is_peft, read_peft, read_peft_config, resolve_base
-from .published import resolve_model
+from .published import model_ref, resolve_model
 
 
 # ---------------------------------------------------------------- detection and the common form
@@ -184,7 +185,7 @@ def _read_peft(path):
     config, weights, info = load_pretrained(base)
     family = family_of(config)
     lora, tensors = read_peft(path, fields, family.arch, config)
-    info["adapter"] = {"lora": lora, "tensors": tensors, "base": {"path": str(Path(base).resolve()),
+    info["adapter"] = {"lora": lora, "tensors": tensors, "base": {"path": model_ref(base),
                                                                   "sha256": weights_digest(family.param_spec(config),
                                                                                            weights)}}
     if (Path(path) / "tokenizer.json").is_file():
@@ -201,7 +202,7 @@ def _read_hf(path):
 def from_pretrained(path, backend="cpu"):
     """A model with the weights at `path`, in any supported format (handgrad.GPT.from_pretrained)."""
     config, weights, _ = load_pretrained(path)
-    model = family_of(config).model(config, backend=backend)
+    model = family_of(config).model(config, backend=backend, seed=None)
     model.load_state_dict(weights)
     return model
 

@@ -66,3 +66,11 @@ def resolve_model(path):
     if str(path) in PUBLISHED and not Path(path).exists():
         return published_path(str(path))
     return path
+
+
+def model_ref(path):
+    """How a run records the model it started from: a published model's name as given (so the
+    record holds on any machine), else the absolute path."""
+    if str(path) in PUBLISHED and not Path(path).exists():
+        return str(path)
+    return str(Path(path).resolve())

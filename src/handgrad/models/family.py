@@ -117,7 +117,8 @@ class FlatModel:
         lora: a config.LoRAConfig: the base weights frozen (in `frozen_params`), adapters trained
         (models/lora.py); None: every weight trains.
         dropout: model.dropout, applied while `training` is set (set_training); off in evaluation
-        and sampling."""
+        and sampling.
+        seed: the initialisation's; None leaves the weights zero, for a caller that loads them all."""
         if not isinstance(config, self.CONFIG):
             raise ValueError(f"config must be a handgrad {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in ("float32", "bfloat16"):
@@ -165,7 +166,10 @@ class FlatModel:
         self._accumulated_segments = [(o, int(np.prod(s))) for name, (o, s) in self.layout.items()
                                       if not name.endswith(self.WRITTEN_FIRST)]
         self.grad_buckets = self._grad_buckets() if lora is None else self._block_buckets()
-        self._init_weights(seed)
+        if seed is not None:  # None: the caller loads every weight next (from_pretrained); no init to overwrite
+            self._init_weights(seed)
+        else:
+            self.weights_changed()
         self.adapters = lora_parts.adapter_records(self) if lora is not None else []
 
     # ----------------------------------------------------------------- parameters

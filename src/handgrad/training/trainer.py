@@ -13,6 +13,7 @@ from ..data.chat import CHAT_FILE, open_dataset
 from ..data.tokenizer import load_tokenizer
 from ..files import write_atomic
 from ..interop.load import fit_weights, load_base
+from ..interop.published import model_ref
 from ..models import family_of, get_family
 from ..models.decode import generate
 from ..models.family import BF16_LORA
@@ -136,7 +137,7 @@ class Trainer(Checkpointing, RunLoop):
             self.model.load_state_dict(weights, names=self.model.base_names)
             adapter = (info or {}).get("adapter")
             self.base_ref = {"path": adapter["base"]["path"] if adapter and "path" in adapter["base"]
-                             else str(Path(path).resolve()), "sha256": base_digest(self.model)}
+                             else model_ref(path), "sha256": base_digest(self.model)}
             if adapter:
                 self.model.load_state_dict(adapter["tensors"], names=list(adapter["tensors"]))
         c = self.gpt_config
