@@ -175,6 +175,8 @@ def read_gguf_header(path, tensors=False):
         raise DataError(f"{where}: cannot read it ({e.strerror or e})") from None
     except (struct.error, EOFError, ValueError, UnicodeDecodeError, MemoryError) as e:  # ValueError: an empty file
         reason = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+        if isinstance(e, (struct.error, EOFError)):  # a read past the end
+            reason = f"it ends inside its header, after {Path(path).stat().st_size:,} bytes"
         raise DataError(f"{where}: not a readable GGUF file, truncated or corrupt ({reason}); "
                         f"download or write it again") from None
 
