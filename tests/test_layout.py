@@ -20,7 +20,7 @@ MAX_LINES = 500
 # (they may import anything), not training, data and interop. Beside the layers, unranked: machine,
 # torch, torch_ref and the package's __init__ (the public names).
 COMMANDS = ("handgrad.__main__", "handgrad.cli", "handgrad.sample", "handgrad.verify", "handgrad.bench",
-            "handgrad.training.command", "handgrad.data.prepare", "handgrad.interop.convert")
+            "handgrad.training.command", "handgrad.data.prepare", "handgrad.interop.convert", "handgrad.eval")
 LAYERS = (("config, files", ("handgrad.config", "handgrad.files")),
           ("ops", ("handgrad.backends",)),
           ("model family", ("handgrad.models",)),

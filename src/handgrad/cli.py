@@ -4,6 +4,7 @@
   sample   text from a trained run                  verify  every op and the model against PyTorch
   bench    handgrad beside PyTorch on this machine  info    versions, cores, BLAS, threads, peak
   convert  models between handgrad, Hugging Face (GPT-2, Llama, Qwen2), llm.c and llama2.c formats
+  eval     zero-shot accuracy on benchmark tasks (llm-foundry's JSONL), scored as lm-evaluation-harness
 """
 import argparse
 import json
@@ -20,6 +21,7 @@ from .bench import command as bench
 from .config import ConfigError
 from .data import prepare
 from .data.sources import DataError
+from .eval import command as evaluate
 from .files import OutputLockedError
 from .interop import convert
 from .interop.common import ConvertError
@@ -139,6 +141,10 @@ def build_parser(argv=()):
                                            "llm.c and llama2.c formats")
     convert.add_arguments(p)
     p.set_defaults(func=convert.main)
+
+    p = sub.add_parser("eval", help="zero-shot accuracy on benchmark tasks, scored as lm-evaluation-harness")
+    evaluate.add_arguments(p)
+    p.set_defaults(func=evaluate.main)
 
     p = sub.add_parser("info", help="versions, cores, BLAS, threads, the measured sgemm peak, CUDA/Triton")
     p.add_argument("--json", action="store_true", help="print as JSON")

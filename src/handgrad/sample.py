@@ -156,6 +156,32 @@ def _until(ids, stop_id):
     return ids[:hits[0]] if len(hits) else ids
 
 
+def load_run(run, tokenizer=None):
+    """(model, tokenizer, tokenizer path) of what `--run` names: a handgrad run or checkpoint (a LoRA
+    run: its base, then the adapters), or any format load_pretrained reads (a Hugging Face
+    directory, an llm.c or llama2.c file, a GGUF file, a PEFT adapter, a published model's name).
+    `tokenizer` overrides where the tokenizer is read from. Mistakes raise SampleError naming --run."""
+    padded = True  # a model from elsewhere may pad its embedding past its tokenizer (Qwen2's)
+    try:
+        if foreign_format(run) is None:
+            model = load_model(run, base=load_base)  # a LoRA run: its base, then the adapters
+            tok_path = tokenizer or _tokenizer_dir(run)
+            padded = _pads_vocab(run)
+        else:
+            config, weights, info = load_pretrained(run)
+            model = family_of(config).model(config, seed=None)
+            model.load_state_dict(weights)
+            tok_path = tokenizer or model_tokenizer_path(run, info, config)
+        tok = load_tokenizer(tok_path)
+    except FileNotFoundError as e:
+        raise SampleError(f"--run {run}: {e}") from None
+    if tok.vocab_size > model.config.vocab_size or (tok.vocab_size < model.config.vocab_size and not padded):
+        raise SampleError(f"--run {run}: its tokenizer.json has {tok.vocab_size} tokens but the model "
+                          f"{model.config.vocab_size}; put back the tokenizer.json of the data it was trained on "
+                          f"(or pass --tokenizer)")
+    return model, tok, tok_path
+
+
 def main(args, file=None):
     """`handgrad sample`: load a run, stream sample 0 as it is generated, then print the others,
     each followed by a separator line. Returns the exit code; user errors raise SampleError."""
@@ -164,25 +190,7 @@ def main(args, file=None):
     check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, cli=True)
     if args.num_samples < 1:
         raise SampleError(f"--num-samples must be >= 1, got {args.num_samples}")
-    padded = True  # a model from elsewhere may pad its embedding past its tokenizer (Qwen2's)
-    try:
-        if foreign_format(args.run) is None:
-            model = load_model(args.run, base=load_base)  # a LoRA run: its base, then the adapters
-            tok_path = args.tokenizer or _tokenizer_dir(args.run)
-            padded = _pads_vocab(args.run)
-        else:
-            config, weights, info = load_pretrained(args.run)
-            model = family_of(config).model(config, seed=None)
-            model.load_state_dict(weights)
-            tok_path = args.tokenizer or model_tokenizer_path(args.run, info, config)
-        tokenizer = load_tokenizer(tok_path)
-    except FileNotFoundError as e:
-        raise SampleError(f"--run {args.run}: {e}") from None
-    if tokenizer.vocab_size > model.config.vocab_size or (tokenizer.vocab_size < model.config.vocab_size
-                                                          and not padded):
-        raise SampleError(f"--run {args.run}: its tokenizer.json has {tokenizer.vocab_size} tokens but the model "
-                          f"{model.config.vocab_size}; put back the tokenizer.json of the data it was trained on "
-                          f"(or pass --tokenizer)")
+    model, tokenizer, tok_path = load_run(args.run, args.tokenizer)
     stop_id = None
     if args.chat:
         ids, stop_id = _chat_prompt(args.prompt, tok_path, model.config.block_size)

@@ -16,6 +16,14 @@ of `keep` tokens per `block_size - keep` new tokens, and every token is predicte
 every new token instead.) A prompt longer than block_size is cropped to its newest block_size
 tokens for the prefill, as nanoGPT's generate crops its context; the output keeps the whole prompt.
 
+Scoring (`handgrad eval`, eval/score.py) uses two more calls: `extend(idx)` feeds several tokens
+per row at once, each attending over the cache and the new tokens before it, and returns the
+logits of every new position (or of the positions asked for); `load_rows(src, rows, length)` fills
+the cache's rows with rows of another cache, so a query prefilled once is continued by each of its
+choices; `resize(B, length)` re-shapes a cache's storage for another batch (B rows of `length`
+positions, no more positions in all than it was made with), so one cache serves batches of every
+shape.
+
 Shapes: B batch (samples), T time, C n_embd, NH heads, hs = C / NH, L layers, V vocab.
 """
 from types import SimpleNamespace
@@ -41,7 +49,7 @@ class KVCache:
     def __init__(self, model, B, length=None, kv_heads=None):
         cfg = model.config
         self.model, self.ops, self.p = model, model.ops, model.p
-        self.B, self.L, self.NH, self.C = B, cfg.n_layer, cfg.n_head, cfg.n_embd
+        self.L, self.NH, self.C = cfg.n_layer, cfg.n_head, cfg.n_embd
         self.block_size = cfg.block_size
         self.length = Tmax = cfg.block_size if length is None else length
         if not 1 <= Tmax <= cfg.block_size:
@@ -49,20 +57,51 @@ class KVCache:
         self.keep = max(1, cfg.block_size // 2)
         hs = self.C // self.NH
         heads = self.NH if kv_heads is None else kv_heads  # a grouped-query family caches fewer heads
-        self.k = self.ops.zeros((self.L, B, heads, Tmax, hs))
-        self.v = self.ops.zeros((self.L, B, heads, Tmax, hs))
+        self.heads, self.hs, self.capacity = heads, hs, B * Tmax  # capacity: rows x positions
+        self._k = self.ops.zeros((self.L * B * heads * Tmax * hs,))
+        self._v = self.ops.zeros((self.L * B * heads * Tmax * hs,))
         self.n = 0
         self.prefills = self.steps = 0
-        # Flat storage for the per-layer activations of up to `length` positions, viewed as
-        # contiguous (B, T, ...) arrays for the T at hand (ops write through reshaped views).
+        # Flat storage for the per-layer activations, viewed as contiguous (B, T, ...) arrays for the
+        # (B, T) at hand (ops write through reshaped views); grown on demand up to B * length rows.
         self._widths = self._buffer_widths()
-        self._flat = {name: self.ops.empty((B * Tmax * w,)) for name, w in self._widths.items()}
-        self._flat_idx = self.ops.empty((B * Tmax,), np.int32)
+        self._flat = {}  # name -> flat storage; "idx" holds the token ids (int32)
         self._flat_att = self.ops.empty((0,))  # attention_forward's state (scratch), grown on demand
+        self._flat_head = {}  # the final norm's and the logits' storage, grown on demand
         self._views = {}
-        # the final norm and the logits, for the one position whose next token is sampled
-        self._head_buffers(B)
-        self.logits = self.ops.empty((B, 1, cfg.vocab_size))
+        self.resize(B, Tmax)
+
+    def resize(self, B, length):
+        """Empty the cache and hold B rows of `length` positions from now on, in the storage it was
+        made with (B * length at most the rows times the length it was made for; length at most
+        block_size). self.k, self.v are (L, B, heads, length, hs) views; each layer's k[l] is contiguous."""
+        if B < 1 or not 1 <= length <= self.block_size or B * length > self.capacity:
+            raise ValueError(f"a cache of {self.capacity} positions holds B rows of length <= "
+                             f"{self.block_size} with B * length <= {self.capacity}, got {B} x {length}")
+        shape, size = (self.L, B, self.heads, length, self.hs), self.L * B * self.heads * length * self.hs
+        self.B, self.length, self.n = B, length, 0
+        self.k, self.v = self._k[:size].reshape(shape), self._v[:size].reshape(shape)
+
+    def load_rows(self, src, rows, length):
+        """resize(len(rows), length), then fill row i with the n cached positions of src's row
+        rows[i] (src: a cache of the same model); afterwards self.n = src.n. A query prefilled once
+        in src is so continued by each of its choices here."""
+        n, idx = src.n, np.asarray(rows, np.int64)
+        if not n <= length:
+            raise ValueError(f"{n} cached positions do not fit {length}")
+        self.resize(len(idx), length)
+        whole = idx.size == src.B and (idx == np.arange(src.B)).all()
+        index = slice(None) if whole else self.ops.from_numpy(idx)
+        self.k[:, :, :, :n] = src.k[:, index, :, :n]
+        self.v[:, :, :, :n] = src.v[:, index, :, :n]
+        self.n = n
+
+    def _grown(self, store, name, size, dtype=np.float32):
+        """store[name], a flat buffer of at least `size` elements (reallocated, bigger, when short)."""
+        if name not in store or store[name].shape[0] < size:
+            store[name] = self.ops.empty((size,), dtype)
+            self._views.clear()
+        return store[name]
 
     # ------------------------------------------------------------ GPT-2's layers (a family overrides these)
     def _buffer_widths(self):
@@ -70,9 +109,17 @@ class KVCache:
         return {"x": C, "ln": C, "qkv": 3 * C, "atty": C, "proj": C, "fch": 4 * C, "fch_gelu": 4 * C,
                 "mean": 1, "rstd": 1}
 
-    def _head_buffers(self, B):
-        self.lnf = self.ops.empty((B, 1, self.C))
-        self.lnf_mean, self.lnf_rstd = self.ops.empty((B, 1)), self.ops.empty((B, 1))
+    def _head_widths(self):
+        """The final norm's buffers, as widths per position (1: a (B, T) statistic)."""
+        return {"norm": self.C, "mean": 1, "rstd": 1}
+
+    def _final_norm(self, h, x):
+        """h.norm = ln_f(x), x (B, T, C)."""
+        self.ops.layernorm_forward(h.norm, h.mean, h.rstd, x, self.p["ln_f.weight"], self.p["ln_f.bias"])
+
+    def _lm_head(self):
+        """The (V, C) weight of the logits (GPT-2's is tied to wte)."""
+        return self.p["wte.weight"]
 
     def _embed(self, s, pos):
         """s.x = the embeddings of s.idx at positions [pos, pos + T)."""
@@ -103,14 +150,16 @@ class KVCache:
         return attend
 
     def _bufs(self, T):
-        """Contiguous (B, T, ...) views of the flat storage, made once per T."""
-        s = self._views.get(T)
+        """Contiguous (B, T, ...) views of the flat storage, made once per (B, T)."""
+        B = self.B
+        s = self._views.get((B, T))
         if s is None:
-            B = self.B
-            s = SimpleNamespace(**{name: self._flat[name][:B * T * w].reshape((B, T, w) if w > 1 else (B, T))
+            flat = {name: self._grown(self._flat, name, B * T * w) for name, w in self._widths.items()}
+            idx = self._grown(self._flat, "idx", B * T, np.int32)
+            s = SimpleNamespace(**{name: flat[name][:B * T * w].reshape((B, T, w) if w > 1 else (B, T))
                                    for name, w in self._widths.items()})  # width 1: per-row statistics
-            s.idx = self._flat_idx[:B * T].reshape(B, T)
-            self._views[T] = s
+            s.idx = idx[:B * T].reshape(B, T)
+            self._views[(B, T)] = s
         return s
 
     def _blocks(self, s, attend, pos):
@@ -131,14 +180,16 @@ class KVCache:
             ops.linear_forward(s.proj, s.fch_gelu, p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
             ops.residual_forward(s.x, s.x, s.proj)
 
-    def _head(self, x_last):
-        """Logits (B, V) of x_last (B, 1, C), as NumPy: ln_f, then the tied lm_head. On the cpu a
+    def _head(self, x):
+        """Logits (B, T, V) of x (B, T, C), as NumPy: the final norm, then the lm_head. On the cpu a
         view, overwritten by the next call; on the gpu a host copy."""
-        p = self.p
-        self.ops.layernorm_forward(self.lnf, self.lnf_mean, self.lnf_rstd, x_last,
-                                   p["ln_f.weight"], p["ln_f.bias"])
-        self.ops.linear_forward(self.logits, self.lnf, p["wte.weight"].T)
-        return self.ops.to_numpy(self.logits[:, 0])  # cpu: a view; gpu: the one host copy per token
+        B, T, _ = x.shape
+        widths = dict(self._head_widths(), logits=self.model.config.vocab_size)
+        h = SimpleNamespace(**{name: self._grown(self._flat_head, name, B * T * w)[:B * T * w]
+                               .reshape((B, T, w) if w > 1 else (B, T)) for name, w in widths.items()})
+        self._final_norm(h, x)
+        self.ops.linear_forward(h.logits, h.norm, self._lm_head().T)
+        return self.ops.to_numpy(h.logits)  # cpu: a view; gpu: the one host copy per call
 
     def prefill(self, idx):
         """Run idx (B, T) at positions [0, T), replacing the cache's contents; return the logits
@@ -158,7 +209,7 @@ class KVCache:
         self._blocks(s, self._attend_prefill(att, T), 0)
         self.n = T
         self.prefills += 1
-        return self._head(s.x[:, T - 1:T])
+        return self._head(s.x[:, T - 1:T])[:, 0]
 
     def step(self, tokens):
         """Feed one token per row, tokens (B,), at position n; return the logits (B, V) for the
@@ -172,7 +223,46 @@ class KVCache:
         self._blocks(s, self._attend_step(pos), pos)
         self.n = pos + 1
         self.steps += 1
-        return self._head(s.x)
+        return self._head(s.x)[:, 0]
+
+    def _attend_extend(self, pos, T):
+        """attend(l, atty, qkv) for T positions [pos, pos + T): each query over the cache and the new
+        positions before it, one decode step's attention per position (each writes its own k and v
+        into the cache first). Rows of a batch go through a contiguous (B, 1, W) copy."""
+        steps = [self._attend_step(pos + t) for t in range(T)]
+
+        def attend(l, atty, qkv):
+            B, _, W = atty.shape
+            row = atty[:, :1] if B == 1 else self._grown(self._flat_head, "extend_row", B * W)[:B * W].reshape(B, 1, W)
+            for t, step in enumerate(steps):
+                out = atty[:, t:t + 1] if B == 1 else row
+                step(l, out, qkv[:, t:t + 1])
+                if B > 1:
+                    atty[:, t:t + 1] = row
+        return attend
+
+    def extend(self, idx, select=None):
+        """Feed idx (B, T) at positions [n, n + T), each token attending over the n cached ones and
+        those before it in its row (what the forward of the whole sequence computes for them); their
+        keys and values join the cache. Returns the logits (B, T, V) of the token after each, or with
+        select, a bool (B, T) mask, those of the selected positions only, (N, V) in row-major order
+        (the lm_head runs on those alone). The linears run on all B*T positions at once; the
+        attention is one decode step per position. A view, overwritten by the next call."""
+        B, T = idx.shape
+        pos = self.n
+        if B != self.B or T < 1 or pos + T > self.length:
+            raise ValueError(f"extend needs idx of shape ({self.B}, T) with 1 <= T <= {self.length - pos} "
+                             f"(the cache holds {pos} of {self.length}), got {idx.shape}")
+        s = self._bufs(T)
+        s.idx[...] = self.ops.from_numpy(np.asarray(idx, np.int32))
+        self._embed(s, pos)
+        self._blocks(s, self._attend_extend(pos, T), pos)
+        self.n = pos + T
+        self.steps += T
+        if select is None:
+            return self._head(s.x)
+        select = np.asarray(select, bool)
+        return self._head(s.x[self.ops.from_numpy(select)][None])[0]
 
     def advance(self, ids):
         """Feed the newest token ids[:, -1] of the sequence so far, ids (B, N), whose tokens before

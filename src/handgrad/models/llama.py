@@ -324,14 +324,14 @@ class LlamaKVCache(KVCache):
             ops.linear_forward(s.proj, s.h, p[h + "mlp.down_proj.weight"].T)
             ops.residual_forward(s.x, s.x, s.proj)
 
-    def _head(self, x_last):
-        c, m = self.model.config, self.model
-        self.ops.rmsnorm_forward(self.normf, self.rstdf, x_last, self.p["model.norm.weight"], c.norm_eps)
-        self.ops.linear_forward(self.logits, self.normf, self.p[m.lm_head].T)
-        return self.ops.to_numpy(self.logits[:, 0])
+    def _head_widths(self):
+        return {"norm": self.C, "rstd": 1}
 
-    def _head_buffers(self, B):
-        self.normf, self.rstdf = self.ops.empty((B, 1, self.C)), self.ops.empty((B, 1))
+    def _final_norm(self, h, x):
+        self.ops.rmsnorm_forward(h.norm, h.rstd, x, self.p["model.norm.weight"], self.model.config.norm_eps)
+
+    def _lm_head(self):
+        return self.p[self.model.lm_head]
 
     def _attend_prefill(self, att, T):
         ops, c, B = self.ops, self.model.config, self.B

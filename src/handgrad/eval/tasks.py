@@ -1,0 +1,153 @@
+"""Evaluation tasks: JSONL files in the in-context-learning layout of MosaicML's llm-foundry, read
+and checked into one form (`Row`), whatever their kind.
+
+Three kinds of row, told apart by their keys:
+
+  multiple choice   {"query": str, "choices": [str, ...], "gold": int}
+                    each choice is scored as the continuation " " + choice of the query;
+  schema            {"context_options": [str, ...], "continuation": str, "gold": int}
+                    the shared continuation " " + continuation is scored after each context;
+  language model    {"context": str, "continuation": str}
+                    correct when greedy decoding after the context gives every token of
+                    " " + continuation.
+
+Every row becomes `len(contexts)` (context, continuation) pairs; `gold` is the index of the right
+one (0 for a language-modelling row, which has one pair). Keys beyond these are ignored. A file
+holds rows of one kind; a mistake raises DataError naming the file and the line.
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..data.sources import DataError
+
+MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
+LAYOUTS = {MC: ("query", "choices", "gold"), SCHEMA: ("context_options", "continuation", "gold"),
+           LM: ("context", "continuation")}
+DELIMITER = " "  # between a context and its continuation, as lm-evaluation-harness's target_delimiter
+
+
+@dataclass(frozen=True)
+class Row:
+    line: int  # in its file, from 1
+    contexts: tuple  # one per scored pair
+    continuations: tuple  # the text scored after each context (the delimiter included)
+    gold: int
+    choice_bytes: tuple  # UTF-8 length of each choice without the delimiter (acc_norm's divisor)
+
+
+@dataclass
+class Task:
+    name: str  # the file's stem
+    path: Path
+    kind: str
+    rows: list
+
+
+def task_paths(spec):
+    """The JSONL files of --tasks: comma-separated files or directories (a directory: its *.jsonl,
+    sorted). Task names (the files' stems) must be distinct."""
+    paths = []
+    for part in (s.strip() for s in str(spec).split(",")):
+        if not part:
+            continue
+        p = Path(part)
+        if p.is_dir():
+            found = sorted(p.glob("*.jsonl"))
+            if not found:
+                raise DataError(f"--tasks {p}: a directory with no *.jsonl files")
+            paths += found
+        elif p.is_file():
+            paths.append(p)
+        else:
+            raise DataError(f"--tasks {p}: no such file or directory")
+    if not paths:
+        raise DataError("--tasks: name at least one JSONL file or directory")
+    seen = {}
+    for p in paths:
+        if p.stem in seen:
+            raise DataError(f"--tasks: two tasks named {p.stem!r} ({seen[p.stem]} and {p}); rename one")
+        seen[p.stem] = p
+    return paths
+
+
+def _kind(obj):
+    for kind, keys in LAYOUTS.items():
+        if all(k in obj for k in keys) and (kind != LM or "gold" not in obj):
+            return kind
+    layouts = "; ".join("/".join(keys) for keys in LAYOUTS.values())
+    raise ValueError(f"unknown layout (keys {sorted(obj)}); expected one of: {layouts}")
+
+
+def _text(obj, key):
+    if not isinstance(obj[key], str):
+        raise ValueError(f"{key} must be a string, got {type(obj[key]).__name__}")
+    return obj[key]
+
+
+def _texts(obj, key):
+    v = obj[key]
+    if not isinstance(v, list) or len(v) < 2 or not all(isinstance(x, str) for x in v):
+        raise ValueError(f"{key} must be a list of at least 2 strings")
+    return v
+
+
+def _gold(obj, n, key):
+    g = obj["gold"]
+    if type(g) is not int:
+        raise ValueError(f"gold must be an integer, got {g!r}")
+    if not 0 <= g < n:
+        raise ValueError(f"gold {g} is out of range for {n} {key} (0 to {n - 1})")
+    return g
+
+
+def parse_row(obj, line):
+    """A Row from one decoded JSON line, or ValueError saying what is wrong with it."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"a row must be a JSON object, got {type(obj).__name__}")
+    kind = _kind(obj)
+    if kind == MC:
+        query, choices = _text(obj, "query"), _texts(obj, "choices")
+        return kind, Row(line, (query,) * len(choices), tuple(DELIMITER + c for c in choices),
+                         _gold(obj, len(choices), "choices"), tuple(len(c.encode("utf-8")) for c in choices))
+    cont = DELIMITER + _text(obj, "continuation")
+    if kind == SCHEMA:
+        options = _texts(obj, "context_options")
+        return kind, Row(line, tuple(options), (cont,) * len(options), _gold(obj, len(options), "context_options"),
+                         (len(cont.encode("utf-8")) - 1,) * len(options))
+    return kind, Row(line, (_text(obj, "context"),), (cont,), 0, (len(cont.encode("utf-8")) - 1,))
+
+
+def read_task(path, limit=None):
+    """The Task in a JSONL file: its first `limit` rows (all when None), blank lines skipped."""
+    path = Path(path)
+    rows, kind = [], None
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+    with f:
+        try:
+            for i, line in enumerate(f, 1):
+                if limit is not None and len(rows) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{i}: not JSON ({e.msg} at column {e.colno})") from None
+                try:
+                    row_kind, row = parse_row(obj, i)
+                except ValueError as e:
+                    raise DataError(f"{path}:{i}: {e}") from None
+                if kind is not None and row_kind != kind:
+                    raise DataError(f"{path}:{i}: a {row_kind.replace('_', ' ')} row in a file of "
+                                    f"{kind.replace('_', ' ')} rows (line {rows[0].line}); one kind per file")
+                kind = row_kind
+                rows.append(row)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not rows:
+        raise DataError(f"{path}: no rows (an empty file)" if limit != 0 else f"{path}: --limit 0 leaves no rows")
+    return Task(path.stem, path, kind, rows)

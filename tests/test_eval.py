@@ -1,0 +1,263 @@
+"""`handgrad eval` (eval/): every row's scores against an independent scorer written on transformers
+alone (one forward per choice, batch 1, float32), on a tiny random Llama (its tokenizer adds a bos)
+and a tiny random GPT-2 (none), for the three kinds of row, a row longer than the context (truncated
+from the left) and an empty context; the KV cache's extend and load_rows against prefills of whole
+sequences; and every bad input's one line."""
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from handgrad.cli import main as cli  # noqa: E402
+from handgrad.config import GPTConfig, LlamaConfig  # noqa: E402
+from handgrad.models import get_family  # noqa: E402
+
+BLOCK = 48
+WORDS = ("the a cat dog bird sat ran flew on under over mat box tree red big small old new quickly slowly "
+         "and then because so it was is saw found ate took water food home garden park house").split()
+SPECIALS = ["<|endoftext|>", "<s>"]
+
+
+def _sentence(rng, lo=3, hi=9):
+    return " ".join(rng.choice(WORDS, rng.integers(lo, hi)))
+
+
+def _tokenizer(d, add_bos):
+    """A byte-level BPE trained here, with a bos (<s>) and an end-of-text token; its config sets
+    add_bos_token as asked."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    rng = np.random.default_rng(1)
+    tok.train_from_iterator([_sentence(rng) for _ in range(400)], trainer=trainer)
+    d.mkdir(parents=True)
+    tok.save(str(d / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|endoftext|>",
+              "add_bos_token": add_bos}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()
+
+
+def _model(kind, vocab):
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=BLOCK,
+                                       rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=0)
+        cls, scale = transformers.LlamaForCausalLM, 0.2
+    else:
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=BLOCK, n_embd=48, n_layer=2, n_head=3,
+                                      bos_token_id=0, eos_token_id=0)
+        cls, scale = transformers.GPT2LMHeadModel, 0.05
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # weights far from their init: peaked logits, clear winners
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return model
+
+
+class Reference:
+    """The scorer of lm-evaluation-harness, on transformers alone: one forward per (context,
+    continuation), the bos put before the context where the tokenizer's config says so, an empty
+    context started from the end-of-text token, the sequence cut to its last block + 1 tokens."""
+
+    def __init__(self, d, add_bos):
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        self.tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))
+        self.bos = [self.tok.convert_tokens_to_ids("<s>")] if add_bos else []
+        self.eot = self.tok.convert_tokens_to_ids("<|endoftext|>")
+
+    def pair(self, ctx, cont):
+        """(summed log-probability of " " + cont, greedy?, truncated?)"""
+        c = self.bos + self.tok.encode(ctx, add_special_tokens=False) or [self.eot]
+        t = self.tok.encode(" " + cont, add_special_tokens=False)
+        seq = c + t
+        with torch.no_grad():
+            logits = self.model(torch.tensor([seq[-(BLOCK + 1):][:-1]])).logits[0, -len(t):].double()
+        target = torch.tensor(t)
+        lp = torch.log_softmax(logits, -1).gather(1, target[:, None]).sum().item()
+        return lp, bool((logits.argmax(-1) == target).all()), len(seq) > BLOCK + 1
+
+    def greedy_word(self, ctx):
+        """A word w whose " w" is one token, the model's greedy choice after ctx (or None)."""
+        ids = self.bos + self.tok.encode(ctx, add_special_tokens=False)
+        with torch.no_grad():
+            i = int(self.model(torch.tensor([ids])).logits[0, -1].argmax())
+        text = self.tok.decode([i])
+        ok = text.startswith(" ") and len(text) > 1 and self.tok.encode(text, add_special_tokens=False) == [i]
+        return text[1:] if ok else None
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _tasks(d, ref, seed):
+    """Three task files: multiple choice (2 to 4 choices, queries of equal token lengths, one
+    longer than the context, one empty), schema (options sharing their start and not), language
+    modelling (some rows greedy-correct)."""
+    rng = np.random.default_rng(seed)
+    mc = [{"query": _sentence(rng, 4, 6), "choices": [_sentence(rng, 1, 5) for _ in range(k)],
+           "gold": int(rng.integers(k))} for k in (2, 3, 4, 4, 2, 3, 4, 2)]
+    mc += [{"query": "the cat sat", "choices": ["on the mat", "under a tree"], "gold": 0},
+           {"query": "the dog ran", "choices": ["home", "to the park quickly"], "gold": 1},
+           {"query": " ".join(rng.choice(WORDS, 70)), "choices": ["red", "the big old box"], "gold": 1},
+           {"query": "", "choices": ["the cat", "a dog"], "gold": 0}]
+    schema = [{"context_options": [f"{s} {w}" for w in rng.choice(WORDS, 2, replace=False)],
+               "continuation": _sentence(rng, 2, 5), "gold": int(rng.integers(2))}
+              for s in (_sentence(rng, 3, 6) for _ in range(4))]
+    schema.append({"context_options": ["cat sat on the mat", "dog sat on the mat", "bird sat on the mat"],
+                   "continuation": "and then ran home", "gold": 2})
+    lm = [{"context": _sentence(rng, 4, 10), "continuation": _sentence(rng, 1, 3)} for _ in range(4)]
+    for _ in range(100):
+        ctx = _sentence(rng, 4, 10)
+        if (w := ref.greedy_word(ctx)) is not None:
+            lm.append({"context": ctx, "continuation": w})
+        if len(lm) == 7:
+            break
+    d.mkdir()
+    return {"mc": _write(d / "mc.jsonl", mc), "schema": _write(d / "schema.jsonl", schema),
+            "lm": _write(d / "lm.jsonl", lm)}
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def setup(request, tmp_path_factory):
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"eval_{kind}")
+    add_bos = kind == "llama"
+    vocab = _tokenizer(root / "model", add_bos)
+    _model(kind, vocab).save_pretrained(root / "model")
+    ref = Reference(root / "model", add_bos)
+    return kind, root, ref, _tasks(root / "tasks", ref, seed=len(kind))
+
+
+def _expected(ref, path):
+    """Per row: (logprobs, greedy, gold, acc's pick, acc_norm's pick), and the truncated count."""
+    out, truncated = [], 0
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if "choices" in r:
+            pairs = [(r["query"], c) for c in r["choices"]]
+        elif "context_options" in r:
+            pairs = [(c, r["continuation"]) for c in r["context_options"]]
+        else:
+            pairs = [(r["context"], r["continuation"])]
+        lp, greedy, cut = zip(*(ref.pair(c, t) for c, t in pairs))
+        truncated += any(cut)
+        norm = [len(c.encode()) for c in r["choices"]] if "choices" in r else [1] * len(pairs)
+        out.append((np.array(lp), list(greedy), r.get("gold"), int(np.argmax(lp)),
+                    int(np.argmax(np.array(lp) / norm))))
+    return out, truncated
+
+
+@pytest.mark.parametrize("batch_size", [16, 1])
+def test_eval_agrees_row_by_row_with_a_transformers_scorer(setup, batch_size, tmp_path, capsys):
+    kind, root, ref, tasks = setup
+    out = tmp_path / "out"
+    argv = ["eval", "--run", str(root / "model"), "--tasks", ",".join(str(p) for p in tasks.values()),
+            "--batch-size", str(batch_size), "--json", "--out", str(out)]
+    assert cli(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bos"].startswith("<s> (id" if kind == "llama" else "none")
+    for name, path in tasks.items():
+        expected, truncated = _expected(ref, path)
+        got = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert len(got) == len(expected) == report["tasks"][name]["rows"]
+        assert report["tasks"][name]["truncated"] == truncated == (1 if name == "mc" else 0)
+        for row, (lp, greedy, gold, pick, pick_norm) in zip(got, expected):
+            np.testing.assert_allclose(row["logprobs"], lp, atol=1e-4, rtol=0, err_msg=f"{name} line {row['line']}")
+            assert row["greedy"] == greedy, (name, row["line"])
+            if name == "lm":
+                assert row["correct"] == greedy[0]
+            else:
+                assert (row["pred"], row["correct"]) == (pick, pick == gold), (name, row["line"])
+            if name == "mc":
+                assert row["pred_norm"] == pick_norm, (name, row["line"])
+        acc = np.mean([g[0] if name == "lm" else p == gold for _, g, gold, p, _ in expected])
+        assert report["tasks"][name]["acc"] == pytest.approx(acc)
+    lm = report["tasks"]["lm"]
+    assert 0 < lm["acc"] < 1  # some rows greedy-correct, some not
+    assert lm["perplexity"] == pytest.approx(np.exp(-np.mean([e[0][0] for e in _expected(ref, tasks["lm"])[0]])),
+                                             rel=1e-4)
+    assert report["work"]["positions"] < report["work"]["naive_positions"]
+
+
+def test_report_table(setup, capsys):
+    kind, root, ref, tasks = setup
+    assert cli(["eval", "--run", str(root / "model"), "--tasks", str(tasks["mc"].parent), "--limit", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "bos " in text and "average" in text and "positions run" in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["lm"], ["mc"], ["schema"])}
+    assert set(rows) == {"lm", "mc", "schema"} and all(r[2] == "3" for r in rows.values())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_extend_and_load_rows_equal_prefills_of_the_whole_sequence(arch):
+    cfg = (GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=16) if arch == "gpt2" else
+           LlamaConfig(block_size=32, vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=40))
+    m = get_family(arch).model(cfg, seed=1)
+    seq = np.random.default_rng(0).integers(0, 50, (3, 20))
+    ref = np.stack([m.KV_CACHE(m, 3).prefill(seq[:, :t + 1]) for t in range(20)], 1)  # (3, 20, V)
+    c = m.KV_CACHE(m, 4, length=25)
+    c.resize(3, 30)
+    np.testing.assert_allclose(c.prefill(seq[:, :7]), ref[:, 6], atol=1e-5)
+    np.testing.assert_allclose(c.extend(seq[:, 7:]), ref[:, 7:], atol=1e-5)
+    query = m.KV_CACHE(m, 2, length=25)
+    query.resize(1, 10)
+    query.prefill(seq[1:2, :5])
+    branch = m.KV_CACHE(m, 5, length=25)
+    branch.load_rows(query, [0, 0, 0], 12)
+    mask = np.zeros((3, 7), bool)
+    mask[0, 2:], mask[2, :3] = True, True
+    got = branch.extend(np.stack([seq[1, 5:12]] * 3), select=mask)
+    np.testing.assert_allclose(got, np.concatenate([ref[1, 7:12], ref[1, 5:8]]), atol=1e-5)
+    with pytest.raises(ValueError, match="B \\* length"):
+        branch.resize(5, 30)
+
+
+BAD = {
+    "unknown-layout": ('{"query": "q", "choices": ["a", "b"], "gold": 0}\n{"question": "q", "answer": "a"}\n',
+                       r"bad\.jsonl:2: unknown layout \(keys \['answer', 'question'\]\)"),
+    "gold-out-of-range": ('{"query": "q", "choices": ["a", "b"], "gold": 2}\n',
+                          r"bad\.jsonl:1: gold 2 is out of range for 2 choices \(0 to 1\)"),
+    "gold-not-int": ('{"context_options": ["a", "b"], "continuation": "c", "gold": "1"}\n',
+                     r"bad\.jsonl:1: gold must be an integer"),
+    "empty-file": ("\n\n", r"bad\.jsonl: no rows \(an empty file\)"),
+    "not-json": ('{"context": "a", "continuation": "b"}\n{"context": "a", \n', r"bad\.jsonl:2: not JSON"),
+    "mixed-kinds": ('{"context": "a", "continuation": "b"}\n{"query": "q", "choices": ["a", "b"], "gold": 0}\n',
+                    r"bad\.jsonl:2: a multiple choice row in a file of language modeling rows"),
+    "one-choice": ('{"query": "q", "choices": ["a"], "gold": 0}\n', r"bad\.jsonl:1: choices must be a list of at least 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_naming_file_and_line(case, tmp_path, capsys):
+    text, pattern = BAD[case]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    assert cli(["eval", "--run", str(tmp_path / "no-model"), "--tasks", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert re.search(pattern, err), err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tasks", "{tmp}/nothing.jsonl"], "nothing.jsonl: no such file or directory"),
+    (["--tasks", "{tmp}"], "a directory with no \\*.jsonl files"),
+    (["--tasks", "{tmp}/ok.jsonl", "--limit", "0"], "--limit must be >= 1"),
+    (["--tasks", "{tmp}/ok.jsonl", "--batch-size", "0"], "--batch-size must be >= 1"),
+])
+def test_bad_arguments(argv, match, tmp_path, capsys):
+    (tmp_path / "sub").mkdir()
+    _write(tmp_path / "sub" / "ok.jsonl", [{"context": "a", "continuation": "b"}])
+    argv = [a.format(tmp=tmp_path if "ok" not in a else tmp_path / "sub") for a in argv]
+    assert cli(["eval", "--run", str(tmp_path / "no-model")] + argv) == 2
+    assert re.search(match, capsys.readouterr().err)
