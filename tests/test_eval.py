@@ -261,3 +261,10 @@ def test_bad_arguments(argv, match, tmp_path, capsys):
     argv = [a.format(tmp=tmp_path if "ok" not in a else tmp_path / "sub") for a in argv]
     assert cli(["eval", "--run", str(tmp_path / "no-model")] + argv) == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_partition_pads_short_pairs_only_where_a_forward_more_costs_more():
+    from handgrad.eval.score import _partition
+    assert [list(r) for r in _partition([1, 1, 1, 30], 5)] == [[0, 1, 2], [3]]  # 5 + 3 + 5 + 30 < 4 * 30
+    assert [list(r) for r in _partition([2, 3, 4], 50)] == [[0, 1, 2]]  # one forward: 50 + 12
+    assert _partition([], 30) == []

@@ -41,9 +41,9 @@ def add_arguments(parser):
                              "context_options/continuation/gold or context/continuation), or directories of them")
     parser.add_argument("--limit", type=int, default=None, metavar="N",
                         help="score only the first N rows of each task")
-    parser.add_argument("--batch-size", type=int, default=16, metavar="N",
-                        help="continuations scored in one forward (default 16): the choices of the rows whose "
-                             "queries share a length, their queries run once in one prefill")
+    parser.add_argument("--batch-size", type=int, default=64, metavar="N",
+                        help="continuations scored in one forward (default 64): the choices of rows whose "
+                             "queries have one length, the queries run once in one forward before them")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="also write DIR/TASK.jsonl (every row's scores and predictions) and DIR/results.json")

@@ -19,13 +19,21 @@ Truncation, as the harness: a seq longer than block_size + 1 tokens keeps its la
 Sharing the query. The pairs of a row usually begin with the same tokens (a multiple-choice row:
 its whole query; a schema row: the context options' common start). Those P tokens are run once, a
 prefill into a KV cache, and every pair goes on from there: its cache rows are copied from the
-query's (KVCache.load_rows) and its remaining tokens fed as one extend, which returns the logits of
-the positions scored. Rows with the same P are batched (up to --batch-size pairs): their queries
-in one prefill, all their pairs in one extend, right-padded (a causal model's padding after a token
-never changes that token's logits, and padded positions are not scored). On ARC-Easy with
-SmolLM2's tokenizer (query 24 tokens, 4 choices of 4.4 tokens on average) a row runs
-24 + 4 x 3.4 = 38 positions where one forward per choice runs 4 x (24 + 4.4 - 1) = 110, and the
-lm_head on 4 x 4.4 = 18 positions instead of 110; the report counts both for every run.
+query's (KVCache.load_rows) and its remaining tokens fed in an extend, which returns the logits of
+the positions scored only (the lm_head runs on nothing else). On ARC-Easy with SmolLM2's tokenizer
+(query 24 tokens, 4 choices of 4.4 on average) a row runs 24 + 4 x 3.4 = 38 positions where one
+forward per choice runs 4 x (24 + 4.4 - 1) = 110, and the lm_head on 18 positions instead of 110;
+the whole of ARC-Easy runs 95,620 positions where one forward per choice runs 263,096. The report
+counts both for every run.
+
+Batching. A forward costs more than its positions: it streams every weight from memory once,
+whatever its rows (SmolLM2 on one core: ~30 positions' worth, FORWARD_COST). So rows with the same
+P are scored together, up to --batch-size pairs: their queries in one prefill, their pairs in
+extends of pairs of similar lengths, right-padded (a causal model's padding after a token never
+changes that token's logits, and padded positions are not scored), the pairs split into extends
+where a forward more costs less than the padding it saves (_partition). A language-modelling row
+has one pair and nothing to share: it runs in one extend from an empty cache (P = 0), batched with
+rows of any length.
 """
 from dataclasses import dataclass
 
@@ -35,6 +43,10 @@ from ..data.sources import DataError
 
 MAX_TOKENS = 4096  # positions in one prefill or extend batch (bounds the caches and activations)
 MAX_LOGITS = 1 << 25  # logits (positions x V) returned by one extend batch: 128 MiB of float32
+# A forward's cost beyond its positions', in positions: every weight is streamed from memory once
+# per forward, whatever its rows. SmolLM2-135M on one core of the Xeon: 150-160 ms for 8 positions,
+# 4-5 ms per position from 128 on (so ~30); used to split a batch's pairs into extends (_partition).
+FORWARD_COST = 30
 
 
 @dataclass
@@ -94,7 +106,11 @@ def encode_task(task, tokenizer, block_size, bos):
 
 def shared_prefix(e):
     """P: the tokens every seq of row e begins with, at most its shortest context (the position
-    before a continuation's first token must be P - 1 or later)."""
+    before a continuation's first token must be P - 1 or later). 0 for a row of one seq (a
+    language-modelling row): nothing to share, and its whole seq then goes in one extend from an
+    empty cache, batched with rows of any length (rows of P > 0 are batched with rows of the same P)."""
+    if len(e.seqs) == 1:
+        return 0
     P, first = min(e.n_ctx), e.seqs[0]
     for s in e.seqs[1:]:
         same = first[:P] == s[:P]
@@ -111,7 +127,7 @@ class Scorer:
     keeping two KV caches between calls: the queries' and their pairs'. `positions` counts the
     positions it ran (padding included), `naive_positions` those one forward per pair would run."""
 
-    def __init__(self, model, batch_size=16):
+    def __init__(self, model, batch_size=64):
         self.model = model.plain() if getattr(model, "lora", None) is not None else model
         self.batch_size = batch_size
         self.V = self.model.config.vocab_size
@@ -132,7 +148,7 @@ class Scorer:
                 S = sum(len(r.seqs) for r in rows)
                 Tx = max(_extend_len(r, P[i]) for r in rows)
                 scored = sum(len(s) - n for r in rows for s, n in zip(r.seqs, r.n_ctx))
-                if (P[cur[0]] != P[i] or S > self.batch_size or len(rows) * (P[i] + Tx) > MAX_TOKENS
+                if (P[cur[0]] != P[i] or S > self.batch_size or len(rows) * P[i] > MAX_TOKENS
                         or S * (P[i] + Tx) > MAX_TOKENS or scored > max_scored):
                     out.append((P[cur[0]], cur))
                     cur = []
@@ -155,11 +171,8 @@ class Scorer:
         need = {"prefix": 1, "branch": 1}
         for P, rows in batches:
             es = [encoded[i] for i in rows]
-            R, S, Tx = len(es), sum(len(e.seqs) for e in es), max(_extend_len(e, P) for e in es)
-            in_prefix = S == R and P > 0  # one pair per row: it goes on in the query's own cache
-            need["prefix"] = max(need["prefix"], R * (P + Tx if in_prefix else P))
-            if Tx > 0 and not in_prefix:
-                need["branch"] = max(need["branch"], S * (P + Tx))
+            need["prefix"] = max(need["prefix"], len(es) * P)
+            need["branch"] = max(need["branch"], sum(len(e.seqs) for e in es) * (P + max(_extend_len(e, P) for e in es)))
         return need
 
     def score(self, encoded, progress=None):
@@ -176,49 +189,75 @@ class Scorer:
         return scores
 
     def _score_batch(self, es, P, prefix, branch):
+        """Score rows es, all of shared prefix P: their queries in one prefill, then their pairs'
+        remaining tokens in extends of pairs of similar lengths (_partition)."""
         owner = [r for r, e in enumerate(es) for _ in e.seqs]
         seqs = [s for e in es for s in e.seqs]
         n_ctx = [n for e in es for n in e.n_ctx]
-        R, S, Tx = len(es), len(seqs), max(len(s) - 1 - P for s in seqs)
-        in_prefix = S == R and P > 0
         last = None
         if P > 0:
-            prefix.resize(R, P + Tx if in_prefix else P)
+            prefix.resize(len(es), P)
             last = np.array(prefix.prefill(np.stack([e.seqs[0][:P] for e in es])), np.float32)  # (R, V)
-            self.positions += R * P
-        scored = np.zeros((0, self.V), np.float32)
-        mask = np.zeros((S, max(Tx, 1)), bool)
-        if Tx > 0:
-            cache = prefix if in_prefix else branch
-            if not in_prefix:
-                if P > 0:
-                    branch.load_rows(prefix, owner, P + Tx)
-                else:
-                    branch.resize(S, Tx)
-            inputs = np.zeros((S, Tx), np.int64)  # right-padded with token 0
-            for j, (s, n) in enumerate(zip(seqs, n_ctx)):
-                inputs[j, :len(s) - 1 - P] = s[P:-1]
-                mask[j, max(0, n - 1 - P):len(s) - 1 - P] = True
-            scored = cache.extend(inputs, select=mask)  # (N, V): the scored positions, row by row
-            self.positions += S * Tx
+            self.positions += len(es) * P
+            self.lm_head_positions += len(es)
+        ext = [len(s) - 1 - P for s in seqs]  # tokens each pair feeds after the query
+        results = [None] * len(seqs)  # (logprob, greedy) of each pair
+        todo = sorted((j for j in range(len(seqs)) if ext[j] > 0), key=ext.__getitem__)
+        for run in _partition([ext[j] for j in todo], FORWARD_COST):
+            js = [todo[i] for i in run]
+            Tx = ext[js[-1]]
+            if P > 0:
+                branch.load_rows(prefix, [owner[j] for j in js], P + Tx)
+            else:
+                branch.resize(len(js), Tx)
+            inputs = np.zeros((len(js), Tx), np.int64)  # right-padded with token 0
+            mask = np.zeros((len(js), Tx), bool)
+            for row, j in enumerate(js):
+                inputs[row, :ext[j]] = seqs[j][P:-1]
+                mask[row, max(0, n_ctx[j] - 1 - P):ext[j]] = True
+            logits = branch.extend(inputs, select=mask)  # (N, V): the scored positions, row by row
+            self.positions += len(js) * Tx
+            self.lm_head_positions += len(logits)
+            ends = np.cumsum(mask.sum(axis=1))
+            for row, j in enumerate(js):  # before the next extend overwrites the logits
+                rows = self._rows(logits[ends[row] - mask[row].sum():ends[row]], last, owner[j], n_ctx[j], P)
+                results[j] = _logprob(rows, seqs[j][n_ctx[j]:])
+        for j in range(len(seqs)):
+            if ext[j] <= 0:  # one continuation token, right after the query
+                results[j] = _logprob(last[owner[j]][None], seqs[j][n_ctx[j]:])
         self.naive_positions += sum(len(s) - 1 for s in seqs)
-        self.lm_head_positions += len(scored) + (R if P > 0 else 0)
-        results, at = [], 0
-        for j, (s, n) in enumerate(zip(seqs, n_ctx)):
-            k = int(mask[j].sum())
-            rows = scored[at:at + k]
-            at += k
-            if n == P:  # the last query position predicts the first continuation token
-                rows = np.concatenate([last[owner[j]][None], rows])
-            results.append(_logprob(rows, s[n:]))
         out, j = [], 0
         for e in es:
             k = len(e.seqs)
             lp, greedy = zip(*results[j:j + k])
-            out.append(RowScore(np.array(lp), np.array(greedy), np.array([len(s) - n for s, n in
-                                                                          zip(e.seqs, e.n_ctx)])))
+            out.append(RowScore(np.array(lp), np.array(greedy),
+                                np.array([len(s) - n for s, n in zip(e.seqs, e.n_ctx)])))
             j += k
         return out
+
+    @staticmethod
+    def _rows(rows, last, r, n, P):
+        """A pair's logits, one row per continuation token: the query's last position (row r of the
+        prefill) when the continuation starts right after it, then the extend's rows."""
+        return np.concatenate([last[r][None], rows]) if n == P else rows
+
+
+def _partition(lengths, cost):
+    """Split `lengths` (ascending) into consecutive runs, one extend each, minimising the positions
+    run, sum of cost + len(run) * max(run): a short pair padded to a long one's length wastes
+    positions, a forward more costs `cost` positions' worth."""
+    n = len(lengths)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            c = best[i] + cost + (j - i) * lengths[j - 1]
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    runs, j = [], n
+    while j > 0:
+        runs.append(range(cut[j], j))
+        j = cut[j]
+    return runs[::-1]
 
 
 def _logprob(logits, targets):
