@@ -233,7 +233,7 @@ BAD = {
     "empty-file": ("\n\n", r"bad\.jsonl: no rows \(an empty file\)"),
     "not-json": ('{"context": "a", "continuation": "b"}\n{"context": "a", \n', r"bad\.jsonl:2: not JSON"),
     "mixed-kinds": ('{"context": "a", "continuation": "b"}\n{"query": "q", "choices": ["a", "b"], "gold": 0}\n',
-                    r"bad\.jsonl:2: a multiple choice row in a file of language modeling rows"),
+                    r"bad\.jsonl:2: a multiple choice row in a file of language modelling rows"),
     "one-choice": ('{"query": "q", "choices": ["a"], "gold": 0}\n', r"bad\.jsonl:1: choices must be a list of at least 2"),
 }
 
@@ -268,3 +268,37 @@ def test_partition_pads_short_pairs_only_where_a_forward_more_costs_more():
     assert [list(r) for r in _partition([1, 1, 1, 30], 5)] == [[0, 1, 2], [3]]  # 5 + 3 + 5 + 30 < 4 * 30
     assert [list(r) for r in _partition([2, 3, 4], 50)] == [[0, 1, 2]]  # one forward: 50 + 12
     assert _partition([], 30) == []
+
+
+def test_a_handgrad_run_scores_as_its_own_full_forward(tmp_path, capsys):
+    """A run directory (GPT-2, byte tokenizer, block_size 16: most rows truncated) against
+    model.forward on each whole pair, cut to its last 17 tokens."""
+    from handgrad.data.tokenizer import ByteTokenizer
+    from handgrad.interop.checkpoint import save_checkpoint
+    from handgrad.models.gpt2 import GPT
+    from handgrad.training.optim import AdamW
+    config = GPTConfig(block_size=16, vocab_size=256, n_layer=2, n_head=2, n_embd=16)
+    model = GPT(config, seed=0)
+    model.params[:] = np.random.default_rng(0).standard_normal(model.num_params, dtype=np.float32) * 0.3
+    run = tmp_path / "run"
+    save_checkpoint(run, 3, model, AdamW(model), {"model_config": config.to_dict()})
+    ByteTokenizer().save(run)
+    rows = [{"query": "the cat sat on", "choices": ["the mat", "a box"], "gold": 0},
+            {"query": "x", "choices": ["y", "a long choice"], "gold": 1}]
+    task = _write(tmp_path / "bytes.jsonl", rows)
+    assert cli(["eval", "--run", str(run), "--tasks", str(task), "--json", "--out", str(tmp_path / "out")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    got = [json.loads(line) for line in (tmp_path / "out" / "bytes.jsonl").read_text().splitlines()]
+    for r, g in zip(rows, got):
+        for c, lp in zip(r["choices"], g["logprobs"]):
+            ctx, cont = list(r["query"].encode()), list((" " + c).encode())
+            seq = (ctx + cont)[-17:]
+            logits = model.forward(np.array([seq[:-1]]))[0, -len(cont):].astype(np.float64)
+            logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+                - logits.max(1, keepdims=True)
+            assert lp == pytest.approx(logp[np.arange(len(cont)), cont].sum(), abs=1e-4)
+    assert report["tasks"]["bytes"]["truncated"] == 1  # row 1: 22 and 20 tokens
+    _write(task, rows + [{"query": "a", "choices": ["b", "a continuation of 17"], "gold": 0}])
+    assert cli(["eval", "--run", str(run), "--tasks", str(task)]) == 2
+    assert re.search(r"bytes\.jsonl:3: the continuation ' a continuation of 17' is 21 tokens; it must be 1 to 16",
+                     capsys.readouterr().err)

@@ -21,12 +21,11 @@ import numpy as np
 
 from ..data.sources import DataError
 from ..files import write_atomic
-from ..models.decode import SampleError
 from ..sample import load_run
 from .score import Scorer, bos_policy, encode_task
 from .tasks import LM, MC, read_task, task_paths
 
-KIND_SHORT = {"multiple_choice": "mc", "schema": "schema", "language_modeling": "lm"}
+KIND_SHORT = {"multiple_choice": "mc", "schema": "schema", "language_modelling": "lm"}
 
 
 def add_arguments(parser):
@@ -137,8 +136,6 @@ def main(args, file=None):
     if out is not None and out.exists() and not out.is_dir():
         raise DataError(f"--out {out}: exists and is not a directory")
     model, tokenizer, _ = load_run(args.run, args.tokenizer)
-    if getattr(model, "backend", "cpu") != "cpu":
-        raise SampleError("eval runs on the cpu")
     bos, bos_text = bos_policy(tokenizer)
     scorer = Scorer(model, args.batch_size)
     cfg = model.config

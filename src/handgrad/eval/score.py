@@ -80,7 +80,10 @@ def bos_policy(tokenizer):
 def encode_task(task, tokenizer, block_size, bos):
     """Every row of task as Encoded, its texts tokenized in one batch."""
     texts = sorted({t for r in task.rows for t in r.contexts + r.continuations})
-    ids = dict(zip(texts, tokenizer.encode_batch(texts)))
+    try:
+        ids = dict(zip(texts, tokenizer.encode_batch(texts)))
+    except DataError as e:  # a char tokenizer's unknown character
+        raise DataError(f"{task.path}: {e}") from None
     start = [bos] if bos is not None else []
     out = []
     for r in task.rows:

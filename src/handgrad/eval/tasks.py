@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..data.sources import DataError
 
-MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
+MC, SCHEMA, LM = "multiple_choice", "schema", "language_modelling"
 LAYOUTS = {MC: ("query", "choices", "gold"), SCHEMA: ("context_options", "continuation", "gold"),
            LM: ("context", "continuation")}
 DELIMITER = " "  # between a context and its continuation, as lm-evaluation-harness's target_delimiter
