@@ -44,8 +44,9 @@ from ..data.sources import DataError
 MAX_TOKENS = 4096  # positions in one prefill or extend batch (bounds the caches and activations)
 MAX_LOGITS = 1 << 25  # logits (positions x V) returned by one extend batch: 128 MiB of float32
 # A forward's cost beyond its positions', in positions: every weight is streamed from memory once
-# per forward, whatever its rows. SmolLM2-135M on one core of the Xeon: 150-160 ms for 8 positions,
-# 4-5 ms per position from 128 on (so ~30); used to split a batch's pairs into extends (_partition).
+# per forward, whatever its rows. SmolLM2-135M on one core of the AMD EPYC (AVX2, shared with a
+# training run): 150-160 ms for 8 positions, 4-5 ms per position from 128 on (so ~30); used to
+# split a batch's pairs into extends (_partition).
 FORWARD_COST = 30
 
 
