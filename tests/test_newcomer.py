@@ -117,3 +117,12 @@ def test_wandb_offline_writes_its_run_without_network(data, tmp_path, monkeypatc
     assert len(files) == 1
     raw = files[0].read_bytes()  # the run's records (protobuf): the scalars' names are in it
     assert all(tag.encode() in raw for tag in ("train/loss", "val/loss", "train/lr", "perf/tok_per_s"))
+
+
+# ---------------------------------------------------------------- issue 42: what a new user tripped over
+def test_the_peak_line_has_no_stray_space():
+    from handgrad.training.command import peak_line
+    assert peak_line("float32", 171.4) == "sgemm peak (measured now): 171 GFLOP/s"
+    assert peak_line("bfloat16", 540.0) == "bf16 matmul peak (oneDNN, measured now): 540 GFLOP/s"
+    assert peak_line("float32", 300.0, 2, 1) == "sgemm peak (measured now) over 2 ranks (gloo), 1 threads each: 300 GFLOP/s"
+

@@ -82,6 +82,13 @@ def _same_number(a, b):
         return False
 
 
+def peak_line(dtype, peak, world_size=1, threads=0):
+    """The log line of the matmul peak MFU is measured against: float32's sgemm, or bf16's on oneDNN."""
+    what = "bf16 matmul peak (oneDNN, measured now)" if dtype == "bfloat16" else "sgemm peak (measured now)"
+    where = f" over {world_size} ranks (gloo), {threads} threads each" if world_size > 1 else ""
+    return f"{what}{where}: {peak:.0f} GFLOP/s"
+
+
 def main(args):
     overrides = {k.split(":", 1)[1]: v for k, v in vars(args).items()
                  if k.startswith("override:") and v is not None}
@@ -104,9 +111,7 @@ def main(args):
         dtype = config.train.dtype  # bf16 products: MFU against the bf16 product's peak
         peak = float(dp.sum([sgemm_peak(dtype=dtype)["median_gflops"]])[0])  # every rank measures at once: their sum
         if dp.is_main:
-            where = f" over {dp.world_size} ranks (gloo), {threads} threads each" if dp.world_size > 1 else ""
-            what = "bf16 matmul peak (oneDNN" if dtype == "bfloat16" else "sgemm peak ("
-            print(f"{what} measured now){where}: {peak:.0f} GFLOP/s")
+            print(peak_line(dtype, peak, dp.world_size, threads))
     trainer.run(peak_gflops=peak)
     dp.close()
     if trainer.interrupted:  # Ctrl-C: the checkpoint is written; a `&&` chain must not go on as if done
