@@ -126,3 +126,17 @@ def test_the_peak_line_has_no_stray_space():
     assert peak_line("bfloat16", 540.0) == "bf16 matmul peak (oneDNN, measured now): 540 GFLOP/s"
     assert peak_line("float32", 300.0, 2, 1) == "sgemm peak (measured now) over 2 ranks (gloo), 1 threads each: 300 GFLOP/s"
 
+
+def test_a_lora_runs_model_line_counts_the_whole_model(data, tmp_path, capsys):
+    """The LoRA line says what trains and what is frozen; the model line after it the whole model,
+    so the two agree (it once said the trained count alone, as if it were the model's size)."""
+    run = tmp_path / "lora"
+    assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.max_steps", "1",
+                "--train.lora_rank", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("sgemm peak (measured now): ") for line in lines), lines
+    lora = next(line for line in lines if line.startswith("LoRA: "))
+    trained, frozen = (int(n.replace(",", "")) for n in
+                       lora.split("; ")[1].replace(" parameters train, ", " ").split()[:2])
+    model = next(line for line in lines if line.startswith("model: "))
+    assert model.startswith(f"model: {trained + frozen:,} parameters, {trained:,} of them trained; "), (lora, model)

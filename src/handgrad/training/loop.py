@@ -36,6 +36,13 @@ class _StopFlag:
         signal.signal(signal.SIGINT, self._old)
 
 
+def model_size(model):
+    """The model's parameters for the log: all of them, and of a LoRA model how many train (the
+    adapters and whatever trains beside them) beside its frozen base."""
+    if model.lora is None:
+        return f"{model.num_params:,} parameters"
+    return f"{model.num_params + len(model.frozen_params):,} parameters, {model.num_params:,} of them trained"
+
 
 class RunLoop:
     """run() the steps; settle() the gpu's unread losses; write the log and metrics.jsonl."""
@@ -51,7 +58,7 @@ class RunLoop:
         bar = progress_bar(self.step, t.max_steps) if dp.is_main else None
         say = bar.write if bar is not None else self.log
         self.first_step, self.interrupted = self.step + 1, False
-        self.log(f"model: {self.model.num_params:,} parameters; {tokens_per_step:,} tokens per step"
+        self.log(f"model: {model_size(self.model)}; {tokens_per_step:,} tokens per step"
                  f"{f' over {dp.world_size} ranks' if dp.world_size > 1 else ''}; steps {self.step} -> {t.max_steps}")
         try:
             with _StopFlag() as stop:
