@@ -124,7 +124,8 @@ def test_the_peak_line_has_no_stray_space():
     from handgrad.training.command import peak_line
     assert peak_line("float32", 171.4) == "sgemm peak (measured now): 171 GFLOP/s"
     assert peak_line("bfloat16", 540.0) == "bf16 matmul peak (oneDNN, measured now): 540 GFLOP/s"
-    assert peak_line("float32", 300.0, 2, 1) == "sgemm peak (measured now) over 2 ranks (gloo), 1 threads each: 300 GFLOP/s"
+    assert peak_line("float32", 300.0, 2, 1) == ("sgemm peak (measured now) over 2 ranks (gloo), 1 threads each: "
+                                                 "300 GFLOP/s")
 
 
 def test_a_lora_runs_model_line_counts_the_whole_model(data, tmp_path, capsys):
@@ -140,3 +141,21 @@ def test_a_lora_runs_model_line_counts_the_whole_model(data, tmp_path, capsys):
                        lora.split("; ")[1].replace(" parameters train, ", " ").split()[:2])
     model = next(line for line in lines if line.startswith("model: "))
     assert model.startswith(f"model: {trained + frozen:,} parameters, {trained:,} of them trained; "), (lora, model)
+
+
+@pytest.mark.parametrize("missing", ["torch", "transformers"])
+def test_the_stand_in_model_tool_without_the_test_extra_is_one_line(missing, tmp_path):
+    """tools/tiny_hf_model.py where torch or transformers is not installed (their import blocked):
+    one line naming the extra to install, exit 1, nothing written."""
+    import subprocess
+    from pathlib import Path
+    tool = Path(__file__).resolve().parents[1] / "tools" / "tiny_hf_model.py"
+    (tmp_path / "t.txt").write_text(TEXT)
+    run = (f"import runpy, sys; sys.modules[{missing!r}] = None; "
+           f"sys.argv = [{str(tool)!r}, {str(tmp_path / 'm')!r}, '--corpus', {str(tmp_path / 't.txt')!r}]; "
+           f"runpy.run_path({str(tool)!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.splitlines() == [f"error: tiny_hf_model.py needs torch and transformers ({missing} is not "
+                                       f"installed): pip install -e '.[test]'"], out.stderr
+    assert not (tmp_path / "m").exists()

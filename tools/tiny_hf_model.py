@@ -15,6 +15,7 @@ Needs the test extra (torch, transformers): pip install -e ".[test]".
 """
 import argparse
 import json
+import sys
 from pathlib import Path
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -68,8 +69,12 @@ def main():
                         "corpus and the assistant answering with the next one")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    import torch
-    import transformers
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        sys.exit(f"error: {Path(__file__).name} needs torch and transformers ({e.name or e} is not installed): "
+                 f"pip install -e '.[test]'")
 
     args.out.mkdir(parents=True)
     texts = corpus_texts(args.corpus)
