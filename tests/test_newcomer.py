@@ -159,3 +159,47 @@ def test_the_stand_in_model_tool_without_the_test_extra_is_one_line(missing, tmp
     assert out.stderr.splitlines() == [f"error: tiny_hf_model.py needs torch and transformers ({missing} is not "
                                        f"installed): pip install -e '.[test]'"], out.stderr
     assert not (tmp_path / "m").exists()
+
+
+def _written_by_the_docs():
+    """The paths the commands in README.md and the docs' pages (not the history) write: handgrad's
+    --out (bench's reports into docs/ aside), convert's DST, --chats, and the output argument of
+    tools/tiny_hf_model.py and tools/identity_chats.py, as given (relative to the repo root, where
+    they are run)."""
+    import re
+    import shlex
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *(p for p in sorted((root / "docs").glob("*.md")) if "HISTORY" not in p.name)]
+    written = set()
+    for page in pages:
+        blocks = re.findall(r"^```[^\n]*\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S)
+        for line in (line for block in blocks for line in block.replace("\\\n", " ").splitlines()):
+            for command in re.split(r"&&|\|", line.removeprefix("$ ").split("  #")[0]):
+                try:
+                    words = shlex.split(command)
+                except ValueError:  # a quoted python -c snippet across lines
+                    continue
+                words = words[words.index("handgrad"):] if "handgrad" in words[:8] else words
+                if words[:1] == ["handgrad"] and words[1:2] != ["bench"]:
+                    written |= {words[i + 1] for i, w in enumerate(words[:-1]) if w in ("--out", "--chats")}
+                    if words[1:2] == ["convert"]:
+                        written.add([w for w in words[2:] if not w.startswith("-")][1])
+                if words[:2] in (["python", "tools/tiny_hf_model.py"], ["python", "tools/identity_chats.py"]):
+                    written |= {words[2]} | {words[i + 1] for i, w in enumerate(words[:-1]) if w == "--chats"}
+    return root, {p for p in written if not p.startswith(("/", "$")) and not p.isupper() and "..." not in p}
+
+
+def test_what_the_docs_commands_write_is_ignored_by_git():
+    """The walkthroughs' outputs (runs/, data/, identity.jsonl, adapter/, quill.gguf, ...) do not land
+    untracked in a checkout: .gitignore anchors each at the repo root."""
+    import shutil
+    import subprocess
+    root, written = _written_by_the_docs()
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert {"runs/shakespeare", "data/shakespeare"} <= written, written
+    probe = sorted(written | {"tiny-smollm/config.json", "chats.jsonl", "out-hf/config.json", "out-l2c/model.bin",
+                              "adapter/adapter_config.json", "merged-hf/config.json", "quill.gguf"})
+    out = subprocess.run(["git", "check-ignore", "--no-index", *probe], cwd=root, capture_output=True, text=True)
+    assert sorted(out.stdout.split()) == probe, f"not ignored: {sorted(set(probe) - set(out.stdout.split()))}"
