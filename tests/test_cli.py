@@ -50,6 +50,16 @@ def test_verify_table():
         assert any(line.startswith(op + " ") for line in lines), f"no row for {op}"
 
 
+def test_verify_only_runs_the_named_checks_and_names_the_choices():
+    r = handgrad("verify", "--only", "layernorm,adamw", "--json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert {row["op"] for row in json.loads(r.stdout)["rows"]} == {"layernorm", "adamw"}
+    r = handgrad("verify", "--only", "layernorm,nope")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1].startswith("verify --only: no check named 'nope' on the cpu backend; "
+                                                       "choose from encoder, layernorm,")
+
+
 def test_verify_without_torch_says_how_to_install_it():
     """torch is an optional (test) dependency: without it, `handgrad verify` fails with one line
     saying what to install, not a traceback."""

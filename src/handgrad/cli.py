@@ -50,7 +50,8 @@ def _user_errors():
 
 
 def _cmd_verify(args):
-    return verify.main(backend=args.backend, as_json=args.json)
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    return verify.main(backend=args.backend, as_json=args.json, only=only)
 
 
 def _cmd_info(args):
@@ -131,6 +132,10 @@ def build_parser(argv=()):
     p.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
                    help="backend to verify (default cpu); gpu on a CPU runs under TRITON_INTERPRET=1")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--only", default=None, metavar="CHECK[,CHECK...]",
+                   help="run only these checks: encoder, layernorm, linear, layernorm_linear, attention, gelu, "
+                        "residual, crossentropy, adamw, model, lora_linear, dropout, rmsnorm, rmsnorm_linear, swiglu, "
+                        "rope, gqa_attention, llama_model (default all)")
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("bench", help="time handgrad beside PyTorch on this machine")

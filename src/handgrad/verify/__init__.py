@@ -56,40 +56,56 @@ def _has_llama(backend):
     return all(hasattr(_ops(backend), f"{op}_forward") for op in ("rmsnorm", "swiglu", "rope", "gqa_attention"))
 
 
-def run_all(backend="cpu"):
-    """Every op at an awkward shape (C = 96 with 3 heads, V = 1000, B*T = 2*17 = 34), then the model."""
-    rows = []
+def checks(backend="cpu"):
+    """Every check the backend has, by name (what `verify --only` picks): each op at an awkward shape
+    (C = 96 with 3 heads, V = 1000, B*T = 2*17 = 34), then the models. A name -> a function of no
+    arguments returning its rows."""
     shape = dict(B=2, T=17)
-    rows += check_encoder(**shape, C=96, V=1000, block_size=32, backend=backend)
-    rows += check_layernorm(**shape, C=96, backend=backend)
-    rows += check_linear(**shape, C=96, OC=288, backend=backend)
-    rows += check_layernorm_linear(**shape, C=96, OC=384, backend=backend)
-    rows += check_attention(**shape, C=96, NH=3, backend=backend)
-    rows += check_gelu(**shape, C=384, backend=backend)
-    rows += check_residual(**shape, C=96, backend=backend)
-    rows += check_crossentropy(**shape, V=1000, backend=backend)
-    rows += check_adamw(backend=backend)
-    rows += check_model_step(VERIFY_CONFIG, B=2, T=32, backend=backend)
-    rows += check_model_adamw(VERIFY_CONFIG, B=2, T=32, steps=10, backend=backend)
-    if hasattr(_ops(backend), "lora_linear_forward"):  # both backends have them
-        rows += check_lora_linear(**shape, C=96, OC=288, r=8, scale=2.0, backend=backend)
-        rows += check_dropout(**shape, C=96, p=0.2, backend=backend)
-    if hasattr(_ops(backend), "rmsnorm_forward"):  # the Llama family's ops, as far as the backend has them
-        rows += check_rmsnorm(**shape, C=96, backend=backend)
-        rows += check_rmsnorm_linear(**shape, C=96, OC=344, bias=True, backend=backend)
-        rows += check_swiglu(**shape, H=344, backend=backend)
-    if hasattr(_ops(backend), "rope_forward"):
-        rows += check_rope(**shape, NH=6, NKV=2, hs=16, offset=5, backend=backend)
+    ops = _ops(backend)
+    out = {
+        "encoder": lambda: check_encoder(**shape, C=96, V=1000, block_size=32, backend=backend),
+        "layernorm": lambda: check_layernorm(**shape, C=96, backend=backend),
+        "linear": lambda: check_linear(**shape, C=96, OC=288, backend=backend),
+        "layernorm_linear": lambda: check_layernorm_linear(**shape, C=96, OC=384, backend=backend),
+        "attention": lambda: check_attention(**shape, C=96, NH=3, backend=backend),
+        "gelu": lambda: check_gelu(**shape, C=384, backend=backend),
+        "residual": lambda: check_residual(**shape, C=96, backend=backend),
+        "crossentropy": lambda: check_crossentropy(**shape, V=1000, backend=backend),
+        "adamw": lambda: check_adamw(backend=backend),
+        "model": lambda: (check_model_step(VERIFY_CONFIG, B=2, T=32, backend=backend)
+                          + check_model_adamw(VERIFY_CONFIG, B=2, T=32, steps=10, backend=backend)),
+    }
+    if hasattr(ops, "lora_linear_forward"):  # both backends have them
+        out["lora_linear"] = lambda: check_lora_linear(**shape, C=96, OC=288, r=8, scale=2.0, backend=backend)
+        out["dropout"] = lambda: check_dropout(**shape, C=96, p=0.2, backend=backend)
+    if hasattr(ops, "rmsnorm_forward"):  # the Llama family's ops, as far as the backend has them
+        out["rmsnorm"] = lambda: check_rmsnorm(**shape, C=96, backend=backend)
+        out["rmsnorm_linear"] = lambda: check_rmsnorm_linear(**shape, C=96, OC=344, bias=True, backend=backend)
+        out["swiglu"] = lambda: check_swiglu(**shape, H=344, backend=backend)
+    if hasattr(ops, "rope_forward"):
+        out["rope"] = lambda: check_rope(**shape, NH=6, NKV=2, hs=16, offset=5, backend=backend)
     if _has_llama(backend):
-        rows += check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend)
-        rows += check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend, rope=True, dropout_p=0.1)
-        for config in VERIFY_LLAMA:
-            rows += check_model_step(config, B=2, T=17, backend=backend)
-            rows += check_model_adamw(config, B=2, T=17, steps=10, backend=backend)
-    return rows
+        out["gqa_attention"] = lambda: (
+            check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend)
+            + check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend, rope=True, dropout_p=0.1))
+        out["llama_model"] = lambda: [row for config in VERIFY_LLAMA
+                                      for row in (check_model_step(config, B=2, T=17, backend=backend)
+                                                  + check_model_adamw(config, B=2, T=17, steps=10, backend=backend))]
+    return out
 
 
-def main(backend="cpu", as_json=False):
+def run_all(backend="cpu", only=None):
+    """The rows of every check (or of the names in `only`, in the order checks() lists them)."""
+    table = checks(backend)
+    if only is not None:
+        unknown = [n for n in only if n not in table]
+        if unknown:
+            raise ValueError(f"verify --only: no check named {unknown[0]!r} on the {backend} backend; choose from "
+                             f"{', '.join(table)}")
+    return [row for name, check in table.items() if only is None or name in only for row in check()]
+
+
+def main(backend="cpu", as_json=False, only=None):
     from ..torch_ref import require_torch
     torch = require_torch()
     # The reference runs on tiny tensors: one thread is as fast, and keeps torch's OpenMP pool from
@@ -98,7 +114,10 @@ def main(backend="cpu", as_json=False):
     if backend == "gpu":
         from ..backends.gpu.common import device
         device()  # no CUDA and no interpreter: one line saying what to do
-    rows = run_all(backend)
+    try:
+        rows = run_all(backend, only)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     failed = [r for r in rows if not r.ok]
     if as_json:
         print(json.dumps({"backend": backend, "ok": not failed, "rows": [asdict(r) for r in rows]}, indent=1))
