@@ -3,6 +3,7 @@ alone (one forward per choice, batch 1, float32), on a tiny random Llama (its to
 and a tiny random GPT-2 (none), for the three kinds of row, a row longer than the context (truncated
 from the left) and an empty context; the KV cache's extend and load_rows against prefills of whole
 sequences; and every bad input's one line."""
+import importlib.util
 import json
 import re
 
@@ -302,3 +303,72 @@ def test_a_handgrad_run_scores_as_its_own_full_forward(tmp_path, capsys):
     assert cli(["eval", "--run", str(run), "--tasks", str(task)]) == 2
     assert re.search(r"bytes\.jsonl:3: the continuation ' a continuation of 17' is 21 tokens; it must be 1 to 16",
                      capsys.readouterr().err)
+
+
+def _train_tasks(d):
+    d.mkdir()
+    _write(d / "mc.jsonl", [{"query": "the cat sat on", "choices": ["the mat", "a box", "the cat"], "gold": 0},
+                            {"query": "a dog", "choices": ["sat", "ran on the mat"], "gold": 1},
+                            {"query": "the mat", "choices": ["is red", "sat"], "gold": 0},
+                            {"query": "on the", "choices": ["mat", "cat"], "gold": 0}])
+    _write(d / "lm.jsonl", [{"context": "the cat sat on the", "continuation": "mat"},
+                            {"context": "the dog", "continuation": "sat"},
+                            {"context": "a cat", "continuation": "ran"}])
+    return d
+
+
+def test_train_eval_tasks_score_each_evaluation_as_handgrad_eval_does(tmp_path, capsys):
+    """train.eval_tasks: at steps 2 and 4 (eval_interval 2) metrics.jsonl and TensorBoard hold each
+    task's metrics, the numbers `handgrad eval` gives for the checkpoint of that step."""
+    from handgrad.data.prepare import prepare
+    (tmp_path / "text.txt").write_text("the cat sat on the mat. a dog ran on the mat. " * 100)
+    prepare([str(tmp_path / "text.txt")], tmp_path / "data", tokenizer="byte", val_fraction=0.1, seed=1)
+    tasks, run = _train_tasks(tmp_path / "tasks"), tmp_path / "run"
+    argv = ["train", "--data", str(tmp_path / "data"), "--out", str(run), "--preset", "tiny", "--model.n_embd", "32",
+            "--model.block_size", "32", "--train.batch_size", "4", "--train.max_steps", "4",
+            "--train.eval_interval", "2", "--train.eval_steps", "1", "--train.sample_interval", "0",
+            "--train.checkpoint_interval", "2", "--train.eval_tasks", str(tasks), "--train.eval_limit", "3"]
+    tb = importlib.util.find_spec("tensorboardX") is not None
+    assert cli(argv + (["--train.log_to", "tensorboard"] if tb else [])) == 0
+    out = capsys.readouterr().out
+    assert "eval tasks: lm (3 rows), mc (3 rows); bos none" in out
+    assert re.search(r"step +4 \|.*\| val \d\.\d{4} \| lm \d\.\d{3} \| mc \d\.\d{3}", out)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if "val_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    keys = {"eval/mc/acc", "eval/mc/acc_norm", "eval/lm/acc", "eval/lm/perplexity"}
+    for r in evals:
+        assert keys == {k for k in r if k.startswith("eval/")}
+        assert cli(["eval", "--run", str(run / "ckpt" / f"step_{r['step']:08d}"), "--tasks", str(tasks),
+                    "--limit", "3", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)["tasks"]
+        for key in keys:
+            _, task, metric = key.split("/")
+            assert r[key] == pytest.approx(report[task][metric], rel=1e-9), key
+    if tb:
+        ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+        acc = ea.EventAccumulator(str(run / "tb"))
+        acc.Reload()
+        assert [(e.step, pytest.approx(e.value)) for e in acc.Scalars("eval/lm/perplexity")] == \
+            [(r["step"], r["eval/lm/perplexity"]) for r in evals]
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--train.eval_tasks", "nope.jsonl"], r"train\.eval_tasks nope\.jsonl: no such file or directory"),
+    (["--train.eval_tasks", "TASKS", "--train.eval_interval", "0"], r"train\.eval_tasks: scored at each evaluation, "
+                                                                     r"and train\.eval_interval is 0"),
+    (["--train.eval_tasks", "BAD"], r"train\.eval_tasks: .*bad\.jsonl:1: "),
+    (["--train.eval_limit", "-1"], r"train\.eval_limit: must be >= 0"),
+])
+def test_train_eval_tasks_errors_are_one_line_before_training(extra, match, tmp_path, capsys):
+    from handgrad.data.prepare import prepare
+    (tmp_path / "text.txt").write_text("the cat sat on the mat. " * 50)
+    prepare([str(tmp_path / "text.txt")], tmp_path / "data", tokenizer="byte", val_fraction=0.1, seed=1)
+    tasks = _train_tasks(tmp_path / "tasks")
+    bad = _write(tmp_path / "bad.jsonl", [{"question": "?", "answer": "!"}])
+    extra = [{"TASKS": str(tasks), "BAD": str(bad)}.get(a, a) for a in extra]
+    assert cli(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--preset", "tiny",
+                "--train.max_steps", "2", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(match, err[0]), err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

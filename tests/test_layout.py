@@ -17,14 +17,15 @@ LAZY_MODULES = ("handgrad.torch_ref", "handgrad.backends.gpu")
 MAX_LINES = 500
 # docs/ARCHITECTURE.md's layers, bottom first, by module prefix; a module is in the layer of its
 # longest matching prefix, so training/command.py, data/prepare.py and interop/convert.py are commands
-# (they may import anything), not training, data and interop. Beside the layers, unranked: machine,
+# (they may import anything), not training, data and interop; eval's tasks and scorer sit below
+# training (train.eval_tasks scores with them), eval/command.py is the command. Beside the layers, unranked: machine,
 # torch, torch_ref and the package's __init__ (the public names).
 COMMANDS = ("handgrad.__main__", "handgrad.cli", "handgrad.sample", "handgrad.verify", "handgrad.bench",
-            "handgrad.training.command", "handgrad.data.prepare", "handgrad.interop.convert", "handgrad.eval")
+            "handgrad.training.command", "handgrad.data.prepare", "handgrad.interop.convert", "handgrad.eval.command")
 LAYERS = (("config, files", ("handgrad.config", "handgrad.files")),
           ("ops", ("handgrad.backends",)),
           ("model family", ("handgrad.models",)),
-          ("data, interop", ("handgrad.data", "handgrad.interop")),
+          ("data, interop, eval", ("handgrad.data", "handgrad.interop", "handgrad.eval")),
           ("training", ("handgrad.training",)),
           ("commands", COMMANDS))
 

@@ -155,6 +155,8 @@ class TrainSection:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     eval_interval: int = 50  # steps between validation losses; 0 disables
     eval_steps: int = 10  # validation batches per evaluation
+    eval_tasks: str = ""  # comma-separated benchmark JSONL files or directories (handgrad eval's layout) scored at each evaluation; "": none
+    eval_limit: int = 0  # rows of each eval task scored at each evaluation; 0: every row
     sample_interval: int = 100  # steps between text samples; 0 disables
     sample_tokens: int = 200  # tokens per sample printed during training
     checkpoint_interval: int = 100  # steps between checkpoints; the last step is always saved
@@ -381,7 +383,7 @@ def validate_run_config(config):
                 "log_interval"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key}: must be positive, got {getattr(t, key)}")
-    for key in ("warmup_steps", "eval_interval", "sample_interval", "sample_tokens",
+    for key in ("warmup_steps", "eval_interval", "eval_limit", "sample_interval", "sample_tokens",
                 "checkpoint_interval", "seed", "lr", "min_lr", "weight_decay", "grad_clip"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")

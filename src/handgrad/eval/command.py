@@ -12,7 +12,6 @@ then the mean of each metric over the tasks that have it. `--json` prints the sa
 DIR/results.json.
 """
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -22,8 +21,8 @@ import numpy as np
 from ..data.sources import DataError
 from ..files import write_atomic
 from ..sample import load_run
-from .score import Scorer, bos_policy, encode_task
-from .tasks import LM, MC, read_task, task_paths
+from .score import Scorer, bos_policy, encode_task, task_results
+from .tasks import read_task, task_paths
 
 KIND_SHORT = {"multiple_choice": "mc", "schema": "schema", "language_modelling": "lm"}
 
@@ -46,41 +45,6 @@ def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="also write DIR/TASK.jsonl (every row's scores and predictions) and DIR/results.json")
-
-
-def _mean_stderr(x):
-    """(mean, sample std / sqrt(n)) of x; the error is None for fewer than two rows."""
-    x = np.asarray(x, np.float64)
-    return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None)
-
-
-def _task_results(task, scores):
-    """(the task's metrics, one record per row)."""
-    correct, correct_norm, logprobs, records = [], [], [], []
-    for row, s in zip(task.rows, scores):
-        rec = {"line": row.line, "logprobs": [round(float(v), 6) for v in s.logprobs],
-               "tokens": s.tokens.tolist(), "greedy": s.greedy.tolist()}
-        if task.kind == LM:
-            ok = bool(s.greedy[0])
-            logprobs.append(float(s.logprobs[0]))
-        else:
-            pred = int(np.argmax(s.logprobs))
-            ok = pred == row.gold
-            rec.update(gold=row.gold, pred=pred)
-            if task.kind == MC:
-                pred_norm = int(np.argmax(s.logprobs / np.maximum(np.asarray(row.choice_bytes), 1)))
-                rec.update(pred_norm=pred_norm, bytes=list(row.choice_bytes))
-                correct_norm.append(pred_norm == row.gold)
-        rec["correct"] = ok
-        correct.append(ok)
-        records.append(rec)
-    acc, err = _mean_stderr(correct)
-    result = {"kind": task.kind, "rows": len(task.rows), "acc": acc, "acc_stderr": err}
-    if task.kind == MC:
-        result["acc_norm"], result["acc_norm_stderr"] = _mean_stderr(correct_norm)
-    if task.kind == LM:
-        result["perplexity"] = math.exp(-float(np.mean(logprobs)))
-    return result, records
 
 
 def _average(results):
@@ -148,7 +112,7 @@ def main(args, file=None):
         with _progress(len(encoded), task.name) as bar:
             scores = scorer.score(encoded, progress=bar.update)
         dt = time.perf_counter() - t0
-        result, records[task.name] = _task_results(task, scores)
+        result, records[task.name] = task_results(task, scores)
         result.update(truncated=sum(e.truncated for e in encoded), seconds=round(dt, 3),
                       rows_per_s=len(encoded) / max(dt, 1e-9), path=str(task.path))
         report["tasks"][task.name] = result

@@ -35,11 +35,13 @@ where a forward more costs less than the padding it saves (_partition). A langua
 has one pair and nothing to share: it runs in one extend from an empty cache (P = 0), batched with
 rows of any length.
 """
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..data.sources import DataError
+from .tasks import LM, MC
 
 MAX_TOKENS = 4096  # positions in one prefill or extend batch (bounds the caches and activations)
 MAX_LOGITS = 1 << 25  # logits (positions x V) returned by one extend batch: 128 MiB of float32
@@ -244,6 +246,42 @@ class Scorer:
         """A pair's logits, one row per continuation token: the query's last position (row r of the
         prefill) when the continuation starts right after it, then the extend's rows."""
         return np.concatenate([last[r][None], rows]) if n == P else rows
+
+
+def mean_stderr(x):
+    """(mean, sample std / sqrt(n)) of x; the error is None for fewer than two rows."""
+    x = np.asarray(x, np.float64)
+    return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None)
+
+
+def task_results(task, scores):
+    """(the task's metrics, one record per row): rows, acc and its standard error; acc_norm and its
+    error for multiple choice; perplexity of the targets for language modelling."""
+    correct, correct_norm, logprobs, records = [], [], [], []
+    for row, s in zip(task.rows, scores):
+        rec = {"line": row.line, "logprobs": [round(float(v), 6) for v in s.logprobs],
+               "tokens": s.tokens.tolist(), "greedy": s.greedy.tolist()}
+        if task.kind == LM:
+            ok = bool(s.greedy[0])
+            logprobs.append(float(s.logprobs[0]))
+        else:
+            pred = int(np.argmax(s.logprobs))
+            ok = pred == row.gold
+            rec.update(gold=row.gold, pred=pred)
+            if task.kind == MC:
+                pred_norm = int(np.argmax(s.logprobs / np.maximum(np.asarray(row.choice_bytes), 1)))
+                rec.update(pred_norm=pred_norm, bytes=list(row.choice_bytes))
+                correct_norm.append(pred_norm == row.gold)
+        rec["correct"] = ok
+        correct.append(ok)
+        records.append(rec)
+    acc, err = mean_stderr(correct)
+    result = {"kind": task.kind, "rows": len(task.rows), "acc": acc, "acc_stderr": err}
+    if task.kind == MC:
+        result["acc_norm"], result["acc_norm_stderr"] = mean_stderr(correct_norm)
+    if task.kind == LM:
+        result["perplexity"] = math.exp(-float(np.mean(logprobs)))
+    return result, records
 
 
 def _partition(lengths, cost):

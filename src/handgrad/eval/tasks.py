@@ -44,9 +44,10 @@ class Task:
     rows: list
 
 
-def task_paths(spec):
+def task_paths(spec, flag="--tasks"):
     """The JSONL files of --tasks: comma-separated files or directories (a directory: its *.jsonl,
-    sorted). Task names (the files' stems) must be distinct."""
+    sorted). Task names (the files' stems) must be distinct. flag: what the errors name (the command's
+    flag or the config key)."""
     paths = []
     for part in (s.strip() for s in str(spec).split(",")):
         if not part:
@@ -55,18 +56,18 @@ def task_paths(spec):
         if p.is_dir():
             found = sorted(p.glob("*.jsonl"))
             if not found:
-                raise DataError(f"--tasks {p}: a directory with no *.jsonl files")
+                raise DataError(f"{flag} {p}: a directory with no *.jsonl files")
             paths += found
         elif p.is_file():
             paths.append(p)
         else:
-            raise DataError(f"--tasks {p}: no such file or directory")
+            raise DataError(f"{flag} {p}: no such file or directory")
     if not paths:
-        raise DataError("--tasks: name at least one JSONL file or directory")
+        raise DataError(f"{flag}: name at least one JSONL file or directory")
     seen = {}
     for p in paths:
         if p.stem in seen:
-            raise DataError(f"--tasks: two tasks named {p.stem!r} ({seen[p.stem]} and {p}); rename one")
+            raise DataError(f"{flag}: two tasks named {p.stem!r} ({seen[p.stem]} and {p}); rename one")
         seen[p.stem] = p
     return paths
 

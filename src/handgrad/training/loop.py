@@ -92,6 +92,7 @@ class RunLoop:
                         unread, window = [], None
                     if evaluate:
                         rec["val_loss"] = self.evaluate()
+                        rec.update(self.evaluate_tasks())
                     self._emit(recs, metrics, bar, say, flops_per_step, peak_gflops)
                     if sample:
                         say(f"--- sample at step {self.step} ---\n{self.sample_text()}\n---")

@@ -19,6 +19,9 @@ def format_step(rec, gflops, peak):
         line += f" | MFU {100 * gflops / peak:4.1f}%"
     if "val_loss" in rec:
         line += f" | val {rec['val_loss']:.4f}"
+    for key, value in rec.items():  # train.eval_tasks: each task's accuracy
+        if key.startswith("eval/") and key.endswith("/acc"):
+            line += f" | {key[5:-4]} {value:.3f}"
     return line
 
 

@@ -17,6 +17,13 @@ SCALARS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad
            "tok_per_s": "perf/tok_per_s", "mfu": "perf/mfu"}
 
 
+def scalars(rec):
+    """(tag, value) of every scalar of a metrics record: SCALARS', then train.eval_tasks' eval/TASK/METRIC
+    keys under their own names."""
+    out = [(tag, rec[key]) for key, tag in SCALARS.items() if rec.get(key) is not None]
+    return out + [(key, value) for key, value in rec.items() if key.startswith("eval/") and value is not None]
+
+
 def _require(module, package, log_to):
     try:
         return __import__(module)
@@ -62,10 +69,9 @@ class TensorBoard:
 
     def log(self, rec):
         with self._naming_the_file():
-            for key, tag in SCALARS.items():
-                if rec.get(key) is not None:
-                    self.writer.write_event(self.Event(wall_time=time.time(), step=rec["step"],
-                                                       summary=self.scalar(tag, rec[key])))
+            for tag, value in scalars(rec):
+                self.writer.write_event(self.Event(wall_time=time.time(), step=rec["step"],
+                                                   summary=self.scalar(tag, value)))
 
     def flush(self):
         with self._naming_the_file():
@@ -85,7 +91,7 @@ class WandB:
                               resume="allow" if step else None)
 
     def log(self, rec):
-        self.run.log({tag: rec[key] for key, tag in SCALARS.items() if rec.get(key) is not None}, step=rec["step"])
+        self.run.log(dict(scalars(rec)), step=rec["step"])
 
     def flush(self):
         pass

@@ -26,6 +26,7 @@ from .optim import AdamW
 from .resume import Checkpointing, make_rng
 from .rundir import TrainError, check_data, check_same_data, data_identity, init_run_dir, lock_run_dir
 from .step import accumulate_gradients, lr_at
+from .tasks import TaskEval
 from .tracking import open_tracker
 
 
@@ -71,6 +72,13 @@ class Trainer(Checkpointing, RunLoop):
         need = check_memory(memory, config, backend, processes=self.dp.local_world_size)
         self.log(f"memory: {describe(memory)} per process" + (f", {need / 2**30:.2f} GiB on this machine"
                                                              if self.dp.local_world_size > 1 else ""))
+        self.task_eval = None  # train.eval_tasks, read and tokenized before anything is allocated
+        if t.eval_tasks:
+            if not t.eval_interval:
+                raise ConfigError("train.eval_tasks: scored at each evaluation, and train.eval_interval is 0; set "
+                                  "train.eval_interval to the steps between evaluations")
+            self.task_eval = TaskEval(t.eval_tasks, t.eval_limit, self.data_dir, self.gpt_config.block_size, backend)
+            self.log(self.task_eval.describe())
         if t.cuda_graph:
             check_cuda_graph(backend, self.dp.world_size, config.model.dropout or (t.lora_rank and t.lora_dropout))
         lora = config.lora_config()
@@ -209,6 +217,12 @@ class Trainer(Checkpointing, RunLoop):
                                                               rows=dp.rows(t.batch_size)))
                   for _ in range(t.eval_steps)]
         return float(dp.sum([np.mean(losses)])[0]) / dp.world_size
+
+    def evaluate_tasks(self):
+        """train.eval_tasks' metrics for the model as it stands (rank 0 alone; {} elsewhere)."""
+        if self.task_eval is None or not self.dp.is_main:
+            return {}
+        return self.task_eval.score(self.model)
 
 
     def sample_text(self):
