@@ -235,3 +235,73 @@ def test_bad_peft_adapters_are_refused_naming_the_key(edit, message, tmp_path, c
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def _adapter_beside_its_base(folder, seed=0):
+    """folder/base (a Hugging Face export) and folder/adapter (PEFT) over it, as `convert --format
+    peft` writes them (the base's path and digest recorded); returns the merged weights."""
+    from handgrad.models.lora import weights_digest
+    model = _model(LLAMA, CASES["llama_all"][1], seed=seed)
+    base = {n: model.p[n] for n, _ in model.param_spec(LLAMA)}
+    write_hf_llama(folder / "base", LLAMA, base)
+    write_peft(folder / "adapter", "llama", model.lora, {n: model.p[n] for n in model.layout},
+               str((folder / "base").resolve()), base_sha256=weights_digest(model.param_spec(LLAMA), base),
+               block_size=LLAMA.block_size)
+    return model.merged_state_dict()
+
+
+def _same(a, b):
+    assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_a_peft_adapter_names_its_base_relative_to_itself_and_moves(tmp_path, monkeypatch):
+    """base_model_name_or_path is the base's path relative to the adapter (not an absolute path):
+    the folder holding both moves and loads; an adapter moved alone finds its base by the absolute
+    path it also records; a different model at the relative path is refused by its digest; an
+    older adapter naming its base by an absolute path still loads."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    from handgrad.interop.common import ConvertError
+    monkeypatch.chdir(tmp_path)  # relative paths: looked up beside the adapter, not in the working directory
+    merged = _adapter_beside_its_base(tmp_path / "here")
+    doc = json.loads((tmp_path / "here" / "adapter" / "adapter_config.json").read_text())
+    assert doc["base_model_name_or_path"] == "../base"
+    _same(load_pretrained(tmp_path / "here" / "adapter")[1], merged)
+    # the adapter alone, elsewhere: "../base" is not there, the recorded absolute path is
+    shutil.copytree(tmp_path / "here" / "adapter", tmp_path / "alone" / "deep" / "adapter")
+    _, weights, info = load_pretrained(tmp_path / "alone" / "deep" / "adapter")
+    _same(weights, merged)
+    assert info["adapter"]["base"]["path"] == str((tmp_path / "here" / "base").resolve())
+    # another model where "../base" points: refused, not silently used
+    _adapter_beside_its_base(tmp_path / "other", seed=3)
+    shutil.copytree(tmp_path / "other" / "base", tmp_path / "alone" / "deep" / "base")
+    with pytest.raises(ConvertError, match="not the base model the adapter .* was trained on"):
+        load_pretrained(tmp_path / "alone" / "deep" / "adapter")
+    # the folder holding both, moved: the relative path still holds
+    shutil.move(tmp_path / "here", tmp_path / "moved" / "there")
+    _, weights, info = load_pretrained(tmp_path / "moved" / "there" / "adapter")
+    _same(weights, merged)
+    assert info["adapter"]["base"]["path"] == str((tmp_path / "moved" / "there" / "base").resolve())
+    # an adapter as handgrad wrote them before: an absolute path, nothing recorded beside it
+    old = tmp_path / "moved" / "there" / "adapter"
+    doc["base_model_name_or_path"] = str((old.parent / "base").resolve())
+    (old / "adapter_config.json").write_text(json.dumps(doc))
+    save_file(load_file(str(old / "adapter_model.safetensors")), str(old / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    _same(load_pretrained(old)[1], merged)
+
+
+def test_a_peft_adapter_over_a_published_model_names_its_hugging_face_id(tmp_path, monkeypatch):
+    """Over `smollm2-135m-instruct`, base_model_name_or_path is the Hugging Face id PEFT users know
+    (HuggingFaceTB/SmolLM2-135M-Instruct), and reading the adapter back takes that id for the
+    published model (resolved, not fetched, here)."""
+    from handgrad.interop.peft import recorded_base, resolve_base
+    monkeypatch.chdir(tmp_path)
+    model = _model(LLAMA, CASES["llama_all"][1])
+    write_peft(tmp_path / "adapter", "llama", model.lora, {n: model.p[n] for n in model.layout},
+               "smollm2-135m-instruct", base_sha256="ab" * 32, block_size=LLAMA.block_size)
+    doc = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert doc["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert recorded_base(tmp_path / "adapter") == {"sha256": "ab" * 32, "block_size": LLAMA.block_size}
+    assert resolve_base(tmp_path / "adapter", doc["base_model_name_or_path"]) == "smollm2-135m-instruct"
+    assert resolve_base(tmp_path / "adapter", "smollm2-135m-instruct") == "smollm2-135m-instruct"

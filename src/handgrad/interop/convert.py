@@ -53,7 +53,8 @@ def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=N
     if fmt == "peft":
         adapter = info["adapter"]
         return write_peft(dst, family_of(config).arch, adapter["lora"], adapter["tensors"],
-                          adapter["base"].get("path"), tied=getattr(config, "tie_embeddings", True))
+                          adapter["base"].get("path"), tied=getattr(config, "tie_embeddings", True),
+                          base_sha256=adapter["base"].get("sha256"), block_size=config.block_size)
     return write_handgrad(dst, config, weights, tokenizer, source=info)
 
 

@@ -39,6 +39,7 @@ path is taken, unless a file or directory of that name exists.
 Nothing is ever unpickled: a pytorch_model.bin is refused with the command that converts it.
 """
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,7 @@ import numpy as np
 from ..data.gguf_tokenizer import GGUF_MAGIC
 from ..models import family_of
 from ..models.family import flat_layout, flat_views
-from ..models.lora import base_digest, weights_digest
+from ..models.lora import base_digest, split_spec, weights_digest
 from .checkpoint import load_model, load_weights, read_state, resolve
 from .common import ConvertError, check_weights, make_config
 from .gguf import read_gguf
@@ -54,7 +55,7 @@ from .hf import read_hf
 from .hf_llama import is_hf_llama, read_hf_llama
 from .llama2c import is_llama2c, read_llama2c, size_mismatch
 from .llmc import LLMC_MAGIC, read_llmc
-from .peft import is_peft, read_peft, read_peft_config, resolve_base
+from .peft import is_peft, read_peft, read_peft_config, recorded_base, resolve_base
 from .published import model_ref, resolve_model
 
 
@@ -175,22 +176,54 @@ def load_base(model, ref):
 
 
 def _read_peft(path):
-    """A PEFT adapter directory: its base model (adapter_config.json's base_model_name_or_path)
-    and the adapter."""
+    """A PEFT adapter directory: its base model (adapter_config.json's base_model_name_or_path,
+    peft.py says where it is looked for), checked against the digest the adapter recorded, and the
+    adapter."""
     fields, base = read_peft_config(path)
-    base = resolve_base(path, base)
+    recorded = recorded_base(path)
+    base = resolve_base(path, base, recorded)
     if detect_format(base) == "peft":
         raise ConvertError(f"{Path(path) / 'adapter_config.json'}: its base {base} is itself an adapter; point "
                            f"base_model_name_or_path at a model")
     config, weights, info = load_pretrained(base)
     family = family_of(config)
     lora, tensors = read_peft(path, fields, family.arch, config)
+    _check_fit(base, config, lora, tensors)
+    _check_recorded_base(path, base, config, weights, recorded)
     info["adapter"] = {"lora": lora, "tensors": tensors, "base": {"path": model_ref(base),
                                                                   "sha256": weights_digest(family.param_spec(config),
                                                                                            weights)}}
     if (Path(path) / "tokenizer.json").is_file():
         info["tokenizer"] = str(Path(path) / "tokenizer.json")
     return config, weights, info
+
+
+def _check_fit(base, config, lora, tensors):
+    """The adapter's tensors are those a LoRA model over this base trains, by name and shape (what
+    lora_model refuses too; said here, before the base's digest is compared)."""
+    trained, _, _ = split_spec(family_of(config).model, config, lora)
+    want = {n: tuple(s) for n, s in trained}
+    got = {n: tuple(a.shape) for n, a in tensors.items()}
+    if want != got:
+        name = next(n for n in sorted(want.keys() | got.keys()) if want.get(n) != got.get(n))
+        raise ConvertError(f"the adapter does not fit its base model ({base}: {name} is "
+                           f"{got.get(name, 'missing')} in the adapter, {want.get(name, 'no tensor')} over this base)")
+
+
+def _check_recorded_base(path, base, config, weights, recorded):
+    """The base found for the adapter at path has the weights its export recorded (their digest at
+    the recorded block_size: a GPT-2 run's base is cut to the run's); an adapter PEFT wrote records
+    none."""
+    if "sha256" not in recorded:
+        return
+    block_size = recorded.get("block_size", config.block_size)
+    if block_size <= config.block_size:
+        cut = replace(config, block_size=block_size)
+        if weights_digest(family_of(cut).param_spec(cut), fit_weights(weights, cut)) == recorded["sha256"]:
+            return
+    raise ConvertError(f"{base}: not the base model the adapter {path} was trained on (its weights' SHA-256 differs "
+                       f"from the recorded {recorded['sha256'][:12]}...); set base_model_name_or_path in "
+                       f"{Path(path) / 'adapter_config.json'} to the original base model")
 
 
 def _read_hf(path):

@@ -10,8 +10,21 @@ lora_train_embeddings) are PEFT's modules_to_save, their tensors under `base_mod
 
 What handgrad reads back is what it writes: LoRA (not DoRA, not rsLoRA), one rank and alpha for
 every module, bias "none"; anything else is refused with a line naming the key.
+
+The base model. base_model_name_or_path holds what PEFT users expect: a published model's Hugging
+Face id (`HuggingFaceTB/SmolLM2-135M-Instruct` for `smollm2-135m-instruct`, published.py), else the
+base's path relative to the adapter directory, so an adapter moves with its base. Beside it, in
+adapter_model.safetensors' metadata (which PEFT does not read, so its config loads without a
+warning), handgrad records the SHA-256 of the base's weights (models/lora.py: weights_digest, at
+the block_size it records too) and the base's absolute path. Reading an adapter back, a relative
+path is looked up beside the adapter (then in the working directory), a Hugging Face id of a
+published model stands for that model, and the recorded absolute path is the last resort (for an
+adapter moved without its base, while base_model_name_or_path is the one exported); the base found
+must have the recorded digest. Adapters that name their base by an absolute path (handgrad's older
+exports) load as before.
 """
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +33,15 @@ from ..config import LoRAConfig
 from ..files import save_safetensors
 from ..models import get_family
 from .common import ConvertError, prepare_dir, publish_dir
+from .published import PUBLISHED, published_name
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 HF_PREFIX = {"gpt2": "transformer.", "llama": ""}  # the Hugging Face module names over param_spec's
+# adapter_model.safetensors' metadata: the base's weights_digest, the block_size it was taken at, its absolute
+# path and the base_model_name_or_path written beside it
+BASE_SHA256, BASE_BLOCK_SIZE = "handgrad.base_sha256", "handgrad.base_block_size"
+BASE_PATH, BASE_NAME = "handgrad.base_path", "handgrad.base_model_name_or_path"
 
 
 def _module_leaf(name):
@@ -35,12 +53,31 @@ def is_peft(path):
     return Path(path).is_dir() and (Path(path) / CONFIG_FILE).is_file()
 
 
-def write_peft(dst, arch, lora, tensors, base_path=None, tied=False):
+def base_name(base_path, dst):
+    """base_model_name_or_path of an adapter written to dst over the base recorded as base_path (a
+    published model's name, or a path): the published model's Hugging Face id, else base_path
+    relative to dst; None for no path (a random base)."""
+    if not base_path:
+        return None
+    if _published(base_path):
+        return PUBLISHED[published_name(base_path)].hf_id
+    return os.path.relpath(Path(base_path).resolve(), Path(dst).resolve())
+
+
+def _published(base_path):
+    """Whether a base recorded as base_path is a published model's name (not a path of that name)."""
+    return published_name(base_path) is not None and not Path(base_path).exists()
+
+
+def write_peft(dst, arch, lora, tensors, base_path=None, tied=False, base_sha256=None, block_size=None):
     """dst/adapter_config.json and dst/adapter_model.safetensors from a LoRA model's trained tensors
-    (`tensors`: model.layout's names -> arrays). Returns (dst, one line saying what was written)."""
+    (`tensors`: model.layout's names -> arrays) over the base at base_path (a path or a published
+    model's name) whose weights_digest, at block_size, is base_sha256. Returns (dst, one line saying
+    what was written)."""
     cls = get_family(arch).model
     hf = HF_PREFIX[arch]
     saved = sorted({_module_leaf(n) for n in tensors if ".lora_" not in n})
+    name = base_name(base_path, dst)
     if tied and any(not cls.is_norm(n) and ".lora_" not in n for n in tensors):
         raise ConvertError("--format peft: this run trained its tied embeddings (train.lora_train_embeddings), which a "
                            "PEFT adapter cannot hold (PEFT copies the embedding, not the lm_head tied to it); export "
@@ -48,12 +85,18 @@ def write_peft(dst, arch, lora, tensors, base_path=None, tied=False):
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "target_modules": [cls.LORA_MODULES[t][0] for t in lora.targets],
               "fan_in_fan_out": cls.FAN_IN_FAN_OUT, "bias": "none", "modules_to_save": saved or None,
-              "base_model_name_or_path": str(base_path) if base_path else None, "inference_mode": True,
+              "base_model_name_or_path": name, "inference_mode": True,
               "init_lora_weights": True, "use_rslora": False, "use_dora": False, "layers_to_transform": None,
               "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "revision": None}
+    metadata = {"format": "pt"}
+    if base_sha256:
+        metadata[BASE_SHA256] = base_sha256
+        metadata.update({BASE_BLOCK_SIZE: str(block_size)} if block_size else {})
+    if base_path and not _published(base_path):
+        metadata.update({BASE_PATH: str(Path(base_path).resolve()), BASE_NAME: name})
     tmp = prepare_dir(dst)
     save_safetensors({PREFIX + hf + n: np.ascontiguousarray(a, dtype=np.float32) for n, a in tensors.items()},
-                     tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+                     tmp / WEIGHTS_FILE, metadata=metadata)
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     n = sum(int(np.prod(a.shape)) for a in tensors.values())
     return publish_dir(tmp, dst), (f"wrote a PEFT LoRA adapter ({CONFIG_FILE}, {WEIGHTS_FILE}): r {lora.rank}, "
@@ -134,14 +177,38 @@ def read_peft(path, fields, arch, config):
     return lora, tensors
 
 
-def resolve_base(path, base):
+def recorded_base(path):
+    """What the adapter at path records of its base beside base_model_name_or_path (the module
+    docstring): {"sha256", "block_size", "path", "name"}, those it has; {} for an adapter PEFT wrote
+    (or a weights file read_peft will refuse)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(Path(path) / WEIGHTS_FILE), framework="numpy") as f:
+            meta = f.metadata() or {}
+    except Exception:  # noqa: BLE001 - a missing or damaged file: read_peft says so, naming it
+        return {}
+    out = {"sha256": meta.get(BASE_SHA256), "path": meta.get(BASE_PATH), "name": meta.get(BASE_NAME)}
+    if (meta.get(BASE_BLOCK_SIZE) or "").isdigit():
+        out["block_size"] = int(meta[BASE_BLOCK_SIZE])
+    return {k: v for k, v in out.items() if v}
+
+
+def resolve_base(path, base, recorded=None):
     """Where the base model of the adapter at path lies: base_model_name_or_path as a path (absolute,
-    or relative to the working directory or to the adapter), or a ConvertError saying what to do."""
+    or relative to the adapter, then to the working directory), a published model (its Hugging Face
+    id or name), or, while base_model_name_or_path is still the one exported, the absolute path
+    recorded beside it (`recorded`: recorded_base's; an adapter moved without its base); else a
+    ConvertError saying what to do."""
     where = Path(path) / CONFIG_FILE
     if not base:
         raise ConvertError(f"{where}: base_model_name_or_path is empty; set it to the base model's directory")
-    for candidate in (Path(base), Path(path) / base):
+    for candidate in ([Path(base)] if Path(base).is_absolute() else [Path(path) / base, Path(base)]):
         if candidate.exists():
             return candidate
+    if published_name(base) is not None:
+        return published_name(base)
+    recorded = recorded or {}
+    if recorded.get("path") and recorded.get("name") == base and Path(recorded["path"]).exists():
+        return Path(recorded["path"])
     raise ConvertError(f"{where}: base model {base!r} is not on this machine (handgrad downloads nothing); put the "
                        f"base model's directory there, or set base_model_name_or_path to where it lies")

