@@ -203,3 +203,27 @@ def test_what_the_docs_commands_write_is_ignored_by_git():
                               "adapter/adapter_config.json", "merged-hf/config.json", "quill.gguf"})
     out = subprocess.run(["git", "check-ignore", "--no-index", *probe], cwd=root, capture_output=True, text=True)
     assert sorted(out.stdout.split()) == probe, f"not ignored: {sorted(set(probe) - set(out.stdout.split()))}"
+
+
+def test_the_top_level_help_lists_each_verb_once_and_names_both_families(capsys):
+    from handgrad.cli import build_parser
+    with pytest.raises(SystemExit) as e:
+        cli(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for verb in build_parser().verbs:
+        assert sum(line.split()[:1] == [verb] for line in out.splitlines()) == 1, (verb, out)
+    assert "train a GPT " not in out
+    assert "Train GPT-2 and Llama-family language models" in " ".join(out.split())
+
+
+def test_info_values_start_in_one_column(capsys):
+    """Every key's value, numba_threading_layer's too (the longest key), starts in the same column."""
+    from handgrad.cli import info_lines
+    assert info_lines({"a": 1, "a_much_longer_key_than_18": "x"}) == ["a                          1",
+                                                                      "a_much_longer_key_than_18  x"]
+    assert cli(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[0] == "numba_threading_layer" for line in lines)
+    starts = {len(line) - len(line[len(line.split()[0]):].lstrip()) for line in lines}
+    assert len(starts) == 1, lines

@@ -1,11 +1,5 @@
-"""The `handgrad` command: one entry point, one verb per job.
-
-  prepare  corpus (or chats) -> tokenizer -> shards  train   a model on prepared data, or fine-tune one
-  sample   text from a trained run                  verify  every op and the model against PyTorch
-  bench    handgrad beside PyTorch on this machine  info    versions, cores, BLAS, threads, peak
-  convert  models between handgrad, Hugging Face (GPT-2, Llama, Qwen2), llm.c and llama2.c formats
-  eval     zero-shot accuracy on benchmark tasks (llm-foundry's JSONL), scored as lm-evaluation-harness
-"""
+"""The `handgrad` command: one entry point, one verb per job (build_parser lists the verbs, each with
+a line saying what it does: the top-level --help shows that list once)."""
 import argparse
 import json
 import os
@@ -77,9 +71,14 @@ def _cmd_info(args):
     if args.json:
         print(json.dumps(info, indent=1, default=str))
     else:
-        for k, v in info.items():
-            print(f"{k:<18} {v}")
+        print("\n".join(info_lines(info)))
     return 0
+
+
+def info_lines(info):
+    """`handgrad info`'s table: each key padded to the longest, so every value starts in one column."""
+    width = max(map(len, info))
+    return [f"{k:<{width}}  {v}" for k, v in info.items()]
 
 
 def _bf16_line():
@@ -110,21 +109,25 @@ def _preset_asked(argv):
     return None
 
 
+DESCRIPTION = ("Train GPT-2 and Llama-family language models (Llama, SmolLM2, Qwen2) with every forward and backward "
+               "pass written by hand, on the CPU (NumPy + Numba) or an NVIDIA GPU (Triton); fine-tune published "
+               "models, in full or with LoRA, and sample, evaluate, verify and convert them.")
+
+
 def build_parser(argv=()):
-    parser = _Parser(prog="handgrad", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB", parser_class=_Parser)
+    parser = _Parser(prog="handgrad", description=DESCRIPTION, epilog="`handgrad VERB --help` shows a verb's flags.")
+    sub = parser.add_subparsers(title="verbs", dest="verb", required=True, metavar="VERB", parser_class=_Parser)
     parser.verbs = sub.choices  # verb -> its parser, for errors that name the verb's --help
 
-    p = sub.add_parser("prepare", help="turn a corpus into a tokenizer and token shards")
+    p = sub.add_parser("prepare", help="turn a corpus (or chats) into a tokenizer and token shards")
     prepare.add_arguments(p)
     p.set_defaults(func=prepare.main)
 
-    p = sub.add_parser("train", help="train a GPT on a prepared data directory")
+    p = sub.add_parser("train", help="train or fine-tune a GPT-2 or Llama-family model on prepared data")
     train.add_arguments(p, preset=_preset_asked(argv))
     p.set_defaults(func=train.main)
 
-    p = sub.add_parser("sample", help="generate text from a trained run")
+    p = sub.add_parser("sample", help="generate text (or a chat reply) from a run or a pretrained model")
     sample.add_arguments(p)
     p.set_defaults(func=sample.main)
 
@@ -143,7 +146,7 @@ def build_parser(argv=()):
     p.set_defaults(func=bench.main)
 
     p = sub.add_parser("convert", help="convert a model between handgrad, Hugging Face (GPT-2, Llama, Qwen2), "
-                                           "llm.c and llama2.c formats")
+                                       "GGUF, llm.c and llama2.c formats; a LoRA adapter to PEFT's, or merged")
     convert.add_arguments(p)
     p.set_defaults(func=convert.main)
 
