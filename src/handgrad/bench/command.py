@@ -1,5 +1,5 @@
 """`handgrad bench ops|train|learn`: the command line, dispatched to bench/ops.py (or gpu.py),
-bench/train.py and bench/learn.py."""
+bench/train.py (or train_gpu.py) and bench/learn.py."""
 import json
 
 from .common import MAX_REPEAT, MIN_REPEAT, ROW_BUDGET_S
@@ -8,6 +8,7 @@ from .learn import run_learn, run_learn_lora
 from .ops import bench_ops
 from .products import bench_products
 from .train import main as bench_train_main
+from .train_gpu import main as bench_train_gpu_main
 
 
 WHAT = ("ops", "train", "learn", "products")
@@ -24,24 +25,34 @@ def add_arguments(parser):
     parser.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
                         help="ops: backend to time (default cpu); gpu: each Triton op beside torch eager, "
                              "torch.compile and scaled_dot_product_attention")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
+                        help="train: where the steps run (default cpu); gpu: handgrad's Triton step in bf16 (as "
+                             "`handgrad train --device gpu --train.dtype bfloat16`) beside PyTorch eager under "
+                             "torch.autocast bf16 and torch.compile, in one process, default presets "
+                             "gpt2-124m,smollm2-135m at B 8, T 1024 (tiny shapes under TRITON_INTERPRET=1); "
+                             "reports ms/step, tok/s, TFLOP/s, MFU against the measured bf16 matmul peak and peak "
+                             "GPU memory")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="ops --backend gpu: the activations' dtype (default bfloat16); train: bfloat16 times "
                              "handgrad's cpu mixed precision beside PyTorch's torch.autocast('cpu', bfloat16) and "
                              "handgrad float32 (default float32); learn: bfloat16 trains those three side by side "
-                             "and says how far each bf16 curve ends from handgrad float32's")
+                             "and says how far each bf16 curve ends from handgrad float32's; train --device gpu: "
+                             "bfloat16 only")
     parser.add_argument("--no-compile", action="store_true",
-                        help="ops --backend gpu: leave out the torch.compile column (its compiles take minutes)")
+                        help="ops --backend gpu, train --device gpu: leave out the torch.compile column (its compiles "
+                             "take minutes)")
     parser.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
                         help=f"timed repeats per row and side (default: as many as fit in about "
                              f"{ROW_BUDGET_S:g} s, {MIN_REPEAT} to {MAX_REPEAT})")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--preset", default=None,
                         help="train: shape(s) to time, comma-separated, from tiny, shakespeare-char, mid, gpt2-124m, "
-                             "llama-mid, smollm2-135m "
-                             "(default tiny,mid,gpt2-124m); learn: the run preset (default shakespeare-char); products: as train "
-                             "(default mid,gpt2-124m,smollm2-135m)")
+                             "llama-mid, smollm2-135m (default tiny,mid,gpt2-124m; with --device gpu "
+                             "gpt2-124m,smollm2-135m); learn: the run preset (default shakespeare-char); products: as "
+                             "train (default mid,gpt2-124m,smollm2-135m)")
     parser.add_argument("--steps", type=_positive_int, default=None,
-                        help="train: timed steps per side (default: as many as fit in about 12 s); "
+                        help="train: timed steps per side (default: as many as fit in about 12 s; with --device "
+                             "gpu 10, after 3 warm-up steps); "
                              "learn: override the preset's train.max_steps (with --lora: the fine-tuning steps, "
                              "default 500)")
     parser.add_argument("--lora", type=_positive_int, default=None, metavar="R",
@@ -89,6 +100,11 @@ _positive_int.__name__ = "positive int"  # argparse names the type in its error 
 
 def main(args):
     """Run `handgrad bench <what>`; returns the exit status."""
+    if args.device == "gpu":
+        if args.what != "train":
+            raise SystemExit(f"bench {args.what}: --device gpu is for `bench train`"
+                             + ("; `bench ops` takes --backend gpu" if args.what == "ops" else ""))
+        return bench_train_gpu_main(args)
     if args.what == "ops":
         if args.backend == "gpu":
             return bench_ops_gpu(args.repeat, args.json, args.dtype or "bfloat16", not args.no_compile)

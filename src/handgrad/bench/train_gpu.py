@@ -1,0 +1,381 @@
+"""`handgrad bench train --device gpu`: whole bf16 training steps on one GPU, handgrad's Triton step
+beside PyTorch eager and torch.compile, in this one process.
+
+Three sides start from the same weights (the family's init_params) and step through the same random
+token batches:
+
+- handgrad: the step `handgrad train --device gpu --train.dtype bfloat16` runs on one process: the
+  family's model on the gpu backend with bf16 activations (float32 weights, gradients and AdamW
+  state), stepped by training/device_loop.py's DeviceLoop (forward, backward, global norm,
+  clipping, AdamW, nothing read back to the host). It runs eagerly, launch by launch, as train does
+  by default (train.cuda_graph false); the CUDA graphs are not timed here;
+- eager: the same model in PyTorch as its users run it (bench/train.py's PyTorch side): for GPT-2
+  torch_ref.TorchGPT(fast=True) (addmm linears, scaled_dot_product_attention), for the Llama family
+  transformers' own LlamaForCausalLM with SDPA attention; the forward under
+  torch.autocast(<device>, dtype=torch.bfloat16), clip_grad_norm_, torch.optim.AdamW (fused on
+  CUDA); no host read per step either (the losses are read back after each chunk);
+- compile: the same PyTorch model under torch.compile (the model; the optimizer step stays eager).
+  Its first steps trace and compile the forward and the backward: that time is `compile_s`, reported
+  apart from the step time (`--no-compile` leaves this side out).
+
+Before anything is timed, each side runs WARMUP_STEPS untimed steps, and their losses must agree
+with handgrad's to LOSS_RTOL (the same computation up to bf16 rounding); a side that disagrees stops
+the run with one line naming the preset, the step and both losses. Then the sides alternate in
+CHUNKS chunks of timed steps, each step between two CUDA events; a step's time is the GPU's from
+the end of the step before (the host queues ahead), the median over the timed steps is reported.
+Every loss, timed steps included, must be finite.
+
+Reported per preset and side: ms per step, tok/s, TFLOP/s from the family's flops_per_token (the
+model's FLOPs, causal attention as half, as `handgrad train` counts them), MFU against the card's
+bf16 peak as measured here (a bf16 torch.matmul of PEAK_N^3, median of PEAK_REPEAT after warm-up),
+and the peak GPU memory each side added (torch.cuda.max_memory_allocated over its build and warm-up,
+less what was allocated before it); the ratios handgrad/eager and handgrad/compile (`ratio_vs_eager`,
+`ratio_vs_compile`) are of tok/s (> 1: handgrad faster).
+
+Without CUDA, under TRITON_INTERPRET=1, the same code runs at tiny shapes on CPU tensors (autocast
+"cpu"): it checks the bench end to end (the tests do), but its times measure Triton's interpreter
+and mean nothing, and the report says so.
+"""
+import gc
+import json
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from ..config import load_run_config
+from ..models import get_family
+from ..models.family import flat_layout, flat_views
+from ..training.device_loop import DeviceLoop
+from ..training.optim import AdamW
+from .train import LOSS_RTOL_BF16, SHAPES
+
+
+DEFAULT_PRESETS = ("gpt2-124m", "smollm2-135m")
+# on CUDA: B 8, T 1024 for GPT-2 124M and SmolLM2-135M (the three sides live at once; handgrad's side
+# holds 4.8 and 6.3 GiB by training/memory.py's count); any other bench train preset keeps
+# bench/train.py's SHAPES batch and T
+CUDA_SHAPES = {"gpt2-124m": dict(batch_size=8, T=1024), "smollm2-135m": dict(batch_size=8, T=1024)}
+# under the interpreter (~1.5 ms per Triton program instance): one block, head size 16 (the
+# flash-attention kernels' smallest tile), a tiny vocabulary
+INTERPRET_MODEL = {"gpt2": dict(n_layer=1, n_head=2, n_embd=32),
+                   "llama": dict(n_layer=1, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=48)}
+INTERPRET_SHAPE = dict(vocab_size=64, batch_size=1, T=16)
+N_BATCHES = 8  # distinct random batches, cycled
+WARMUP_STEPS = 3  # untimed; their losses are the ones checked
+DEFAULT_STEPS = 10  # timed steps per side
+CHUNKS = 2
+LOSS_RTOL = LOSS_RTOL_BF16  # bf16 rounding puts the first losses ~1e-3 apart; this only catches a wrong model
+PEAK_N = {True: 8192, False: 256}  # the peak's matmul size, on CUDA / not
+PEAK_REPEAT = 10
+
+
+# ---------------------------------------------------------------- the sides
+class _Handgrad:
+    """handgrad's gpu step in bf16, as `handgrad train --device gpu` runs it on one process."""
+    name = "handgrad"
+
+    def __init__(self, family, config, t, flat, dev):
+        self.model = family.model(config, backend="gpu", seed=None, dtype="bfloat16")
+        self.model.load_state_dict(flat_views(flat, self.model.layout))
+        opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        self.loop = DeviceLoop(self.model, opt, t, start_step=0)
+
+    def prepare(self, x, y):
+        return x, y  # the step uploads them (ops.upload_tokens), as train's does
+
+    def step(self, batch):
+        self.loop.step([batch])
+
+    def losses(self):
+        """The losses of the steps run since the last call (one copy from the device)."""
+        steps, _ = self.loop.read()
+        return [loss for _, loss, _ in steps]
+
+
+class _Torch:
+    """The same model in PyTorch eager (compiled=False) or under torch.compile, bf16 autocast."""
+
+    def __init__(self, family, config, t, flat, dev, compiled):
+        from ..torch_ref import TorchGPT, TorchLlama, torch
+        self.torch, self.dev, self.grad_clip = torch, dev, t.grad_clip
+        self.name = "compile" if compiled else "eager"
+        state = flat_views(flat, flat_layout(family.param_spec(config))[0])
+        if family.arch == "llama":
+            model = TorchLlama(config, torch.float32, attn_implementation="sdpa")
+        else:
+            model = TorchGPT(config, torch.float32, fast=True)
+        model = model.load_numpy(state).to(dev)
+        self.params = list(model.parameters())
+        self.opt = model.adamw(lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
+                               fused=True if dev.type == "cuda" else None)
+        self.forward = torch.compile(model) if compiled else model
+        self.pending = []  # this chunk's losses, still on the device
+
+    def prepare(self, x, y):
+        return (self.torch.from_numpy(x).long().to(self.dev), self.torch.from_numpy(y).long().to(self.dev))
+
+    def step(self, batch):
+        torch = self.torch
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16):
+            _, loss = self.forward(*batch)
+        loss.backward()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.opt.step()
+        self.pending.append(loss.detach())
+
+    def losses(self):
+        out = self.torch.stack(self.pending).double().cpu().tolist() if self.pending else []
+        self.pending = []
+        return out
+
+
+class _Clock:
+    """Seconds per step: CUDA events around each step (one synchronisation per chunk), or the host's
+    clock where everything runs synchronously on the CPU."""
+
+    def __init__(self, torch, cuda):
+        self.torch, self.cuda = torch, cuda
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def steps(self, fn, n):
+        """Seconds of each of fn(0), ..., fn(n - 1)."""
+        if not self.cuda:
+            out = []
+            for i in range(n):
+                t0 = time.perf_counter()
+                fn(i)
+                out.append(time.perf_counter() - t0)
+            return out
+        Event = self.torch.cuda.Event
+        events = [(Event(enable_timing=True), Event(enable_timing=True)) for _ in range(n)]
+        for i, (begin, end) in enumerate(events):
+            begin.record()
+            fn(i)
+            end.record()
+        self.torch.cuda.synchronize()
+        return [begin.elapsed_time(end) / 1e3 for begin, end in events]
+
+    def wall(self, fn):
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - t0
+
+
+def bf16_peak(torch, dev, cuda):
+    """The card's measured bf16 matmul throughput: torch.matmul of two PEAK_N^2 bf16 matrices,
+    median of PEAK_REPEAT after warm-up."""
+    n = PEAK_N[cuda]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a, b = (torch.randn((n, n), generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        torch.matmul(a, b)
+    s = float(np.median(_Clock(torch, cuda).steps(lambda i: torch.matmul(a, b), PEAK_REPEAT)))
+    return {"what": f"torch.matmul {n}x{n}x{n} bfloat16", "n": n, "repeat": PEAK_REPEAT, "median_ms": s * 1e3,
+            "median_tflops": 2 * n ** 3 / s / 1e12}
+
+
+# ---------------------------------------------------------------- one preset
+def _run_config(name, interpret, steps):
+    """The preset's run config at this bench's shape: one micro-batch, bf16, a constant learning
+    rate (the torch sides' AdamW has no schedule); and (B, T, vocab)."""
+    shape = SHAPES[name]
+    rc = load_run_config(shape["preset"])
+    model = {}
+    B, T, V = shape["batch_size"], shape["T"], shape["vocab_size"]
+    if interpret:
+        model = dict(INTERPRET_MODEL[rc.model.arch], block_size=INTERPRET_SHAPE["T"])
+        B, T, V = INTERPRET_SHAPE["batch_size"], INTERPRET_SHAPE["T"], INTERPRET_SHAPE["vocab_size"]
+    elif name in CUDA_SHAPES:
+        B, T = CUDA_SHAPES[name]["batch_size"], CUDA_SHAPES[name]["T"]
+    overrides = {f"model.{k}": v for k, v in model.items()}
+    overrides.update({"train.batch_size": B, "train.grad_accum_steps": 1, "train.dtype": "bfloat16",
+                      "train.warmup_steps": 0, "train.min_lr": rc.train.lr, "train.cuda_graph": False,
+                      "train.max_steps": WARMUP_STEPS + steps})
+    return load_run_config(shape["preset"], overrides=overrides), B, T, V
+
+
+def _check(name, side, got, ref=(), first=1):
+    """Every loss in got (of steps first, first + 1, ...) is finite, and the first ones agree with
+    handgrad's (ref) to LOSS_RTOL; else exit 1 with one line. Returns the largest relative difference."""
+    for i, loss in enumerate(got, first):
+        if not np.isfinite(loss):
+            raise SystemExit(f"bench train --device gpu: CHECK FAILED for {name}: step {i} {side} loss is {loss}")
+    rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref, got)]
+    for i, r in enumerate(rel):
+        if not r <= LOSS_RTOL:
+            raise SystemExit(f"bench train --device gpu: CHECK FAILED for {name}: step {i + 1} loss handgrad "
+                             f"{ref[i]:.6g} vs {side} {got[i]:.6g} (relative tolerance {LOSS_RTOL:g})")
+    return max(rel, default=0.0)
+
+
+def bench_preset(name, steps, compile_torch, torch, dev, peak):
+    """Build the sides one after another (each one's memory and warm-up measured as it comes),
+    check their warm-up losses against handgrad's, then time them in alternating chunks."""
+    cuda = dev.type == "cuda"
+    rc, B, T, V = _run_config(name, not cuda, steps)
+    family = get_family(rc.model.arch)
+    config, t = rc.gpt_config(V), rc.train
+    flat = family.init_params(config, t.seed)
+    rng = np.random.default_rng(t.seed)
+    tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
+    clock = _Clock(torch, cuda)
+    makers = [lambda: _Handgrad(family, config, t, flat, dev),
+              lambda: _Torch(family, config, t, flat, dev, compiled=False)]
+    if compile_torch:
+        makers.append(lambda: _Torch(family, config, t, flat, dev, compiled=True))
+    out, checked = {}, {}
+    sides = [_start(name, make, tokens, clock, torch, cuda, out, checked) for make in makers]
+    times = _time(name, sides, clock, steps)
+    del sides, makers
+    gc.collect()  # torch.compile's wrappers hold cycles: free this preset's memory before the next one
+    if cuda:
+        torch.cuda.empty_cache()
+    tokens_per_step, flops = B * T, family.flops_per_token(config, T)
+    for side, s in out.items():
+        step_s = float(np.median(times[side]))
+        s.update(step_ms=step_s * 1e3, tok_s=tokens_per_step / step_s, tflops=flops * tokens_per_step / step_s / 1e12)
+        s["mfu"] = s["tflops"] / peak["median_tflops"]
+        if side == "compile":  # the warm-up beyond as many timed steps: tracing and compiling
+            s["compile_s"] = max(0.0, sum(s["warmup_s"]) - WARMUP_STEPS * step_s)
+    h = out["handgrad"]
+    return {"name": name, "arch": family.arch, "model": asdict(config), "batch_size": B, "T": T,
+            "tokens_per_step": tokens_per_step, "flops_per_token": flops, "warmup_steps": WARMUP_STEPS,
+            "steps": steps, "loss_check": {"steps": WARMUP_STEPS, "rtol": LOSS_RTOL, "losses": checked},
+            "sides": out, **{f"ratio_vs_{k}": h["tok_s"] / s["tok_s"] for k, s in out.items() if k != "handgrad"}}
+
+
+def _start(name, make, tokens, clock, torch, cuda, out, checked):
+    """Build a side, run its WARMUP_STEPS untimed steps and check their losses against handgrad's
+    (the first side's). Into out[side]: each warm-up step's wall time, the peak GPU memory the side
+    added, the largest relative loss difference; into checked[side]: the losses. Returns (side, its
+    batches)."""
+    clock.sync()
+    if cuda:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    side = make()
+    batches = [side.prepare(tok[:, :-1], tok[:, 1:]) for tok in tokens]
+    warm = [clock.wall(lambda: side.step(batches[i % N_BATCHES])) for i in range(WARMUP_STEPS)]
+    peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
+    checked[side.name] = side.losses()
+    err = _check(name, side.name, checked[side.name], checked["handgrad"])
+    out[side.name] = {"warmup_s": warm, "first_step_s": warm[0], "peak_mem_mib": peak_mib, "loss_max_rel_diff": err}
+    return side, batches
+
+
+def _time(name, sides, clock, steps):
+    """steps timed steps of each side, in CHUNKS alternating chunks; {side: [seconds per step]}.
+    Every loss must be finite."""
+    times = {side.name: [] for side, _ in sides}
+    done, chunk = 0, min(-(-steps // CHUNKS), DeviceLoop.HISTORY)  # handgrad's losses are read after each chunk
+    while done < steps:
+        n = min(chunk, steps - done)
+        for side, batches in sides:
+            start = WARMUP_STEPS + done
+            times[side.name] += clock.steps(lambda i: side.step(batches[(start + i) % N_BATCHES]), n)
+            _check(name, side.name, side.losses(), first=start + 1)
+        done += n
+    return times
+
+
+# ---------------------------------------------------------------- the command
+def main(args):
+    """`handgrad bench train --device gpu`; returns the exit status."""
+    what = "bench train --device gpu"
+    if getattr(args, "lora", None):
+        raise SystemExit(f"{what}: --lora is not supported (full bf16 training only); leave out --lora or use "
+                         f"--device cpu")
+    if (getattr(args, "dtype", None) or "bfloat16") != "bfloat16":
+        raise SystemExit(f"{what}: times bf16 training only (train.dtype bfloat16); leave out --dtype")
+    if getattr(args, "profile", False):
+        raise SystemExit(f"{what}: --profile times the cpu's ops; leave it out")
+    from ..backends.gpu.common import GPUUnavailable, device, interpreting
+    from ..torch_ref import require_torch
+    torch = require_torch()
+    names = [n.strip() for n in args.preset.split(",")] if args.preset else list(DEFAULT_PRESETS)
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise SystemExit(f"{what}: unknown preset {unknown[0]!r}; choose from {', '.join(SHAPES)}")
+    try:
+        dev = device()
+    except GPUUnavailable as e:
+        raise SystemExit(f"{what}: {e}") from None
+    cuda = dev.type == "cuda"
+    t_start = time.perf_counter()
+    peak = bf16_peak(torch, dev, cuda)
+    steps = args.steps or DEFAULT_STEPS
+    compile_torch = not getattr(args, "no_compile", False)
+    result = {"environment": environment(torch, dev, interpreting()), "peak": peak, "rows": []}
+    if not args.json:
+        print(format_header(result), flush=True)
+    for name in names:
+        row = bench_preset(name, steps, compile_torch, torch, dev, peak)
+        result["rows"].append(row)
+        if not args.json:
+            print(format_row(row), flush=True)
+    result["seconds"] = time.perf_counter() - t_start
+    print(json.dumps(result, indent=2, default=float) if args.json else format_footer(result))
+    return 0
+
+
+def environment(torch, dev, interpreter):
+    """The device (the GPU's name) and the versions that decide the speed."""
+    import triton
+    return {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)",
+            "interpreter": interpreter, "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda}
+
+
+# ---------------------------------------------------------------- the report
+def format_header(result):
+    e, p = result["environment"], result["peak"]
+    lines = [f"device {e['device']}; torch {e['torch']}, triton {e['triton']}, CUDA {e['cuda']}",
+             f"bf16 peak: {p['what']}, median of {p['repeat']}: {p['median_tflops']:.1f} TFLOP/s (MFU is against this)"]
+    if e["interpreter"]:
+        lines.append("WARNING: TRITON_INTERPRET=1 on the CPU at tiny shapes: handgrad's kernels ran in Triton's "
+                     "interpreter, so these times measure the interpreter and mean nothing (a functional run only)")
+    return "\n".join(lines)
+
+
+def format_row(r):
+    m = r["model"]
+    heads = f"{m['n_head']} on {m['n_kv_head']} kv heads" if "n_kv_head" in m else str(m["n_head"])
+    lines = [f"\n{r['name']}: n_layer {m['n_layer']}, n_head {heads}, n_embd {m['n_embd']}, vocab {m['vocab_size']}, "
+             f"B {r['batch_size']}, T {r['T']}; {r['flops_per_token'] / 1e6:,.1f} MFLOP/token; {r['steps']} timed "
+             f"steps per side after {r['warmup_steps']} warm-up",
+             f"  {'side':<9} {'ms/step':>9} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak mem':>10} "
+             f"{'1st step':>9} {'compile':>8}"]
+    for name, s in r["sides"].items():
+        mem = "-" if s["peak_mem_mib"] is None else f"{s['peak_mem_mib']:.0f} MiB"
+        comp = f"{s['compile_s']:.1f} s" if "compile_s" in s else ""
+        lines.append(f"  {name:<9} {s['step_ms']:>9.2f} {s['tok_s']:>10.0f} {s['tflops']:>8.2f} "
+                     f"{100 * s['mfu']:>5.1f}% {mem:>10} {s['first_step_s']:>7.1f} s {comp:>8}")
+    ratios = ", ".join(f"handgrad/{k} {r['ratio_vs_' + k]:.2f}x" for k in r["sides"] if k != "handgrad")
+    first = ", ".join(f"{k} {v[0]:.5f}" for k, v in r["loss_check"]["losses"].items())
+    worst = max(s["loss_max_rel_diff"] for s in r["sides"].values())
+    lines.append(f"  tok/s {ratios}; first {r['loss_check']['steps']} losses agree to {worst:.1e} "
+                 f"(step 1: {first})")
+    return "\n".join(lines)
+
+
+def format_footer(result):
+    return "\n".join([
+        "",
+        "handgrad = the gpu backend's bf16 step through DeviceLoop (as `handgrad train --device gpu --train.dtype "
+        "bfloat16`, no CUDA graphs); eager = PyTorch under torch.autocast bf16, SDPA, AdamW (fused on CUDA); "
+        "compile = the same under torch.compile",
+        "ms/step = median of the timed steps (CUDA events; the host's clock without CUDA); TFLOP/s counts the "
+        "model's FLOPs (flops_per_token, causal attention as half); peak mem = torch.cuda.max_memory_allocated "
+        "over the side's build and warm-up, less what was allocated before it",
+        "1st step = the first warm-up step's wall time (Triton's or torch.compile's compiles); compile = the "
+        "warm-up's wall time beyond as many timed steps",
+        f"total {result['seconds']:.0f} s",
+    ])

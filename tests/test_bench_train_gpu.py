@@ -1,0 +1,92 @@
+"""`handgrad bench train --device gpu`: handgrad's bf16 gpu step beside PyTorch eager (autocast bf16)
+and torch.compile, the losses checked before anything is timed. Without CUDA this runs under
+Triton's interpreter at tiny shapes (times meaningless, the report says so); on a GPU, at B 8, T 1024."""
+import json
+
+import pytest
+
+from gpu_helpers import REAL_GPU
+
+import handgrad.bench.train_gpu as train_gpu
+from handgrad.cli import main as cli
+
+
+PRESETS = ["gpt2-124m", "smollm2-135m"]
+
+
+def _bench(*args):
+    return cli(["bench", "train", "--device", "gpu", *args])
+
+
+@pytest.fixture
+def no_inductor(monkeypatch):
+    """The compile side runs its model uncompiled: torch.compile's compiles of the two models take
+    ~2 minutes on the CPU here and a minute or more on a GPU, too long for the suite. The plumbing of
+    that side is tested; the compiler is exercised by the bench itself (tools/gpu_check.py runs it)."""
+    import torch
+    monkeypatch.setattr(torch, "compile", lambda model: model)
+
+
+def test_bench_train_gpu_json(no_inductor, capsys):
+    assert _bench("--preset", ",".join(PRESETS), "--json", "--steps", "2") == 0
+    result = json.loads(capsys.readouterr().out)
+    env = result["environment"]
+    assert set(env) >= {"device", "torch", "triton", "cuda", "interpreter"} and env["interpreter"] == (not REAL_GPU)
+    peak = result["peak"]
+    assert peak["what"].startswith("torch.matmul") and peak["median_tflops"] > 0 and peak["repeat"] == 10
+    assert [r["name"] for r in result["rows"]] == PRESETS
+    for r in result["rows"]:
+        assert r["arch"] == ("gpt2" if r["name"] == "gpt2-124m" else "llama")
+        assert (r["batch_size"], r["T"]) == ((8, 1024) if REAL_GPU else (1, 16))
+        assert r["steps"] == 2 and r["tokens_per_step"] == r["batch_size"] * r["T"] and r["flops_per_token"] > 0
+        check = r["loss_check"]  # the check ran: every side's warm-up losses, within the bf16 tolerance
+        assert check["steps"] == train_gpu.WARMUP_STEPS and check["rtol"] == train_gpu.LOSS_RTOL
+        assert list(check["losses"]) == ["handgrad", "eager", "compile"]
+        assert all(len(v) == train_gpu.WARMUP_STEPS for v in check["losses"].values())
+        assert list(r["sides"]) == ["handgrad", "eager", "compile"]
+        for name, s in r["sides"].items():
+            assert s["step_ms"] > 0 and s["tflops"] > 0 and 0 < s["mfu"]
+            assert s["tok_s"] == pytest.approx(r["tokens_per_step"] / (s["step_ms"] / 1e3))
+            assert s["loss_max_rel_diff"] <= train_gpu.LOSS_RTOL
+            assert len(s["warmup_s"]) == train_gpu.WARMUP_STEPS and s["first_step_s"] > 0
+            assert (s["peak_mem_mib"] is not None) == REAL_GPU
+            assert ("compile_s" in s) == (name == "compile")
+        for peer in ("eager", "compile"):
+            assert r[f"ratio_vs_{peer}"] == pytest.approx(r["sides"]["handgrad"]["tok_s"] / r["sides"][peer]["tok_s"])
+    text = "\n".join([train_gpu.format_header(result), *map(train_gpu.format_row, result["rows"]),
+                      train_gpu.format_footer(result)])
+    assert "bf16 peak: torch.matmul" in text and "handgrad/compile" in text and "first 3 losses agree" in text
+    assert ("WARNING: TRITON_INTERPRET=1" in text) == (not REAL_GPU)
+
+
+def test_a_side_that_computes_something_else_stops_the_bench(monkeypatch):
+    """A benchmark of a wrong model measures nothing: eager's weights changed, one line, no timing."""
+    from handgrad.torch_ref import TorchGPT
+    load = TorchGPT.load_numpy
+
+    def wrong(self, state):
+        return load(self, dict(state, **{"ln_f.weight": 100 * state["ln_f.weight"]}))
+    monkeypatch.setattr(TorchGPT, "load_numpy", wrong)
+    timed = []
+    monkeypatch.setattr(train_gpu, "_time", lambda *a: timed.append(a))
+    with pytest.raises(SystemExit) as e:
+        _bench("--preset", "gpt2-124m", "--no-compile", "--steps", "1")
+    message = str(e.value.code)
+    assert message.startswith("bench train --device gpu: CHECK FAILED for gpt2-124m: step 1 loss handgrad ")
+    assert " vs eager " in message and "relative tolerance 0.01" in message and "\n" not in message
+    assert not timed
+
+
+@pytest.mark.parametrize("flags, words", [(["--lora", "8"], "--lora is not supported"),
+                                          (["--dtype", "float32"], "times bf16 training only"),
+                                          (["--profile"], "--profile times the cpu's ops")])
+def test_what_the_gpu_bench_does_not_do_is_one_line(flags, words):
+    with pytest.raises(SystemExit, match=f"^bench train --device gpu: {words}[^\n]*$"):
+        _bench(*flags)
+
+
+def test_device_gpu_is_for_train():
+    """`bench ops` times the gpu ops with --backend gpu; --device there would be silently ignored."""
+    words = "^bench ops: --device gpu is for `bench train`; `bench ops` takes --backend gpu$"
+    with pytest.raises(SystemExit, match=words):
+        cli(["bench", "ops", "--device", "gpu"])
