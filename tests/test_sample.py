@@ -200,6 +200,25 @@ def test_decoding_is_incremental(monkeypatch):
 
 
 # ---------------------------------------------------------------- sample_logits
+def test_a_request_no_memory_could_hold_decodes_until_stopped():
+    """max_new_tokens 10^12 (7.28 TiB of ids) allocates by what is decoded, not by what is asked: the
+    tokens until a stop are those of a request of that length, grown past block_size several times."""
+    class Stop(Exception):
+        pass
+
+    def stop_at(n):
+        def on_token(step, ids):
+            if step + 1 == n:
+                raise Stop(ids.copy())
+        return on_token
+
+    model = random_model(CONFIG, scale=0.05)
+    for n in (5, 16 * 5 + 3):
+        with pytest.raises(Stop) as e:
+            generate(model, [[1, 2], [3, 4]], 10**12, rng=7, on_token=stop_at(n))
+        np.testing.assert_array_equal(e.value.args[0], generate(model, [[1, 2], [3, 4]], n, rng=7))
+
+
 def test_sample_logits_respects_top_k_top_p_and_temperature():
     rng = np.random.default_rng(0)
     probs = np.array([0.5, 0.3, 0.15, 0.05])
@@ -404,3 +423,24 @@ def test_handgrad_sample_on_a_saved_run(run_dir, capsys):
     assert capsys.readouterr().out == 2 * f"{text}\n{SEPARATOR}\n"
     assert handgrad_main(["sample", "--run", str(path), "--prompt", ""]) == 2
     assert "empty prompt" in capsys.readouterr().err
+
+
+def test_handgrad_sample_asked_for_more_than_memory_holds_streams_until_ctrl_c(run_dir, capsys, monkeypatch):
+    """`handgrad sample --max-new-tokens 1000000000000` streams (once a numpy ArrayMemoryError of 7.28
+    TiB); Ctrl-C ends it as any command: 'interrupted', exit 130."""
+    from handgrad.cli import main as handgrad_main
+    path, model = run_dir
+    update, calls = TextStream.update, []
+
+    def interrupted_after_50(self, ids, final=False):
+        calls.append(len(ids))
+        if len(calls) == 50:
+            raise KeyboardInterrupt
+        return update(self, ids, final)
+
+    monkeypatch.setattr(TextStream, "update", interrupted_after_50)
+    argv = ["sample", "--run", str(path), "--prompt", "ab", "--max-new-tokens", "1000000000000", "--temperature", "0"]
+    assert handgrad_main(argv) == 130
+    out, err = capsys.readouterr()
+    text = bytes(generate(model, [97, 98], 49, temperature=0)[0].tolist()).decode("utf-8", "replace")
+    assert err == "interrupted\n" and text.startswith(out) and len(out) > 2, (out, err)

@@ -360,6 +360,9 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
 
     Returns the int64 ids (B, T0 + max_new_tokens), prompt included. Sampling is as in
     sample_logits; rng is a numpy Generator, an int seed, or None (fresh entropy).
+    Nothing is allocated by the size asked for: the ids' array starts at the prompt plus at most
+    block_size tokens and doubles as tokens come, so a max_new_tokens no memory could hold (`sample
+    --max-new-tokens 1000000000000`) decodes until stopped.
     on_token(step, ids_so_far) is called after each new token (step 0, 1, ...; ids_so_far a
     (B, T0 + step + 1) view: copy it to keep it). Bad arguments raise SampleError (a ValueError).
     The prompt (its newest block_size tokens, if it is longer) is prefilled once; past block_size
@@ -375,7 +378,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     idx = _check_prompt(prompt_ids, model.config)
     rng = _as_rng(rng)
     B, T0 = idx.shape
-    out = np.empty((B, T0 + max_new_tokens), dtype=np.int64)
+    out = np.empty((B, T0 + min(max_new_tokens, model.config.block_size)), dtype=np.int64)  # grown below
     out[:, :T0] = idx
     if max_new_tokens == 0:
         return out
@@ -384,6 +387,9 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     stopped = np.zeros(B, dtype=bool)  # (B,)
     for step in range(max_new_tokens):
         t = T0 + step
+        if t == out.shape[1]:  # full: twice the room, up to what was asked
+            room = min(out.shape[1], T0 + max_new_tokens - t)
+            out = np.concatenate([out, np.empty((B, room), dtype=np.int64)], axis=1)
         out[:, t] = sample_logits(logits[:, :vocab], temperature, top_k, top_p, rng)
         if on_token is not None:
             on_token(step, out[:, :t + 1])
