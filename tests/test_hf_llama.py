@@ -332,9 +332,12 @@ def test_the_readmes_stand_in_model_tool(tmp_path):
     from handgrad.data.prepare import prepare
     (tmp_path / "t.txt").write_text(TEXT)
     tool = Path(__file__).resolve().parents[1] / "tools" / "tiny_hf_model.py"
-    subprocess.run([sys.executable, str(tool), str(tmp_path / "m"), "--corpus", str(tmp_path / "t.txt"),
-                    "--vocab-size", "300", "--qwen2", "--pad-vocab", "320", "--chats", str(tmp_path / "c.jsonl")],
-                   check=True, capture_output=True)
+    out = subprocess.run([sys.executable, str(tool), str(tmp_path / "m"), "--corpus", str(tmp_path / "t.txt"),
+                          "--vocab-size", "300", "--qwen2", "--pad-vocab", "320", "--chats", str(tmp_path / "c.jsonl")],
+                         check=True, capture_output=True, text=True)
+    # its one line, without transformers' "Writing model shards" progress bar before it
+    assert out.stdout.startswith("wrote ") and out.stdout.count("\n") == 1, out.stdout
+    assert "Writing model shards" not in out.stderr and "%|" not in out.stderr, out.stderr
     config, weights, info = load_pretrained(tmp_path / "m")
     assert config.vocab_size == 320 and config.qkv_bias and config.n_kv_head == 2
     tok = handgrad.data.tokenizer.load_tokenizer(info["tokenizer"])
@@ -342,3 +345,23 @@ def test_the_readmes_stand_in_model_tool(tmp_path):
     assert load_chat_format(tmp_path / "m").end_of_turn_id == tok.eot_id
     prepare([str(tmp_path / "c.jsonl")], tmp_path / "d", tokenizer=str(tmp_path / "m"), format="chat", block_size=256)
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["kind"] == "chat"
+
+
+def test_transformers_progress_bars_are_off_only_while_handgrad_calls_it():
+    import os
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging
+    from handgrad.torch_ref import quiet_transformers
+    was_on, hub_was_off = logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
+    try:
+        for before in (True, False):
+            (logging.enable_progress_bar if before else logging.disable_progress_bar)()
+            with quiet_transformers():
+                assert not logging.is_progress_bar_enabled() and hub.are_progress_bars_disabled()
+            assert logging.is_progress_bar_enabled() == before
+            if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is None:  # (which keeps hub's off whatever is asked)
+                assert hub.are_progress_bars_disabled() == (not before)
+    finally:
+        (logging.enable_progress_bar if was_on else logging.disable_progress_bar)()
+        if hub_was_off:
+            hub.disable_progress_bars()

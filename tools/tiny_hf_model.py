@@ -87,9 +87,11 @@ def main():
                   rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     cls, cfg = ((transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**fields)) if args.qwen2 else
                 (transformers.LlamaForCausalLM, transformers.LlamaConfig(**fields)))
+    from handgrad.torch_ref import quiet_transformers
     torch.manual_seed(args.seed)
-    model = cls(cfg)
-    model.to(torch.bfloat16).save_pretrained(args.out)
+    with quiet_transformers():  # no "Writing model shards" bar before this tool's own line
+        model = cls(cfg)
+        model.to(torch.bfloat16).save_pretrained(args.out)
     n = sum(p.numel() for p in model.parameters())
     if args.chats is not None:
         write_chats(texts, args.chats)

@@ -4,6 +4,7 @@ transformers' own Llama/Qwen2 classes for the Llama family.
 Used by `handgrad verify`, the tests and the benchmarks. Needs torch (the `test` extra).
 """
 import math
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -146,6 +147,24 @@ def swiglu(gu):
     return F.silu(gate) * up
 
 
+@contextmanager
+def quiet_transformers():
+    """transformers' progress bars ("Loading weights", "Writing model shards", and huggingface_hub's
+    it switches with them) off while handgrad calls transformers, as they were afterwards: they
+    would break into handgrad's own output."""
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging
+    was_on, hub_was_off = logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
+        if hub_was_off:
+            hub.disable_progress_bars()
+
+
 def hf_llama(config, dtype=torch.float32, attn_implementation="eager"):
     """transformers' LlamaForCausalLM (Qwen2ForCausalLM where the q/k/v projections have biases) for
     a handgrad LlamaConfig, randomly initialised: load handgrad's state_dict into it."""
@@ -155,11 +174,12 @@ def hf_llama(config, dtype=torch.float32, attn_implementation="eager"):
                   num_key_value_heads=config.n_kv_head, max_position_embeddings=config.block_size,
                   rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta,
                   tie_word_embeddings=config.tie_embeddings, attn_implementation=attn_implementation)
-    if config.qkv_bias:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=False,
-                                                                       mlp_bias=False))
+    with quiet_transformers():
+        if config.qkv_bias:
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False))
+        else:
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=False,
+                                                                           mlp_bias=False))
     return model.to(dtype)
 
 
