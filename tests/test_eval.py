@@ -372,3 +372,20 @@ def test_train_eval_tasks_errors_are_one_line_before_training(extra, match, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(match, err[0]), err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_bench_eval_scores_with_transformers_beside_handgrad_and_counts_disagreements(setup, capsys):
+    """bench eval: the same token sequences on both sides (checked inside), every prediction the
+    same, log-probabilities within 1e-4, rows/s of both sides."""
+    kind, root, ref, tasks = setup
+    assert cli(["bench", "eval", "--run", str(root / "model"), "--tasks", ",".join(str(p) for p in tasks.values()),
+                "--limit", "6", "--threads", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [t["task"] for t in doc["tasks"]] == list(tasks) and doc["threads"] == 1
+    for t in doc["tasks"]:
+        assert t["rows"] == min(6, len(tasks[t["task"]].read_text().splitlines())), t
+        assert t["rows_differ"] == [] and t["max_abs_logprob_diff"] < 1e-4, t
+        assert t["handgrad_rows_s"] > 0 and t["transformers_rows_s"] > 0
+    assert doc["total"]["rows"] == sum(t["rows"] for t in doc["tasks"]) and doc["total"]["differ"] == 0
+    with pytest.raises(SystemExit, match="bench eval: needs --run MODEL and --tasks"):
+        cli(["bench", "eval", "--tasks", str(tasks["mc"])])

@@ -1,8 +1,9 @@
-"""`handgrad bench ops|train|learn`: the command line, dispatched to bench/ops.py (or gpu.py),
-bench/train.py (or train_gpu.py) and bench/learn.py."""
+"""`handgrad bench ops|train|learn|products|eval`: the command line, dispatched to bench/ops.py (or
+gpu.py), bench/train.py (or train_gpu.py), bench/learn.py, bench/products.py and bench/eval.py."""
 import json
 
 from .common import MAX_REPEAT, MIN_REPEAT, ROW_BUDGET_S
+from .eval import bench_eval
 from .gpu import bench_ops_gpu
 from .learn import run_learn, run_learn_lora
 from .ops import bench_ops
@@ -11,7 +12,8 @@ from .train import main as bench_train_main
 from .train_gpu import main as bench_train_gpu_main
 
 
-WHAT = ("ops", "train", "learn", "products")
+WHAT = ("ops", "train", "learn", "products", "eval")
+EVAL_LIMIT = 100  # bench eval: rows of each task by default (the transformers side is the slow one)
 
 
 def add_arguments(parser):
@@ -21,7 +23,9 @@ def add_arguments(parser):
                         help="ops: matmul, attention block and MLP block, handgrad beside PyTorch; "
                              "train: whole training steps (tok/s, GFLOP/s, MFU, peak memory) beside PyTorch; "
                              "learn: train handgrad and PyTorch side by side and compare loss curves; "
-                             "products: a model's matrix products on MKL float32, oneDNN float32 and oneDNN bf16")
+                             "products: a model's matrix products on MKL float32, oneDNN float32 and oneDNN bf16; "
+                             "eval: handgrad eval's scorer beside a straightforward transformers scorer (rows/s, "
+                             "and the rows whose predictions differ)")
     parser.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
                         help="ops: backend to time (default cpu); gpu: each Triton op beside torch eager, "
                              "torch.compile and scaled_dot_product_attention")
@@ -71,6 +75,16 @@ def add_arguments(parser):
     learn.add_argument("--pretrain-steps", type=_positive_int, default=None, metavar="N",
                        help="learn --lora: pretraining steps before the adapters (default the preset's train.max_steps)")
     learn.add_argument("--out", default="docs", metavar="DIR", help="where `learn` writes its JSON and plot")
+    ev = parser.add_argument_group("eval")
+    ev.add_argument("--run", default=None, metavar="MODEL",
+                    help="eval: the model, a Hugging Face directory, a GGUF file or a published model's name "
+                         "(transformers reads it too)")
+    ev.add_argument("--tasks", default=None, metavar="TASK[,TASK...]",
+                    help="eval: JSONL task files or directories, as `handgrad eval --tasks`")
+    ev.add_argument("--limit", type=_positive_int, default=EVAL_LIMIT, metavar="N",
+                    help=f"eval: the first N rows of each task (default {EVAL_LIMIT})")
+    ev.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                    help="eval: threads for both sides (default this machine's cores)")
 
 
 def _say_what_is_missing(parser):
@@ -114,6 +128,10 @@ def main(args):
                          "yet); leave out --dtype")
     if args.what == "train":
         return bench_train_main(args)
+    if args.what == "eval":
+        if not args.run or not args.tasks:
+            raise SystemExit("bench eval: needs --run MODEL and --tasks TASK[,TASK...]")
+        return bench_eval(args.run, args.tasks, args.limit, args.json, args.threads)
     if args.what == "products":
         return bench_products((args.preset or "mid,gpt2-124m,smollm2-135m").split(","), args.json)
     if args.what == "learn":

@@ -1,0 +1,132 @@
+"""`handgrad bench eval`: `handgrad eval`'s scorer beside a straightforward transformers scorer, in
+one run, on the same model, rows and threads; rows/s of each and whether they agree row by row.
+
+The transformers side is what a user writes first: transformers' own model class (the Hugging Face
+directory, or the GGUF file through transformers' GGUF loader), float32, batch 1, one forward per
+choice over context + continuation, the continuation's log-probabilities summed from
+log_softmax(logits) in float64. It tokenizes with transformers' tokenizer, context and
+" " + choice apart, as lm-evaluation-harness does, and puts no bos before the context unless
+handgrad's bos policy does (eval/score.bos_policy), so both score the same token sequences: that
+is checked, row by row, before anything is compared.
+
+handgrad's side is eval/score.Scorer with its default batch, exactly as `handgrad eval` runs it.
+Both sides run in this process one after the other with this machine's threads (torch's and
+handgrad's BLAS and Numba pools each set to the same count).
+
+Reported per task and in all: rows/s of each side, the ratio, the rows whose prediction (acc's
+argmax; acc_norm's for multiple choice; the greedy match for language modelling) differs, and the
+largest log-probability difference.
+"""
+import json
+import time
+
+import numpy as np
+
+from ..backends.cpu import set_threads
+from ..eval.score import Scorer, bos_policy, encode_task
+from ..eval.tasks import LM, MC, read_task, task_paths
+from ..interop.published import resolve_model
+from ..machine import cores_available, environment
+from ..sample import load_run
+
+
+def _transformers_model(run, torch):
+    """transformers' own model and tokenizer for what --run names: a GGUF file or an HF directory."""
+    from pathlib import Path
+
+    import transformers
+
+    from ..torch_ref import quiet_transformers
+    path = Path(resolve_model(run))
+    if path.is_file() and path.suffix == ".gguf":
+        kw = dict(gguf_file=path.name)
+        path = path.parent
+    elif path.is_dir() and (path / "config.json").is_file():
+        kw = {}
+    else:
+        raise SystemExit(f"bench eval --run {run}: the transformers side reads a Hugging Face directory or a GGUF "
+                         f"file (export a handgrad run with handgrad convert first)")
+    with quiet_transformers():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(str(path), **kw)
+    return model, tok
+
+
+def _tf_score(model, tok, torch, task, encoded, bos):
+    """Each row's continuation log-probabilities and greedy matches, one forward per pair, batch 1."""
+    out = []
+    for row, e in zip(task.rows, encoded):
+        lps, greedy = [], []
+        for k, (ctx_text, cont_text) in enumerate(zip(row.contexts, row.continuations)):
+            ctx = ([bos] if bos is not None else []) + tok.encode(ctx_text, add_special_tokens=False)
+            ctx = ctx or [tok.eos_token_id]  # an empty context starts from the end-of-text token, as the harness's
+            cont = tok.encode(cont_text, add_special_tokens=False)
+            seq = (ctx + cont)[-len(e.seqs[k]):]
+            if seq != e.seqs[k].tolist():
+                raise SystemExit(f"bench eval: {task.path}:{row.line}: transformers' tokenizer gives other tokens "
+                                 f"than handgrad's for pair {k}; the two scorers would not score the same thing")
+            with torch.no_grad():
+                logits = model(torch.tensor([seq[:-1]])).logits[0, -len(cont):].double()
+            target = torch.tensor(cont)
+            lps.append(torch.log_softmax(logits, -1).gather(1, target[:, None]).sum().item())
+            greedy.append(bool((logits.argmax(-1) == target).all()))
+        out.append((np.array(lps), np.array(greedy)))
+    return out
+
+
+def _predictions(task, row, logprobs, greedy):
+    if task.kind == LM:
+        return (bool(greedy[0]),)
+    pred = int(np.argmax(logprobs))
+    if task.kind == MC:
+        return pred, int(np.argmax(logprobs / np.maximum(np.asarray(row.choice_bytes), 1)))
+    return (pred,)
+
+
+def bench_eval(run, tasks_spec, limit, as_json, threads=None):
+    from ..torch_ref import require_torch
+    torch = require_torch()
+    threads = threads or cores_available()
+    set_threads(threads)
+    torch.set_num_threads(threads)
+    tasks = [read_task(p, limit) for p in task_paths(tasks_spec)]
+    model, tokenizer, _ = load_run(run)
+    bos, bos_text = bos_policy(tokenizer)
+    tf_model, tf_tok = _transformers_model(run, torch)
+    rows, totals = [], {"rows": 0, "handgrad_s": 0.0, "transformers_s": 0.0, "differ": 0}
+    for task in tasks:
+        encoded = encode_task(task, tokenizer, model.config.block_size, bos)
+        scorer = Scorer(model)
+        t0 = time.perf_counter()
+        hg = scorer.score(encoded)
+        t_hg = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        tf = _tf_score(tf_model, tf_tok, torch, task, encoded, bos)
+        t_tf = time.perf_counter() - t0
+        differ = [row.line for row, h, (lp, gr) in zip(task.rows, hg, tf)
+                  if _predictions(task, row, h.logprobs, h.greedy) != _predictions(task, row, lp, gr)]
+        dmax = max(float(np.max(np.abs(h.logprobs - lp))) for h, (lp, _) in zip(hg, tf))
+        n = len(task.rows)
+        rows.append({"task": task.name, "kind": task.kind, "rows": n, "handgrad_rows_s": n / t_hg,
+                     "transformers_rows_s": n / t_tf, "speedup": t_tf / t_hg, "rows_differ": differ,
+                     "max_abs_logprob_diff": dmax, "positions": scorer.positions,
+                     "naive_positions": scorer.naive_positions})
+        totals["rows"] += n
+        totals["handgrad_s"] += t_hg
+        totals["transformers_s"] += t_tf
+        totals["differ"] += len(differ)
+        if not as_json:
+            r = rows[-1]
+            print(f"{task.name:<16} {n:>6} rows  handgrad {r['handgrad_rows_s']:7.2f} rows/s  transformers "
+                  f"{r['transformers_rows_s']:6.2f} rows/s  {r['speedup']:5.2f}x  predictions differ on {len(differ)}"
+                  f"  max |d logprob| {dmax:.1e}", flush=True)
+    totals["speedup"] = totals["transformers_s"] / max(totals["handgrad_s"], 1e-9)
+    result = {"run": str(run), "bos": bos_text, "threads": threads, "limit": limit, "tasks": rows,
+              "total": totals, "environment": environment(torch)}
+    if as_json:
+        print(json.dumps(result, indent=1, default=float))
+    else:
+        print(f"{'all':<16} {totals['rows']:>6} rows  handgrad {totals['rows'] / totals['handgrad_s']:7.2f} rows/s  "
+              f"transformers {totals['rows'] / totals['transformers_s']:6.2f} rows/s  {totals['speedup']:5.2f}x  "
+              f"predictions differ on {totals['differ']} ({threads} threads each; bos {bos_text})")
+    return 0
