@@ -22,7 +22,7 @@ MAX_LINES = 500
 # torch, torch_ref and the package's __init__ (the public names).
 COMMANDS = ("handgrad.__main__", "handgrad.cli", "handgrad.sample", "handgrad.verify", "handgrad.bench",
             "handgrad.training.command", "handgrad.data.prepare", "handgrad.interop.convert", "handgrad.eval.command")
-LAYERS = (("config, files", ("handgrad.config", "handgrad.files")),
+LAYERS = (("config, files", ("handgrad.config", "handgrad.config_keys", "handgrad.files")),
           ("ops", ("handgrad.backends",)),
           ("model family", ("handgrad.models",)),
           ("data, interop, eval", ("handgrad.data", "handgrad.interop", "handgrad.eval")),

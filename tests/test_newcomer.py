@@ -42,13 +42,14 @@ def test_help_shows_the_presets_values_and_the_allowed_words(capsys):
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "shown: preset gpt2-124m's values" in out
-    assert "--model.n_layer V default 12" in out and "--model.n_embd V default 768" in out
-    assert "--train.on_nan V default stop (one of stop, skip)" in out
-    assert "--train.dtype V default float32 (one of float32, bfloat16)" in out
+    assert "--model.n_layer V Transformer blocks. Default 12" in out
+    assert "--model.n_embd V Width of the residual stream. Default 768" in out
+    assert "or skip the batch (one of stop, skip). Default stop" in out
+    assert "weights stay float32 (one of float32, bfloat16). Default float32" in out
     with pytest.raises(SystemExit):
         cli(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "shown: the defaults" in out and "--model.n_layer V default 2" in out
+    assert "shown: the defaults" in out and "--model.n_layer V Transformer blocks. Default 2" in out
 
 
 def test_errors_name_the_real_fix(data, tmp_path, capsys):

@@ -121,61 +121,61 @@ MODEL_PRESETS = {
 @dataclass
 class ModelSection:
     """The architecture a run trains; vocab_size is the prepared data's unless set (a pretrained
-    model's padded embedding, from --init-from)."""
+    model's padded embedding, from --init-from). What each key means: config_keys.py (a key added
+    here needs its line there; `handgrad train --help` and docs/CONFIG.md show them)."""
 
-    arch: str = "gpt2"  # model family (handgrad.models): gpt2 or llama
-    n_layer: int = 2  # transformer blocks
-    n_head: int = 2  # attention heads; must divide n_embd
-    n_embd: int = 64  # width of the residual stream
-    block_size: int = 64  # context length in tokens
-    vocab_size: int = 0  # rows of the embedding and the logits; 0: the data's; more pads it (Qwen2: 151,936 for 151,665)
-    # llama only (given for gpt2, an error):
-    n_kv_head: int = 0  # key/value heads; must divide n_head; 0: n_head
-    ffn_hidden: int = 0  # SwiGLU width; 0: the multiple of 64 nearest 8/3 n_embd
-    rope_theta: float = 10000.0  # RoPE base
-    norm_eps: float = 1e-5  # RMSNorm epsilon
-    tie_embeddings: bool = True  # lm_head shares embed_tokens
-    qkv_bias: bool = False  # biases on q/k/v (Qwen2)
-    dropout: float = 0.0  # training only: attention probabilities, each residual branch, the embeddings (nanoGPT's)
+    arch: str = "gpt2"
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    block_size: int = 64
+    vocab_size: int = 0
+    n_kv_head: int = 0
+    ffn_hidden: int = 0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    dropout: float = 0.0
 
 
 @dataclass
 class TrainSection:
-    """The optimisation loop. Steps count optimizer updates."""
+    """The optimisation loop. Steps count optimizer updates. What each key means: config_keys.py."""
 
-    batch_size: int = 8  # sequences per micro-batch
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
-    max_steps: int = 200  # optimizer steps in the run
-    lr: float = 1e-3  # peak learning rate, after warmup
-    min_lr: float = 1e-4  # floor of the cosine decay
-    warmup_steps: int = 10  # linear warmup from 0 to lr
-    weight_decay: float = 0.1  # decoupled, on 2-D tensors only
-    beta1: float = 0.9  # AdamW first-moment decay
-    beta2: float = 0.99  # AdamW second-moment decay
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    eval_interval: int = 50  # steps between validation losses; 0 disables
-    eval_steps: int = 10  # validation batches per evaluation
-    eval_tasks: str = ""  # comma-separated benchmark JSONL files or directories (handgrad eval's layout) scored at each evaluation; "": none
-    eval_limit: int = 0  # rows of each eval task scored at each evaluation; 0: every row
-    sample_interval: int = 100  # steps between text samples; 0 disables
-    sample_tokens: int = 200  # tokens per sample printed during training
-    checkpoint_interval: int = 100  # steps between checkpoints; the last step is always saved
-    keep_checkpoints: int = 3  # newest checkpoints kept on disk
-    log_interval: int = 10  # steps between log lines (metrics.jsonl records every step)
-    seed: int = 1337  # seeds the weights, the batches and the samples
-    on_nan: str = "stop"  # a NaN/Inf loss or gradient: "stop" (last good checkpoint kept) or "skip" the batch
-    dtype: str = "float32"  # float32, or bfloat16 mixed precision (gpu: bf16 activations; cpu: bf16 products; weights stay float32)
-    cuda_graph: bool = False  # --device gpu, one process: replay each step as captured CUDA graphs
-    zero_stage: int = 0  # under torchrun: 1 shards the AdamW moments across ranks (ZeRO stage 1)
-    threads: int = 0  # BLAS and Numba threads per process; 0: this machine's cores / processes on it
-    dist_timeout: float = 300.0  # seconds a rank waits on the others before giving up (torchrun runs)
-    log_to: str = "none"  # also log the metrics to: none, tensorboard (RUN_DIR/tb), wandb (offline unless set up)
-    lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, base weights frozen; 0: full fine-tuning
-    lora_alpha: float = 0.0  # LoRA's alpha (the adapters' scale is alpha / rank); 0: 2 x lora_rank
-    lora_targets: str = ""  # comma-separated linears (llama: q,k,v,o,gate,up,down; gpt2: c_attn,c_proj,c_fc,mlp.c_proj); "": all
-    lora_dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
-    lora_train_norms: bool = False  # LoRA runs: also train the norm gains (and GPT-2's norm biases)
-    lora_train_embeddings: bool = False  # LoRA runs: also train the embeddings (and an untied lm_head)
+    batch_size: int = 8
+    grad_accum_steps: int = 1
+    max_steps: int = 200
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    eval_interval: int = 50
+    eval_steps: int = 10
+    eval_tasks: str = ""
+    eval_limit: int = 0
+    sample_interval: int = 100
+    sample_tokens: int = 200
+    checkpoint_interval: int = 100
+    keep_checkpoints: int = 3
+    log_interval: int = 10
+    seed: int = 1337
+    on_nan: str = "stop"
+    dtype: str = "float32"
+    cuda_graph: bool = False
+    zero_stage: int = 0
+    threads: int = 0
+    dist_timeout: float = 300.0
+    log_to: str = "none"
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: str = ""
+    lora_dropout: float = 0.0
+    lora_train_norms: bool = False
+    lora_train_embeddings: bool = False
 
 
 SECTIONS = {"model": ModelSection, "train": TrainSection}

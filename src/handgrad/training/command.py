@@ -6,7 +6,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..backends.cpu import set_threads
-from ..config import CHOICES, RUN_PRESETS, SECTIONS, ConfigError, load_run_config
+from ..config import RUN_PRESETS, SECTIONS, ConfigError, load_run_config
+from ..config_keys import help_line
 from ..interop.load import load_pretrained
 from ..machine import cores_available, sgemm_peak
 from ..models import family_of
@@ -36,9 +37,8 @@ def add_arguments(parser, preset=None):
         group = parser.add_argument_group(f"{section}.* overrides (win over the preset and the file; shown: {where})")
         for f in fields(cls):
             key = f"{section}.{f.name}"
-            choices = f" (one of {', '.join(CHOICES[key])})" if key in CHOICES else ""
-            group.add_argument(f"--{key}", dest=f"override:{key}", metavar="V",
-                               help=f"default {getattr(getattr(shown, section), f.name)}{choices}")
+            text = help_line(section, f.name, getattr(getattr(shown, section), f.name))
+            group.add_argument(f"--{key}", dest=f"override:{key}", metavar="V", help=text.replace("%", "%%"))
 
 
 DEFAULT_FINETUNE_BLOCK = 1024  # transformers' run_clm.py: min(the model's length, 1024) unless asked
