@@ -157,6 +157,7 @@ class TrainSection:
     eval_steps: int = 10
     eval_tasks: str = ""
     eval_limit: int = 0
+    loss_chunk: int = 0
     sample_interval: int = 100
     sample_tokens: int = 200
     checkpoint_interval: int = 100
@@ -289,6 +290,12 @@ RUN_PRESETS = {
                      "train": dict(batch_size=1, grad_accum_steps=8, max_steps=1000, lr=3e-4, min_lr=3e-5,
                                    warmup_steps=50, beta2=0.95, eval_interval=100, sample_interval=500,
                                    checkpoint_interval=250)},
+    # Qwen/Qwen2.5-0.5B's shape (q/k/v biases, tied, theta 1e6), trained at block 1024 (its context is 32768)
+    "qwen2.5-0.5b": {"model": dict(arch="llama", n_layer=24, n_embd=896, n_head=14, n_kv_head=2, ffn_hidden=4864,
+                                   qkv_bias=True, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True, block_size=1024),
+                     "train": dict(batch_size=1, grad_accum_steps=8, max_steps=1000, lr=2e-4, min_lr=2e-5,
+                                   warmup_steps=50, beta2=0.95, eval_interval=100, sample_interval=500,
+                                   checkpoint_interval=250)},
 }
 
 
@@ -383,7 +390,7 @@ def validate_run_config(config):
                 "log_interval"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key}: must be positive, got {getattr(t, key)}")
-    for key in ("warmup_steps", "eval_interval", "eval_limit", "sample_interval", "sample_tokens",
+    for key in ("warmup_steps", "eval_interval", "eval_limit", "loss_chunk", "sample_interval", "sample_tokens",
                 "checkpoint_interval", "seed", "lr", "min_lr", "weight_decay", "grad_clip"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")

@@ -51,6 +51,8 @@ KEYS = {
         "eval_tasks": ("Comma-separated benchmark JSONL files or directories (handgrad eval's layout), "
                        "scored at each evaluation", "none (the validation loss alone)"),
         "eval_limit": ("Rows of each of eval_tasks scored at each evaluation", "every row"),
+        "loss_chunk": ("Rows (of batch_size x block_size) whose logits the loss forms at once: the head's memory is "
+                       "loss_chunk x vocab_size instead of the whole batch's, for one more head product", "all rows"),
         "sample_interval": "Steps between text samples printed during training; 0: no samples",
         "sample_tokens": "Tokens per sample",
         "checkpoint_interval": "Steps between checkpoints; the last step and a Ctrl-C always save one; 0: those alone",

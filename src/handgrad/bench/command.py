@@ -51,7 +51,7 @@ def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--preset", default=None,
                         help="train: shape(s) to time, comma-separated, from tiny, shakespeare-char, mid, gpt2-124m, "
-                             "llama-mid, smollm2-135m (default tiny,mid,gpt2-124m; with --device gpu "
+                             "llama-mid, smollm2-135m, qwen2.5-0.5b (default tiny,mid,gpt2-124m; with --device gpu "
                              "gpt2-124m,smollm2-135m); learn: the run preset (default shakespeare-char); products: as "
                              "train (default mid,gpt2-124m,smollm2-135m)")
     parser.add_argument("--steps", type=_positive_int, default=None,

@@ -50,6 +50,7 @@ SHAPES = {
     "gpt2-124m": dict(preset="gpt2-124m", vocab_size=50257, batch_size=4, T=64),
     "llama-mid": dict(preset="llama-mid", vocab_size=8192, batch_size=8, T=256),
     "smollm2-135m": dict(preset="smollm2-135m", vocab_size=49152, batch_size=4, T=256),
+    "qwen2.5-0.5b": dict(preset="qwen2.5-0.5b", vocab_size=151936, batch_size=4, T=1024),
 }
 
 

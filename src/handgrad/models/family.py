@@ -31,6 +31,7 @@ import numpy as np
 
 from ..backends import get_backend
 from . import lora as lora_parts
+from .head import Head
 
 
 # why train.dtype=bfloat16 refuses a LoRA model on the cpu (its adapters' products run in float32)
@@ -90,7 +91,7 @@ def flat_views(flat, layout):
     return {name: flat[o:o + int(np.prod(s))].reshape(s) for name, (o, s) in layout.items()}
 
 
-class FlatModel:
+class FlatModel(Head):
     """What every family's model shares: the flat parameter and gradient buffers laid out by
     param_spec, state_dict and load_state_dict, zero_grad, token checks, the activations of the
     last (B, T), and forward(). A family's model (models/gpt2.py's GPT) is a subclass giving:
@@ -105,7 +106,7 @@ class FlatModel:
     """
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
-                 dropout=0.0):
+                 dropout=0.0, loss_chunk=0):
         """buffer_multiple: the flat buffers (`flat_params`, `flat_grad`) are allocated zero-padded
         to a multiple of it, so data-parallel ranks can split them into equal shards; `params` and
         `grad` are their first num_params elements.
@@ -118,7 +119,9 @@ class FlatModel:
         (models/lora.py); None: every weight trains.
         dropout: model.dropout, applied while `training` is set (set_training); off in evaluation
         and sampling.
-        seed: the initialisation's; None leaves the weights zero, for a caller that loads them all."""
+        seed: the initialisation's; None leaves the weights zero, for a caller that loads them all.
+        loss_chunk: the loss forms the logits of at most this many rows (of B*T) at a time, never
+        the whole (B, T, V) (head_forward); 0: all rows at once."""
         if not isinstance(config, self.CONFIG):
             raise ValueError(f"config must be a handgrad {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in ("float32", "bfloat16"):
@@ -131,7 +134,9 @@ class FlatModel:
             raise ValueError(f"dtype bfloat16 on the cpu {BF16_LORA}; use float32")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {dropout!r}")
-        self.dtype = dtype
+        if loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 0 rows (0: all of them), got {loss_chunk!r}")
+        self.dtype, self.loss_chunk = dtype, int(loss_chunk)
         self.config = config
         self.ops = get_backend(backend)
         self.backend = backend
@@ -347,8 +352,11 @@ class FlatModel:
         a = self._acts
         if a is None or (a.B, a.T) != (B, T):
             a = self._acts = None  # release the old set before allocating the new one
+            rows = min(self.loss_chunk, B * T) if self.loss_chunk else None
             a = self._acts = self.ACTIVATIONS(self.ops, self.config, B, T, self._act_dtype(),
-                                              products=np.uint16 if self.bf16_products else np.float32)
+                                              products=np.uint16 if self.bf16_products else np.float32,
+                                              logit_rows=rows)
+            a.chunked = rows is not None
             a.lora_xs = None if self.lora is None else self.ops.empty(  # each adapter's s x A, per block
                 (self.config.n_layer, max(map(len, self.lora_blocks)), B, T, self.lora.rank), self._act_dtype())
             a.dbranch = None  # a dropped branch's gradient (model.dropout), made at its first use
@@ -430,7 +438,7 @@ class FlatModel:
         self._narrow_weights()
         self._layers_forward(a)
         self._ready_for_backward = False
-        return self.ops.to_numpy(a.logits).copy()
+        return self.head_logits(a)
 
     def forward_loss(self, idx, targets):
         """forward(idx, targets) without reading the loss: the backend's scalar (a float on the cpu,
@@ -459,7 +467,7 @@ class FlatModel:
         transfer, no allocation after the first call), so a CUDA graph can capture it."""
         self._narrow_weights()
         self._layers_forward(a)
-        loss = self.ops.crossentropy_forward(a.losses, a.lse, a.logits, a.targets)
+        loss = self.head_loss(a)
         self._acts = a
         self._ready_for_backward = True
         return loss

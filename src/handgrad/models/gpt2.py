@@ -92,7 +92,7 @@ def flops_per_token(config, T):
 class Activations:
     """Every buffer one forward/backward of shape (B, T) needs, allocated once and reused."""
 
-    def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32):
+    def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32, logit_rows=None):
         """products: np.uint16 where the matrix products take bf16 operands (the cpu's mixed
         precision): the buffers that only feed products are then bf16, and narrowed copies of the
         others are kept (`*16`; None, or the float32 buffer itself, with float32 products)."""
@@ -117,8 +117,10 @@ class Activations:
         self.res3 = e(L, B, T, C)          # residual after the MLP
         self.lnf = x16(B, T, C) if bf16 else e(B, T, C)
         self.lnf_mean, self.lnf_rstd = f32(B, T), f32(B, T)
-        self.logits = e(B, T, V)           # overwritten in place by dlogits in the backward
-        self.dlogits16 = x16(B, T, V) if bf16 else self.logits  # dlogits narrowed (or the logits, in place)
+        # overwritten in place by dlogits in the backward; logit_rows (the chunked loss): (1, rows, V)
+        lshape = (B, T, V) if logit_rows is None else (1, logit_rows, V)
+        self.logits = e(*lshape)
+        self.dlogits16 = x16(*lshape) if bf16 else self.logits  # dlogits narrowed (or the logits, in place)
         self.losses = f32(B, T)
         self.lse = ops.empty((B, T), ops.LSE_DTYPE)  # cpu float64: see crossentropy_forward
         self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add
@@ -206,7 +208,7 @@ class GPT(FlatModel):
             ops.residual_forward(a.res3[l], a.res2[l], a.proj)
             x = a.res3[l]
         ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p["ln_f.weight"], p["ln_f.bias"])
-        ops.linear_forward(a.logits, a.lnf, w["wte.weight"].T)
+        self.head_forward(a, a.lnf, w["wte.weight"].T)
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss.
@@ -230,8 +232,7 @@ class GPT(FlatModel):
             a.alloc_grads(ops, self.config, self._act_dtype())
         L = self.config.n_layer
 
-        ops.crossentropy_backward(a.dlogits16, a.logits, a.lse, a.targets)  # dlogits (in place in float32)
-        ops.linear_backward(a.dlnf, self.grad_t("wte.weight"), None, a.dlogits16, a.lnf, w["wte.weight"].T, acc)
+        self.head_backward(a, a.dlnf, self.grad_t("wte.weight"), acc)
         a.dres[...] = 0
         ops.layernorm_backward(a.dres, g.get("ln_f.weight"), g.get("ln_f.bias"), a.dlnf, a.res3[L - 1],
                                p["ln_f.weight"], a.lnf_mean, a.lnf_rstd)

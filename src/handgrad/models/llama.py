@@ -89,7 +89,7 @@ def flops_per_token(config, T):
 class Activations:
     """Every buffer one forward/backward of shape (B, T) needs, allocated once and reused."""
 
-    def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32):
+    def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32, logit_rows=None):
         """products: np.uint16 where the matrix products take bf16 operands (the cpu's mixed
         precision), as in models/gpt2.py's Activations."""
         C, L, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
@@ -113,8 +113,10 @@ class Activations:
         self.res3 = e(L, B, T, C)          # residual after the MLP
         self.normf = x16(B, T, C) if bf16 else e(B, T, C)
         self.rstdf = f32(B, T)
-        self.logits = e(B, T, V)           # overwritten in place by dlogits in the backward
-        self.dlogits16 = x16(B, T, V) if bf16 else self.logits  # dlogits narrowed (or the logits, in place)
+        # overwritten in place by dlogits in the backward; logit_rows (the chunked loss): (1, rows, V)
+        lshape = (B, T, V) if logit_rows is None else (1, logit_rows, V)
+        self.logits = e(*lshape)
+        self.dlogits16 = x16(*lshape) if bf16 else self.logits  # dlogits narrowed (or the logits, in place)
         self.losses = f32(B, T)
         self.lse = ops.empty((B, T), ops.LSE_DTYPE)
         self.proj = e(B, T, C)             # scratch: o_proj and down_proj outputs before the residual add
@@ -168,9 +170,9 @@ class Llama(FlatModel):
     is_product = staticmethod(lambda name, config: config.tie_embeddings or name != "model.embed_tokens.weight")
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
-                 dropout=0.0):
+                 dropout=0.0, loss_chunk=0):
         super().__init__(config, backend, seed, buffer_multiple=buffer_multiple, dtype=dtype, lora=lora,
-                         dropout=dropout)
+                         dropout=dropout, loss_chunk=loss_chunk)
         c = config
         self.cos, self.sin = self.ops.rope_cache(c.block_size, c.head_dim, c.rope_theta)
         flat = lambda grads: SimpleNamespace(**{  # the fused [out, in] groups, per layer (grads: None if frozen)
@@ -227,7 +229,7 @@ class Llama(FlatModel):
             ops.residual_forward(a.res3[l], a.res2[l], a.proj)
             x = a.res3[l]
         ops.rmsnorm_forward(a.normf, a.rstdf, x, p["model.norm.weight"], c.norm_eps)
-        ops.linear_forward(a.logits, a.normf, w[self.lm_head].T)
+        self.head_forward(a, a.normf, w[self.lm_head].T)
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss
@@ -246,8 +248,7 @@ class Llama(FlatModel):
         if a.grads is None:
             a.alloc_grads(ops, c, self._act_dtype())
         L = c.n_layer
-        ops.crossentropy_backward(a.dlogits16, a.logits, a.lse, a.targets)  # dlogits (in place in float32)
-        ops.linear_backward(a.dnormf, self.grad_t(self.lm_head), None, a.dlogits16, a.normf, w[self.lm_head].T, acc)
+        self.head_backward(a, a.dnormf, self.grad_t(self.lm_head), acc)
         a.dres[...] = 0
         ops.rmsnorm_backward(a.dres, g.get("model.norm.weight"), a.dnormf, a.res3[L - 1], p["model.norm.weight"],
                              a.rstdf)

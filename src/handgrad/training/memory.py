@@ -41,11 +41,12 @@ class _CountingOps:
 
 
 def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float32", world_size=1, zero_stage=0,
-             lora=None):
+             lora=None, loss_chunk=0):
     """{part: bytes} of one process of a run; config is the family's architecture config. lora (a
     LoRAConfig): gradients and moments of what trains only, the frozen base beside the parameters,
     and in the activations each adapter's s x A per block and the lora ops' workspaces (s g B^T, and
-    with lora_dropout the dropped input and its gradient, one of each per input width)."""
+    with lora_dropout the dropped input and its gradient, one of each per input width). loss_chunk: the
+    logits of that many rows, not of the whole batch (train.loss_chunk)."""
     n, frozen, xs = family.num_params(config), 0, 0
     act_bytes = 2 if dtype == "bfloat16" and backend != "cpu" else 4
     if lora is not None:
@@ -65,7 +66,8 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
         import torch
         act_dtype = torch.bfloat16
     counter = _CountingOps(ops)
-    acts = family.activations(counter, config, batch_size, block_size, act_dtype, products=products)
+    rows = min(loss_chunk, batch_size * block_size) if loss_chunk else None
+    acts = family.activations(counter, config, batch_size, block_size, act_dtype, products=products, logit_rows=rows)
     acts.alloc_grads(counter, config, act_dtype)
     scratch = family.activations.scratch_bytes(ops, config, batch_size, block_size)  # the ops' workspaces
     bf16_copy = 2 * padded if products is np.uint16 else 0  # the products' bf16 copy of the weights

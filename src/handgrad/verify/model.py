@@ -10,16 +10,17 @@ from .common import _rng, compare
 
 
 # ---------------------------------------------------------------- whole model
-def _model_and_ref(config, seed, backend):
+def _model_and_ref(config, seed, backend, loss_chunk=0):
     """handgrad's model of config's family, and the float64 reference with its weights: TorchGPT for
-    GPT-2, transformers' own LlamaForCausalLM (or Qwen2ForCausalLM) for the Llama family."""
+    GPT-2, transformers' own LlamaForCausalLM (or Qwen2ForCausalLM) for the Llama family.
+    loss_chunk: the model's (its loss over that many rows of logits at a time)."""
     import torch
 
     from ..torch_ref import TorchGPT, TorchLlama
     if isinstance(config, LlamaConfig):
-        model = Llama(config, backend=backend, seed=seed)
+        model = Llama(config, backend=backend, seed=seed, loss_chunk=loss_chunk)
         return model, TorchLlama(config, torch.float64).load_numpy(model.state_dict())
-    model = GPT(config, backend=backend, seed=seed)
+    model = GPT(config, backend=backend, seed=seed, loss_chunk=loss_chunk)
     return model, TorchGPT(config, torch.float64).load_numpy(model.state_dict())
 
 
@@ -47,10 +48,10 @@ def _group(name):
     return name
 
 
-def check_model_step(config, B, T, seed=0, backend="cpu", tol=1e-4, per_tensor=False):
+def check_model_step(config, B, T, seed=0, backend="cpu", tol=1e-4, per_tensor=False, loss_chunk=0):
     """One forward/backward: logits, loss and every parameter gradient against torch float64."""
     import torch
-    model, ref = _model_and_ref(config, seed, backend)
+    model, ref = _model_and_ref(config, seed, backend, loss_chunk)
     idx, targets = _batch(config, B, T, seed)
     logits = model.forward(idx)
     loss = model.forward(idx, targets)
@@ -72,10 +73,10 @@ def check_model_step(config, B, T, seed=0, backend="cpu", tol=1e-4, per_tensor=F
 
 
 def check_model_adamw(config, B, T, steps=10, seed=0, backend="cpu", lr=1e-3, weight_decay=0.1,
-                      max_norm=1.0, tol=1e-4, update_tol=2e-2):
+                      max_norm=1.0, tol=1e-4, update_tol=2e-2, loss_chunk=0):
     """`steps` AdamW steps with clipping: every step's loss, and the final weights, against torch."""
     import torch
-    model, ref = _model_and_ref(config, seed, backend)
+    model, ref = _model_and_ref(config, seed, backend, loss_chunk)
     w0 = model.state_dict()
     opt = AdamW(model, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     ropt = ref.adamw(lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))

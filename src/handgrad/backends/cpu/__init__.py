@@ -10,7 +10,7 @@ from . import blas
 from .common import aligned_empty, aligned_zeros
 from .attention import attention_backward, attention_forward, attention_state_shape
 from .attention import attention_decode_forward
-from .crossentropy import crossentropy_backward, crossentropy_forward
+from .crossentropy import crossentropy_backward, crossentropy_forward, crossentropy_mean
 from .dropout import dropout_backward, dropout_forward, dropout_seed
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward

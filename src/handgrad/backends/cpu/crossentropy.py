@@ -76,6 +76,16 @@ def crossentropy_forward(losses, lse, logits, targets):
     return float(losses.sum(dtype=np.float64) / count) if count else 0.0
 
 
+def crossentropy_mean(losses, targets):
+    """(mean loss over the non-ignored rows, dloss = 1/n for crossentropy_backward) of losses formed
+    in several crossentropy_forward calls over row ranges (the chunked loss: models/family.py):
+    the numbers one call over every row gives."""
+    count = int(np.count_nonzero(targets.reshape(-1) != IGNORE_INDEX))
+    if not count:
+        return 0.0, 0.0
+    return float(losses.sum(dtype=np.float64) / count), 1.0 / count
+
+
 # The backward kernels work in place on one (N, V) array: the logits in, dlogits out. A kernel
 # that read z and wrote a distinct-looking d would, when the two are the same buffer (as in the
 # model), fail LLVM's runtime overlap check and run its scalar loop: measured 58 ms against 9 ms

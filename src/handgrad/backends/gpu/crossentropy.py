@@ -110,6 +110,22 @@ def crossentropy_forward(losses, lse, logits, targets):
     return mean
 
 
+def crossentropy_mean(losses, targets):
+    """(mean loss over the non-ignored rows as a 0-dim float32 device tensor, dloss = 1/n as a
+    1-element one for crossentropy_backward) of losses formed in several crossentropy_forward
+    calls over row ranges (the chunked loss: models/family.py). The mean is _mean_loss_kernel's,
+    as one call over every row forms it; nothing is read back to the host."""
+    N = losses.numel()
+    mean = torch.empty((), dtype=torch.float32, device=losses.device)
+    count = torch.empty(1, dtype=torch.int32, device=losses.device)
+    if N == 0:
+        return mean.zero_(), count.zero_().float()
+    _mean_loss_kernel[(1,)](mean, losses, targets, N, BLOCK=REDUCE_BLOCK)
+    _count_valid_kernel[(1,)](count, targets, N, BLOCK=REDUCE_BLOCK)
+    n = count.float()
+    return mean, torch.where(n > 0, 1.0 / n.clamp(min=1.0), torch.zeros_like(n))
+
+
 # Backward. For loss = mean_i (lse_i - z_i[y_i]) over the n non-ignored rows,
 #     d loss / d z_ij = (exp(z_ij - lse_i) - [j == y_i]) * dloss_i,   dloss_i = 1/n,
 # and 0 on ignored rows. Each program reads a chunk of its row and writes the same chunk back,

@@ -1,0 +1,85 @@
+"""The head of every family: the final linear (the lm_head) and the softmax cross-entropy, whole or
+a chunk of rows at a time (`loss_chunk`, train.loss_chunk).
+
+Whole, the (B, T, V) logits are formed, the loss read from them, and the backward overwrites them
+in place with dlogits. With loss_chunk the logits never exist for the whole batch: the forward forms
+them loss_chunk rows at a time, keeps each row's loss and log-sum-exp and drops the logits; the
+backward forms each chunk's logits again and folds its gradient into the lm_head's and the
+hidden state's (Liger-Kernel's fused linear cross-entropy does the same, computing the gradient in
+the forward instead; here the forward leaves the gradients alone, so a forward without a backward,
+an evaluation, costs nothing more and zero_grad may come between them). Memory for the head is
+loss_chunk x V instead of B T V, for one more product of the lm_head's forward size.
+
+Head is mixed into models/family.py's FlatModel: the families call head_forward and head_backward
+where the whole path's linear and cross-entropy were; FlatModel.forward and forward_staged call
+head_logits and head_loss. The activations' `logits` is (1, loss_chunk, V) when chunked.
+"""
+import numpy as np
+
+
+def row_range(x, r0, r1):
+    """Rows r0:r1 of x (B, T, ...) taken as B*T rows, as a (1, r1 - r0, ...) view."""
+    return x.reshape(1, -1, *x.shape[2:])[:, r0:r1]
+
+
+class Head:
+    def head_forward(self, a, x, W):
+        """The logits x (B, T, C) @ W (C, V) into a.logits; with loss_chunk, nothing yet: head_loss
+        and head_backward form them loss_chunk rows at a time (head_chunks)."""
+        a.head = (x, W)
+        if not a.chunked:
+            self.ops.linear_forward(a.logits, x, W)
+
+    def head_loss(self, a):
+        """The mean loss over the non-ignored targets, as the backend's scalar; keeps each row's loss
+        and log-sum-exp (and with chunks, dloss = 1/n for the backward)."""
+        if not a.chunked:
+            return self.ops.crossentropy_forward(a.losses, a.lse, a.logits, a.targets)
+        x, W = a.head
+        for r0, r1, logits in self.head_chunks(a):
+            self.ops.linear_forward(logits, row_range(x, r0, r1), W)
+            self.ops.crossentropy_forward(row_range(a.losses, r0, r1), row_range(a.lse, r0, r1), logits,
+                                          row_range(a.targets, r0, r1))
+        loss, a.dloss = self.ops.crossentropy_mean(a.losses, a.targets)
+        return loss
+
+    def head_logits(self, a):
+        """The logits (B, T, V) as a new float32 NumPy array (forward without targets)."""
+        if not a.chunked:
+            return self.ops.to_numpy(a.logits).copy()
+        out = np.empty((a.B * a.T, self.config.vocab_size), np.float32)
+        x, W = a.head
+        for r0, r1, logits in self.head_chunks(a):
+            self.ops.linear_forward(logits, row_range(x, r0, r1), W)
+            out[r0:r1] = self.ops.to_numpy(logits)[0]
+        return out.reshape(a.B, a.T, -1)
+
+    def head_backward(self, a, dx, dW, acc):
+        """d loss / d x into dx (B, T, C), and d loss / d W added to dW (written when not acc; None:
+        frozen), from the loss head_loss formed.
+
+        Whole: dlogits = (softmax(z) - onehot(y)) / n in place of the logits, then dx = dlogits @ W^T,
+        dW (+)= x^T @ dlogits. Chunked, over the row ranges R of head_chunks: the rows are
+        independent given lse (saved by the forward) and dloss = 1/n over every row (not a chunk's),
+        so z_R = x_R @ W is formed again, dlogits_R = (exp(z_R - lse_R) - onehot(y_R)) * dloss,
+        dx_R = dlogits_R @ W^T, and dW += x_R^T @ dlogits_R sums over R to x^T @ dlogits."""
+        x, W = a.head
+        if not a.chunked:
+            self.ops.crossentropy_backward(a.dlogits16, a.logits, a.lse, a.targets)  # in place in float32
+            self.ops.linear_backward(dx, dW, None, a.dlogits16, x, W, acc)
+            return
+        for r0, r1, logits in self.head_chunks(a):
+            xr = row_range(x, r0, r1)
+            self.ops.linear_forward(logits, xr, W)
+            d16 = logits if a.dlogits16 is a.logits else a.dlogits16[:, :r1 - r0]
+            self.ops.crossentropy_backward(d16, logits, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1),
+                                           a.dloss)
+            self.ops.linear_backward(row_range(dx, r0, r1), dW, None, d16, xr, W, acc or r0 > 0)
+
+    @staticmethod
+    def head_chunks(a):
+        """(r0, r1, the logits buffer's first r1 - r0 rows) for each range of loss_chunk rows of B*T."""
+        n, N = a.logits.shape[1], a.B * a.T
+        for r0 in range(0, N, n):
+            r1 = min(N, r0 + n)
+            yield r0, r1, a.logits[:, :r1 - r0]
