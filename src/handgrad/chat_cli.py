@@ -32,7 +32,7 @@ import numpy as np
 from .data.chat import load_chat_format
 from .data.sources import DataError
 from .models.decode import SampleError, check_sampling, generate
-from .sample import TextStream, _until, load_run
+from .sample import TextStream, _until, add_sampling_arguments, load_run
 
 
 PROMPT = "> "
@@ -54,15 +54,7 @@ def add_arguments(parser):
                         help="the tokenizer and chat template, where --run has none beside it")
     parser.add_argument("--system", default=None, metavar="TEXT",
                         help="the system message (default: none, or the one the chat template adds)")
-    parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                        help="the longest reply, in tokens (default 200, as sample's)")
-    parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                        help="divide the logits by T; 0 = greedy (default 0.8, as sample's)")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K",
-                        help="sample only from the K most likely tokens")
-    parser.add_argument("--top-p", type=float, default=None, metavar="P",
-                        help="sample only from the smallest set of tokens with probability >= P")
-    parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling (default 1337)")
+    add_sampling_arguments(parser, "the longest reply, in tokens (default 200)")
     parser.epilog = "Commands, typed as a message:\n" + HELP
     parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the epilog's lines as written
 

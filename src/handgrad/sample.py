@@ -61,6 +61,18 @@ class TextStream:
 
 
 # ---------------------------------------------------------------- the `handgrad sample` command
+def add_sampling_arguments(parser, max_new_tokens_help):
+    """--max-new-tokens, --temperature, --top-k, --top-p and --seed, as `sample` and `chat` take them."""
+    parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help=max_new_tokens_help)
+    parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                        help="divide the logits by T; 0 = greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K",
+                        help="sample only from the K most likely tokens")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P",
+                        help="sample only from the smallest set of tokens with probability >= P")
+    parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling (default 1337)")
+
+
 def add_arguments(parser):
     parser.add_argument("--run", required=True, metavar="RUN_DIR",
                         help="a run directory (its newest complete checkpoint), one checkpoint "
@@ -72,15 +84,7 @@ def add_arguments(parser):
     parser.add_argument("--prompt", default=None,
                         help="text to continue (default: sample unconditionally, from the "
                              "end-of-text token)")
-    parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                        help="tokens to generate per sample (default 200)")
-    parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                        help="divide the logits by T; 0 = greedy (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K",
-                        help="sample only from the K most likely tokens")
-    parser.add_argument("--top-p", type=float, default=None, metavar="P",
-                        help="sample only from the smallest set of tokens with probability >= P")
-    parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling (default 1337)")
+    add_sampling_arguments(parser, "tokens to generate per sample (default 200)")
     parser.add_argument("--chat", action="store_true",
                         help="a chat model: --prompt (or stdin) is a user turn in the run's chat template; print "
                              "the assistant's reply, up to its end-of-turn token")
