@@ -74,10 +74,12 @@ def add_sampling_arguments(parser, max_new_tokens_help):
 
 
 def add_arguments(parser):
-    parser.add_argument("--run", required=True, metavar="RUN_DIR",
+    parser.add_argument("--run", required=True, metavar="MODEL",
                         help="a run directory (its newest complete checkpoint), one checkpoint "
                              "directory (RUN_DIR/ckpt/step_NNNNNNNN), a Hugging Face GPT-2, Llama or Qwen2 "
-                             "directory, or an llm.c or llama2.c model file")
+                             "directory, a GGUF file, a PEFT adapter directory (its base read from "
+                             "adapter_config.json), an llm.c or llama2.c model file, or a published model's "
+                             "name (smollm2-135m-instruct)")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="the tokenizer, where --run has none beside it: a tokenizer.json, a directory "
                              "holding one (or GPT-2's vocab.json + merges.txt), or `gpt2` (tiktoken)")
