@@ -20,6 +20,7 @@ from handgrad.cli import main as cli
 from handgrad.config import GPTConfig, load_run_config
 from handgrad.data.prepare import prepare
 from handgrad.files import OutputLock, OutputLockedError, lock_output
+from handgrad.models import get_family
 from handgrad.models.gpt2 import FAMILY, num_params, param_spec
 from handgrad.training.memory import RUNTIME_BYTES, check_memory, estimate
 from handgrad.training.rundir import LOCK_FILE, TrainError
@@ -98,6 +99,19 @@ def test_memory_refusal_names_the_need_the_machine_and_what_to_lower():
                                          r"most of it activations\); lower train\.batch_size"):
         check_memory(parts, config, available=2**29)
     assert check_memory(parts, config, available=2**40) == sum(parts.values())
+    with pytest.raises(TrainError) as e:  # the logits are 6% of mid's activations: no loss_chunk hint
+        check_memory(parts, config, available=2**29, vocab_size=8192)
+    assert "loss_chunk" not in str(e.value) and "lora_rank" not in str(e.value)
+    qwen = load_run_config("qwen2.5-0.5b", overrides={"train.batch_size": 4})
+    big = estimate(get_family("llama"), qwen.gpt_config(151936), 4, 1024)
+    with pytest.raises(TrainError, match=r"lower train\.batch_size, model\.block_size or model\.n_layer, or set "
+                                         r"train\.loss_chunk \(the logits, 2\.32 GiB, formed 1024 rows at a time\)"):
+        check_memory(big, qwen, available=2**30, vocab_size=151936)
+    chunked = estimate(get_family("llama"), qwen.gpt_config(151936), 4, 1024, loss_chunk=1024)
+    assert big["activations"] - chunked["activations"] == 3 * 1024 * 151936 * 4
+    wide = estimate(FAMILY, GPTConfig(block_size=16, vocab_size=8192, n_layer=6, n_head=32, n_embd=4096), 1, 16)
+    with pytest.raises(TrainError, match=r"or train LoRA adapters \(train\.lora_rank 8\) instead of every weight"):
+        check_memory(wide, config, available=2**30, vocab_size=8192)
     zero = estimate(FAMILY, config.gpt_config(8192), 8, 256, world_size=2, zero_stage=1)
     assert zero["AdamW moments"] == parts["AdamW moments"] // 2
 

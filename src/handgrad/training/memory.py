@@ -111,8 +111,9 @@ def describe(parts):
             + ", ".join(f"{k} {gib(v):.2f}" for k, v in parts.items()) + ")")
 
 
-def check_memory(parts, config, backend="cpu", processes=1, available=None):
-    """TrainError naming what to lower when `processes` copies of the run need more than there is."""
+def check_memory(parts, config, backend="cpu", processes=1, available=None, vocab_size=0):
+    """TrainError naming what to lower when `processes` copies of the run need more than there is.
+    vocab_size: the model's (config.model's may be 0: the data's)."""
     need = sum(parts.values()) * processes
     have = available_bytes(backend) if available is None else available
     if have is not None and need > have:
@@ -120,6 +121,11 @@ def check_memory(parts, config, backend="cpu", processes=1, available=None):
         biggest = max(parts, key=parts.get)
         lower = ("train.batch_size, model.block_size or model.n_layer" if biggest == "activations"
                  else "model.n_layer or model.n_embd (or the vocabulary)")
+        logits = t.batch_size * m.block_size * (vocab_size or m.vocab_size) * 4
+        if not t.loss_chunk and biggest == "activations" and logits > parts["activations"] / 8:
+            lower += f", or set train.loss_chunk (the logits, {logits / 2**30:,.2f} GiB, formed 1024 rows at a time)"
+        if not t.lora_rank and biggest != "activations":
+            lower += ", or train LoRA adapters (train.lora_rank 8) instead of every weight"
         where = "GPU memory" if backend == "gpu" and not os.environ.get("TRITON_INTERPRET") else "memory"
         each = f" ({processes} processes)" if processes > 1 else ""
         raise TrainError(f"the run needs {need / 2**30:,.2f} GiB of {where}{each} but {have / 2**30:,.2f} GiB is "

@@ -70,7 +70,8 @@ class Trainer(Checkpointing, RunLoop):
         memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
                           self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, config.lora_config(),
                           loss_chunk=t.loss_chunk)
-        need = check_memory(memory, config, backend, processes=self.dp.local_world_size)
+        need = check_memory(memory, config, backend, processes=self.dp.local_world_size,
+                            vocab_size=self.gpt_config.vocab_size)
         self.log(f"memory: {describe(memory)} per process" + (f", {need / 2**30:.2f} GiB on this machine"
                                                              if self.dp.local_world_size > 1 else ""))
         self.task_eval = None  # train.eval_tasks, read and tokenized before anything is allocated
