@@ -200,13 +200,8 @@ class KVCache:
                              f"{self.length}, got {idx.shape}")
         s = self._bufs(T)
         s.idx[...] = self.ops.from_numpy(np.asarray(idx, np.int32))
-        att_shape = self._attention_state_shape(T)
-        n_att = int(np.prod(att_shape))
-        if self._flat_att.shape[0] < n_att:  # at most twice per generate: T0, then keep
-            self._flat_att = self.ops.empty((n_att,))
-        att = self._flat_att[:n_att].reshape(att_shape)
         self._embed(s, 0)
-        self._blocks(s, self._attend_prefill(att, T), 0)
+        self._blocks(s, self._attend_prefill(self._att_state(T), T), 0)
         self.n = T
         self.prefills += 1
         return self._head(s.x[:, T - 1:T])[:, 0]
@@ -224,6 +219,14 @@ class KVCache:
         self.n = pos + 1
         self.steps += 1
         return self._head(s.x)[:, 0]
+
+    def _att_state(self, T):
+        """The attention op's state buffer for T positions (a prefill's scratch), grown on demand."""
+        att_shape = self._attention_state_shape(T)
+        n_att = int(np.prod(att_shape))
+        if self._flat_att.shape[0] < n_att:  # at most twice per generate: T0, then keep
+            self._flat_att = self.ops.empty((n_att,))
+        return self._flat_att[:n_att].reshape(att_shape)
 
     def _attend_extend(self, pos, T):
         """attend(l, atty, qkv) for T positions [pos, pos + T): each query over the cache and the new
@@ -247,7 +250,8 @@ class KVCache:
         keys and values join the cache. Returns the logits (B, T, V) of the token after each, or with
         select, a bool (B, T) mask, those of the selected positions only, (N, V) in row-major order
         (the lm_head runs on those alone). The linears run on all B*T positions at once; the
-        attention is one decode step per position. A view, overwritten by the next call."""
+        attention is one decode step per position, or from an empty cache (n = 0) the prefill's
+        causal attention. A view, overwritten by the next call."""
         B, T = idx.shape
         pos = self.n
         if B != self.B or T < 1 or pos + T > self.length:
@@ -256,7 +260,10 @@ class KVCache:
         s = self._bufs(T)
         s.idx[...] = self.ops.from_numpy(np.asarray(idx, np.int32))
         self._embed(s, pos)
-        self._blocks(s, self._attend_extend(pos, T), pos)
+        # from an empty cache the positions attend only among themselves: the causal attention of a
+        # prefill (one call per layer), not a decode step per position
+        attend = self._attend_prefill(self._att_state(T), T) if pos == 0 else self._attend_extend(pos, T)
+        self._blocks(s, attend, pos)
         self.n = pos + T
         self.steps += T
         if select is None:
