@@ -79,6 +79,7 @@ def test_bad_arguments(argv, match, capsys):
 def test_every_test_file_it_names_exists():
     files = gpu_check._test_files()
     assert "tests/test_gpu_model.py" in files and "tests/test_gpu_compile.py" not in files
+    assert "tests/test_gpu_check.py" not in files  # its own dry run has no place on the device
     for pattern in gpu_check.TEST_FILES:
         assert list(ROOT.glob(pattern)), pattern
     for node in gpu_check.DRY_TESTS:

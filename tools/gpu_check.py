@@ -59,11 +59,11 @@ RESERVE_S = 5.0  # kept back from each part's limit for writing the summary
 LIMITS = {"env": 20, "tests": 150, "verify": 40, "bench-ops": 80, "bench-train": 140, "train": 45}
 PARTS = tuple(LIMITS)
 
-# the gpu tests: run on CUDA at realistic sizes; test_gpu_compile.py (the offline sm_90 compile,
-# minutes of ptxas on one core) has nothing to learn from a GPU and stays out
+# the gpu tests: run on CUDA at realistic sizes; test_gpu_compile.py (the offline sm_90 compile)
+# has nothing to learn from a GPU, and test_gpu_check.py is this script's own --dry run: both stay out
 TEST_FILES = ("tests/test_gpu_*.py", "tests/test_torch_llama_gpu.py", "tests/test_torch_ops.py",
-              "tests/test_bench_gpu.py", "tests/test_bench_train_gpu.py")
-TEST_EXCLUDE = ("tests/test_gpu_compile.py",)
+              "tests/test_bench_gpu.py", "tests/test_bench_train_gpu.py", "tests/test_chunked_loss.py")
+TEST_EXCLUDE = ("tests/test_gpu_compile.py", "tests/test_gpu_check.py")
 # --dry: a handful of the gpu tests, each a second or two in the interpreter
 DRY_TESTS = ("tests/test_gpu_rowwise.py::test_layernorm_bf16", "tests/test_gpu_rowwise.py::test_residual_bf16")
 
