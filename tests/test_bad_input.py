@@ -503,7 +503,7 @@ CASES = [
     Case("hf-unknown-architecture",
          convert_hf(edit=lambda d, cfg: cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")),
          ("MistralForCausalLM", "is not one handgrad reads", "LlamaForCausalLM, Qwen2ForCausalLM")),
-    Case("hf-scaled-rope", convert_hf(edit=lambda d, cfg: cfg.update(rope_scaling={"rope_type": "llama3",
+    Case("hf-scaled-rope", convert_hf(edit=lambda d, cfg: cfg.update(rope_scaling={"rope_type": "yarn",
                                                                                    "factor": 32.0})),
          ("rope_scaling", "cannot express scaled RoPE")),
     Case("hf-init-from-a-smaller-vocabulary", init_from_smaller_vocab,

@@ -190,7 +190,8 @@ def test_train_init_from_an_hf_llama_directory(char_llama, capsys):
     assert state["arch"] == "llama"
     assert state["model_config"] == dict(block_size=16, vocab_size=hf_cfg["vocab_size"], n_layer=L, n_head=NH,
                                          n_embd=C, n_kv_head=NKV, ffn_hidden=H, rope_theta=500000.0, norm_eps=1e-5,
-                                         tie_embeddings=False, qkv_bias=False)
+                                         tie_embeddings=False, qkv_bias=False, rope_factor=0.0, rope_low_freq_factor=1.0,
+                                         rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     x, y = Dataset(data, "train").get_batch(2, 16, np.random.Generator(np.random.PCG64([1337, 1])))
     logits = _reference(d)(torch.from_numpy(x.astype(np.int64))).logits
@@ -277,8 +278,11 @@ def test_refusals(hf_dirs, tmp_path, capsys):
     cases = [
         ("act", dict(llama_cfg, hidden_act="gelu"), llama_w,
          f'hidden_act = "gelu": {family} this activation; its MLP is SwiGLU (silu)'),
-        ("scaling", dict(llama_cfg, rope_scaling={"rope_type": "llama3", "factor": 8.0}), llama_w,
-         f'rope_scaling = {{"rope_type": "llama3", "factor": 8.0}}: {family} scaled RoPE; it has plain RoPE'),
+        ("scaling", dict(llama_cfg, rope_scaling={"rope_type": "yarn", "factor": 8.0}), llama_w,
+         f'rope_scaling = {{"rope_type": "yarn", "factor": 8.0}}: {family} scaled RoPE other than Llama 3\'s; it '
+         f'has plain RoPE (rope_scaling null) or Llama 3\'s (rope_type llama3)'),
+        ("llama3", dict(llama_cfg, rope_scaling={"rope_type": "llama3", "factor": 8.0}), llama_w,
+         "rope_scaling: rope_type llama3 without its field low_freq_factor"),
         ("rope5", dict(llama_cfg, rope_parameters={"rope_type": "linear", "factor": 2.0}), llama_w,
          f'rope_parameters = {{"rope_type": "linear", "factor": 2.0}}: {family} scaled RoPE'),
         ("window", dict(qwen_cfg, use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None),

@@ -22,10 +22,8 @@ class GPTConfig:
             if value <= 0:
                 raise ValueError(f"model.{f.name} must be positive, got {value}")
         if self.n_embd % self.n_head:
-            raise ValueError(
-                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}); "
-                f"pick n_head from the divisors of n_embd"
-            )
+            raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}); "
+                             f"pick n_head from the divisors of n_embd")
 
     def to_dict(self):
         return asdict(self)
@@ -47,9 +45,14 @@ class LlamaConfig:
     norm_eps: float = 1e-5  # RMSNorm's epsilon
     tie_embeddings: bool = True  # lm_head is embed_tokens (else its own lm_head.weight)
     qkv_bias: bool = False  # q/k/v projections with bias (Qwen2)
+    rope_factor: float = 0.0  # Llama 3.x's RoPE scaling (rope type "llama3", transformers' names); 0: none
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
 
     def __post_init__(self):
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden"):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden",
+                     "rope_original_max_position_embeddings"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"model.{name} must be an integer, got {value!r}")
@@ -67,6 +70,9 @@ class LlamaConfig:
         for name in ("rope_theta", "norm_eps"):
             if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
                 raise ValueError(f"model.{name} must be a positive number, got {getattr(self, name)!r}")
+        if self.rope_factor < 0 or self.rope_factor and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(f"model.rope_factor {self.rope_factor!r} (llama3 RoPE scaling) needs factor > 0 and 0 < "
+                             f"rope_low_freq_factor < rope_high_freq_factor, got {self.rope_scaling[1:3]}")
         for name in ("tie_embeddings", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
@@ -74,6 +80,11 @@ class LlamaConfig:
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
+
+    @property
+    def rope_scaling(self):  # None, or (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+        return (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_max_position_embeddings) if self.rope_factor else None
 
     def to_dict(self):
         return asdict(self)
@@ -136,6 +147,10 @@ class ModelSection:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    rope_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     dropout: float = 0.0
 
 
@@ -183,8 +198,7 @@ SECTIONS = {"model": ModelSection, "train": TrainSection}
 ARCHS = ("gpt2", "llama")  # the model families' names, as handgrad.models.FAMILIES lists them (a test checks)
 # model.* keys each family has (the rest is the other family's: given explicitly, an error)
 ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout"),
-             "llama": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_kv_head", "ffn_hidden", "rope_theta",
-                       "norm_eps", "tie_embeddings", "qkv_bias", "dropout")}
+             "llama": tuple(f.name for f in fields(ModelSection))}
 # the keys that take one of a few words: checked at load time, listed by `handgrad train --help`
 # train.lora_targets' names per family, in block order (models/gpt2.py and models/llama.py map them to modules)
 LORA_TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc", "mlp.c_proj"), "llama": ("q", "k", "v", "o", "gate", "up", "down")}
@@ -214,11 +228,10 @@ class RunConfig:
                               f"data has token ids the model has no embedding for); prepare the data with the "
                               f"model's tokenizer, or raise model.vocab_size")
         vocab_size = m.vocab_size or vocab_size
-        if m.arch == "llama":
-            return LlamaConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer, n_head=m.n_head,
-                               n_embd=m.n_embd, n_kv_head=m.n_kv_head or m.n_head,
-                               ffn_hidden=m.ffn_hidden or default_ffn_hidden(m.n_embd), rope_theta=m.rope_theta,
-                               norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings, qkv_bias=m.qkv_bias)
+        if m.arch == "llama":  # model.* as they are, but the three whose 0 stands for something
+            keys = {k: getattr(m, k) for k in ARCH_KEYS["llama"] if k not in ("arch", "dropout")}
+            return LlamaConfig(**dict(keys, vocab_size=vocab_size, n_kv_head=m.n_kv_head or m.n_head,
+                                      ffn_hidden=m.ffn_hidden or default_ffn_hidden(m.n_embd)))
         return GPTConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer,
                          n_head=m.n_head, n_embd=m.n_embd)
 
@@ -256,10 +269,9 @@ RUN_PRESETS = {
                            eval_interval=50, sample_interval=100, checkpoint_interval=100)},
     # nanoGPT's config/train_shakespeare_char.py, sized for a CPU as nanoGPT's README suggests
     "shakespeare-char": {"model": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
-                         "train": dict(batch_size=12, max_steps=2000, lr=1e-3, min_lr=1e-4,
-                                       warmup_steps=100, weight_decay=0.1, beta2=0.99, grad_clip=1.0,
-                                       eval_interval=250, eval_steps=20, sample_interval=500,
-                                       checkpoint_interval=500)},
+                         "train": dict(batch_size=12, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+                                       weight_decay=0.1, beta2=0.99, grad_clip=1.0, eval_interval=250, eval_steps=20,
+                                       sample_interval=500, checkpoint_interval=500)},
     # nanoGPT's config/train_shakespeare_char.py as it is (its GPU values: 6 x 384, block 256, batch 64,
     # dropout 0.2, 5000 iterations); eval_iters 200 there, 20 batches of 64 here
     "nanogpt-shakespeare-char": {"model": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2),
@@ -271,9 +283,8 @@ RUN_PRESETS = {
             "train": dict(batch_size=8, max_steps=1000, lr=6e-4, min_lr=6e-5, warmup_steps=50,
                           eval_interval=100, sample_interval=500, checkpoint_interval=250)},
     "gpt2-124m": {"model": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
-                  "train": dict(batch_size=4, grad_accum_steps=8, max_steps=5000, lr=6e-4, min_lr=6e-5,
-                                warmup_steps=200, beta2=0.95, eval_interval=250, sample_interval=1000,
-                                checkpoint_interval=500)},
+                  "train": dict(batch_size=4, grad_accum_steps=8, max_steps=5000, lr=6e-4, min_lr=6e-5, warmup_steps=200,
+                                beta2=0.95, eval_interval=250, sample_interval=1000, checkpoint_interval=500)},
     # shakespeare-char's budget in a Llama: RMSNorm, RoPE, SwiGLU, 2 kv heads for 4 query heads
     "llama-char": {"model": dict(arch="llama", n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn_hidden=384,
                                  block_size=64),
@@ -297,6 +308,12 @@ RUN_PRESETS = {
                                    warmup_steps=50, beta2=0.95, eval_interval=100, sample_interval=500,
                                    checkpoint_interval=250)},
 }
+# meta-llama/Llama-3.2-1B's shape (tied, theta 5e5, llama3 RoPE scaling, context 131072), trained as qwen2.5-0.5b
+RUN_PRESETS["llama3.2-1b"] = {
+    "model": dict(arch="llama", n_layer=16, n_embd=2048, n_head=32, n_kv_head=8, ffn_hidden=8192, rope_theta=500000.0,
+                  norm_eps=1e-5, tie_embeddings=True, block_size=2048, rope_factor=32.0, rope_low_freq_factor=1.0,
+                  rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192),
+    "train": dict(RUN_PRESETS["qwen2.5-0.5b"]["train"])}
 
 
 def _coerce(key, value, typ):
@@ -312,15 +329,12 @@ def _coerce(key, value, typ):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         if isinstance(value, int):
             return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                f = float(value)
-            except ValueError:
-                f = None
-            if f is not None and f.is_integer():
-                return int(f)
+        try:
+            f = float(value) if isinstance(value, (float, str)) else None
+        except ValueError:
+            f = None
+        if f is not None and f.is_integer():
+            return int(f)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if typ is float:
         if isinstance(value, bool):
@@ -386,8 +400,7 @@ def validate_run_config(config):
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}); "
                           f"pick n_head from the divisors of n_embd")
-    for key in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "keep_checkpoints",
-                "log_interval"):
+    for key in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "keep_checkpoints", "log_interval"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key}: must be positive, got {getattr(t, key)}")
     for key in ("warmup_steps", "eval_interval", "eval_limit", "loss_chunk", "sample_interval", "sample_tokens",
@@ -401,8 +414,6 @@ def validate_run_config(config):
     if t.zero_stage not in (0, 1):
         raise ConfigError(f"train.zero_stage: must be 0 (plain data parallel) or 1 (sharded AdamW moments), "
                           f"got {t.zero_stage}")
-    if t.threads < 0:
-        raise ConfigError(f"train.threads: must be >= 0 (0 = automatic), got {t.threads}")
     if not t.dist_timeout > 0:
         raise ConfigError(f"train.dist_timeout: must be a positive number of seconds, got {t.dist_timeout}")
     if t.on_nan not in ("skip", "stop"):
@@ -413,10 +424,9 @@ def validate_run_config(config):
     for key, value in (("model.dropout", m.dropout), ("train.lora_dropout", t.lora_dropout)):
         if not 0 <= value < 1:
             raise ConfigError(f"{key}: must be in [0, 1), got {value}")
-    if t.lora_rank < 0:
-        raise ConfigError(f"train.lora_rank: must be >= 0 (0 = full fine-tuning), got {t.lora_rank}")
-    if t.lora_alpha < 0:
-        raise ConfigError(f"train.lora_alpha: must be >= 0 (0 = 2 x lora_rank), got {t.lora_alpha}")
+    for key, zero in (("threads", "automatic"), ("lora_rank", "full fine-tuning"), ("lora_alpha", "2 x lora_rank")):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}: must be >= 0 (0 = {zero}), got {getattr(t, key)}")
     return config
 
 
@@ -434,19 +444,17 @@ def read_config_file(path):
                           f"save it as UTF-8") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if p.suffix not in (".toml", ".json", ".yaml", ".yml"):
+        raise ConfigError(f"{path}: config files must end in .toml, .json, .yaml or .yml")
     try:
         if p.suffix == ".toml":
             import tomllib
             data = tomllib.loads(text)
         elif p.suffix == ".json":
             data = json.loads(text)
-        elif p.suffix in (".yaml", ".yml"):
+        else:
             import yaml
             data = yaml.safe_load(text) or {}
-        else:
-            raise ConfigError(f"{path}: config files must end in .toml, .json, .yaml or .yml")
-    except ConfigError:
-        raise
     except Exception as e:  # each parser raises its own error type
         raise ConfigError(f"{path}{_where(e)}: cannot parse: {_first_line(e)}") from None
     if not isinstance(data, dict):

@@ -31,6 +31,13 @@ KEYS = {
         "norm_eps": "RMSNorm's epsilon",
         "tie_embeddings": "lm_head is embed_tokens (false: its own lm_head.weight)",
         "qkv_bias": "Biases on the q, k and v projections (Qwen2)",
+        "rope_factor": ("Llama 3.x's RoPE scaling (rope_type llama3): frequencies whose wavelength exceeds "
+                        "rope_original_max_position_embeddings / rope_low_freq_factor are divided by this, those "
+                        "below ... / rope_high_freq_factor kept, those between blended", "no RoPE scaling"),
+        "rope_low_freq_factor": "Llama 3.x's RoPE scaling: low_freq_factor (used where rope_factor is set)",
+        "rope_high_freq_factor": "Llama 3.x's RoPE scaling: high_freq_factor, above rope_low_freq_factor",
+        "rope_original_max_position_embeddings": "Llama 3.x's RoPE scaling: the context length the model was "
+                                                 "pretrained at, before the scaling",
         "dropout": ("Training only: dropout on the attention probabilities, each residual branch and the "
                     "embeddings, as nanoGPT's", "no dropout"),
     },

@@ -169,11 +169,14 @@ def hf_llama(config, dtype=torch.float32, attn_implementation="eager"):
     """transformers' LlamaForCausalLM (Qwen2ForCausalLM where the q/k/v projections have biases) for
     a handgrad LlamaConfig, randomly initialised: load handgrad's state_dict into it."""
     import transformers
+    names = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    scaling = None if config.rope_scaling is None else dict(zip(names, ("llama3", *config.rope_scaling)))  # Llama 3's
     common = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.ffn_hidden,
                   num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
                   num_key_value_heads=config.n_kv_head, max_position_embeddings=config.block_size,
                   rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta,
-                  tie_word_embeddings=config.tie_embeddings, attn_implementation=attn_implementation)
+                  tie_word_embeddings=config.tie_embeddings, attn_implementation=attn_implementation,
+                  rope_scaling=scaling)
     with quiet_transformers():
         if config.qkv_bias:
             model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False))

@@ -40,7 +40,8 @@ def describe(config):
             f"n_embd {config.n_embd}, vocab {config.vocab_size}, block_size {config.block_size}")
     if hasattr(config, "n_kv_head"):
         line += (f", n_kv_head {config.n_kv_head}, ffn_hidden {config.ffn_hidden}, rope_theta {config.rope_theta:g}"
-                 f", {'tied' if config.tie_embeddings else 'untied'}" + (", qkv bias" if config.qkv_bias else ""))
+                 f", {'tied' if config.tie_embeddings else 'untied'}" + (", qkv bias" if config.qkv_bias else "")
+                 + (f", llama3 rope scaling {config.rope_scaling}" if config.rope_scaling else ""))
     return line
 
 

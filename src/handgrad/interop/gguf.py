@@ -11,15 +11,17 @@ In: the config from `{arch}.*` keys; each tensor dequantized to float32 by handg
 reads it (`GGUFTensor`: the model's load_state_dict copies each one into its flat buffer in turn,
 so the file stays a memory map and no second float32 copy of the model is ever held); tied when
 there is no `output.weight`. The tokenizer is the file itself (data/gguf_tokenizer.py builds the
-Hugging Face tokenizer, chat template included, from the `tokenizer.*` keys). Refused, in one line
-naming the key or tensor: another architecture, a LoRA-adapter GGUF, scaled RoPE, experts, heads
+Hugging Face tokenizer, chat template included, from the `tokenizer.*` keys). A `rope_freqs.weight`
+tensor, llama.cpp's form of Llama 3.x's rope scaling, becomes config.rope_* (_rope_scaling says when).
+Refused, in one line naming the key or tensor: another architecture, a LoRA-adapter GGUF, scaled RoPE
+of another kind (rope.scaling.type, rope_freqs not Llama 3.x's), experts, heads
 whose width is not n_embd / n_head, a tensor handgrad has no place for, a tensor type it cannot
 dequantize.
 
 Out: what llama.cpp's convert_hf_to_gguf.py writes for LlamaForCausalLM / Qwen2ForCausalLM:
 the same keys, tensor names and q/k row order, the tokenizer (gguf_tokenizer.write_gguf_tokenizer),
 `--gguf-type` f32 (every tensor float32), bf16 or q8_0 (the 2-D weights in that type, norms and
-biases float32, as the converter leaves them). The file is written to a temporary sibling and
+biases float32, as the converter leaves them), and a scaled model's rope_freqs.weight (float32). The file is written to a temporary sibling and
 renamed, so a failed write leaves nothing that looks valid.
 
 The q/k row permutation. Hugging Face's Llama rotates the two halves of each head (`rotate_half`:
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.cpu.rope import default_inv_freq
 from ..data.gguf_tokenizer import read_gguf_header
 from ..data.sources import DataError
 from ..data.tokenizer import load_tokenizer
@@ -62,6 +65,10 @@ PER_BLOCK = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "sel
              "ffn_norm.weight": "post_attention_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
              "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
 BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+ROPE_FREQS = "rope_freqs.weight"
+# Llama 3.x's low_freq_factor, high_freq_factor and original_max_position_embeddings, those of every Llama 3.1,
+# 3.2 and 3.3 checkpoint, and the converter's defaults (it takes the last from config.json's top level: 8192)
+LLAMA3_ROPE_DEFAULTS = (1.0, 4.0, 8192)
 
 
 def hf_name(name):
@@ -134,6 +141,50 @@ def _refuse(path, key, value, what):
     return ConvertError(f"{path}: {key} = {value!r}: {what}")
 
 
+def llama3_rope_factors(head_dim, theta, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """(hs/2,) float32 rope_freqs.weight, per-frequency divisors of inv_freq, as llama.cpp's
+    convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors) computes them from rope_scaling of type
+    llama3: 1 where the wavelength 2 pi / f is below L / high_freq_factor, factor above
+    L / low_freq_factor, 1 / ((1 - s) / factor + s) between (s as in backends/cpu/rope.llama3_inv_freq),
+    each float32 operation in the converter's order (its 0-d float32 tensors meet Python floats as float32)."""
+    f32, L = np.float32, original_max_position_embeddings
+    with np.errstate(divide="ignore", over="ignore"):
+        wavelen = (f32(1) / default_inv_freq(head_dim, theta)) * f32(2 * np.pi)
+        smooth = ((f32(1) / wavelen) * f32(L) - f32(low_freq_factor)) / f32(high_freq_factor - low_freq_factor)
+        medium = f32(1) / ((f32(1) - smooth) / f32(factor) + smooth)
+        out = np.where(wavelen > f32(L / low_freq_factor), f32(factor), medium)
+        return np.where(wavelen < f32(L / high_freq_factor), f32(1), out).astype(f32)
+
+
+def _rope_scaling(path, meta, tensors, arch, head_dim):
+    """LlamaConfig's rope_* fields for a rope_freqs.weight tensor (llama.cpp's form of Llama 3.x's rope
+    scaling), or {} without one. Those per-frequency factors fix the transform only up to the ratios
+    L / low_freq_factor and L / high_freq_factor, so the file is read as Llama 3.x's parameters
+    (LLAMA3_ROPE_DEFAULTS, factor the last entry's) where the converter's factors for them are the
+    file's (to float32 rounding), and refused otherwise."""
+    if ROPE_FREQS not in tensors:
+        return {}
+    shape, qtype, offset = tensors[ROPE_FREQS]
+    refuse = _refuse(path, "tensor " + ROPE_FREQS, shape, "RoPE frequency factors that are not Llama 3.x's "
+                     "rope scaling (low_freq_factor 1, high_freq_factor 4, original context 8192), which is all "
+                     "handgrad reads of them")
+    if shape != (head_dim // 2,) or qtype not in SUPPORTED:
+        raise refuse
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    if offset + nbytes(qtype, shape) > len(file):
+        raise ConvertError(f"{path}: tensor {ROPE_FREQS} lies past the end of the file; the file is corrupt")
+    got = dequantize(file[offset:offset + nbytes(qtype, shape)], qtype, shape)
+    theta = float(meta.get(arch + ".rope.freq_base", 10000.0))
+    if not (np.isfinite(got).all() and got[-1] > 0) or np.all(got == 1):
+        raise refuse
+    want = llama3_rope_factors(head_dim, theta, float(got[-1]), *LLAMA3_ROPE_DEFAULTS)
+    if not np.allclose(got, want, rtol=1e-6, atol=0):
+        raise refuse
+    low, high, L = LLAMA3_ROPE_DEFAULTS
+    return dict(rope_factor=float(got[-1]), rope_low_freq_factor=low, rope_high_freq_factor=high,
+                rope_original_max_position_embeddings=L)
+
+
 def gguf_config(path, meta, tensors):
     """(config.LlamaConfig, arch) from the metadata, or a ConvertError naming the key."""
     arch = meta.get("general.architecture")
@@ -173,7 +224,8 @@ def gguf_config(path, meta, tensors):
                          rope_theta=float(meta.get(a + "rope.freq_base", 10000.0)),
                          norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
                          tie_embeddings="output.weight" not in tensors,
-                         qkv_bias=any(name.endswith("attn_q.bias") for name in tensors))
+                         qkv_bias=any(name.endswith("attn_q.bias") for name in tensors),
+                         **_rope_scaling(path, meta, tensors, arch, head_dim))
     if config.qkv_bias and arch == "llama":
         raise _refuse(path, "general.architecture", arch, "a llama model with q/k/v biases, which handgrad "
                       "reads only as qwen2")
@@ -185,12 +237,10 @@ def read_gguf(path):
     (name, type, shape) before any is dequantized."""
     meta, tensors = open_gguf(path)
     config, arch = gguf_config(path, meta, tensors)
+    tensors = {name: t for name, t in tensors.items() if name != ROPE_FREQS}  # in config.rope_* now
     for name, (_, qtype, _) in tensors.items():
         if hf_name(name) is None:
-            what = ("RoPE frequency factors (Llama 3.1's rope scaling), which handgrad's llama family does not "
-                    "implement" if name == "rope_freqs.weight" else "a tensor handgrad's llama family has no place "
-                    "for")
-            raise ConvertError(f"{path}: tensor {name}: {what}")
+            raise ConvertError(f"{path}: tensor {name}: a tensor handgrad's llama family has no place for")
         if qtype not in SUPPORTED:
             raise ConvertError(f"{path}: tensor {name} has type {type_name(qtype)}, which handgrad cannot "
                                f"dequantize; supported: {', '.join(SUPPORTED.values())} (re-quantize the model, "
@@ -285,6 +335,8 @@ def write_gguf(dst, config, weights, tokenizer=None, gguf_type="f32", name=None)
                 w = permute_rows(w, config.n_head if "attn_q" in g else config.n_kv_head)
             data, qtype = _encode(w, gguf_type)
             writer.add_tensor(g, data, raw_dtype=qtype)
+        if config.rope_scaling is not None:  # Llama 3.x's rope scaling, as the converter writes it (float32)
+            writer.add_tensor(ROPE_FREQS, llama3_rope_factors(config.head_dim, config.rope_theta, *config.rope_scaling))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

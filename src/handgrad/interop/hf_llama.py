@@ -7,7 +7,8 @@ n_layer, num_attention_heads -> n_head, num_key_value_heads -> n_kv_head, interm
 ffn_hidden, rope_theta (or transformers 5's rope_parameters.rope_theta), rms_norm_eps -> norm_eps,
 tie_word_embeddings, max_position_embeddings -> block_size, vocab_size; Qwen2 -> qkv_bias), a field
 missing from it taking transformers' default for the class. What the family cannot express is
-refused with one line naming the field: another activation, scaled RoPE, sliding windows in
+refused with one line naming the field: another activation, scaled RoPE other than Llama 3's
+(rope_type llama3, taken as LLAMA3_ROPE maps it), sliding windows in
 effect, biases other than Qwen2's q/k/v, a head_dim other than hidden_size / num_attention_heads,
 a tied model whose stored lm_head differs from its embedding. rotary_emb.inv_freq buffers are
 ignored; a tied model's stored lm_head.weight (equal to the embedding) is dropped.
@@ -34,6 +35,10 @@ from .hf import (_end_of_text, _export_hf_tokenizer, _hf_weight_files, read_hf_c
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}  # -> model_type
 SIZES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
          "intermediate_size": "ffn_hidden", "vocab_size": "vocab_size", "max_position_embeddings": "block_size"}
+# rope_type llama3's fields (rope_scaling, or transformers 5's rope_parameters) -> LlamaConfig's
+LLAMA3_ROPE = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_max_position_embeddings"}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # the verbatim tokenizer files of a Hugging Face directory, tokenizer.json first
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -57,6 +62,13 @@ def is_hf_llama(path):
 
 
 # ---------------------------------------------------------------- in
+def hf_rope_scaling(config):
+    """config.json's rope_scaling for a LlamaConfig: None, or Llama 3's (rope_type llama3)."""
+    if config.rope_scaling is None:
+        return None
+    return dict(rope_type="llama3", **{theirs: getattr(config, ours) for theirs, ours in LLAMA3_ROPE.items()})
+
+
 def _cannot(cfg_path, field, value, what, has):
     return ConvertError(f"{cfg_path}: {field} = {json.dumps(value)}: handgrad's llama family cannot express "
                         f"{what}; {has}")
@@ -69,11 +81,18 @@ def llama_config(cfg, cfg_path, kind):
         raise ConvertError(f"{cfg_path}: field {missing[0]} is missing")
     if cfg.get("hidden_act", "silu") != "silu":
         raise _cannot(cfg_path, "hidden_act", cfg["hidden_act"], "this activation", "its MLP is SwiGLU (silu)")
+    scaling = {}
     for field in ("rope_scaling", "rope_parameters"):
         rope = cfg.get(field)
         kind_of = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-        if rope is not None and kind_of != "default":
-            raise _cannot(cfg_path, field, rope, "scaled RoPE", "it has plain RoPE (rope_scaling null)")
+        if rope is not None and kind_of not in ("default", "llama3"):
+            raise _cannot(cfg_path, field, rope, "scaled RoPE other than Llama 3's", "it has plain RoPE "
+                          "(rope_scaling null) or Llama 3's (rope_type llama3)")
+        if kind_of == "llama3" and not scaling:
+            missing = [k for k in LLAMA3_ROPE if rope.get(k) is None]
+            if missing:
+                raise ConvertError(f"{cfg_path}: {field}: rope_type llama3 without its field {missing[0]}")
+            scaling = {ours: rope[theirs] for theirs, ours in LLAMA3_ROPE.items()}
     n_layer = cfg["num_hidden_layers"]
     if kind == "qwen2" and cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None \
             and cfg.get("max_window_layers", 28) < n_layer:
@@ -98,7 +117,8 @@ def llama_config(cfg, cfg_path, kind):
     return make_config(cfg_path, "llama", **{ours: cfg[theirs] for theirs, ours in SIZES.items()},
                        n_kv_head=NH if kv is None else kv, rope_theta=float(theta),
                        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                       tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2")
+                       tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2",
+                       **scaling)
 
 
 def read_hf_llama(path):
@@ -136,7 +156,7 @@ def read_hf_llama(path):
 # ---------------------------------------------------------------- out
 def hf_llama_config(config, eot_id=None, dropout=None):
     """config.json for LlamaForCausalLM, or Qwen2ForCausalLM where the model has q/k/v biases. rope_theta
-    and rope_scaling are the fields transformers 4 reads and transformers 5 still takes. dropout: the
+    and rope_scaling (None, or Llama 3's) are the fields transformers 4 reads and transformers 5 still takes. dropout: the
     run's model.dropout, as attention_dropout (on the attention probabilities, as handgrad places it;
     Llama's config has no field for the residual branches' dropout handgrad also applies); None: 0.0."""
     qwen2 = config.qkv_bias
@@ -145,7 +165,8 @@ def hf_llama_config(config, eot_id=None, dropout=None):
            "intermediate_size": config.ffn_hidden, "num_hidden_layers": config.n_layer,
            "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
            "head_dim": config.head_dim, "hidden_act": "silu", "max_position_embeddings": config.block_size,
-           "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta, "rope_scaling": None,
+           "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
+           "rope_scaling": hf_rope_scaling(config),
            "tie_word_embeddings": config.tie_embeddings, "vocab_size": config.vocab_size,
            "initializer_range": 0.02, "attention_dropout": 0.0 if dropout is None else dropout, "use_cache": True,
            "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32"}

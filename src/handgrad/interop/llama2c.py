@@ -190,6 +190,9 @@ def check_writable(config, where):
     if config.rope_theta != ROPE_THETA:
         raise ConvertError(f"{where}: rope_theta is {config.rope_theta:g}, but llama2.c's run.c hard-codes "
                            f"{ROPE_THETA:g}; {fix}")
+    if config.rope_scaling is not None:
+        raise ConvertError(f"{where}: the model has Llama 3's RoPE scaling (model.rope_factor {config.rope_factor:g}), "
+                           f"which llama2.c's run.c does not apply; {fix}")
     if config.norm_eps != NORM_EPS:
         raise ConvertError(f"{where}: norm_eps is {config.norm_eps:g}, but llama2.c's run.c hard-codes "
                            f"{NORM_EPS:g}; {fix}")

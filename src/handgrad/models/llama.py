@@ -174,7 +174,7 @@ class Llama(FlatModel):
         super().__init__(config, backend, seed, buffer_multiple=buffer_multiple, dtype=dtype, lora=lora,
                          dropout=dropout, loss_chunk=loss_chunk)
         c = config
-        self.cos, self.sin = self.ops.rope_cache(c.block_size, c.head_dim, c.rope_theta)
+        self.cos, self.sin = self.ops.rope_cache(c.block_size, c.head_dim, c.rope_theta, c.rope_scaling)
         flat = lambda grads: SimpleNamespace(**{  # the fused [out, in] groups, per layer (grads: None if frozen)
             key: [self.fused_view(f"model.layers.{l}.{first}", f"model.layers.{l}.{last}", grads)
                   for l in range(c.n_layer)]

@@ -166,10 +166,10 @@ def apply_rope(q, k, cos, sin, unsqueeze_dim=1, *, position_offset=0):
     return tuple(_rope_heads(t, cos, sin, unsqueeze_dim, position_offset) for t in (q, k))
 
 
-def rope_cache(T, head_dim, theta=10000.0):
+def rope_cache(T, head_dim, theta=10000.0, scaling=None):
     """(cos, sin), each (T, head_dim) float32 CPU tensors: the RoPE tables of positions [0, T), equal to
     transformers' LlamaRotaryEmbedding's (rope type "default") to 1 ulp (backends/cpu/rope.py says why)."""
-    cos, sin = cpu_rope.rope_cache(T, head_dim, theta)
+    cos, sin = cpu_rope.rope_cache(T, head_dim, theta, scaling)
     return torch.from_numpy(cos), torch.from_numpy(sin)
 
 

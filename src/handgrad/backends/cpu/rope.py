@@ -22,7 +22,7 @@ from numba import prange
 from .common import kernel
 
 
-def rope_cache(T_max, head_dim, theta):
+def rope_cache(T_max, head_dim, theta, scaling=None):
     """(cos, sin), each (T_max, head_dim) float32: the tables for positions [0, T_max).
 
     The angles follow transformers' LlamaRotaryEmbedding (rope type "default": no rope_scaling)
@@ -35,18 +35,52 @@ def rope_cache(T_max, head_dim, theta):
     and rounded to float32; torch's float32 cos/sin are within 1 ulp of that, so the tables agree
     with transformers' to 1 ulp (about 5% of the entries differ by one). A float64 model takes the
     same float32 tables, as transformers' does (it builds them in float32 whatever the model dtype).
+
+    scaling: None, or Llama 3.x's rope scaling (rope type "llama3") as (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings): llama3_inv_freq transforms inv_freq before
+    the angles are formed, step for step as transformers does, so the tables keep that property.
     """
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"rope needs an even head_dim, got {head_dim}")
     if T_max < 1 or not theta > 0:
         raise ValueError(f"rope_cache needs T_max >= 1 and theta > 0, got {T_max} and {theta}")
     f32, f64 = np.float32, np.float64
-    exponent = (np.arange(0, head_dim, 2, dtype=f64) / head_dim).astype(f32)  # (hs/2,) 2i / hs
-    power = (f64(theta) ** exponent.astype(f64)).astype(f32)  # theta ** (2i / hs)
-    inv_freq = (1.0 / power.astype(f64)).astype(f32)
+    inv_freq = default_inv_freq(head_dim, theta)
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, *scaling)
     freqs = (np.arange(T_max, dtype=f64)[:, None] * inv_freq.astype(f64)).astype(f32)  # (T_max, hs/2)
     emb = np.concatenate([freqs, freqs], axis=1).astype(f64)  # (T_max, hs)
     return np.cos(emb).astype(f32), np.sin(emb).astype(f32)
+
+
+def default_inv_freq(head_dim, theta):
+    """(hs/2,) float32 theta^(-2i / hs), rounded where transformers rounds (rope_cache)."""
+    f32, f64 = np.float32, np.float64
+    exponent = (np.arange(0, head_dim, 2, dtype=f64) / head_dim).astype(f32)  # (hs/2,) 2i / hs
+    power = (f64(theta) ** exponent.astype(f64)).astype(f32)  # theta ** (2i / hs)
+    return (1.0 / power.astype(f64)).astype(f32)
+
+
+def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """Llama 3.x's frequency transform (transformers' _compute_llama3_parameters) of the float32
+    inv_freq: with wavelength w = 2 pi / f and the original context L, a frequency whose w exceeds
+    L / low_freq_factor is divided by factor, one whose w is below L / high_freq_factor is kept, and
+    in between s = (L / w - low) / (high - low) blends them: (1 - s) f / factor + s f.
+
+    Each float32 operation of transformers' torch code, in its order and with its roundings (numpy's
+    float32 arithmetic is IEEE's, correctly rounded, as torch's CPU kernels): a Python scalar meets a
+    float32 tensor as a float32 (torch's type promotion), and `scalar / tensor` is torch's
+    reciprocal(tensor) * scalar (Tensor.__rdiv__). The result is bit-identical to transformers'."""
+    f32 = np.float32
+    with np.errstate(divide="ignore", over="ignore"):
+        L, low, high, factor = original_max_position_embeddings, low_freq_factor, high_freq_factor, factor
+        low_freq_wavelen, high_freq_wavelen = L / low, L / high  # Python floats, as in transformers
+        wavelen = (f32(1) / inv_freq) * f32(2 * np.pi)
+        scaled = np.where(wavelen > f32(low_freq_wavelen), inv_freq / f32(factor), inv_freq)
+        smooth = ((f32(1) / wavelen) * f32(L) - f32(low)) / f32(high - low)
+        smoothed = (f32(1) - smooth) * scaled / f32(factor) + smooth * scaled
+        medium = ~(wavelen < f32(high_freq_wavelen)) & ~(wavelen > f32(low_freq_wavelen))
+        return np.where(medium, smoothed, scaled).astype(f32)
 
 
 # ---------------------------------------------------------------- kernels

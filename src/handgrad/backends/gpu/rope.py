@@ -66,10 +66,10 @@ def check_tables(name, cos, sin, hs, T, offset=0):
     return cos.contiguous(), sin.contiguous()
 
 
-def rope_cache(T_max, head_dim, theta, device=None):
-    """(cos, sin), each (T_max, head_dim) float32 on the device: cpu's tables, moved."""
+def rope_cache(T_max, head_dim, theta, scaling=None, device=None):
+    """(cos, sin), each (T_max, head_dim) float32 on the device: cpu's tables (scaling: theirs), moved."""
     from .common import device as default_device
-    cos, sin = cpu_rope.rope_cache(T_max, head_dim, theta)
+    cos, sin = cpu_rope.rope_cache(T_max, head_dim, theta, scaling)
     dev = device if device is not None else default_device()
     return torch.from_numpy(cos).to(dev), torch.from_numpy(sin).to(dev)
 
