@@ -193,7 +193,7 @@ def part_env(check, part, limit):
     info.update(commit=_git_commit(), host_cpus=os.cpu_count(), host=platform.node(), dry=check.dry)
     part.data = {"env": info}
     if code != 0 or not info:
-        return "FAIL", "could not import torch or handgrad (see 1-env.log)"
+        return "FAIL", f"could not import torch or handgrad (see {check.log_path(part).name})"
     gpu = info.get("gpu")
     where = (f"{gpu['name']} (sm_{gpu['capability'].replace('.', '')}, {gpu['memory_gib']} GiB), "
              f"driver {info.get('nvidia_smi', '?').split(', ')[1:2] or ['?']}[0]" if gpu else "no CUDA device")
@@ -240,7 +240,7 @@ def part_tests(check, part, limit):
         code, text = check.run(part, base + ["--collect-only", "-q", *files], limit)
         collected = _pytest_counts(text).get("tests collected", _pytest_counts(text).get("test collected", 0))
         if code != 0:
-            return "FAIL", f"collecting {len(files)} files failed (see 2-tests.log)"
+            return "FAIL", f"collecting {len(files)} files failed (see {check.log_path(part).name})"
         code, text = check.run(part, base + ["-q", *DRY_TESTS], limit - (time.monotonic() - t0))
         counts = _pytest_counts(text)
         part.data = {"files": files, "collected": collected, "counts": counts}
@@ -256,25 +256,35 @@ def part_tests(check, part, limit):
     line = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no pytest summary"
     if code is None:
         done = len(re.findall(r" (PASSED|FAILED|ERROR|SKIPPED)", text))
-        return "TIMEOUT", f"stopped after {limit:.0f} s with {done} tests done (see 2-tests.log)"
+        return "TIMEOUT", f"stopped after {limit:.0f} s with {done} tests done (see {check.log_path(part).name})"
     return ("PASS" if code == 0 else "FAIL"), line
+
+
+def _run_json(check, part, argv, limit, what, need_zero=True):
+    """Run a handgrad command that prints --json; (its JSON, None) or (None, (status, line)) when it
+    ran out of time, failed, or printed none (need_zero=False: a non-zero exit with its JSON is the
+    caller's to judge, as verify's failing rows are)."""
+    code, text = check.run(part, argv, limit)
+    doc = _json_tail(text)
+    if code is None:
+        return None, ("TIMEOUT", f"{what} ran past {limit:.0f} s")
+    if not doc or (need_zero and code != 0):
+        return None, ("FAIL", f"{what} exited {code} (see {check.log_path(part).name})")
+    return doc, None
 
 
 def part_verify(check, part, limit):
     argv = ["-m", "handgrad", "verify", "--backend", "gpu", "--json"]
     if check.dry:
         argv += ["--only", "layernorm,crossentropy"]
-    code, text = check.run(part, argv, limit)
-    doc = _json_tail(text)
-    if code is None:
-        return "TIMEOUT", f"verify ran past {limit:.0f} s"
-    if not doc:
-        return "FAIL", f"verify exited {code} without its JSON (see 3-verify.log)"
+    doc, failed = _run_json(check, part, argv, limit, "verify", need_zero=False)
+    if failed:
+        return failed
     rows = doc["rows"]
     bad = [f"{r['op']} {r['quantity']}" for r in rows if not r["ok"]]
     worst = max((r["max_rel"] / r["tol"] for r in rows if r["tol"] > 0), default=0.0)
     part.data = {"rows": len(rows), "failed_rows": bad[:50], "worst_of_tolerance": worst}
-    if doc.get("ok") and code == 0:
+    if doc.get("ok") and not bad:
         return "PASS", f"{len(rows)} rows within tolerance (the worst at {worst:.2f} of its own)"
     return "FAIL", f"{len(bad)} of {len(doc['rows'])} rows out of tolerance: {', '.join(bad[:5])}"
 
@@ -282,12 +292,9 @@ def part_verify(check, part, limit):
 def part_bench_ops(check, part, limit):
     argv = ["-m", "handgrad", "bench", "ops", "--backend", "gpu", "--json"]
     argv += ["--repeat", "1", "--no-compile"] if check.dry else ["--repeat", "20"]
-    code, text = check.run(part, argv, limit)
-    doc = _json_tail(text)
-    if code is None:
-        return "TIMEOUT", f"bench ops ran past {limit:.0f} s"
-    if code != 0 or not doc:
-        return "FAIL", f"bench ops exited {code} (see 4-bench-ops.log)"
+    doc, failed = _run_json(check, part, argv, limit, "bench ops")
+    if failed:
+        return failed
     part.data = {"bench_ops": doc}
     rows = doc.get("rows", [])
     # each row's ratio: the peer's time over handgrad's (above 1: handgrad is faster)
@@ -307,12 +314,9 @@ def part_bench_ops(check, part, limit):
 def part_bench_train(check, part, limit):
     argv = ["-m", "handgrad", "bench", "train", "--device", "gpu", "--preset", "gpt2-124m,smollm2-135m", "--json"]
     argv += ["--steps", "2", "--no-compile"] if check.dry else ["--steps", "10"]
-    code, text = check.run(part, argv, limit)
-    doc = _json_tail(text)
-    if code is None:
-        return "TIMEOUT", f"bench train ran past {limit:.0f} s"
-    if code != 0 or not doc:
-        return "FAIL", f"bench train exited {code} (see 5-bench-train.log)"
+    doc, failed = _run_json(check, part, argv, limit, "bench train")
+    if failed:
+        return failed
     part.data = {"bench_train": doc}
     bits = []
     for row in doc.get("rows", []):
@@ -343,7 +347,7 @@ def part_train(check, part, limit):
     text = ROOT / (TRAIN_TEXT_DRY if check.dry else TRAIN_TEXT)
     code, _ = check.run(part, ["-m", "handgrad", "prepare", str(text), "--tokenizer", "byte", "--out", str(data)], limit)
     if code != 0:
-        return ("TIMEOUT" if code is None else "FAIL"), "prepare of the byte-level corpus failed (see 6-train.log)"
+        return ("TIMEOUT" if code is None else "FAIL"), f"prepare of the byte-level corpus failed (see {check.log_path(part).name})"
     steps = TRAIN_STEPS_DRY if check.dry else TRAIN_STEPS
     flags = [*TRAIN_FLAGS, "--train.max_steps", str(steps), *(TRAIN_FLAGS_DRY if check.dry else ())]
     results, bad = {}, []
