@@ -23,8 +23,8 @@ import time
 import numpy as np
 
 from ..backends.cpu import set_threads
-from ..eval.score import Scorer, bos_policy, encode_task
-from ..eval.tasks import LM, MC, read_task, task_paths
+from ..eval.score import Scorer, bos_policy, encode_task, predictions
+from ..eval.tasks import read_task, task_paths
 from ..interop.published import resolve_model
 from ..machine import cores_available, environment
 from ..sample import load_run
@@ -74,15 +74,6 @@ def _tf_score(model, tok, torch, task, encoded, bos):
     return out
 
 
-def _predictions(task, row, logprobs, greedy):
-    if task.kind == LM:
-        return (bool(greedy[0]),)
-    pred = int(np.argmax(logprobs))
-    if task.kind == MC:
-        return pred, int(np.argmax(logprobs / np.maximum(np.asarray(row.choice_bytes), 1)))
-    return (pred,)
-
-
 def bench_eval(run, tasks_spec, limit, as_json, threads=None):
     from ..torch_ref import require_torch
     torch = require_torch()
@@ -104,7 +95,7 @@ def bench_eval(run, tasks_spec, limit, as_json, threads=None):
         tf = _tf_score(tf_model, tf_tok, torch, task, encoded, bos)
         t_tf = time.perf_counter() - t0
         differ = [row.line for row, h, (lp, gr) in zip(task.rows, hg, tf)
-                  if _predictions(task, row, h.logprobs, h.greedy) != _predictions(task, row, lp, gr)]
+                  if predictions(task, row, h.logprobs, h.greedy) != predictions(task, row, lp, gr)]
         dmax = max(float(np.max(np.abs(h.logprobs - lp))) for h, (lp, _) in zip(hg, tf))
         n = len(task.rows)
         rows.append({"task": task.name, "kind": task.kind, "rows": n, "handgrad_rows_s": n / t_hg,

@@ -254,6 +254,18 @@ def mean_stderr(x):
     return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None)
 
 
+def predictions(task, row, logprobs, greedy):
+    """What a row's scores predict: (whether greedy decoding gave the target,) for language
+    modelling; (acc's choice,) for a schema row; (acc's choice, acc_norm's: per UTF-8 byte) for
+    multiple choice."""
+    if task.kind == LM:
+        return (bool(greedy[0]),)
+    pred = int(np.argmax(logprobs))
+    if task.kind == MC:
+        return pred, int(np.argmax(logprobs / np.maximum(np.asarray(row.choice_bytes), 1)))
+    return (pred,)
+
+
 def task_results(task, scores):
     """(the task's metrics, one record per row): rows, acc and its standard error; acc_norm and its
     error for multiple choice; perplexity of the targets for language modelling."""
@@ -265,11 +277,11 @@ def task_results(task, scores):
             ok = bool(s.greedy[0])
             logprobs.append(float(s.logprobs[0]))
         else:
-            pred = int(np.argmax(s.logprobs))
+            pred, *norm = predictions(task, row, s.logprobs, s.greedy)
             ok = pred == row.gold
             rec.update(gold=row.gold, pred=pred)
             if task.kind == MC:
-                pred_norm = int(np.argmax(s.logprobs / np.maximum(np.asarray(row.choice_bytes), 1)))
+                pred_norm = norm[0]
                 rec.update(pred_norm=pred_norm, bytes=list(row.choice_bytes))
                 correct_norm.append(pred_norm == row.gold)
         rec["correct"] = ok
