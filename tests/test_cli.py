@@ -91,8 +91,8 @@ def test_bench_without_what_names_the_choices(capsys, argv):
     assert e.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == ("error: handgrad bench needs what to benchmark: ops, train, learn, products or eval; "
-                            "see `handgrad bench --help`\n")
+    assert captured.err == ("error: handgrad bench needs what to benchmark: ops, train, learn, products, eval or "
+                            "decode; see `handgrad bench --help`\n")
     with pytest.raises(SystemExit) as e:  # a wrong choice keeps argparse's own words, which name them
         main(["bench", "nope"])
     assert e.value.code == 2

@@ -1,8 +1,10 @@
-"""`handgrad bench ops|train|learn|products|eval`: the command line, dispatched to bench/ops.py (or
-gpu.py), bench/train.py (or train_gpu.py), bench/learn.py, bench/products.py and bench/eval.py."""
+"""`handgrad bench ops|train|learn|products|eval|decode`: the command line, dispatched to bench/ops.py
+(or gpu.py), bench/train.py (or train_gpu.py), bench/learn.py, bench/products.py, bench/eval.py and
+bench/decode.py."""
 import json
 
 from .common import MAX_REPEAT, MIN_REPEAT, ROW_BUDGET_S
+from .decode import NEW_TOKENS, PROMPT_TOKENS, REPEAT as DECODE_REPEAT, bench_decode
 from .eval import bench_eval
 from .gpu import bench_ops_gpu
 from .learn import run_learn, run_learn_lora
@@ -12,7 +14,7 @@ from .train import main as bench_train_main
 from .train_gpu import main as bench_train_gpu_main
 
 
-WHAT = ("ops", "train", "learn", "products", "eval")
+WHAT = ("ops", "train", "learn", "products", "eval", "decode")
 EVAL_LIMIT = 100  # bench eval: rows of each task by default (the transformers side is the slow one)
 
 
@@ -25,7 +27,9 @@ def add_arguments(parser):
                              "learn: train handgrad and PyTorch side by side and compare loss curves; "
                              "products: a model's matrix products on MKL float32, oneDNN float32 and oneDNN bf16; "
                              "eval: handgrad eval's scorer beside a straightforward transformers scorer (rows/s, "
-                             "and the rows whose predictions differ)")
+                             "and the rows whose predictions differ); "
+                             "decode: greedy decoding at batch 1 as a fraction of the memory-bandwidth bound "
+                             "(STREAM triad / weight bytes per token), beside transformers' generate, and at batch 8")
     parser.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
                         help="ops: backend to time (default cpu); gpu: each Triton op beside torch eager, "
                              "torch.compile and scaled_dot_product_attention")
@@ -47,13 +51,15 @@ def add_arguments(parser):
                              "take minutes)")
     parser.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
                         help=f"timed repeats per row and side (default: as many as fit in about "
-                             f"{ROW_BUDGET_S:g} s, {MIN_REPEAT} to {MAX_REPEAT})")
+                             f"{ROW_BUDGET_S:g} s, {MIN_REPEAT} to {MAX_REPEAT}; decode: {DECODE_REPEAT}, the best "
+                             f"reported, the median beside it)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--preset", default=None,
                         help="train: shape(s) to time, comma-separated, from tiny, shakespeare-char, mid, gpt2-124m, "
                              "llama-mid, smollm2-135m, qwen2.5-0.5b (default tiny,mid,gpt2-124m; with --device gpu "
                              "gpt2-124m,smollm2-135m); learn: the run preset (default shakespeare-char); products: as "
-                             "train (default mid,gpt2-124m,smollm2-135m)")
+                             "train (default mid,gpt2-124m,smollm2-135m); decode: one shape, random weights (default "
+                             "smollm2-135m)")
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help="train: timed steps per side (default: as many as fit in about 12 s; with --device "
                              "gpu 10, after 3 warm-up steps); "
@@ -65,7 +71,9 @@ def add_arguments(parser):
                              "presets, default llama-char): pretrain on shakespeare, then fine-tune rank-R adapters on "
                              "the Python standard library beside PyTorch + PEFT")
     parser.add_argument("--profile", action="store_true",
-                        help="train: add handgrad's per-op time breakdown (forward, backward, optimizer)")
+                        help="train: add handgrad's per-op time breakdown (forward, backward, optimizer); decode: "
+                             "one decode step's time by op, the BLAS calls' GB/s and the time per op call outside "
+                             "BLAS")
     learn = parser.add_argument_group("learn")
     learn.add_argument("--data", default=None, metavar="DATA_DIR",
                        help="prepared data for `learn` (default: prepare shakespeare, char, into ~/.cache/handgrad)")
@@ -78,13 +86,20 @@ def add_arguments(parser):
     ev = parser.add_argument_group("eval")
     ev.add_argument("--run", default=None, metavar="MODEL",
                     help="eval: the model, a Hugging Face directory, a GGUF file or a published model's name "
-                         "(transformers reads it too)")
+                         "(transformers reads it too); decode: a model to time instead of --preset's random "
+                         "weights (anything `handgrad sample --run` loads)")
     ev.add_argument("--tasks", default=None, metavar="TASK[,TASK...]",
                     help="eval: JSONL task files or directories, as `handgrad eval --tasks`")
     ev.add_argument("--limit", type=_positive_int, default=EVAL_LIMIT, metavar="N",
                     help=f"eval: the first N rows of each task (default {EVAL_LIMIT})")
     ev.add_argument("--threads", type=_positive_int, default=None, metavar="N",
-                    help="eval: threads for both sides (default this machine's cores)")
+                    help="eval, decode: threads for both sides (default this machine's cores)")
+    dec = parser.add_argument_group("decode")
+    dec.add_argument("--new-tokens", type=_positive_int, default=NEW_TOKENS, metavar="N",
+                     help=f"decode: tokens generated per run, the first after the prefill, then N - 1 timed decode "
+                          f"steps (default {NEW_TOKENS})")
+    dec.add_argument("--prompt-tokens", type=_positive_int, default=PROMPT_TOKENS, metavar="N",
+                     help=f"decode: the prompt's length, random token ids (default {PROMPT_TOKENS})")
 
 
 def _say_what_is_missing(parser):
@@ -132,6 +147,13 @@ def main(args):
         if not args.run or not args.tasks:
             raise SystemExit("bench eval: needs --run MODEL and --tasks TASK[,TASK...]")
         return bench_eval(args.run, args.tasks, args.limit, args.json, args.threads)
+    if args.what == "decode":
+        if args.preset and "," in args.preset:
+            raise SystemExit(f"bench decode: --preset {args.preset}: one shape at a time")
+        if args.preset and args.run:
+            raise SystemExit("bench decode: --preset and --run name two models; give one")
+        return bench_decode(args.preset or "smollm2-135m", args.run, args.new_tokens, args.prompt_tokens,
+                            args.repeat or DECODE_REPEAT, args.threads, args.json, args.profile)
     if args.what == "products":
         return bench_products((args.preset or "mid,gpt2-124m,smollm2-135m").split(","), args.json)
     if args.what == "learn":
