@@ -13,51 +13,11 @@ import pytest
 
 from handgrad import chat_cli, sample
 from handgrad.cli import main as cli
-from handgrad.config import LlamaConfig
 from handgrad.data.chat import ChatDataset, load_chat_format, read_conversations
 from handgrad.data.prepare import prepare
-from handgrad.interop.checkpoint import save_weights
 from handgrad.models.decode import generate
-from handgrad.models.llama import Llama
 from handgrad.sample import SEPARATOR
-
-WORDS = "hello there how are you today fine thank the quick brown fox what is your name tell me a story".split()
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-BLOCK = 96
-
-
-def tokenizer_files(d, template=CHATML, specials=("<|im_start|>", "<|im_end|>", "</s>")):
-    """A byte-level BPE trained here, with ChatML's special tokens and template, written into d."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    rng = np.random.default_rng(1)
-    tok.train_from_iterator([" ".join(rng.choice(WORDS, 8)) + " user assistant system" for _ in range(200)],
-                            trainer=trainer)
-    d.mkdir(parents=True, exist_ok=True)
-    tok.save(str(d / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
-    if template is not None:
-        config["chat_template"] = template
-    (d / "tokenizer_config.json").write_text(json.dumps(config))
-    return tok.get_vocab_size()
-
-
-def tiny_run(d, **tokenizer):
-    """A weights-only handgrad run of a random Llama (block_size BLOCK) with its tokenizer beside it. Its
-    weights are all N(0, 0.3^2): Llama's own init, tied to the embedding, repeats the last token."""
-    vocab = tokenizer_files(d, **tokenizer)
-    config = LlamaConfig(block_size=BLOCK, vocab_size=vocab, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                         ffn_hidden=64)
-    model = Llama(config, seed=7)
-    model.params[:] = np.random.default_rng(7).standard_normal(model.num_params, dtype=np.float32) * np.float32(0.3)
-    save_weights(d, 0, config, model.state_dict())
-    return d
-
+from helpers import BLOCK, WORDS, tiny_run
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

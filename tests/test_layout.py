@@ -20,8 +20,8 @@ MAX_LINES = 500
 # (they may import anything), not training, data and interop; eval's tasks and scorer sit below
 # training (train.eval_tasks scores with them), eval/command.py is the command. Beside the layers, unranked: machine,
 # torch, torch_ref and the package's __init__ (the public names).
-COMMANDS = ("handgrad.__main__", "handgrad.cli", "handgrad.sample", "handgrad.chat_cli", "handgrad.verify",
-            "handgrad.bench", "handgrad.training.command", "handgrad.data.prepare", "handgrad.interop.convert",
+COMMANDS = ("handgrad.__main__", "handgrad.cli", "handgrad.sample", "handgrad.chat_cli", "handgrad.serve",
+            "handgrad.verify", "handgrad.bench", "handgrad.training.command", "handgrad.data.prepare", "handgrad.interop.convert",
             "handgrad.eval.command")
 LAYERS = (("config, files", ("handgrad.config", "handgrad.config_keys", "handgrad.files")),
           ("ops", ("handgrad.backends",)),

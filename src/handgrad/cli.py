@@ -9,7 +9,7 @@ import sys
 import numba
 import numpy as np
 
-from . import __version__, chat_cli, sample, verify
+from . import __version__, chat_cli, sample, serve, verify
 from .backends.cpu import onednn
 from .bench import command as bench
 from .config import ConfigError
@@ -134,6 +134,11 @@ def build_parser(argv=()):
     p = sub.add_parser("chat", help="talk with a chat model in the terminal, turn after turn, replies streamed")
     chat_cli.add_arguments(p)
     p.set_defaults(func=chat_cli.main)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP API and a chat page for a model, requests "
+                                     "decoded together in batched steps")
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.main)
 
     p = sub.add_parser("verify", help="check every op and the whole model against PyTorch autograd")
     p.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],

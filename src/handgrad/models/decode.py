@@ -24,6 +24,11 @@ choices; `resize(B, length)` re-shapes a cache's storage for another batch (B ro
 positions, no more positions in all than it was made with), so one cache serves batches of every
 shape.
 
+Serving (`handgrad serve`, serve/engine.py) uses two more: `load_row(b, src)` copies a prompt
+prefilled alone (in a one-row cache) into row b, and `step_rows(tokens, slots, positions)` runs one
+decoding step over sequences at different positions, each in its own row: one set of linears over
+all of them, the attention row by row.
+
 Shapes: B batch (samples), T time, C n_embd, NH heads, hs = C / NH, L layers, V vocab.
 """
 from types import SimpleNamespace
@@ -149,9 +154,10 @@ class KVCache:
             ops.attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, NH)
         return attend
 
-    def _bufs(self, T):
-        """Contiguous (B, T, ...) views of the flat storage, made once per (B, T)."""
-        B = self.B
+    def _bufs(self, T, B=None):
+        """Contiguous (B, T, ...) views of the flat storage, made once per (B, T); B defaults to the
+        cache's rows (step_rows feeds fewer)."""
+        B = self.B if B is None else B
         s = self._views.get((B, T))
         if s is None:
             flat = {name: self._grown(self._flat, name, B * T * w) for name, w in self._widths.items()}
@@ -165,7 +171,8 @@ class KVCache:
     def _blocks(self, s, attend, pos):
         """The residual stream s.x (B, T, C) through every block, in place. attend(l, atty, qkv)
         is the attention: full causal for a prefill, one query over the cache for a step. pos: the
-        position of s.x's first row (GPT-2's positions are already in its embedding)."""
+        position of s.x's first row, or (step_rows) a list of each row's position (GPT-2's positions
+        are already in its embedding)."""
         ops, p = self.ops, self.p
         for l in range(self.L):
             h = f"h.{l}."
@@ -219,6 +226,58 @@ class KVCache:
         self.n = pos + 1
         self.steps += 1
         return self._head(s.x)[:, 0]
+
+    def step_rows(self, tokens, slots, positions):
+        """One decoding step over sequences at different positions, each in its own row of the cache
+        (a serving engine's batched step: serve/engine.py). tokens, slots, positions: (N,) ints;
+        tokens[i] is fed at position positions[i] of row slots[i], whose positions [0, positions[i])
+        hold that sequence's past. Returns the logits (N, V) of the token after each. The linears
+        run on the N rows together; the embedding, RoPE and attention row by row, each over its own
+        row of the cache: row i computes what step() computes for that sequence alone. self.n is
+        not used (each row keeps its own length)."""
+        tokens, slots, positions = (np.asarray(a, np.int64).reshape(-1) for a in (tokens, slots, positions))
+        N = tokens.shape[0]
+        if not (1 <= N == slots.shape[0] == positions.shape[0]):
+            raise ValueError(f"step_rows needs tokens, slots and positions of one length >= 1, got "
+                             f"{tokens.shape[0]}, {slots.shape[0]} and {positions.shape[0]}")
+        if slots.min() < 0 or slots.max() >= self.B or np.unique(slots).shape[0] != N:
+            raise ValueError(f"slots must be distinct rows in [0, {self.B}), got {slots.tolist()}")
+        if positions.min() < 0 or positions.max() >= self.length:
+            raise ValueError(f"positions must be in [0, {self.length}) (the cache's length), got {positions.tolist()}")
+        s = self._bufs(1, N)
+        s.idx[:, 0] = self.ops.from_numpy(tokens.astype(np.int32))
+        positions = [int(p) for p in positions]
+        self._embed_rows(s, positions)
+        self._blocks(s, self._attend_rows([int(b) for b in slots], positions), positions)
+        self.steps += N
+        return self._head(s.x)[:, 0]
+
+    def _embed_rows(self, s, positions):
+        """s.x[i] = the embedding of s.idx[i] at position positions[i] (one position per row)."""
+        for i, pos in enumerate(positions):
+            self.ops.encoder_forward(s.x[i:i + 1], s.idx[i:i + 1], self.p["wte.weight"],
+                                     self.p["wpe.weight"][pos:pos + 1])
+
+    def _attend_rows(self, slots, positions):
+        """attend(l, atty, qkv) for step_rows: row i's one query over row slots[i] of the cache, at
+        positions[i]."""
+        def attend(l, atty, qkv):
+            for i, (b, pos) in enumerate(zip(slots, positions)):
+                self._attend_slot(l, atty[i:i + 1], qkv[i:i + 1], b, pos)
+        return attend
+
+    def _attend_slot(self, l, atty, qkv, b, pos):
+        """One sequence's decode attention: atty, qkv (1, 1, ...) over row b of layer l's cache."""
+        self.ops.attention_decode_forward(atty, qkv, self.k[l, b:b + 1], self.v[l, b:b + 1], pos, self.NH)
+
+    def load_row(self, b, src, row=0):
+        """Fill row b of this cache with the src.n cached positions of src's row `row` (src: a cache
+        of the same model, e.g. the one a new sequence's prompt was prefilled in)."""
+        n = src.n
+        if not 0 <= b < self.B or n > self.length:
+            raise ValueError(f"row {b} of {self.B} rows of {self.length} positions cannot take {n} positions")
+        self.k[:, b, :, :n] = src.k[:, row, :, :n]
+        self.v[:, b, :, :n] = src.v[:, row, :, :n]
 
     def _att_state(self, T):
         """The attention op's state buffer for T positions (a prefill's scratch), grown on demand."""

@@ -1,0 +1,195 @@
+"""The serving engine: many sequences decoded together, one batched step at a time.
+
+One thread owns the model. It holds a KV cache of `slots` rows (models/decode.py), one per sequence
+being decoded, and a one-row cache that new prompts are prefilled in. Its loop:
+
+1. admit: while a row is free and a sequence waits, prefill the sequence's prompt alone (the
+   one-row cache: the same prefill `sample` runs), copy its keys and values into the free row
+   (KVCache.load_row) and sample its first token from the prefill's logits;
+2. free the rows of sequences that ended or were cancelled (a client that went away: at once,
+   between two steps);
+3. step: one KVCache.step_rows over every active sequence, each fed its newest token at its own
+   position: the linears read each weight once for all of them, the attention runs per sequence
+   over its own row. Then each sequence samples its next token with its own settings and its own
+   random generator.
+
+New sequences join between steps; nothing waits for a batch to drain. Row i of a step computes
+what a decoding step of that sequence alone computes (the attention and RoPE are its own; the
+linears are the same sums over a batch of rows), so a greedy sequence gets the tokens `sample`
+gives it, whatever else is decoding beside it (tests/test_serve.py checks it).
+
+A sequence reports through its `emit` callback, called on the engine's thread: emit(token_id) for
+each new token, then emit(None) once when it ends, with `finish` set to "stop" (an end id was
+sampled: it is not emitted), "length" (max_tokens), "cancelled" or "error". The server turns those
+into text and HTTP (serve/app.py). Limits are the caller's: a prompt plus max_tokens must fit the
+cache's length (submit refuses otherwise), and at most `max_waiting` sequences wait for a row
+(submit raises Busy beyond that).
+"""
+import collections
+import sys
+import threading
+import traceback
+
+import numpy as np
+
+from ..models.decode import sample_logits
+
+
+class Busy(RuntimeError):
+    """More sequences than the engine lets wait for a free row."""
+
+
+class Sequence:
+    """One completion to decode: its prompt ids, how long it may grow, its sampling settings (as
+    models/decode.py's sample_logits takes them; seed None: fresh entropy) and the ids that end it."""
+
+    def __init__(self, prompt, max_tokens, temperature=1.0, top_k=None, top_p=None, seed=None, stop_ids=(),
+                 emit=None):
+        self.prompt = [int(i) for i in prompt]
+        self.max_tokens = int(max_tokens)
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.rng = np.random.default_rng(seed)
+        self.stop_ids = frozenset(int(i) for i in stop_ids)
+        self.emit = emit if emit is not None else (lambda token: None)
+        self.tokens = []  # sampled so far (an end id excluded)
+        self.finish = None  # set once, when it ends
+        self.cancelled = False
+        self.pos = 0  # where its newest token is fed next: len(prompt) + len(tokens) - 1
+
+
+class Engine:
+    """Decodes the sequences submitted to it on its own thread (start() it, stop() it).
+
+    model: a handgrad model (LoRA adapters are folded in); slots: sequences decoded at once;
+    length: positions per row (prompt plus new tokens); max_waiting: sequences queued beyond the
+    rows before submit refuses; vocab: only ids below it are sampled (the tokenizer's size)."""
+
+    def __init__(self, model, slots=8, length=None, max_waiting=32, vocab=None):
+        if getattr(model, "lora", None) is not None:
+            model = model.plain()  # decoding reads plain weights: the adapters folded in
+        self.model, self.vocab, self.max_waiting = model, vocab, max_waiting
+        self.length = length = min(length or model.config.block_size, model.config.block_size)
+        self.cache = model.KV_CACHE(model, slots, length)
+        self.one = model.KV_CACHE(model, 1, length)  # new prompts are prefilled here, then copied
+        self.slots = slots
+        self.free = list(range(slots - 1, -1, -1))  # pop() gives row 0 first
+        self.active = {}  # row -> Sequence
+        self.waiting = collections.deque()
+        self.cv = threading.Condition()
+        self.stopping = False
+        self.steps = self.tokens = 0  # batched steps run, tokens sampled (stats for /health and bench)
+        self.thread = threading.Thread(target=self._loop, name="handgrad-engine", daemon=True)
+
+    # ------------------------------------------------------------ the caller's side (any thread)
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self):
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+        self.thread.join()
+
+    def submit(self, seqs):
+        """Queue sequences to decode, all or none: Busy when more than max_waiting would wait;
+        ValueError when a prompt plus its max_tokens does not fit a row."""
+        for s in seqs:
+            if not s.prompt or s.max_tokens < 1 or len(s.prompt) + s.max_tokens > self.length:
+                raise ValueError(f"a prompt of {len(s.prompt)} tokens and max_tokens {s.max_tokens} do not fit "
+                                 f"the {self.length} positions of a row")
+        with self.cv:
+            if len(self.waiting) + len(seqs) - len(self.free) > self.max_waiting:
+                raise Busy(f"{len(self.active)} sequences decoding and {len(self.waiting)} waiting: "
+                           f"the server takes at most {self.max_waiting} waiting; try again shortly")
+            self.waiting.extend(seqs)
+            self.cv.notify()
+
+    def cancel(self, seq):
+        """Stop a sequence (its row is freed before the next step); no-op once it has ended."""
+        with self.cv:
+            if seq.finish is None:
+                seq.cancelled = True
+                self.cv.notify()
+
+    def load(self):
+        """(active, waiting, free rows), for /health."""
+        with self.cv:
+            return len(self.active), len(self.waiting), len(self.free)
+
+    # ------------------------------------------------------------ the engine's thread
+    def _loop(self):
+        while True:
+            with self.cv:
+                while not self.stopping and not self.waiting and not self.active:
+                    self.cv.wait()
+                if self.stopping:
+                    for seq in list(self.active.values()) + list(self.waiting):
+                        self._end(seq, "cancelled")
+                    return
+                admit = []
+                while self.free and self.waiting:
+                    seq = self.waiting.popleft()
+                    if seq.cancelled:
+                        self._end(seq, "cancelled")
+                    else:
+                        admit.append((self.free.pop(), seq))
+            try:
+                for row, seq in admit:
+                    self.active[row] = seq
+                    self._prefill(row, seq)
+                self._release()
+                if self.active:
+                    self._step()
+                    self._release()
+            except Exception:  # a bug, not a user's mistake: end what was decoding and go on serving
+                traceback.print_exc(file=sys.stderr)
+                with self.cv:
+                    for row, seq in list(self.active.items()):
+                        self._end(seq, "error")
+                        del self.active[row]
+                        self.free.append(row)
+
+    def _end(self, seq, why):
+        if seq.finish is None:
+            seq.finish = why
+            seq.emit(None)
+
+    def _release(self):
+        """Free the rows of sequences that ended or were cancelled."""
+        with self.cv:
+            for row, seq in list(self.active.items()):
+                if seq.cancelled:
+                    self._end(seq, "cancelled")
+                if seq.finish is not None:
+                    del self.active[row]
+                    self.free.append(row)
+
+    def _prefill(self, row, seq):
+        logits = self.one.prefill(np.asarray([seq.prompt], np.int64))
+        self.cache.load_row(row, self.one)
+        seq.pos = len(seq.prompt)
+        self._take(seq, logits[:1])
+
+    def _step(self):
+        rows = [row for row, seq in self.active.items() if seq.finish is None and not seq.cancelled]
+        if not rows:
+            return
+        seqs = [self.active[row] for row in rows]
+        logits = self.cache.step_rows([s.tokens[-1] for s in seqs], rows, [s.pos for s in seqs])
+        self.steps += 1
+        for i, seq in enumerate(seqs):
+            seq.pos += 1
+            self._take(seq, logits[i:i + 1])
+
+    def _take(self, seq, logits):
+        """Sample the sequence's next token from its logits (1, V) and report it, or its end."""
+        token = int(sample_logits(logits[:, :self.vocab], rng=seq.rng, **seq.sampling)[0])
+        self.tokens += 1
+        if token in seq.stop_ids:
+            self._end(seq, "stop")
+            return
+        seq.tokens.append(token)
+        seq.emit(token)
+        if len(seq.tokens) >= seq.max_tokens:
+            self._end(seq, "length")
