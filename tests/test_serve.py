@@ -345,3 +345,19 @@ def test_chat_page_in_headless_chromium(served, run, tmp_path, capsys):
         assert driver.execute_script("return messages.length") == 0
     finally:
         driver.quit()
+
+
+def test_load_tool_short_run(served):
+    """tools/serve_load.py's load for a few seconds: every valid request ends, every bad one gets its
+    4xx, and no stream is left busy (the 60 s, 32-client run is recorded in docs/PERFORMANCE.md)."""
+    import asyncio
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parent.parent / "tools" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    stats = asyncio.run(tool.load(served.url, clients=4, seconds=4, pid=os.getpid(), max_tokens=30))
+    assert stats["valid_ok"] > 0 and stats["valid_failed"] == 0, stats
+    assert stats["bad_ok"] > 0 and stats["bad_wrong"] == 0, stats
+    assert stats["left_mid_stream"] > 0 and not stats["leaked"], stats
