@@ -219,6 +219,34 @@ def test_attention_decode_matches_the_cpu_op():
     np.testing.assert_array_equal(vg.cpu().numpy(), v)
 
 
+def test_attention_decode_and_rope_with_a_position_and_a_cache_row_per_query():
+    """pos, rows and rope's offset as arrays (serve's batched step), as the cpu ops take them."""
+    import numpy as np
+    from handgrad.backends import cpu
+    from handgrad.backends.gpu.attention import attention_decode_forward
+    from handgrad.backends.gpu.rope import rope_forward
+    NH, hs, Tmax, R = 2, 16, 12, 3
+    rng = np.random.default_rng(1)
+    qkv = rng.standard_normal((2, 3 * NH * hs)).astype(np.float32)
+    k = rng.standard_normal((R, NH, Tmax, hs)).astype(np.float32)
+    v = rng.standard_normal((R, NH, Tmax, hs)).astype(np.float32)
+    pos, rows = np.array([5, 11]), np.array([2, 0])
+    out = np.empty((2, NH * hs), np.float32)
+    kg, vg = torch.from_numpy(k.copy()).to(DEVICE), torch.from_numpy(v.copy()).to(DEVICE)
+    og = torch.empty(2, NH * hs, device=DEVICE)
+    cpu.attention_decode_forward(out, qkv, k, v, pos, NH, rows=rows)
+    attention_decode_forward(og, torch.from_numpy(qkv).to(DEVICE), kg, vg, pos, NH, rows=rows)
+    np.testing.assert_allclose(og.cpu().numpy(), out, atol=2e-5, rtol=1e-4)
+    np.testing.assert_array_equal(kg.cpu().numpy(), k)
+    cos, sin = cpu.rope_cache(Tmax, hs, 10000.0)
+    x = rng.standard_normal((2, 1, NH * hs)).astype(np.float32)
+    want = np.empty_like(x)
+    cpu.rope_forward(want, x, cos, sin, NH, pos)
+    xg = torch.from_numpy(x).to(DEVICE)
+    rope_forward(xg, xg, torch.from_numpy(cos).to(DEVICE), torch.from_numpy(sin).to(DEVICE), NH, pos)
+    np.testing.assert_allclose(xg.cpu().numpy(), want, atol=1e-6, rtol=1e-5)
+
+
 def test_attention_decode_bad_arguments():
     from handgrad.backends.gpu.attention import attention_decode_forward
     k = torch.zeros(1, 2, 8, 16, device=DEVICE)

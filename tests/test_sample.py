@@ -94,6 +94,55 @@ def test_attention_decode_forward_rejects_pos_outside_the_cache():
                                  4, 2)
 
 
+@pytest.mark.parametrize("op", ["gpt2", "gqa"])
+def test_decode_ops_with_a_position_and_a_cache_row_per_query(op):
+    """pos and rows as arrays (serve's batched step): query b at pos[b] in cache row rows[b] is
+    bit for bit the same op on that row alone, and the other rows are untouched; rope_forward's
+    offset per row likewise."""
+    from handgrad.backends.cpu import gqa_attention_decode_forward, rope_forward
+    rng = np.random.default_rng(0)
+    NH, NKV, hs, Tmax, R = 6, (6 if op == "gpt2" else 2), 8, 12, 5
+    W = (NH + 2 * NKV) * hs
+    k = rng.standard_normal((R, NKV, Tmax, hs), dtype=np.float32)
+    v = rng.standard_normal((R, NKV, Tmax, hs), dtype=np.float32)
+    qkv = rng.standard_normal((3, 1, W), dtype=np.float32)
+    pos, rows = np.array([0, 7, 11]), np.array([4, 0, 2])
+
+    def decode(out, q, kc, vc, p, r=None):
+        if op == "gpt2":
+            attention_decode_forward(out, q, kc, vc, p, NH, rows=r)
+        else:
+            gqa_attention_decode_forward(out, q, kc, vc, p, NH, NKV, rows=r)
+    out, kb, vb = np.empty((3, 1, NH * hs), np.float32), k.copy(), v.copy()
+    decode(out, qkv, kb, vb, pos, rows)
+    ka, va = k.copy(), v.copy()
+    for b in range(3):
+        one = np.empty((1, 1, NH * hs), np.float32)
+        r = rows[b]
+        kr, vr = ka[r:r + 1].copy(), va[r:r + 1].copy()
+        decode(one, qkv[b:b + 1], kr, vr, int(pos[b]))
+        ka[r:r + 1], va[r:r + 1] = kr, vr
+        np.testing.assert_array_equal(out[b], one[0])
+    np.testing.assert_array_equal(kb, ka)
+    np.testing.assert_array_equal(vb, va)
+    with pytest.raises(ValueError, match="distinct"):
+        decode(out, qkv, kb, vb, pos, [1, 1, 2])
+    with pytest.raises(ValueError, match="pass rows"):
+        decode(out, qkv, kb, vb, pos)
+    with pytest.raises(ValueError, match="pos must be in"):
+        decode(out, qkv, kb, vb, [0, 12, 1], rows)
+    cos, sin = (rng.standard_normal((Tmax, hs), dtype=np.float32) for _ in range(2))
+    x = rng.standard_normal((3, 2, NH * hs), dtype=np.float32)
+    got = np.empty_like(x)
+    rope_forward(got, x, cos, sin, NH, np.array([3, 0, 10]))
+    for b, o in enumerate([3, 0, 10]):
+        one = np.empty_like(x[b:b + 1])
+        rope_forward(one, x[b:b + 1], cos, sin, NH, o)
+        np.testing.assert_array_equal(got[b], one[0])
+    with pytest.raises(ValueError, match=r"positions \[11, 13\)"):
+        rope_forward(got, x, cos, sin, NH, np.array([3, 0, 11]))
+
+
 # ---------------------------------------------------------------- the cache against the full forward
 @pytest.mark.parametrize("B, T0, block_size", [(1, 1, 8), (3, 5, 8), (2, 8, 8), (2, 1, 1), (1, 2, 5)],
                          ids=["B1-T0=1", "B3", "T0=block_size", "block_size1", "odd-block_size"])
@@ -185,8 +234,8 @@ def test_decoding_is_incremental(monkeypatch):
         calls["prefill"] += 1
         full(out, att, qkv, n_head)
 
-    def counting_decode(out, qkv, k_cache, v_cache, pos, n_head):
-        assert qkv.shape[:2] == (1, 1)  # one token's projections: no prefix recomputed
+    def counting_decode(out, qkv, k_cache, v_cache, pos, n_head, rows=None):
+        assert qkv.shape[:2] == (1, 1) and rows is None  # one token's projections: no prefix recomputed
         calls["decode"].append(pos)
         decode(out, qkv, k_cache, v_cache, pos, n_head)
 

@@ -146,12 +146,13 @@ class KVCache:
             self.v[l, :, :, :T] = qkv[:, :, 2 * C:].reshape(B, T, NH, hs).swapaxes(1, 2)
         return attend
 
-    def _attend_step(self, pos):
-        """attend(l, atty, qkv) for one position pos: its query over the cached keys."""
+    def _attend_step(self, pos, rows=None):
+        """attend(l, atty, qkv) for one position pos: its query over the cached keys. With rows
+        (step_rows), query row i is at position pos[i] of cache row rows[i]."""
         ops, NH = self.ops, self.NH
 
         def attend(l, atty, qkv):
-            ops.attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, NH)
+            ops.attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, NH, rows=rows)
         return attend
 
     def _bufs(self, T, B=None):
@@ -171,7 +172,7 @@ class KVCache:
     def _blocks(self, s, attend, pos):
         """The residual stream s.x (B, T, C) through every block, in place. attend(l, atty, qkv)
         is the attention: full causal for a prefill, one query over the cache for a step. pos: the
-        position of s.x's first row, or (step_rows) a list of each row's position (GPT-2's positions
+        position of s.x's first row, or (step_rows) an array of each row's position (GPT-2's positions
         are already in its embedding)."""
         ops, p = self.ops, self.p
         for l in range(self.L):
@@ -232,8 +233,8 @@ class KVCache:
         (a serving engine's batched step: serve/engine.py). tokens, slots, positions: (N,) ints;
         tokens[i] is fed at position positions[i] of row slots[i], whose positions [0, positions[i])
         hold that sequence's past. Returns the logits (N, V) of the token after each. The linears
-        run on the N rows together; the embedding, RoPE and attention row by row, each over its own
-        row of the cache: row i computes what step() computes for that sequence alone. self.n is
+        run on the N rows together; RoPE and the attention take each row's own position and cache
+        row (one call per layer): row i computes what step() computes for that sequence alone. self.n is
         not used (each row keeps its own length)."""
         tokens, slots, positions = (np.asarray(a, np.int64).reshape(-1) for a in (tokens, slots, positions))
         N = tokens.shape[0]
@@ -246,29 +247,16 @@ class KVCache:
             raise ValueError(f"positions must be in [0, {self.length}) (the cache's length), got {positions.tolist()}")
         s = self._bufs(1, N)
         s.idx[:, 0] = self.ops.from_numpy(tokens.astype(np.int32))
-        positions = [int(p) for p in positions]
         self._embed_rows(s, positions)
-        self._blocks(s, self._attend_rows([int(b) for b in slots], positions), positions)
+        self._blocks(s, self._attend_step(positions, slots), positions)
         self.steps += N
         return self._head(s.x)[:, 0]
 
     def _embed_rows(self, s, positions):
         """s.x[i] = the embedding of s.idx[i] at position positions[i] (one position per row)."""
-        for i, pos in enumerate(positions):
+        for i, pos in enumerate(positions.tolist()):
             self.ops.encoder_forward(s.x[i:i + 1], s.idx[i:i + 1], self.p["wte.weight"],
                                      self.p["wpe.weight"][pos:pos + 1])
-
-    def _attend_rows(self, slots, positions):
-        """attend(l, atty, qkv) for step_rows: row i's one query over row slots[i] of the cache, at
-        positions[i]."""
-        def attend(l, atty, qkv):
-            for i, (b, pos) in enumerate(zip(slots, positions)):
-                self._attend_slot(l, atty[i:i + 1], qkv[i:i + 1], b, pos)
-        return attend
-
-    def _attend_slot(self, l, atty, qkv, b, pos):
-        """One sequence's decode attention: atty, qkv (1, 1, ...) over row b of layer l's cache."""
-        self.ops.attention_decode_forward(atty, qkv, self.k[l, b:b + 1], self.v[l, b:b + 1], pos, self.NH)
 
     def load_row(self, b, src, row=0):
         """Fill row b of this cache with the src.n cached positions of src's row `row` (src: a cache

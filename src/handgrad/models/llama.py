@@ -311,7 +311,7 @@ class LlamaKVCache(KVCache):
 
     def _blocks(self, s, attend, pos):
         """The residual stream s.x (B, T, C) through every block, in place; positions start at pos (an int), or
-        are pos[i] for row i (a list: step_rows)."""
+        are pos[i] for row i (an array: step_rows)."""
         ops, p, fp, c = self.ops, self.p, self.model.fp, self.model.config
         rot = (c.n_head + c.n_kv_head) * c.head_dim
         for l in range(self.L):
@@ -319,12 +319,7 @@ class LlamaKVCache(KVCache):
             ops.rmsnorm_linear_forward(s.qkv, s.rstd, s.x, p[h + "input_layernorm.weight"], fp.qkv[l].T,
                                        fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps)
             qk = s.qkv[:, :, :rot]
-            if isinstance(pos, list):  # step_rows: one position per row
-                for i, p_i in enumerate(pos):
-                    ops.rope_forward(qk[i:i + 1], qk[i:i + 1], self.model.cos, self.model.sin,
-                                     c.n_head + c.n_kv_head, p_i)
-            else:
-                ops.rope_forward(qk, qk, self.model.cos, self.model.sin, c.n_head + c.n_kv_head, pos)
+            ops.rope_forward(qk, qk, self.model.cos, self.model.sin, c.n_head + c.n_kv_head, pos)
             attend(l, s.atty, s.qkv)
             ops.linear_forward(s.proj, s.atty, p[h + "self_attn.o_proj.weight"].T)
             ops.residual_forward(s.x, s.x, s.proj)
@@ -353,17 +348,12 @@ class LlamaKVCache(KVCache):
             self.v[l, :, :, :T] = qkv[:, :, q + kv:].reshape(B, T, c.n_kv_head, c.head_dim).swapaxes(1, 2)
         return attend
 
-    def _attend_step(self, pos):
+    def _attend_step(self, pos, rows=None):
         ops, c = self.ops, self.model.config
 
         def attend(l, atty, qkv):
-            ops.gqa_attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, c.n_head, c.n_kv_head)
+            ops.gqa_attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, c.n_head, c.n_kv_head, rows=rows)
         return attend
-
-    def _attend_slot(self, l, atty, qkv, b, pos):
-        c = self.model.config
-        self.ops.gqa_attention_decode_forward(atty, qkv, self.k[l, b:b + 1], self.v[l, b:b + 1], pos, c.n_head,
-                                              c.n_kv_head)
 
     def _attention_state_shape(self, T):
         return self.ops.gqa_attention_state_shape(self.B, self.model.config.n_head, T)

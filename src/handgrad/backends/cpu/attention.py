@@ -25,7 +25,7 @@ from numba.extending import overload
 
 from . import blas
 from .blas import NO_TRANS, TRANS, _cblas_gemm, gemm_at, restore_threads, single_threaded
-from .common import HEAVY, kernel, serial_kernel, workspace
+from .common import HEAVY, decode_rows, kernel, serial_kernel, workspace
 from .dropout import MASK32, _SHIFT32, _split, philox4x32, threshold
 from .mathfn import dot64, exp32, max32, sum64
 
@@ -431,41 +431,43 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, se
 
 # ---------------------------------------------------------------- decoding (inference, forward only)
 @kernel(min_parallel=HEAVY)
-def _attention_decode_kernel(out, qkv, k_cache, v_cache, scores, pos, scale):
-    B, NH, _, hs = k_cache.shape
+def _attention_decode_kernel(out, qkv, k_cache, v_cache, scores, pos, rows, scale):
+    B = out.shape[0]
+    _, NH, _, hs = k_cache.shape
     C = NH * hs
     for bh in prange(B * NH):
         b = bh // NH
         h = bh - b * NH
+        r, p = rows[b], pos[b]  # its cache row and position
         q0 = h * hs
         k0 = C + h * hs
         v0 = 2 * C + h * hs
         for i in range(hs):  # append this position's key and value
-            k_cache[b, h, pos, i] = qkv[b, k0 + i]
-            v_cache[b, h, pos, i] = qkv[b, v0 + i]
+            k_cache[r, h, p, i] = qkv[b, k0 + i]
+            v_cache[r, h, p, i] = qkv[b, v0 + i]
         mx = -np.inf
-        for s in range(pos + 1):  # scores of the one query against keys [0, pos]
+        for s in range(p + 1):  # scores of the one query against keys [0, p]
             dot = 0.0
             for i in range(hs):
-                dot += qkv[b, q0 + i] * k_cache[b, h, s, i]
+                dot += qkv[b, q0 + i] * k_cache[r, h, s, i]
             dot *= scale
             scores[bh, s] = dot
             if dot > mx:
                 mx = dot
         total = 0.0
-        for s in range(pos + 1):
+        for s in range(p + 1):
             e = np.exp(scores[bh, s] - mx)
             scores[bh, s] = e
             total += e
         inv = 1.0 / total
         for i in range(hs):
             acc = 0.0
-            for s in range(pos + 1):
-                acc += scores[bh, s] * v_cache[b, h, s, i]
+            for s in range(p + 1):
+                acc += scores[bh, s] * v_cache[r, h, s, i]
             out[b, q0 + i] = acc * inv
 
 
-def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head):
+def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, rows=None):
     """One decoding step: the token at position `pos` attends over the cached keys and values.
 
     qkv (B, 1, 3C) (or (B, 3C)) holds that token's fused projections. k_cache, v_cache
@@ -473,16 +475,22 @@ def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head):
         y = softmax(q K[:pos+1]^T / sqrt(hs)) V[:pos+1]
     which is row pos of attention_forward on the whole sequence (no mask needed: the cache holds
     only the past). Overwrites out (B, 1, C) (or (B, C), contiguous) and slot pos of both caches.
+    Sequences at different positions (`handgrad serve`'s batched step): pos may hold one position
+    per row, and rows the cache row of each of qkv's B rows (the cache then (R, NH, Tmax, hs), any
+    R); query row b then reads and writes cache row rows[b] at pos[b] (common.decode_rows).
     Inference only: nothing is saved for a backward. Parallel over (b, head); float64 accumulators.
     """
-    B, NH, Tmax, hs = k_cache.shape
+    R, NH, Tmax, hs = k_cache.shape
     if NH != n_head or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must both be (B, {n_head}, Tmax, hs), "
                          f"got {k_cache.shape} and {v_cache.shape}")
-    if not 0 <= pos < Tmax:
-        raise ValueError(f"pos must be in [0, {Tmax}) (the cache's length), got {pos}")
+    B = qkv.size // (3 * NH * hs)
+    if qkv.size != B * 3 * NH * hs or out.size != B * NH * hs:
+        raise ValueError(f"qkv must hold (B, {3 * NH * hs}) and out (B, {NH * hs}) values, got {qkv.shape} and "
+                         f"{out.shape}")
+    pos, rows = decode_rows(B, R, Tmax, pos, rows)
     if not (out.flags.c_contiguous and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("out, k_cache and v_cache must be C-contiguous (they are written in place)")
     scores = workspace("attention_decode_scores", (B * NH, Tmax), np.float64)
     _attention_decode_kernel(out.reshape(B, NH * hs), qkv.reshape(B, 3 * NH * hs), k_cache, v_cache,
-                             scores, pos, 1.0 / math.sqrt(hs))
+                             scores, pos, rows, 1.0 / math.sqrt(hs))

@@ -183,3 +183,25 @@ def colsum_accumulate(dst, x):
     partial = workspace("colsum", (n_blocks(x.shape[0]), x.shape[1]), dst.dtype)
     _colsum_blocks(partial, x)
     sum_blocks_into(dst, partial)
+
+
+def decode_rows(B, R, Tmax, pos, rows):
+    """A decoding step's positions and cache rows as int64 (B,) arrays, checked. pos: one position
+    for every query row, or one per row (sequences at different positions: `handgrad serve`'s
+    batched step); rows: the cache row each query row reads and writes (None: row b for query b,
+    the cache then holding exactly B rows). ValueError naming what is out of range."""
+    pos = np.full(B, pos, np.int64) if np.ndim(pos) == 0 else np.asarray(pos, np.int64).reshape(-1)
+    if rows is None:
+        if R != B:
+            raise ValueError(f"the cache holds {R} rows for {B} queries: pass rows (the cache row of each query)")
+        rows = np.arange(B, dtype=np.int64)
+    else:
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if rows.shape == (B,) and B and (rows.min() < 0 or rows.max() >= R or np.unique(rows).shape[0] != B):
+            raise ValueError(f"rows must be {B} distinct cache rows in [0, {R}), got {rows.tolist()}")
+    if pos.shape != (B,) or rows.shape != (B,):
+        raise ValueError(f"pos and rows must hold one value per query row ({B}), got {pos.shape} and {rows.shape}")
+    if B and (pos.min() < 0 or pos.max() >= Tmax):
+        bad = pos[(pos < 0) | (pos >= Tmax)][0]
+        raise ValueError(f"pos must be in [0, {Tmax}) (the cache's length), got {bad}")
+    return pos, rows

@@ -46,7 +46,7 @@ from .attention import (CAUSAL_BLOCK, _exp, _gemm_add_at, _row_max, apply_keep, 
                         keep_row, keep_scratch, softmax_backward_row)
 from .blas import NO_TRANS, TRANS, gemm_at, restore_threads, single_threaded
 from .rope import rope_backward, rope_forward
-from .common import HEAVY, kernel, serial_kernel, workspace
+from .common import HEAVY, decode_rows, kernel, serial_kernel, workspace
 from .mathfn import sum64
 
 
@@ -333,41 +333,43 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
 
 # ---------------------------------------------------------------- decoding (inference, forward only)
 @kernel(min_parallel=HEAVY)
-def _decode_kernel(out, qkv, k_cache, v_cache, scores, pos, NH, scale):
-    B, NKV, _, hs = k_cache.shape
+def _decode_kernel(out, qkv, k_cache, v_cache, scores, pos, rows, NH, scale):
+    B = out.shape[0]
+    _, NKV, _, hs = k_cache.shape
     G = NH // NKV
     for bg in prange(B * NKV):  # one kv head and its G query heads: one writer per cache slot
         b = bg // NKV
         g = bg - b * NKV
+        r, p = rows[b], pos[b]  # its cache row and position
         k0 = (NH + g) * hs
         v0 = (NH + NKV + g) * hs
         for i in range(hs):  # append this position's key and value
-            k_cache[b, g, pos, i] = qkv[b, k0 + i]
-            v_cache[b, g, pos, i] = qkv[b, v0 + i]
+            k_cache[r, g, p, i] = qkv[b, k0 + i]
+            v_cache[r, g, p, i] = qkv[b, v0 + i]
         for h in range(g * G, (g + 1) * G):
             q0 = h * hs
             mx = -np.inf
-            for s in range(pos + 1):  # scores of the one query against keys [0, pos]
+            for s in range(p + 1):  # scores of the one query against keys [0, p]
                 dot = 0.0
                 for i in range(hs):
-                    dot += qkv[b, q0 + i] * k_cache[b, g, s, i]
+                    dot += qkv[b, q0 + i] * k_cache[r, g, s, i]
                 dot *= scale
                 scores[bg, s] = dot
                 mx = max(mx, dot)
             total = 0.0
-            for s in range(pos + 1):
+            for s in range(p + 1):
                 e = np.exp(scores[bg, s] - mx)
                 scores[bg, s] = e
                 total += e
             inv = 1.0 / total
             for i in range(hs):
                 acc = 0.0
-                for s in range(pos + 1):
-                    acc += scores[bg, s] * v_cache[b, g, s, i]
+                for s in range(p + 1):
+                    acc += scores[bg, s] * v_cache[r, g, s, i]
                 out[b, q0 + i] = acc * inv
 
 
-def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_head):
+def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_head, rows=None):
     """One decoding step: the token at position `pos` attends over the cached keys and values.
 
     qkv (B, 1, (NH + 2*NKV)*hs) (or (B, W)) holds that token's fused projections, RoPE already
@@ -376,19 +378,20 @@ def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_h
         y_h = softmax(q_h K_g[:pos+1]^T / sqrt(hs)) V_g[:pos+1]
     which is row pos of gqa_attention_forward on the whole sequence. Overwrites out (B, 1, NH*hs)
     (or (B, NH*hs), contiguous) and slot pos of both caches. Inference only: nothing is saved.
-    Parallel over (b, kv head); float64 accumulators.
+    Sequences at different positions: pos may hold one position per row and rows the cache row of
+    each query row, as in attention_decode_forward. Parallel over (b, kv head); float64 accumulators.
     """
-    B, NKV, Tmax, hs = k_cache.shape
+    R, NKV, Tmax, hs = k_cache.shape
+    B = qkv.size // max(1, (n_head + 2 * NKV) * hs)
     if NKV != n_kv_head or v_cache.shape != k_cache.shape or n_head % n_kv_head:
         raise ValueError(f"k_cache and v_cache must both be (B, {n_kv_head}, Tmax, hs) and n_head a multiple "
                          f"of n_kv_head, got {k_cache.shape}, {v_cache.shape} and n_head {n_head}")
     if qkv.size != B * (n_head + 2 * NKV) * hs or out.size != B * n_head * hs:
         raise ValueError(f"qkv must hold (B, {(n_head + 2 * NKV) * hs}) and out (B, {n_head * hs}) values, "
                          f"got {qkv.shape} and {out.shape}")
-    if not 0 <= pos < Tmax:
-        raise ValueError(f"pos must be in [0, {Tmax}) (the cache's length), got {pos}")
+    pos, rows = decode_rows(B, R, Tmax, pos, rows)
     if not (out.flags.c_contiguous and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("out, k_cache and v_cache must be C-contiguous (they are written in place)")
     scores = workspace("gqa_decode_scores", (B * NKV, Tmax), np.float64)
     _decode_kernel(out.reshape(B, n_head * hs), qkv.reshape(B, (n_head + 2 * NKV) * hs), k_cache, v_cache,
-                   scores, pos, n_head, 1.0 / math.sqrt(hs))
+                   scores, pos, rows, n_head, 1.0 / math.sqrt(hs))

@@ -96,7 +96,7 @@ def _rope_forward_kernel(out, inp, cos, sin, n_head, offset):
     for bt in prange(B * T):
         b = bt // T
         t = bt - b * T
-        p = offset + t
+        p = offset[b] + t
         for h in range(n_head):
             o = h * hs
             for i in range(half):
@@ -115,7 +115,7 @@ def _rope_backward_kernel(dinp, dout, cos, sin, n_head, offset):
     for bt in prange(B * T):
         b = bt // T
         t = bt - b * T
-        p = offset + t
+        p = offset[b] + t
         for h in range(n_head):
             o = h * hs
             for i in range(half):
@@ -136,9 +136,15 @@ def _check(name, out, inp, cos, sin, n_head, offset):
     hs = C // n_head
     if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[1] != hs:
         raise ValueError(f"{name}: cos and sin must both be (T_max, {hs}), got {cos.shape} and {sin.shape}")
-    if offset < 0 or offset + T > cos.shape[0]:
-        raise ValueError(f"{name}: positions [{offset}, {offset + T}) are outside the tables' "
-                         f"[0, {cos.shape[0]})")
+    B = inp.shape[0]
+    offsets = np.full(B, offset, np.int64) if np.ndim(offset) == 0 else np.asarray(offset, np.int64).reshape(-1)
+    if offsets.shape != (B,):
+        raise ValueError(f"{name}: offset must be one position, or one per row ({B}), got {offsets.shape}")
+    bad = (offsets < 0) | (offsets + T > cos.shape[0])
+    if bad.any():
+        o = int(offsets[bad][0])
+        raise ValueError(f"{name}: positions [{o}, {o + T}) are outside the tables' [0, {cos.shape[0]})")
+    return offsets
 
 
 # ---------------------------------------------------------------- the ops
@@ -147,11 +153,11 @@ def rope_forward(out, inp, cos, sin, n_head, offset=0):
 
     inp, out: (B, T, n_head*hs) with unit column stride and any row stride (slices of the fused
     qkv buffer, see the module docstring); out may be inp (in place). cos, sin: (T_max, hs) from
-    rope_cache. offset: the absolute position of row t = 0 (the KV cache's position when decoding).
+    rope_cache. offset: the absolute position of row t = 0 (the KV cache's position when decoding),
+    or one such position per row b (sequences at different positions: `handgrad serve`'s batched step).
     Overwrites out.
     """
-    _check("rope_forward", out, inp, cos, sin, n_head, offset)
-    _rope_forward_kernel(out, inp, cos, sin, n_head, offset)
+    _rope_forward_kernel(out, inp, cos, sin, n_head, _check("rope_forward", out, inp, cos, sin, n_head, offset))
 
 
 def rope_backward(dinp, dout, cos, sin, n_head, offset=0):
@@ -161,5 +167,5 @@ def rope_backward(dinp, dout, cos, sin, n_head, offset=0):
     Shapes as rope_forward's; dinp may be dout (in place, as gqa_attention_backward(rope=) runs it
     on dqkv's q and k columns). Overwrites dinp. The forward's input is not needed (the map is linear).
     """
-    _check("rope_backward", dinp, dout, cos, sin, n_head, offset)
-    _rope_backward_kernel(dinp, dout, cos, sin, n_head, offset)
+    _rope_backward_kernel(dinp, dout, cos, sin, n_head,
+                          _check("rope_backward", dinp, dout, cos, sin, n_head, offset))

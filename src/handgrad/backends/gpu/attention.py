@@ -84,7 +84,7 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, se
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)
-def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head):
+def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, rows=None):
     """One decoding step, as the cpu op: the token at position `pos` attends over the cached keys
     and values. qkv (B, 1, 3C) (or (B, 3C)) holds its fused projections; k_cache, v_cache
     (B, NH, Tmax, hs) hold positions [0, pos) and get its k and v in slot pos; per head
@@ -92,4 +92,4 @@ def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head):
     Overwrites out (B, 1, C) (or (B, C)) and slot pos of both caches. Inference only; float32
     accumulation whatever the tensors' dtype (float32 or bfloat16).
     """
-    gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_head)  # its checks cover GPT-2's
+    gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_head, rows)  # its checks cover GPT-2's

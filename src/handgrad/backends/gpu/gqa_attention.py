@@ -21,10 +21,12 @@ softmax(q k^T / sqrt(hs) + causal mask) @ v with k and v repeated per group, in 
 """
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from ..cpu.common import decode_rows
 from .common import cdiv, interpreting
 from .dropout import keep_tile, kernel_args
 from .rope import check_tables, load_rotated, store_unrotated
@@ -403,12 +405,22 @@ def _gqa_decode_kernel(out_ptr, qkv_ptr, k_ptr, v_ptr, pos, NH, NKV, stride_qkv_
     tl.store(out_ptr + b.to(tl.int64) * stride_out_b + h * HS + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
 
 
-def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_head):
+def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_head, rows=None):
     """One decoding step, as the cpu op: qkv (B, 1, (NH + 2*NKV)*hs) (or (B, W)) holds the token's
     fused projections, RoPE already applied at offset pos; k_cache, v_cache (B, NKV, Tmax, hs) hold
     positions [0, pos) and get its k and v in slot pos; per query head h, g = h // (NH / NKV),
         y_h = softmax(q_h K_g[:pos+1]^T / sqrt(hs)) V_g[:pos+1].
-    Overwrites out (B, 1, NH*hs) (or (B, NH*hs)) and slot pos of both caches. Inference only."""
+    Overwrites out (B, 1, NH*hs) (or (B, NH*hs)) and slot pos of both caches. Inference only.
+    As the cpu op, pos may hold one position per row and rows the cache row of each query row; here
+    that runs one launch per row (the gpu backend does not serve; the cpu op is one launch)."""
+    if rows is not None or np.ndim(pos):
+        W = (n_head + 2 * n_kv_head) * k_cache.shape[-1]
+        q2, o2 = qkv.reshape(-1, W), out.reshape(-1, n_head * k_cache.shape[-1])
+        pos, rows = decode_rows(q2.shape[0], k_cache.shape[0], k_cache.shape[2], pos, rows)
+        for b, (r, p) in enumerate(zip(rows.tolist(), pos.tolist())):
+            gqa_attention_decode_forward(o2[b:b + 1], q2[b:b + 1], k_cache[r:r + 1], v_cache[r:r + 1], p, n_head,
+                                         n_kv_head)
+        return
     B, NKV, Tmax, hs = k_cache.shape
     if NKV != n_kv_head or tuple(v_cache.shape) != tuple(k_cache.shape) or n_head % n_kv_head:
         raise ValueError(f"k_cache and v_cache must both be (B, {n_kv_head}, Tmax, hs) and n_head a multiple of "

@@ -11,6 +11,7 @@ Reference (what the tests compare to): transformers' apply_rotary_pos_emb on the
 attention (gqa_attention.py, `rope=`) rotates q and k as it loads them and takes dq and dk back
 through R^T before it stores them, so training makes no pass of its own over q and k.
 """
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -122,7 +123,12 @@ def _launch(name, out, inp, cos, sin, n_head, offset, backward):
 
 def rope_forward(out, inp, cos, sin, n_head, offset=0):
     """out = RoPE(inp) for positions [offset, offset + T); inp, out (B, T, n_head*hs), any row
-    strides (slices of qkv), out may be inp. cos, sin (T_max, hs) from rope_cache. Overwrites out."""
+    strides (slices of qkv), out may be inp. cos, sin (T_max, hs) from rope_cache. Overwrites out.
+    offset may hold one position per row, as on the cpu (one launch per row here)."""
+    if np.ndim(offset):
+        for b, o in enumerate(np.asarray(offset, np.int64).reshape(-1).tolist()):
+            _launch("rope_forward", out[b:b + 1], inp[b:b + 1], cos, sin, n_head, o, backward=False)
+        return
     _launch("rope_forward", out, inp, cos, sin, n_head, offset, backward=False)
 
 
