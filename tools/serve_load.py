@@ -62,7 +62,8 @@ async def client(http, url, deadline, rng, stats, max_tokens):
             continue
         leave = r < 0.30
         body = {"messages": [{"role": "user", "content": rng.choice(QUESTIONS)}], "stream": True,
-                "max_tokens": rng.randint(8, max_tokens), "temperature": 0.7, "seed": rng.randint(0, 1 << 30)}
+                "max_tokens": rng.randint(8, max_tokens), "temperature": 0.7, "seed": rng.randint(0, 1 << 30),
+                "stream_options": {"include_usage": True}}
         t0, events, finished, done = time.monotonic(), 0, False, False
         try:
             async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -79,6 +80,8 @@ async def client(http, url, deadline, rng, stats, max_tokens):
                         break
                     event = json.loads(line[6:])
                     events += 1
+                    if event.get("usage"):
+                        stats["tokens"] += event["usage"]["completion_tokens"]
                     if event["choices"] and event["choices"][0]["finish_reason"]:
                         finished = True
                     if leave and events >= 3:
@@ -99,7 +102,7 @@ async def client(http, url, deadline, rng, stats, max_tokens):
 
 
 async def load(url, clients, seconds, pid=None, seed=0, max_tokens=64):
-    stats = {"valid_ok": 0, "valid_failed": 0, "left_mid_stream": 0, "bad_ok": 0, "bad_wrong": 0, "stream_s": []}
+    stats = {"valid_ok": 0, "valid_failed": 0, "left_mid_stream": 0, "bad_ok": 0, "bad_wrong": 0, "tokens": 0, "stream_s": []}
     rss, deadline = [], time.monotonic() + seconds
 
     async def sample_rss():
@@ -122,6 +125,7 @@ async def load(url, clients, seconds, pid=None, seed=0, max_tokens=64):
     times = sorted(stats.pop("stream_s"))
     stats["stream_s_median"] = times[len(times) // 2] if times else None
     stats["stream_s_p95"] = times[int(len(times) * 0.95)] if times else None
+    stats["tokens_per_s"] = round(stats["tokens"] / seconds, 1)  # of the streams read to the end
     stats["health_after"] = health
     stats["leaked"] = not (health and health["active"] == 0 and health["waiting"] == 0)
     if rss:
