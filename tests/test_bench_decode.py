@@ -60,7 +60,7 @@ def test_param_reads_merges_overlaps_and_clips_to_the_buffer():
 
 def test_triad_counts_three_arrays():
     bw = bench_decode.bandwidth(mib=4, repeats=2)
-    assert bw["gb_s"] >= bw["median_gb_s"] > 0 and bw["array_mib"] == 4 and bw["repeats"] == 2
+    assert bw["gb_s"] >= bw["median_gb_s"] > 0 and bw["array_mib"] == 4 and bw["passes"] == 2
 
 
 def test_bench_decode_tiny_json_and_its_arithmetic(capsys):
@@ -70,6 +70,7 @@ def test_bench_decode_tiny_json_and_its_arithmetic(capsys):
     assert r["model"] == "tiny (random weights)" and r["threads"] == cores_available() and r["timed_steps"] == 3
     assert set(r["rows"]) == set(bench_decode.ROWS)
     rows, bw = r["rows"], r["bandwidth"]
+    assert bw["passes"] == bench_decode.TRIAD_REPEATS and bw["array_mib"] == bench_decode.TRIAD_MIB  # one turn
     assert r["bound_tok_s"] == pytest.approx(bw["gb_s"] * 1e9 / r["weight_bytes"])
     assert r["fraction_of_bound"] == pytest.approx(rows["handgrad"]["tok_s"] / r["bound_tok_s"])
     assert r["ratio_over_transformers"] == pytest.approx(rows["handgrad"]["tok_s"] / rows["transformers"]["tok_s"])

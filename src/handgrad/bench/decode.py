@@ -6,8 +6,10 @@ bandwidth: bound (tok/s) = bandwidth / weight bytes read per token. Reported, in
 
 * bandwidth: a STREAM triad, a[i] = b[i] + s c[i] over three float32 arrays of TRIAD_MIB each (far
   past the last-level cache), parallel over the threads the kernels run on (Numba's prange, in the
-  pool handgrad's kernels use), best of TRIAD_REPEATS. Bytes are STREAM's count, 3 arrays x 4 bytes x
-  n: b and c read, a written, the write-allocate read of a not counted (counted, it is 4/3 of this).
+  pool handgrad's kernels use); TRIAD_REPEATS passes in each turn of the timed rows (so the bound and
+  the decode speed are measured under the same conditions), the best pass reported. Bytes are
+  STREAM's count, 3 arrays x 4 bytes x n: b and c read, a written, the write-allocate read of a not
+  counted (counted, it is 4/3 of this).
 * weight bytes per token: the bytes of the parameter buffer one decode step is handed, found by
   running one step with every op's array arguments noted (ParamReads): each linear's whole matrix,
   biases, norms, the lm_head's V x C matrix; an embedding table contributes the rows of the tokens
@@ -19,7 +21,9 @@ bandwidth: bound (tok/s) = bandwidth / weight bytes read per token. Reported, in
 * transformers: the same weights in transformers' own LlamaForCausalLM (torch_ref.hf_llama, SDPA
   attention) or GPT2LMHeadModel (interop/hf.hf_config), float32, `generate(do_sample=False,
   use_cache=True)`, timed the same way through a streamer; torch on the same threads. Both sides'
-  greedy tokens are compared before anything is timed, and the count that agree is reported.
+  greedy tokens are compared before anything is timed, and the count that agree is reported (the
+  JSON holds handgrad's, `tokens`, to compare another engine's by hand: the prompt is
+  numpy.random.default_rng(0).integers(0, V, (BATCH, prompt_tokens))[0]).
 * a batch row: `generate` on B = BATCH prompts at once, tokens/s over all rows.
   (The serving engine's batched row goes into ROWS beside it.)
 
@@ -43,7 +47,7 @@ from .common import SETTLE_S, fmt_load
 from .profile import _Profiler
 from .train import SHAPES
 
-TRIAD_MIB, TRIAD_REPEATS, TRIAD_SCALE = 128, 5, 3.0
+TRIAD_MIB, TRIAD_REPEATS, TRIAD_SCALE = 128, 10, 3.0
 NEW_TOKENS, PROMPT_TOKENS, REPEAT, BATCH = 64, 16, 3, 8
 PROFILE_STEPS = 16
 ROWS = ("handgrad", "transformers", "handgrad_batch")  # serve's batched engine adds "serve" here
@@ -56,23 +60,37 @@ def _triad_kernel(a, b, c, s):
         a[i] = b[i] + s * c[i]
 
 
+class Triad:
+    """STREAM's triad over three float32 arrays of `mib` MiB each, checked once when made; run()
+    times `repeats` more passes, result() reports over every pass so far: {"gb_s": best,
+    "median_gb_s", ...}, GB = 1e9 bytes, 3 x 4 x n bytes a pass (write-allocate not counted)."""
+
+    def __init__(self, mib=TRIAD_MIB):
+        self.mib, n = mib, mib * 2 ** 20 // 4
+        self.a, self.b, self.c = (np.empty(n, np.float32) for _ in range(3))
+        self.b[:], self.c[:] = 1.0, 2.0  # every page touched before the timing
+        _triad_kernel(self.a, self.b, self.c, np.float32(TRIAD_SCALE))
+        if not np.all(self.a[::4099] == 1.0 + TRIAD_SCALE * 2.0):
+            raise SystemExit("bench decode: CHECK FAILED: the triad's result is wrong")
+        self.seconds = []
+
+    def run(self, repeats=TRIAD_REPEATS):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            _triad_kernel(self.a, self.b, self.c, np.float32(TRIAD_SCALE))
+            self.seconds.append(time.perf_counter() - t0)
+
+    def result(self):
+        nbytes = 3 * self.a.nbytes
+        return {"gb_s": nbytes / min(self.seconds) / 1e9, "median_gb_s": nbytes / float(np.median(self.seconds)) / 1e9,
+                "array_mib": self.mib, "passes": len(self.seconds), "threads": numba.get_num_threads()}
+
+
 def bandwidth(mib=TRIAD_MIB, repeats=TRIAD_REPEATS):
-    """STREAM's triad over three float32 arrays of `mib` MiB each; {"gb_s": best, "median_gb_s", ...},
-    GB = 1e9 bytes, 3 x 4 x n bytes a pass (write-allocate not counted). Checked before it is timed."""
-    n = mib * 2 ** 20 // 4
-    a, b, c = (np.empty(n, np.float32) for _ in range(3))
-    b[:], c[:] = 1.0, 2.0  # the pages touched before the timing
-    _triad_kernel(a, b, c, np.float32(TRIAD_SCALE))
-    if not np.all(a[::4099] == 1.0 + TRIAD_SCALE * 2.0):
-        raise SystemExit("bench decode: CHECK FAILED: the triad's result is wrong")
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        _triad_kernel(a, b, c, np.float32(TRIAD_SCALE))
-        times.append(time.perf_counter() - t0)
-    nbytes = 3 * 4 * n
-    return {"gb_s": nbytes / min(times) / 1e9, "median_gb_s": nbytes / float(np.median(times)) / 1e9,
-            "array_mib": mib, "repeats": repeats, "threads": numba.get_num_threads()}
+    """Triad(mib)'s result over `repeats` passes."""
+    triad = Triad(mib)
+    triad.run(repeats)
+    return triad.result()
 
 
 # ---------------------------------------------------------------- weight bytes per token
@@ -270,14 +288,15 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
     torch.set_num_threads(threads)
     prompt = np.random.default_rng(0).integers(0, V, (BATCH, prompt_tokens))
     one, n, steps = prompt[:1], new_tokens, new_tokens - 1
-    bw = bandwidth()
+    triad = Triad()
     wb = weight_bytes(model)
     tf = transformers_model(model, torch)
     mine = _handgrad_decode(model, one, n)[0]  # the warm-ups: Numba's compiles, torch's first calls
     _handgrad_decode(model, prompt, n)
     theirs = _transformers_decode(tf, torch, one, n)[0]
     agree = _agree(mine, theirs)
-    sides = {"handgrad": lambda: _handgrad_decode(model, one, n)[1],
+    sides = {"bandwidth": triad.run,  # in the same turns as the rest: the bound under the same conditions
+             "handgrad": lambda: _handgrad_decode(model, one, n)[1],
              "transformers": lambda: _transformers_decode(tf, torch, one, n)[1],
              "handgrad_batch": lambda: _handgrad_decode(model, prompt, n)[1]}
     seconds = {row: [] for row in sides}
@@ -286,6 +305,9 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
             for row, side in sides.items():
                 time.sleep(SETTLE_S)
                 seconds[row].append(side())
+    del seconds["bandwidth"]
+    bw = triad.result()
+    del triad
     rows = {row: dict(batch=BATCH if row == "handgrad_batch" else 1,
                       **_rate(s, steps * (BATCH if row == "handgrad_batch" else 1))) for row, s in seconds.items()}
     bound = bw["gb_s"] * 1e9 / wb["bytes"]
@@ -296,6 +318,7 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
               "weight_bytes": wb["bytes"], "bound_tok_s": bound, "rows": rows, "fraction_of_bound": hg / bound,
               "ratio_over_transformers": hg / rows["transformers"]["tok_s"],
               "batch_ratio": rows["handgrad_batch"]["tok_s"] / hg, "greedy_agree": agree,
+              "tokens": mine[0].tolist(),
               "background_cores": load.cores, "environment": environment(torch)}
     if profile:
         result["profile"] = profile_step(model, one)
@@ -318,7 +341,8 @@ def format_report(r):
              f"  weight bytes read per token                  {mb:8.1f} MB ({r['weight_bytes'] / 4e6:.1f}M float32)",
              f"  bound = bandwidth / weight bytes             {r['bound_tok_s']:8.1f} tok/s",
              f"  handgrad generate, batch 1                   {rows['handgrad']['tok_s']:8.1f} tok/s "
-             f"({rows['handgrad']['median_tok_s']:.1f}): {100 * r['fraction_of_bound']:.0f}% of the bound",
+             f"({rows['handgrad']['median_tok_s']:.1f}): {100 * r['fraction_of_bound']:.0f}% of the bound, weights "
+             f"read at {rows['handgrad']['tok_s'] * r['weight_bytes'] / 1e9:.1f} GB/s",
              f"  transformers generate, batch 1               {rows['transformers']['tok_s']:8.1f} tok/s "
              f"({rows['transformers']['median_tok_s']:.1f}): handgrad {r['ratio_over_transformers']:.2f}x; greedy "
              f"tokens agree {r['greedy_agree']} of {r['new_tokens']}",
