@@ -59,14 +59,15 @@ def run_engine(engine, batches):
     return every
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", sorted(MODELS))
-def test_batched_streams_get_the_tokens_they_get_alone(arch):
+def test_batched_streams_get_the_tokens_they_get_alone(arch, dtype):
     model = MODELS[arch]()
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 67, n).tolist() for n in (1, 5, 11, 3, 8)]
     news = [12, 20, 7, 15, 9]
-    alone = [generate(model, [p], n, temperature=0)[0, len(p):].tolist() for p, n in zip(prompts, news)]
-    engine = Engine(model, slots=3, length=40, max_waiting=8).start()  # 5 sequences on 3 rows: some wait
+    alone = [generate(model, [p], n, temperature=0, dtype=dtype)[0, len(p):].tolist() for p, n in zip(prompts, news)]
+    engine = Engine(model, slots=3, length=40, max_waiting=8, dtype=dtype).start()  # 5 sequences, 3 rows: some wait
     try:
         seqs = run_engine(engine, [(0, [Sequence(p, n, temperature=0) for p, n in zip(prompts[:2], news[:2])]),
                                    (4, [Sequence(p, n, temperature=0) for p, n in zip(prompts[2:], news[2:])])])

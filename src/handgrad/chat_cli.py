@@ -68,11 +68,11 @@ class Chat:
     how its replies are sampled. Writes everything it shows to `out`."""
 
     def __init__(self, model, tokenizer, fmt, out, system=None, max_new_tokens=200, temperature=0.8,
-                 top_k=None, top_p=None, seed=1337):
+                 top_k=None, top_p=None, seed=1337, dtype="float32"):
         self.model, self.tokenizer, self.fmt, self.out = model, tokenizer, fmt, out
         self.system = system
         self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.dtype = max_new_tokens, dtype
         self.rng = np.random.default_rng(seed)  # one stream for the session: turn 1 draws as `sample` does
         self.block_size = model.config.block_size
         self.room = min(max_new_tokens, max(1, self.block_size // 2))  # tokens kept free for the reply
@@ -113,7 +113,8 @@ class Chat:
 
         try:
             out = generate(self.model, np.asarray([ids], np.int64), self.max_new_tokens, rng=self.rng,
-                           on_token=on_token, stop_id=stop_id, vocab=self.tokenizer.vocab_size, **self.sampling)
+                           on_token=on_token, stop_id=stop_id, vocab=self.tokenizer.vocab_size, dtype=self.dtype,
+                           **self.sampling)
         except KeyboardInterrupt:
             return so_far[0], "interrupted"
         new = out[0, T0:]
@@ -246,7 +247,7 @@ def main(args, inp=None, out=None):
     except DataError as e:
         raise SampleError(f"--run {args.run}: no chat template to talk with ({e})") from None
     chat = Chat(model, tokenizer, fmt, out, system=args.system, max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, dtype=args.dtype)
     chat.say(f"{args.run}: {model.num_params:,} parameters, context {model.config.block_size} tokens, "
              f"chat template from {fmt.source} (replies end at {fmt.end_of_turn}). /help lists the commands; "
              f"Ctrl-D leaves.")

@@ -15,7 +15,7 @@ from .data.sources import DataError
 from .data.tokenizer import load_tokenizer
 from .interop.checkpoint import CheckpointError, load_model, read_state, resolve
 from .interop.load import foreign_format, load_base, load_pretrained, model_tokenizer_path
-from .models.decode import SampleError, check_sampling, generate
+from .models.decode import DTYPES, SampleError, check_sampling, generate
 from .models import family_of
 
 
@@ -71,6 +71,14 @@ def add_sampling_arguments(parser, max_new_tokens_help):
     parser.add_argument("--top-p", type=float, default=None, metavar="P",
                         help="sample only from the smallest set of tokens with probability >= P")
     parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling (default 1337)")
+    add_dtype_argument(parser)
+
+
+def add_dtype_argument(parser):
+    """--dtype: the decoding weights' dtype (sample, chat, serve)."""
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="the weights the decoding multiplies (default float32); bfloat16: bf16 copies of the "
+                             "matrices, bf16 x bf16 products with float32 accumulation, half the bytes read per token")
 
 
 def add_arguments(parser):
@@ -212,7 +220,7 @@ def main(args, file=None):
     out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                    np.random.default_rng(args.seed),
                    on_token=lambda step, so_far: stream.update(_until(so_far[0, shown_from:], stop_id)),
-                   stop_id=stop_id, vocab=tokenizer.vocab_size)
+                   stop_id=stop_id, vocab=tokenizer.vocab_size, dtype=args.dtype)
     stream.update(_until(out[0, shown_from:], stop_id), final=True)
     file.write(f"\n{SEPARATOR}\n")
     for row in out[1:]:

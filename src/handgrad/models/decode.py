@@ -40,20 +40,39 @@ class SampleError(ValueError):
     """A mistake in what the user asked for: one line that names the argument."""
 
 
+# The weights' dtype for decoding: float32 (the model's own), or bf16 copies of the matrices the
+# products read, multiplied as bf16 x bf16 with float32 accumulation (half the bytes per token).
+DTYPES = ("float32", "bfloat16")
+
+
 # ---------------------------------------------------------------- the cache and the forward passes
 class KVCache:
     """Every layer's keys and values for the tokens in the context window, and every buffer a
     prefill or a decode step needs, allocated once.
 
     k, v: (L, B, NH, length, hs); positions [0, n) are filled. `length` is block_size unless the
-    caller knows the sequence stays shorter (generate passes T0 + max_new_tokens - 1). `keep` is
+    caller knows the sequence stays shorter (generate passes T0 + max_new_tokens - 1). dtype: the
+    weights the products read (DTYPES; bfloat16: bf16 copies made here, or taken from `share`, another
+    cache of the same model and dtype, as serve's engine shares them between its two). `keep` is
     how many of the newest tokens are re-prefilled when the window is full (see the module
     docstring). `prefills` and `steps` count the calls, so tests can see how each logit was made.
     """
 
-    def __init__(self, model, B, length=None, kv_heads=None):
+    def __init__(self, model, B, length=None, kv_heads=None, dtype="float32", share=None):
         cfg = model.config
-        self.model, self.ops, self.p = model, model.ops, model.p
+        self.model, self.ops = model, model.ops
+        if dtype not in DTYPES:
+            raise SampleError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if dtype == "bfloat16" and model.backend != "cpu":
+            raise SampleError("bfloat16 decoding weights are the cpu backend's; on the gpu decode in the model's dtype")
+        self.dtype = dtype
+        if share is not None:  # another cache of this model and dtype: its weights, not new copies
+            self.p, self._head_w = share.p, share._head_w
+            self.fp = getattr(share, "fp", None)
+        else:
+            self.p = model.p if dtype == "float32" else self._bf16_params()
+            head = self._lm_head()
+            self._head_w = head if dtype == "float32" else self.ops.to_bf16(head)  # (V, C), used transposed
         self.L, self.NH, self.C = cfg.n_layer, cfg.n_head, cfg.n_embd
         self.block_size = cfg.block_size
         self.length = Tmax = cfg.block_size if length is None else length
@@ -126,6 +145,14 @@ class KVCache:
         """The (V, C) weight of the logits (GPT-2's is tied to wte)."""
         return self.p["wte.weight"]
 
+    def _bf16_params(self):
+        """model.p with the matrices a decode step multiplies as bf16 copies (uint16), each laid out
+        so that the view the layers pass is the transpose of a contiguous (out, in) matrix (the
+        few-row product's layout: backends/cpu/blas.py). Embeddings and vectors stay float32."""
+        to = self.ops.to_bf16
+        return {name: to(np.ascontiguousarray(w.T)).T if w.ndim == 2 and name not in ("wte.weight", "wpe.weight")
+                else w for name, w in self.model.p.items()}
+
     def _embed(self, s, pos):
         """s.x = the embeddings of s.idx at positions [pos, pos + T)."""
         T = s.x.shape[1]
@@ -196,7 +223,7 @@ class KVCache:
         h = SimpleNamespace(**{name: self._grown(self._flat_head, name, B * T * w)[:B * T * w]
                                .reshape((B, T, w) if w > 1 else (B, T)) for name, w in widths.items()})
         self._final_norm(h, x)
-        self.ops.linear_forward(h.logits, h.norm, self._lm_head().T)
+        self.ops.linear_forward(h.logits, h.norm, self._head_w.T)
         return self.ops.to_numpy(h.logits)  # cpu: a view; gpu: the one host copy per call
 
     def prefill(self, idx):
@@ -409,7 +436,7 @@ def _as_rng(rng):
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, rng=None,
-             on_token=None, stop_id=None, vocab=None):
+             on_token=None, stop_id=None, vocab=None, dtype="float32"):
     """Continue each row of prompt_ids (a list of ints, or a (B, T0) array) by max_new_tokens tokens.
 
     Returns the int64 ids (B, T0 + max_new_tokens), prompt included. Sampling is as in
@@ -425,6 +452,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     result is then shorter, and a row that stopped earlier goes on sampling: cut it at its first stop_id.
     vocab: only ids below it are sampled (the tokenizer's size, where the embedding has rows of
     padding past it that no token decodes from: Qwen2's 151,936 for 151,665 tokens).
+    dtype: the decoding weights' (DTYPES): "bfloat16" multiplies bf16 copies of the matrices.
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     if getattr(model, "lora", None) is not None:
@@ -436,7 +464,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     out[:, :T0] = idx
     if max_new_tokens == 0:
         return out
-    cache = model.KV_CACHE(model, B, length=min(model.config.block_size, T0 + max_new_tokens - 1))
+    cache = model.KV_CACHE(model, B, length=min(model.config.block_size, T0 + max_new_tokens - 1), dtype=dtype)
     logits = cache.prefill(idx[:, -model.config.block_size:])
     stopped = np.zeros(B, dtype=bool)  # (B,)
     for step in range(max_new_tokens):

@@ -293,10 +293,20 @@ class LlamaKVCache(KVCache):
     """The keys (after RoPE at their absolute positions) and values of every layer, n_kv_head
     heads each, for decoding; the context policy is KVCache's (models/decode.py)."""
 
-    def __init__(self, model, B, length=None):
+    def __init__(self, model, B, length=None, dtype="float32", share=None):
         c = model.config
         self.NKV, self.hs, self.H = c.n_kv_head, c.head_dim, c.ffn_hidden
-        super().__init__(model, B, length, kv_heads=c.n_kv_head)
+        self.fp = model.fp  # the fused q/k/v and gate/up matrices (bf16 copies: _bf16_params)
+        super().__init__(model, B, length, kv_heads=c.n_kv_head, dtype=dtype, share=share)
+
+    def _bf16_params(self):
+        """As KVCache's: o_proj, down_proj and the fused q/k/v and gate/up (self.fp) as bf16 copies,
+        (out, in) as Hugging Face stores them, passed transposed; the rest float32."""
+        to = self.ops.to_bf16
+        self.fp = SimpleNamespace(**{key: [to(w) for w in mats] if key != "qkv_bias" else mats
+                                     for key, mats in vars(self.model.fp).items()})
+        return {name: to(w) if name.endswith(("o_proj.weight", "down_proj.weight")) else w
+                for name, w in self.model.p.items()}
 
     def _buffer_widths(self):
         c, C = self.model.config, self.C
@@ -312,7 +322,7 @@ class LlamaKVCache(KVCache):
     def _blocks(self, s, attend, pos):
         """The residual stream s.x (B, T, C) through every block, in place; positions start at pos (an int), or
         are pos[i] for row i (an array: step_rows)."""
-        ops, p, fp, c = self.ops, self.p, self.model.fp, self.model.config
+        ops, p, fp, c = self.ops, self.p, self.fp, self.model.config
         rot = (c.n_head + c.n_kv_head) * c.head_dim
         for l in range(self.L):
             h = f"model.layers.{l}."

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from ..data.chat import load_chat_format
 from ..data.sources import DataError
 from ..models.decode import SampleError
-from ..sample import load_run
+from ..sample import add_dtype_argument, load_run
 from .app import Server, Starlette
 from .engine import Engine
 
@@ -44,6 +44,7 @@ def add_arguments(parser):
                         help="the longest prompt, in tokens (default: --context - 1)")
     parser.add_argument("--max-body", type=int, default=1 << 20, metavar="BYTES",
                         help="the largest request body (default 1 MiB); more gets 413")
+    add_dtype_argument(parser)
 
 
 def _check(args, block_size):
@@ -74,7 +75,7 @@ def build(args):
     except DataError:
         fmt = None  # /v1/completions only; /v1/chat/completions says so
     engine = Engine(model, slots=args.max_streams, length=context, max_waiting=args.max_waiting,
-                    vocab=tokenizer.vocab_size)
+                    vocab=tokenizer.vocab_size, dtype=args.dtype)
     name = args.name or str(args.run).rstrip("/").split("/")[-1]
     return Server(engine, tokenizer, fmt, name, limits), engine
 

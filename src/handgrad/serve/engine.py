@@ -62,15 +62,16 @@ class Engine:
 
     model: a handgrad model (LoRA adapters are folded in); slots: sequences decoded at once;
     length: positions per row (prompt plus new tokens); max_waiting: sequences queued beyond the
-    rows before submit refuses; vocab: only ids below it are sampled (the tokenizer's size)."""
+    rows before submit refuses; vocab: only ids below it are sampled (the tokenizer's size); dtype:
+    the decoding weights' (models/decode.py's DTYPES)."""
 
-    def __init__(self, model, slots=8, length=None, max_waiting=32, vocab=None):
+    def __init__(self, model, slots=8, length=None, max_waiting=32, vocab=None, dtype="float32"):
         if getattr(model, "lora", None) is not None:
             model = model.plain()  # decoding reads plain weights: the adapters folded in
         self.model, self.vocab, self.max_waiting = model, vocab, max_waiting
         self.length = length = min(length or model.config.block_size, model.config.block_size)
-        self.cache = model.KV_CACHE(model, slots, length)
-        self.one = model.KV_CACHE(model, 1, length)  # new prompts are prefilled here, then copied
+        self.cache = model.KV_CACHE(model, slots, length, dtype=dtype)
+        self.one = model.KV_CACHE(model, 1, length, dtype=dtype, share=self.cache)  # prompts are prefilled here
         self.slots = slots
         self.free = list(range(slots - 1, -1, -1))  # pop() gives row 0 first
         self.active = {}  # row -> Sequence

@@ -15,9 +15,9 @@ of a contiguous (N, K) matrix (every Llama linear and every tied lm_head) take n
 kernel (_small_m_nt) reads each weight row once for all the rows, which is what a decode step's
 speed is made of (memory bandwidth). Measured on the 2-core AMD EPYC (AVX2) with SmolLM2-135M's
 four weight shapes, 2 threads: MKL's sgemm 11.4 ms at 1 row and 27.7 at 8, this kernel 6.9 and
-10.8 (docs/PERFORMANCE.md, "decode products"). Every row is computed by the same code whatever the
-row count (rows padded to a multiple of 4 by repeating the last), so a sequence's logits are the
-same bits alone or in a batch of any size.
+10.8 (docs/PERFORMANCE.md, "decode products"). Within a batch every row is computed by the same code
+(rows padded to a multiple of 4 by repeating the last), so a sequence's logits are the same bits in
+a batch of any size from 2 up; alone (one row, no padding to pay for) they agree to float32 rounding.
 
 `gemm(a, b, c, beta)` computes c = a @ b + beta * c over the last two axes, with leading batch
 axes (up to two: attention's (B, NH, T, hs) head views) broadcast between a, b and c. Operands may
@@ -34,6 +34,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import onednn
+from .bf16 import load_as
 from .common import cheap_launches, kernel, wheel_library, workspace
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -291,26 +292,41 @@ _NT_BLOCK = 32  # weight rows per parallel task
 
 @njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
 def _dot4(a0, a1, a2, a3, w, n):
-    """Four rows' dot products with one weight row, float32 accumulators (vectorised: reassoc)."""
+    """Four rows' dot products with one weight row, float32 accumulators (vectorised: reassoc).
+    Rows and weight may be float32 or bf16 (uint16: widened exactly, so bf16 x bf16 products are
+    exact in float32, as the hardware's bf16 dot products make them)."""
     t0 = t1 = t2 = t3 = np.float32(0.0)
     for s in range(n):
-        x = w[s]
-        t0 += a0[s] * x
-        t1 += a1[s] * x
-        t2 += a2[s] * x
-        t3 += a3[s] * x
+        x = load_as(w, w[s])
+        t0 += load_as(a0, a0[s]) * x
+        t1 += load_as(a1, a1[s]) * x
+        t2 += load_as(a2, a2[s]) * x
+        t3 += load_as(a3, a3[s]) * x
     return t0, t1, t2, t3
+
+
+@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _dot1(a0, w, n):
+    """One row's dot product with a weight row, as _dot4's (a single row pays for no padding)."""
+    t0 = np.float32(0.0)
+    for s in range(n):
+        t0 += load_as(a0, a0[s]) * load_as(w, w[s])
+    return t0
 
 
 @kernel
 def _small_m_nt(a, wt, c):
     """c (M, N) = a (M, K) @ wt (N, K)^T, four rows of a per pass over a row of wt (rows past M
-    repeat row M - 1, so every row goes through the same code). Parallel over blocks of wt's rows."""
+    repeat row M - 1, so every row of a batch goes through the same code; one row alone takes
+    _dot1, the same sums up to float32 rounding). Parallel over blocks of wt's rows."""
     M, K = a.shape
     N = wt.shape[0]
     for j in prange((N + _NT_BLOCK - 1) // _NT_BLOCK):
         for n in range(j * _NT_BLOCK, min(N, (j + 1) * _NT_BLOCK)):
             w = wt[n]
+            if M == 1:
+                c[0, n] = _dot1(a[0], w, K)
+                continue
             for m in range(0, M, 4):
                 m1, m2, m3 = min(m + 1, M - 1), min(m + 2, M - 1), min(m + 3, M - 1)
                 t0, t1, t2, t3 = _dot4(a[m], a[m1], a[m2], a[m3], w, K)
@@ -320,19 +336,59 @@ def _small_m_nt(a, wt, c):
                 c[m3, n] = t3
 
 
+_OPERANDS = (np.float32, np.uint16)
+
+
 def _few_rows(a, b, c, beta):
-    """Whether c = a @ b goes to _small_m_nt: float32, 2-D, beta 0, at most SMALL_M rows, b the
-    transpose of a contiguous matrix, a's and c's rows contiguous."""
+    """Whether c = a @ b goes to _small_m_nt: 2-D, beta 0, at most SMALL_M rows, b the transpose
+    of a contiguous matrix, a's and c's rows contiguous; a and b float32 or bf16, c float32."""
     return (beta == 0 and a.ndim == b.ndim == c.ndim == 2 and a.shape[0] <= SMALL_M and a.shape[1] > 0
-            and a.dtype == b.dtype == c.dtype == np.float32 and b.T.flags.c_contiguous
-            and a.strides[1] == 4 and c.strides[1] == 4 and a.shape[1] == b.shape[0] and c.shape == (a.shape[0], b.shape[1]))
+            and a.dtype in _OPERANDS and b.dtype in _OPERANDS and c.dtype == np.float32
+            and b.T.flags.c_contiguous and a.strides[1] == a.itemsize and c.strides[1] == 4
+            and a.shape[1] == b.shape[0] and c.shape == (a.shape[0], b.shape[1]))
+
+
+_HW = []
+
+
+def _hardware_bf16():
+    """Whether this CPU multiplies bf16 (onednn.bf16_path, read once)."""
+    if not _HW:
+        _HW.append(onednn.bf16_path() is not None)
+    return _HW[0]
+
+
+def _bf16_gemm(a, b, c, beta):
+    """c = a @ b with a bf16 operand: both operands as bf16 (a float32 a is rounded to bf16 first,
+    so the products are bf16's), float32 accumulation. Few rows: _small_m_nt; otherwise oneDNN
+    where the CPU multiplies bf16, else both widened to float32 (exact) for the float32 BLAS (a
+    prefill of bf16 decoding weights on a CPU without hardware bf16)."""
+    if a.dtype != np.uint16:
+        a = onednn.to_bf16(a, workspace("gemm_bf16_a", a.shape, np.uint16))
+    if _few_rows(a, b, c, beta):  # a's few rows widened once (exact), so only the weight is per element
+        wide = workspace("gemm_bf16_rows", a.shape, np.float32)
+        onednn._widen(a, wide)
+        _small_m_nt(wide, b.T, c)
+        return c
+    if b.dtype == np.uint16 and _hardware_bf16():
+        return onednn.gemm(a, b, c, beta)
+    wide = []
+    for i, x in enumerate((a, b)):
+        if x.dtype == np.uint16:
+            flip = not x.flags.c_contiguous and x.T.flags.c_contiguous
+            src = x.T if flip else np.ascontiguousarray(x)
+            w = workspace(f"gemm_bf16_wide{i}", src.shape, np.float32)
+            onednn._widen(src, w)
+            x = w.T if flip else w
+        wide.append(x)
+    return gemm(wide[0], wide[1], c, beta)
 
 
 def gemm(a, b, c, beta=0.0):
     """c = a @ b + beta * c, in place (c is never reallocated); see the module docstring.
     bf16 operands (uint16 bit patterns, 2-D) go to oneDNN (onednn.gemm), c float32."""
-    if a.dtype == np.uint16:
-        return onednn.gemm(a, b, c, beta)
+    if np.uint16 in (a.dtype, b.dtype):
+        return _bf16_gemm(a, b, c, beta)
     if _few_rows(a, b, c, beta):
         _small_m_nt(a, b.T, c)
         return c
