@@ -73,6 +73,8 @@ def test_bench_decode_tiny_json_and_its_arithmetic(capsys):
     assert bw["passes"] == bench_decode.TRIAD_REPEATS and bw["array_mib"] == bench_decode.TRIAD_MIB  # one turn
     assert r["bound_tok_s"] == pytest.approx(bw["gb_s"] * 1e9 / r["weight_bytes"])
     assert r["fraction_of_bound"] == pytest.approx(rows["handgrad"]["tok_s"] / r["bound_tok_s"])
+    assert r["median_bound_tok_s"] == pytest.approx(bw["median_gb_s"] * 1e9 / r["weight_bytes"])
+    assert r["fraction_of_median_bound"] == pytest.approx(rows["handgrad"]["tok_s"] / r["median_bound_tok_s"])
     assert r["ratio_over_transformers"] == pytest.approx(rows["handgrad"]["tok_s"] / rows["transformers"]["tok_s"])
     assert r["batch_ratio"] == pytest.approx(rows["handgrad_batch"]["tok_s"] / rows["handgrad"]["tok_s"])
     for name, row in rows.items():

@@ -7,9 +7,10 @@ bandwidth: bound (tok/s) = bandwidth / weight bytes read per token. Reported, in
 * bandwidth: a STREAM triad, a[i] = b[i] + s c[i] over three float32 arrays of TRIAD_MIB each (far
   past the last-level cache), parallel over the threads the kernels run on (Numba's prange, in the
   pool handgrad's kernels use); TRIAD_REPEATS passes in each turn of the timed rows (so the bound and
-  the decode speed are measured under the same conditions), the best pass reported. Bytes are
-  STREAM's count, 3 arrays x 4 bytes x n: b and c read, a written, the write-allocate read of a not
-  counted (counted, it is 4/3 of this).
+  the decode speed are measured under the same conditions), the best pass reported as STREAM does,
+  the median beside it (on a shared machine the two differ by 10-30%: both fractions are given).
+  Bytes are STREAM's count, 3 arrays x 4 bytes x n: b and c read, a written, the write-allocate read
+  of a not counted (counted, it is 4/3 of this).
 * weight bytes per token: the bytes of the parameter buffer one decode step is handed, found by
   running one step with every op's array arguments noted (ParamReads): each linear's whole matrix,
   biases, norms, the lm_head's V x C matrix; an embedding table contributes the rows of the tokens
@@ -49,7 +50,6 @@ from .train import SHAPES
 
 TRIAD_MIB, TRIAD_REPEATS, TRIAD_SCALE = 128, 10, 3.0
 NEW_TOKENS, PROMPT_TOKENS, REPEAT, BATCH = 64, 16, 3, 8
-PROFILE_STEPS = 16
 ROWS = ("handgrad", "transformers", "handgrad_batch")  # serve's batched engine adds "serve" here
 
 
@@ -217,9 +217,10 @@ def _agree(a, b):
 
 
 # ---------------------------------------------------------------- the profile
-def profile_step(model, prompt, steps=PROFILE_STEPS):
-    """One batch-1 decode step with every op timed: {"step_s", "ops": {op: {s, calls, blas_s}},
-    "blas": {"calls", "s", "weight_bytes"}}, per step, averaged over `steps` steps after the prompt."""
+def profile_step(model, prompt, steps):
+    """One batch-1 decode step with every op timed: {"step_s", "steps", "ops": {op: {s, calls,
+    blas_s}}, "blas": {"calls", "s", "weight_bytes"}}, per step, averaged over `steps` steps after
+    the prompt (the positions the timed rows decode at)."""
     ops, gemm = model.ops, blas.gemm
     prof = model.ops = _Profiler(ops)
     weights = {"calls": 0, "s": 0.0, "weight_bytes": 0}
@@ -245,7 +246,7 @@ def profile_step(model, prompt, steps=PROFILE_STEPS):
         step_s = (time.perf_counter() - t0) / steps
     finally:
         model.ops, blas.gemm = ops, gemm
-    return {"step_s": step_s, "blas": {k: v / steps for k, v in weights.items()},
+    return {"step_s": step_s, "steps": steps, "blas": {k: v / steps for k, v in weights.items()},
             "ops": {k: {"s": v / steps, "calls": prof.calls[k] / steps, "blas_s": prof.blas_seconds[k] / steps}
                     for k, v in prof.seconds.items()}}
 
@@ -311,17 +312,19 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
     rows = {row: dict(batch=BATCH if row == "handgrad_batch" else 1,
                       **_rate(s, steps * (BATCH if row == "handgrad_batch" else 1))) for row, s in seconds.items()}
     bound = bw["gb_s"] * 1e9 / wb["bytes"]
+    median_bound = bw["median_gb_s"] * 1e9 / wb["bytes"]
     hg = rows["handgrad"]["tok_s"]
     result = {"model": name, "arch": type(model.config).__name__, "cpu": cpu_model(), "threads": threads,
               "date": time.strftime("%Y-%m-%d"), "dtype": "float32", "prompt_tokens": prompt_tokens,
               "new_tokens": n, "timed_steps": steps, "repeat": repeat, "bandwidth": bw,
               "weight_bytes": wb["bytes"], "bound_tok_s": bound, "rows": rows, "fraction_of_bound": hg / bound,
+              "median_bound_tok_s": median_bound, "fraction_of_median_bound": hg / median_bound,
               "ratio_over_transformers": hg / rows["transformers"]["tok_s"],
               "batch_ratio": rows["handgrad_batch"]["tok_s"] / hg, "greedy_agree": agree,
               "tokens": mine[0].tolist(),
               "background_cores": load.cores, "environment": environment(torch)}
     if profile:
-        result["profile"] = profile_step(model, one)
+        result["profile"] = profile_step(model, one, steps)
     if as_json:
         print(json.dumps(result))
     else:
@@ -339,10 +342,12 @@ def format_report(r):
              f"  memory bandwidth, STREAM triad 3 x {bw['array_mib']} MiB  {bw['gb_s']:8.1f} GB/s "
              f"({bw['median_gb_s']:.1f})",
              f"  weight bytes read per token                  {mb:8.1f} MB ({r['weight_bytes'] / 4e6:.1f}M float32)",
-             f"  bound = bandwidth / weight bytes             {r['bound_tok_s']:8.1f} tok/s",
+             f"  bound = bandwidth / weight bytes             {r['bound_tok_s']:8.1f} tok/s "
+             f"({r['median_bound_tok_s']:.1f})",
              f"  handgrad generate, batch 1                   {rows['handgrad']['tok_s']:8.1f} tok/s "
-             f"({rows['handgrad']['median_tok_s']:.1f}): {100 * r['fraction_of_bound']:.0f}% of the bound, weights "
-             f"read at {rows['handgrad']['tok_s'] * r['weight_bytes'] / 1e9:.1f} GB/s",
+             f"({rows['handgrad']['median_tok_s']:.1f}): {100 * r['fraction_of_bound']:.0f}% of the bound "
+             f"({100 * r['fraction_of_median_bound']:.0f}% of the median's), weights read at "
+             f"{rows['handgrad']['tok_s'] * r['weight_bytes'] / 1e9:.1f} GB/s",
              f"  transformers generate, batch 1               {rows['transformers']['tok_s']:8.1f} tok/s "
              f"({rows['transformers']['median_tok_s']:.1f}): handgrad {r['ratio_over_transformers']:.2f}x; greedy "
              f"tokens agree {r['greedy_agree']} of {r['new_tokens']}",
@@ -359,7 +364,8 @@ def format_profile(p, gb_s):
     ops = sorted(p["ops"].items(), key=lambda kv: -kv[1]["s"])
     in_ops = sum(v["s"] for _, v in ops)
     calls = sum(v["calls"] for _, v in ops)
-    lines = [f"  one decode step, every op timed: {1e3 * step:.2f} ms",
+    lines = [f"  one decode step, every op timed (the mean of {p['steps']}, at the timed rows' positions): "
+             f"{1e3 * step:.2f} ms",
              f"    {'op':<28} {'calls':>6} {'ms':>7} {'share':>6} {'in BLAS':>8}"]
     lines += [f"    {op:<28} {v['calls']:>6.0f} {1e3 * v['s']:>7.3f} {100 * v['s'] / step:>5.1f}% "
               f"{1e3 * v['blas_s']:>8.3f}" for op, v in ops]
