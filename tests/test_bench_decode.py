@@ -77,8 +77,12 @@ def test_bench_decode_tiny_json_and_its_arithmetic(capsys):
     assert r["fraction_of_median_bound"] == pytest.approx(rows["handgrad"]["tok_s"] / r["median_bound_tok_s"])
     assert r["ratio_over_transformers"] == pytest.approx(rows["handgrad"]["tok_s"] / rows["transformers"]["tok_s"])
     assert r["batch_ratio"] == pytest.approx(rows["handgrad_batch"]["tok_s"] / rows["handgrad"]["tok_s"])
+    assert r["bf16_ratio"] == pytest.approx(rows["handgrad_bf16"]["tok_s"] / rows["handgrad"]["tok_s"])
+    assert r["serve_ratio"] == pytest.approx(rows["serve_batch"]["tok_s"] / rows["serve_1"]["tok_s"])
+    assert r["serve_greedy_same"] and r["bf16_weight_bytes"] < r["weight_bytes"]
     for name, row in rows.items():
-        tokens = r["timed_steps"] * row["batch"]
+        # the generate rows time the steps after the prefill; the serve rows all new tokens, prefill included
+        tokens = (r["new_tokens"] if name.startswith("serve") else r["timed_steps"]) * row["batch"]
         assert row["tok_s"] == pytest.approx(tokens / min(row["seconds"])), name
     assert rows["handgrad_batch"]["batch"] == bench_decode.BATCH and rows["handgrad"]["batch"] == 1
     assert 0 <= r["greedy_agree"] <= 4

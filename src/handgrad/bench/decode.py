@@ -26,7 +26,10 @@ bandwidth: bound (tok/s) = bandwidth / weight bytes read per token. Reported, in
   JSON holds handgrad's, `tokens`, to compare another engine's by hand: the prompt is
   numpy.random.default_rng(0).integers(0, V, (BATCH, prompt_tokens))[0]).
 * a batch row: `generate` on B = BATCH prompts at once, tokens/s over all rows.
-  (The serving engine's batched row goes into ROWS beside it.)
+* a bf16 row: `generate --dtype bfloat16` at batch 1 (bf16 copies of the matrices: bf16_bytes a
+  token), its ratio over float32 and the fraction of its own bound.
+* serving rows (bench/streams.py): serve's engine decoding 1, then BATCH sequences at once (each
+  its own prompt, prefilled alone, then batched steps), tokens/s over all of them.
 
 --profile adds one decode step's time by op (and the part inside BLAS), the BLAS calls' weight
 bytes over their time (the GEMV bandwidth), and the time outside BLAS per op call.
@@ -46,11 +49,12 @@ from ..models.decode import generate
 from ..sample import load_run
 from .common import SETTLE_S, fmt_load
 from .profile import _Profiler
+from .streams import EngineRows
 from .train import SHAPES
 
 TRIAD_MIB, TRIAD_REPEATS, TRIAD_SCALE = 128, 10, 3.0
 NEW_TOKENS, PROMPT_TOKENS, REPEAT, BATCH = 64, 16, 3, 8
-ROWS = ("handgrad", "transformers", "handgrad_batch")  # serve's batched engine adds "serve" here
+ROWS = ("handgrad", "transformers", "handgrad_batch", "handgrad_bf16", "serve_1", "serve_batch")
 
 
 # ---------------------------------------------------------------- memory bandwidth
@@ -156,14 +160,20 @@ def weight_bytes(model):
     finally:
         model.ops = ops
     tensors = reads.bytes_by_tensor(model.layout, model.params.itemsize)
-    return {"bytes": sum(tensors.values()), "tensors": tensors}
+    # --dtype bfloat16 decoding reads bf16 copies of the matrices it multiplies: every 2-D tensor
+    # read whole (an embedding's looked-up rows stay float32)
+    whole = {name for name, (_, shape) in model.layout.items()
+             if len(shape) == 2 and tensors[name] == int(np.prod(shape)) * model.params.itemsize}
+    bf16 = sum(b // 2 if name in whole else b for name, b in tensors.items())
+    return {"bytes": sum(tensors.values()), "bf16_bytes": bf16, "tensors": tensors}
 
 
 # ---------------------------------------------------------------- the two sides
-def _handgrad_decode(model, prompt, n):
+def _handgrad_decode(model, prompt, n, dtype="float32"):
     """(new tokens (B, n), seconds of its n - 1 decode steps) of greedy `generate`."""
     marks = []
-    out = generate(model, prompt, n, temperature=0, on_token=lambda step, ids: marks.append(time.perf_counter()))
+    out = generate(model, prompt, n, temperature=0, on_token=lambda step, ids: marks.append(time.perf_counter()),
+                   dtype=dtype)
     return out[:, prompt.shape[1]:], marks[-1] - marks[0]
 
 
@@ -296,21 +306,31 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
     _handgrad_decode(model, prompt, n)
     theirs = _transformers_decode(tf, torch, one, n)[0]
     agree = _agree(mine, theirs)
+    mine16 = _handgrad_decode(model, one, n, "bfloat16")[0]
+    engine = EngineRows(model, BATCH, prompt_tokens + n)
+    engine.seconds(prompt, n)
+    served = engine.tokens[0]
     sides = {"bandwidth": triad.run,  # in the same turns as the rest: the bound under the same conditions
              "handgrad": lambda: _handgrad_decode(model, one, n)[1],
              "transformers": lambda: _transformers_decode(tf, torch, one, n)[1],
-             "handgrad_batch": lambda: _handgrad_decode(model, prompt, n)[1]}
+             "handgrad_batch": lambda: _handgrad_decode(model, prompt, n)[1],
+             "handgrad_bf16": lambda: _handgrad_decode(model, one, n, "bfloat16")[1],
+             "serve_1": lambda: engine.seconds(prompt[:1], n),
+             "serve_batch": lambda: engine.seconds(prompt, n)}
     seconds = {row: [] for row in sides}
     with BackgroundLoad() as load:
         for _ in range(repeat):  # the sides take turns, so a busy moment lands on each alike
             for row, side in sides.items():
                 time.sleep(SETTLE_S)
                 seconds[row].append(side())
+    engine.close()
     del seconds["bandwidth"]
     bw = triad.result()
     del triad
-    rows = {row: dict(batch=BATCH if row == "handgrad_batch" else 1,
-                      **_rate(s, steps * (BATCH if row == "handgrad_batch" else 1))) for row, s in seconds.items()}
+    batch = {row: BATCH if row in ("handgrad_batch", "serve_batch") else 1 for row in seconds}
+    # the generate rows time the n - 1 steps after the prefill; the serve rows submit to end, n tokens each
+    rows = {row: dict(batch=batch[row], **_rate(s, (n if row.startswith("serve") else steps) * batch[row]))
+            for row, s in seconds.items()}
     bound = bw["gb_s"] * 1e9 / wb["bytes"]
     median_bound = bw["median_gb_s"] * 1e9 / wb["bytes"]
     hg = rows["handgrad"]["tok_s"]
@@ -321,6 +341,11 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
               "median_bound_tok_s": median_bound, "fraction_of_median_bound": hg / median_bound,
               "ratio_over_transformers": hg / rows["transformers"]["tok_s"],
               "batch_ratio": rows["handgrad_batch"]["tok_s"] / hg, "greedy_agree": agree,
+              "bf16_weight_bytes": wb["bf16_bytes"], "bf16_ratio": rows["handgrad_bf16"]["tok_s"] / hg,
+              "bf16_fraction_of_bound": rows["handgrad_bf16"]["tok_s"] * wb["bf16_bytes"] / (bw["gb_s"] * 1e9),
+              "bf16_greedy_agree": _agree(mine, mine16),
+              "serve_ratio": rows["serve_batch"]["tok_s"] / rows["serve_1"]["tok_s"],
+              "serve_greedy_same": served == mine[0].tolist(),
               "tokens": mine[0].tolist(),
               "background_cores": load.cores, "environment": environment(torch)}
     if profile:
@@ -353,7 +378,17 @@ def format_report(r):
              f"tokens agree {r['greedy_agree']} of {r['new_tokens']}",
              f"  handgrad generate, batch {rows['handgrad_batch']['batch']}                   "
              f"{rows['handgrad_batch']['tok_s']:8.1f} tok/s ({rows['handgrad_batch']['median_tok_s']:.1f}) over "
-             f"all rows: {r['batch_ratio']:.2f}x batch 1"]
+             f"all rows: {r['batch_ratio']:.2f}x batch 1",
+             f"  handgrad generate, --dtype bfloat16          {rows['handgrad_bf16']['tok_s']:8.1f} tok/s "
+             f"({rows['handgrad_bf16']['median_tok_s']:.1f}): {r['bf16_ratio']:.2f}x float32; "
+             f"{r['bf16_weight_bytes'] / 1e6:.1f} MB a token, {100 * r['bf16_fraction_of_bound']:.0f}% of its bound; "
+             f"greedy tokens agree {r['bf16_greedy_agree']} of {r['new_tokens']}",
+             f"  serve's engine, 1 stream                     {rows['serve_1']['tok_s']:8.1f} tok/s "
+             f"({rows['serve_1']['median_tok_s']:.1f}), prefill included",
+             f"  serve's engine, {rows['serve_batch']['batch']} streams at once           "
+             f"{rows['serve_batch']['tok_s']:8.1f} tok/s ({rows['serve_batch']['median_tok_s']:.1f}) over all: "
+             f"{r['serve_ratio']:.2f}x one stream; stream 0's tokens "
+             f"{'are' if r['serve_greedy_same'] else 'are NOT'} generate's"]
     if "profile" in r:
         lines += format_profile(r["profile"], bw["gb_s"])
     return lines
