@@ -29,8 +29,8 @@ def add_arguments(parser):
                              "eval: handgrad eval's scorer beside a straightforward transformers scorer (rows/s, "
                              "and the rows whose predictions differ); "
                              "decode: greedy decoding at batch 1 as a fraction of the memory-bandwidth bound "
-                             "(STREAM triad / weight bytes per token), beside transformers' generate; at batch 8, in bf16, and "
-                             "on serve's engine at 1 and 8 streams")
+                             "(STREAM triad / weight bytes per token), beside transformers' generate; at batch 8, "
+                             "in bf16, and on serve's engine at 1 and 8 streams")
     parser.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
                         help="ops: backend to time (default cpu); gpu: each Triton op beside torch eager, "
                              "torch.compile and scaled_dot_product_attention")
