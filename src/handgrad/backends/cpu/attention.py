@@ -431,40 +431,46 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, se
 
 # ---------------------------------------------------------------- decoding (inference, forward only)
 @kernel(min_parallel=HEAVY)
-def _attention_decode_kernel(out, qkv, k_cache, v_cache, scores, pos, rows, scale):
+def _decode_kernel(out, qkv, k_cache, v_cache, scores, acc, pos, rows, NH, scale):
+    """One query per row b (at position pos[b] of cache row rows[b]) over the cached keys and
+    values; NH query heads on NKV kv heads (GPT-2: NKV = NH, the same [q | k | v] layout). Parallel
+    over (b, kv head): one writer per cache slot. Each loop runs along a contiguous head row (the
+    scores as float64 dot products, P V as a row of float64 accumulators, acc[bg])."""
     B = out.shape[0]
-    _, NH, _, hs = k_cache.shape
-    C = NH * hs
-    for bh in prange(B * NH):
-        b = bh // NH
-        h = bh - b * NH
+    _, NKV, _, hs = k_cache.shape
+    G = NH // NKV
+    for bg in prange(B * NKV):
+        b = bg // NKV
+        g = bg - b * NKV
         r, p = rows[b], pos[b]  # its cache row and position
-        q0 = h * hs
-        k0 = C + h * hs
-        v0 = 2 * C + h * hs
+        k0 = (NH + g) * hs
+        v0 = (NH + NKV + g) * hs
         for i in range(hs):  # append this position's key and value
-            k_cache[r, h, p, i] = qkv[b, k0 + i]
-            v_cache[r, h, p, i] = qkv[b, v0 + i]
-        mx = -np.inf
-        for s in range(p + 1):  # scores of the one query against keys [0, p]
-            dot = 0.0
-            for i in range(hs):
-                dot += qkv[b, q0 + i] * k_cache[r, h, s, i]
-            dot *= scale
-            scores[bh, s] = dot
-            if dot > mx:
-                mx = dot
-        total = 0.0
-        for s in range(p + 1):
-            e = np.exp(scores[bh, s] - mx)
-            scores[bh, s] = e
-            total += e
-        inv = 1.0 / total
-        for i in range(hs):
-            acc = 0.0
+            k_cache[r, g, p, i] = qkv[b, k0 + i]
+            v_cache[r, g, p, i] = qkv[b, v0 + i]
+        a = acc[bg]
+        for h in range(g * G, (g + 1) * G):
+            q = qkv[b, h * hs:(h + 1) * hs]
+            mx = -np.inf
+            for s in range(p + 1):  # scores of the one query against keys [0, p]
+                dot = dot64(q, k_cache[r, g, s], hs) * scale
+                scores[bg, s] = dot
+                mx = max(mx, dot)
+            total = 0.0
             for s in range(p + 1):
-                acc += scores[bh, s] * v_cache[r, h, s, i]
-            out[b, q0 + i] = acc * inv
+                e = np.exp(scores[bg, s] - mx)
+                scores[bg, s] = e
+                total += e
+            for i in range(hs):
+                a[i] = 0.0
+            for s in range(p + 1):  # P V, one value row at a time
+                w = scores[bg, s]
+                vs = v_cache[r, g, s]
+                for i in range(hs):
+                    a[i] += w * vs[i]
+            inv = 1.0 / total
+            for i in range(hs):
+                out[b, h * hs + i] = a[i] * inv
 
 
 def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, rows=None):
@@ -492,5 +498,6 @@ def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, rows=None)
     if not (out.flags.c_contiguous and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("out, k_cache and v_cache must be C-contiguous (they are written in place)")
     scores = workspace("attention_decode_scores", (B * NH, Tmax), np.float64)
-    _attention_decode_kernel(out.reshape(B, NH * hs), qkv.reshape(B, 3 * NH * hs), k_cache, v_cache,
-                             scores, pos, rows, 1.0 / math.sqrt(hs))
+    acc = workspace("attention_decode_acc", (B * NH, hs), np.float64)
+    _decode_kernel(out.reshape(B, NH * hs), qkv.reshape(B, 3 * NH * hs), k_cache, v_cache, scores, acc, pos, rows,
+                   NH, 1.0 / math.sqrt(hs))

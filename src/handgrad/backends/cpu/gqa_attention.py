@@ -42,8 +42,8 @@ import numpy as np
 from numba import njit, prange
 
 from . import blas
-from .attention import (CAUSAL_BLOCK, _exp, _gemm_add_at, _row_max, apply_keep, dropout_args, dropout_heads_kernel,
-                        keep_row, keep_scratch, softmax_backward_row)
+from .attention import (CAUSAL_BLOCK, _decode_kernel, _exp, _gemm_add_at, _row_max, apply_keep, dropout_args,
+                        dropout_heads_kernel, keep_row, keep_scratch, softmax_backward_row)
 from .blas import NO_TRANS, TRANS, gemm_at, restore_threads, single_threaded
 from .rope import rope_backward, rope_forward
 from .common import HEAVY, decode_rows, kernel, serial_kernel, workspace
@@ -332,43 +332,6 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)
-@kernel(min_parallel=HEAVY)
-def _decode_kernel(out, qkv, k_cache, v_cache, scores, pos, rows, NH, scale):
-    B = out.shape[0]
-    _, NKV, _, hs = k_cache.shape
-    G = NH // NKV
-    for bg in prange(B * NKV):  # one kv head and its G query heads: one writer per cache slot
-        b = bg // NKV
-        g = bg - b * NKV
-        r, p = rows[b], pos[b]  # its cache row and position
-        k0 = (NH + g) * hs
-        v0 = (NH + NKV + g) * hs
-        for i in range(hs):  # append this position's key and value
-            k_cache[r, g, p, i] = qkv[b, k0 + i]
-            v_cache[r, g, p, i] = qkv[b, v0 + i]
-        for h in range(g * G, (g + 1) * G):
-            q0 = h * hs
-            mx = -np.inf
-            for s in range(p + 1):  # scores of the one query against keys [0, p]
-                dot = 0.0
-                for i in range(hs):
-                    dot += qkv[b, q0 + i] * k_cache[r, g, s, i]
-                dot *= scale
-                scores[bg, s] = dot
-                mx = max(mx, dot)
-            total = 0.0
-            for s in range(p + 1):
-                e = np.exp(scores[bg, s] - mx)
-                scores[bg, s] = e
-                total += e
-            inv = 1.0 / total
-            for i in range(hs):
-                acc = 0.0
-                for s in range(p + 1):
-                    acc += scores[bg, s] * v_cache[r, g, s, i]
-                out[b, q0 + i] = acc * inv
-
-
 def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_head, rows=None):
     """One decoding step: the token at position `pos` attends over the cached keys and values.
 
@@ -393,5 +356,6 @@ def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_h
     if not (out.flags.c_contiguous and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("out, k_cache and v_cache must be C-contiguous (they are written in place)")
     scores = workspace("gqa_decode_scores", (B * NKV, Tmax), np.float64)
+    acc = workspace("gqa_decode_acc", (B * NKV, hs), np.float64)
     _decode_kernel(out.reshape(B, n_head * hs), qkv.reshape(B, (n_head + 2 * NKV) * hs), k_cache, v_cache,
-                   scores, pos, rows, n_head, 1.0 / math.sqrt(hs))
+                   scores, acc, pos, rows, n_head, 1.0 / math.sqrt(hs))

@@ -137,7 +137,11 @@ def _check(name, out, inp, cos, sin, n_head, offset):
     if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[1] != hs:
         raise ValueError(f"{name}: cos and sin must both be (T_max, {hs}), got {cos.shape} and {sin.shape}")
     B = inp.shape[0]
-    offsets = np.full(B, offset, np.int64) if np.ndim(offset) == 0 else np.asarray(offset, np.int64).reshape(-1)
+    if isinstance(offset, (int, np.integer)):  # one position: checked as an int (decoding calls this per layer)
+        if offset < 0 or offset + T > cos.shape[0]:
+            raise ValueError(f"{name}: positions [{offset}, {offset + T}) are outside the tables' [0, {cos.shape[0]})")
+        return np.full(B, offset, np.int64)
+    offsets = np.asarray(offset, np.int64).reshape(-1)
     if offsets.shape != (B,):
         raise ValueError(f"{name}: offset must be one position, or one per row ({B}), got {offsets.shape}")
     bad = (offsets < 0) | (offsets + T > cos.shape[0])
