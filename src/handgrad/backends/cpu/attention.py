@@ -432,10 +432,8 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, se
 # ---------------------------------------------------------------- decoding (inference, forward only)
 @kernel(min_parallel=HEAVY)
 def _decode_kernel(out, qkv, k_cache, v_cache, scores, acc, pos, rows, NH, scale):
-    """One query per row b (at position pos[b] of cache row rows[b]) over the cached keys and
-    values; NH query heads on NKV kv heads (GPT-2: NKV = NH, the same [q | k | v] layout). Parallel
-    over (b, kv head): one writer per cache slot. Each loop runs along a contiguous head row (the
-    scores as float64 dot products, P V as a row of float64 accumulators, acc[bg])."""
+    """Row b's query (at pos[b] of cache row rows[b]) over the cache; NH query heads on NKV kv heads (GPT-2:
+    NKV = NH). Parallel over (b, kv head); loops along contiguous head rows, float64 sums (acc[bg])."""
     B = out.shape[0]
     _, NKV, _, hs = k_cache.shape
     G = NH // NKV
@@ -461,8 +459,7 @@ def _decode_kernel(out, qkv, k_cache, v_cache, scores, acc, pos, rows, NH, scale
                 e = np.exp(scores[bg, s] - mx)
                 scores[bg, s] = e
                 total += e
-            for i in range(hs):
-                a[i] = 0.0
+            a[:] = 0.0
             for s in range(p + 1):  # P V, one value row at a time
                 w = scores[bg, s]
                 vs = v_cache[r, g, s]
