@@ -27,7 +27,7 @@ shape.
 Serving (`handgrad serve`, serve/engine.py) uses two more: `load_row(b, src)` copies a prompt
 prefilled alone (in a one-row cache) into row b, and `step_rows(tokens, slots, positions)` runs one
 decoding step over sequences at different positions, each in its own row: one set of linears over
-all of them, the attention row by row.
+all of them, RoPE and the attention with a position and a cache row per sequence.
 
 Shapes: B batch (samples), T time, C n_embd, NH heads, hs = C / NH, L layers, V vocab.
 """
