@@ -106,9 +106,19 @@ def _span(a):
     return lo, hi + a.itemsize
 
 
+def _arrays(a):
+    """The NumPy arrays in an op's argument: itself, or those in a list, tuple or dict of them (the
+    fused decode op's per-layer weights), at any depth."""
+    if isinstance(a, np.ndarray):
+        yield a
+    elif isinstance(a, (list, tuple, dict)):
+        for x in (a.values() if isinstance(a, dict) else a):
+            yield from _arrays(x)
+
+
 class ParamReads:
     """A backend module whose ops note, while `on`, the bytes of `flat` (the parameter buffer) their
-    array arguments cover. encoder_forward's table (its third argument) reads only the rows of the
+    array arguments (or the arrays in them: _arrays) cover. encoder_forward's table (its third argument) reads only the rows of the
     token ids it is given (its second)."""
 
     def __init__(self, ops, flat):
@@ -125,8 +135,8 @@ class ParamReads:
                 for i, a in enumerate((*args, *kwargs.values())):
                     if name == "encoder_forward" and i == 2:
                         self.spans += [_span(a[int(ix)]) for ix in np.unique(np.asarray(args[1]))]
-                    elif isinstance(a, np.ndarray) and a.size:
-                        self.spans.append(_span(a))
+                    else:
+                        self.spans += [_span(x) for x in _arrays(a) if x.size]
             return fn(*args, **kwargs)
         return noting
 
@@ -230,7 +240,9 @@ def _agree(a, b):
 def profile_step(model, prompt, steps):
     """One batch-1 decode step with every op timed: {"step_s", "steps", "ops": {op: {s, calls,
     blas_s}}, "blas": {"calls", "s", "weight_bytes"}}, per step, averaged over `steps` steps after
-    the prompt (the positions the timed rows decode at)."""
+    the prompt (the positions the timed rows decode at); op by op (a Llama cache's fused step, one
+    op, would show nothing inside it). "plain_step_s": the same steps untimed, as generate runs
+    them ("fused": through llama_decode_forward)."""
     ops, gemm = model.ops, blas.gemm
     prof = model.ops = _Profiler(ops)
     weights = {"calls": 0, "s": 0.0, "weight_bytes": 0}
@@ -247,6 +259,7 @@ def profile_step(model, prompt, steps):
     blas.gemm = gemm_noting
     try:
         cache = model.KV_CACHE(model, 1, length=prompt.shape[1] + steps)
+        cache.fused = False  # op by op, each op timed (Llama's step otherwise runs as one op)
         cache.prefill(prompt)
         prof.seconds.clear(), prof.calls.clear(), prof.blas_seconds.clear()
         weights.update(calls=0, s=0.0, weight_bytes=0)
@@ -256,7 +269,14 @@ def profile_step(model, prompt, steps):
         step_s = (time.perf_counter() - t0) / steps
     finally:
         model.ops, blas.gemm = ops, gemm
-    return {"step_s": step_s, "steps": steps, "blas": {k: v / steps for k, v in weights.items()},
+    cache = model.KV_CACHE(model, 1, length=prompt.shape[1] + steps)  # the step as generate runs it
+    cache.prefill(prompt)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        cache.step(np.array([i % model.config.vocab_size]))
+    plain_s = (time.perf_counter() - t0) / steps
+    return {"step_s": step_s, "plain_step_s": plain_s, "fused": getattr(cache, "fused", False),
+            "steps": steps, "blas": {k: v / steps for k, v in weights.items()},
             "ops": {k: {"s": v / steps, "calls": prof.calls[k] / steps, "blas_s": prof.blas_seconds[k] / steps}
                     for k, v in prof.seconds.items()}}
 
@@ -412,4 +432,7 @@ def format_profile(p, gb_s):
               f"{100 * b['weight_bytes'] / b['s'] / 1e9 / gb_s:.0f}% of the triad's",
               f"  outside BLAS: {1e3 * (step - b['s']):.2f} ms of the step ({1e3 * outside:.2f} in the ops' own "
               f"work and calls: {1e6 * outside / max(calls, 1):.1f} us per op call over {calls:.0f} calls)"]
+    plain = p["plain_step_s"]
+    lines.append(f"  the same steps untimed, as generate runs them{' (the fused op)' if p['fused'] else ''}: "
+                 f"{1e3 * plain:.2f} ms, {1e3 * (plain - b['s']):.2f} besides the products' time above")
     return lines

@@ -215,6 +215,11 @@ class KVCache:
             ops.linear_forward(s.proj, s.fch_gelu, p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
             ops.residual_forward(s.x, s.x, s.proj)
 
+    def _decode_blocks(self, s, pos, rows=None):
+        """One decoding step's blocks: s.x (B, 1, C) in place, row i at position pos (or pos[i]) of
+        cache row i (or rows[i]); op by op, as _blocks (a family may run it as one op instead)."""
+        self._blocks(s, self._attend_step(pos, rows), pos)
+
     def _head(self, x):
         """Logits (B, T, V) of x (B, T, C), as NumPy: the final norm, then the lm_head. On the cpu a
         view, overwritten by the next call; on the gpu a host copy."""
@@ -250,7 +255,7 @@ class KVCache:
         s = self._bufs(1)
         s.idx[:, 0] = self.ops.from_numpy(np.asarray(tokens, np.int32))
         self._embed(s, pos)
-        self._blocks(s, self._attend_step(pos), pos)
+        self._decode_blocks(s, pos)
         self.n = pos + 1
         self.steps += 1
         return self._head(s.x)[:, 0]
@@ -275,7 +280,7 @@ class KVCache:
         s = self._bufs(1, N)
         s.idx[:, 0] = self.ops.from_numpy(tokens.astype(np.int32))
         self._embed_rows(s, positions)
-        self._blocks(s, self._attend_step(positions, slots), positions)
+        self._decode_blocks(s, positions, slots)
         self.steps += N
         return self._head(s.x)[:, 0]
 

@@ -293,10 +293,13 @@ class LlamaKVCache(KVCache):
     """The keys (after RoPE at their absolute positions) and values of every layer, n_kv_head
     heads each, for decoding; the context policy is KVCache's (models/decode.py)."""
 
+    fused = True  # decoding steps through llama_decode_forward (False: op by op, as a prefill)
+
     def __init__(self, model, B, length=None, dtype="float32", share=None):
         c = model.config
         self.NKV, self.hs, self.H = c.n_kv_head, c.head_dim, c.ffn_hidden
         self.fp = model.fp  # the fused q/k/v and gate/up matrices (bf16 copies: _bf16_params)
+        self._layers = None  # _decode_blocks' weight views, made on its first call
         super().__init__(model, B, length, kv_heads=c.n_kv_head, dtype=dtype, share=share)
 
     def _bf16_params(self):
@@ -338,6 +341,23 @@ class LlamaKVCache(KVCache):
             ops.swiglu_forward(s.h, s.gu)
             ops.linear_forward(s.proj, s.h, p[h + "mlp.down_proj.weight"].T)
             ops.residual_forward(s.x, s.x, s.proj)
+
+    def _decode_blocks(self, s, pos, rows=None):
+        """Every block in one op (backends' llama_decode_forward: the same kernels as _blocks runs,
+        without an op call's overhead for each), unless `fused` is False (the op-by-op path, which the
+        tests compare it with bit for bit)."""
+        if not self.fused:
+            return super()._decode_blocks(s, pos, rows)
+        c = self.model.config
+        if self._layers is None:  # the weights' views, made once per cache
+            p, fp, names = self.p, self.fp, [f"model.layers.{l}." for l in range(self.L)]
+            self._layers = {"norm1": [p[h + "input_layernorm.weight"] for h in names],
+                            "wqkv": [w.T for w in fp.qkv], "bqkv": list(fp.qkv_bias) if c.qkv_bias else None,
+                            "wo": [p[h + "self_attn.o_proj.weight"].T for h in names],
+                            "norm2": [p[h + "post_attention_layernorm.weight"] for h in names],
+                            "wgu": [w.T for w in fp.gu], "wdown": [p[h + "mlp.down_proj.weight"].T for h in names]}
+        self.ops.llama_decode_forward(s.x, self._layers, self.k, self.v, pos, rows, self.model.cos, self.model.sin,
+                                      c.n_head, c.n_kv_head, c.norm_eps)
 
     def _head_widths(self):
         return {"norm": self.C, "rstd": 1}

@@ -50,6 +50,11 @@ def cheap_launches():
     _threshold_divisor = 8
 
 
+def threshold_divisor():
+    """What the @kernel size thresholds are divided by in this process (8 on MKL's pool, else 1)."""
+    return _threshold_divisor
+
+
 class _Kernel:
     def __init__(self, fn, min_parallel):
         self.parallel = njit(parallel=True, cache=True, error_model="numpy")(fn)
