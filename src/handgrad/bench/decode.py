@@ -32,7 +32,10 @@ bandwidth: bound (tok/s) = bandwidth / weight bytes read per token. Reported, in
   its own prompt, prefilled alone, then batched steps), tokens/s over all of them.
 
 --profile adds one decode step's time by op (and the part inside BLAS), the BLAS calls' weight
-bytes over their time (the GEMV bandwidth), and the time outside BLAS per op call.
+bytes over their time (the GEMV bandwidth), and the time outside BLAS per op call. A Llama-family
+step runs as one op (llama_decode_forward), so the profile runs the op-by-op path (the same kernels
+and products, one op call each) and then the step as generate runs it, untimed inside: that step's
+time less the op path's products is what the fused step spends besides them.
 """
 import json
 import time
