@@ -23,7 +23,7 @@ from handgrad.models.decode import generate
 from handgrad.models.llama import Llama
 from handgrad.sample import SEPARATOR, load_run
 from handgrad.serve.command import build
-from handgrad.serve.engine import Busy, Engine, Sequence
+from handgrad.serve.engine import Busy, Engine, Sequence, _groups
 from helpers import tiny_run
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -76,6 +76,25 @@ def test_batched_streams_get_the_tokens_they_get_alone(arch, dtype):
     assert [s.tokens for s in seqs] == alone
     assert all(s.finish == "length" for s in seqs)
     assert engine.steps < sum(news)  # steps were shared
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_prompts_prefilled_together_get_the_tokens_they_get_alone(arch):
+    """Four prompts taken at once: three of similar length prefilled together, right-padded; the
+    longest alone (padding it with the others would run more than PAD_WASTE times their positions)."""
+    model = MODELS[arch]()
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 67, n).tolist() for n in (6, 4, 13, 5)]
+    alone = [generate(model, [p], 10, temperature=0)[0, len(p):].tolist() for p in prompts]
+    seqs = [Sequence(p, 10, temperature=0) for p in prompts]
+    assert [[len(s.prompt) for _, s in g] for g in _groups(list(enumerate(seqs)), 40)] == [[4, 5, 6], [13]]
+    assert [[len(s.prompt) for _, s in g] for g in _groups(list(enumerate(seqs)), 10)] == [[4, 5], [6], [13]]
+    engine = Engine(model, slots=4, length=40).start()
+    try:
+        run_engine(engine, [(0, seqs)])
+    finally:
+        engine.stop()
+    assert [s.tokens for s in seqs] == alone
 
 
 def test_seeded_sampling_and_stop_ids_match_generate():

@@ -1,11 +1,14 @@
 """The serving engine: many sequences decoded together, one batched step at a time.
 
 One thread owns the model. It holds a KV cache of `slots` rows (models/decode.py), one per sequence
-being decoded, and a one-row cache that new prompts are prefilled in. Its loop:
+being decoded, and a cache of as many rows that new prompts are prefilled in. Its loop:
 
-1. admit: while a row is free and a sequence waits, prefill the sequence's prompt alone (the
-   one-row cache: the same prefill `sample` runs), copy its keys and values into the free row
-   (KVCache.load_row) and sample its first token from the prefill's logits;
+1. admit: while a row is free and a sequence waits, take it; prefill the prompts taken together,
+   right-padded to the longest (causal attention: a row's positions never see the padding after
+   them), in groups of similar length (at most PAD_WASTE times the positions their prompts hold, and
+   no more than one row's: the prefill cache holds `length` positions in all), copy
+   each prompt's keys and values into its free row (KVCache.load_row) and sample its first token
+   from the logits at its own last position;
 2. free the rows of sequences that ended or were cancelled (a client that went away: at once,
    between two steps);
 3. step: one KVCache.step_rows over every active sequence, each fed its newest token at its own
@@ -33,6 +36,8 @@ import traceback
 import numpy as np
 
 from ..models.decode import sample_logits
+
+PAD_WASTE = 1.5  # a group of prompts prefilled together runs at most this many times their positions
 
 
 class Busy(RuntimeError):
@@ -71,7 +76,8 @@ class Engine:
         self.model, self.vocab, self.max_waiting = model, vocab, max_waiting
         self.length = length = min(length or model.config.block_size, model.config.block_size)
         self.cache = model.KV_CACHE(model, slots, length, dtype=dtype)
-        self.one = model.KV_CACHE(model, 1, length, dtype=dtype, share=self.cache)  # prompts are prefilled here
+        # prompts are prefilled here, several at once while their padded positions fit one row's
+        self.pre = model.KV_CACHE(model, 1, length, dtype=dtype, share=self.cache)
         self.slots = slots
         self.free = list(range(slots - 1, -1, -1))  # pop() gives row 0 first
         self.active = {}  # row -> Sequence
@@ -136,9 +142,10 @@ class Engine:
                     else:
                         admit.append((self.free.pop(), seq))
             try:
-                for row, seq in admit:
-                    self.active[row] = seq
-                    self._prefill(row, seq)
+                for group in _groups(admit, self.length):
+                    for row, seq in group:
+                        self.active[row] = seq
+                    self._prefill(group)
                 self._release()
                 if self.active:
                     self._step()
@@ -166,11 +173,22 @@ class Engine:
                     del self.active[row]
                     self.free.append(row)
 
-    def _prefill(self, row, seq):
-        logits = self.one.prefill(np.asarray([seq.prompt], np.int64))
-        self.cache.load_row(row, self.one)
-        seq.pos = len(seq.prompt)
-        self._take(seq, logits[:1])
+    def _prefill(self, group):
+        """Prefill the prompts of group [(row, seq)] together, right-padded, into self.pre; copy
+        each into its row and sample its first token."""
+        lengths = [len(seq.prompt) for _, seq in group]
+        T = max(lengths)
+        ids = np.zeros((len(group), T), np.int64)
+        last = np.zeros((len(group), T), bool)  # each prompt's last position: the logits wanted
+        for i, (_, seq) in enumerate(group):
+            ids[i, :lengths[i]] = seq.prompt
+            last[i, lengths[i] - 1] = True
+        self.pre.resize(len(group), T)
+        logits = self.pre.extend(ids, select=last)  # (len(group), V), row-major: prompt i's at i
+        for i, (row, seq) in enumerate(group):
+            self.cache.load_row(row, self.pre, row=i)
+            seq.pos = lengths[i]
+            self._take(seq, logits[i:i + 1])
 
     def _step(self):
         rows = [row for row, seq in self.active.items() if seq.finish is None and not seq.cancelled]
@@ -194,3 +212,20 @@ class Engine:
         seq.emit(token)
         if len(seq.tokens) >= seq.max_tokens:
             self._end(seq, "length")
+
+
+def _groups(admit, capacity):
+    """admit [(row, seq)] in groups prefilled together: by prompt length, a sequence joining the
+    group before it while the group's padded positions (its size times the longest prompt) stay
+    within PAD_WASTE times its prompts' positions and within capacity (the prefill cache's)."""
+    groups, total = [], 0
+    for row, seq in sorted(admit, key=lambda rs: len(rs[1].prompt)):
+        n = len(seq.prompt)
+        padded = (len(groups[-1]) + 1) * n if groups else 0
+        if groups and padded <= PAD_WASTE * (total + n) and padded <= capacity:
+            groups[-1].append((row, seq))
+            total += n
+        else:
+            groups.append([(row, seq)])
+            total = n
+    return groups
