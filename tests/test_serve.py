@@ -123,6 +123,28 @@ def test_engine_refuses_what_does_not_fit_and_too_many_waiting():
         engine.submit([Sequence([3], 3)])
 
 
+def test_text_is_decoded_incrementally_and_cut_at_a_stop_string():
+    """serve's Text on a byte-level decoder (one UTF-8 byte a token): characters split across
+    tokens are held back until complete, a stop string split across tokens is never sent, and the
+    pieces join to the text up to the stop."""
+    from handgrad.serve.app import Text
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    whole = "héllo wörld ✓ STOP and after"
+    for stops, want in (([], whole), (["STOP"], "héllo wörld ✓ "), (["ST", "wör"], "héllo ")):
+        text = Text(decode, stops)
+        pieces = []
+        for b in whole.encode():
+            pieces.append(text.add(b))
+            if text.stopped:
+                break
+        pieces.append(text.finish())
+        assert "".join(pieces) == want and text.stopped == bool(stops)
+        assert not any("\ufffd" in p for p in pieces)
+        assert not any(stop in p for p in pieces for stop in stops)
+    text = Text(decode, [])
+    assert text.add("é".encode()[0]) == "" and text.finish() == "\ufffd"  # an incomplete character, sent at the end
+
+
 # ---------------------------------------------------------------- the HTTP server
 def free_port():
     with socket.socket() as s:

@@ -32,7 +32,7 @@ import numpy as np
 from .data.chat import load_chat_format
 from .data.sources import DataError
 from .models.decode import SampleError, check_sampling, generate
-from .sample import TextStream, _until, add_sampling_arguments, load_run
+from .sample import TextStream, _until, add_chat_model_arguments, add_sampling_arguments, load_run
 
 
 PROMPT = "> "
@@ -47,11 +47,7 @@ Ctrl-D         leave"""
 
 
 def add_arguments(parser):
-    parser.add_argument("--run", required=True, metavar="MODEL",
-                        help="the chat model: anything `handgrad sample --run` takes (a run, a Hugging Face "
-                             "directory, a GGUF file, `smollm2-135m-instruct`, ...)")
-    parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="the tokenizer and chat template, where --run has none beside it")
+    add_chat_model_arguments(parser)
     parser.add_argument("--system", default=None, metavar="TEXT",
                         help="the system message (default: none, or the one the chat template adds)")
     add_sampling_arguments(parser, "the longest reply, in tokens (default 200)")

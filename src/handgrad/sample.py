@@ -48,19 +48,35 @@ class TextStream:
         text = self.decode([int(ids[self.start - 1])] + new)
         return text[len(context):] if text.startswith(context) else self.decode(new)
 
-    def update(self, ids, final=False):
+    def new_text(self, ids, final=False):
+        """The text ids adds to what earlier calls returned (a character still incomplete at the end
+        is held back, unless final)."""
         text = self._text(ids)
         stable = text if final else text.rstrip("\ufffd")
-        if len(stable) > self.shown:
-            self.file.write(stable[self.shown:])
-            self.file.flush()
+        out = stable[self.shown:]
         if len(stable) == len(text):
             self.start, self.shown = len(ids), 0
         else:
             self.shown = max(self.shown, len(stable))
+        return out
+
+    def update(self, ids, final=False):
+        out = self.new_text(ids, final)
+        if out:
+            self.file.write(out)
+            self.file.flush()
 
 
 # ---------------------------------------------------------------- the `handgrad sample` command
+def add_chat_model_arguments(parser):
+    """--run and --tokenizer, as `chat` and `serve` take them."""
+    parser.add_argument("--run", required=True, metavar="MODEL",
+                        help="the chat model: anything `handgrad sample --run` takes (a run, a Hugging Face "
+                             "directory, a GGUF file, a PEFT adapter, `smollm2-135m-instruct`, ...)")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="the tokenizer and chat template, where --run has none beside it")
+
+
 def add_sampling_arguments(parser, max_new_tokens_help):
     """--max-new-tokens, --temperature, --top-k, --top-p and --seed, as `sample` and `chat` take them."""
     parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help=max_new_tokens_help)

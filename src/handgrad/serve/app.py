@@ -21,6 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..sample import TextStream
 from ..data.sources import DataError
 from .engine import Busy, Sequence
 
@@ -146,23 +147,24 @@ class Text:
     held back until complete), cut at the first stop string."""
 
     def __init__(self, decode, stops):
-        self.decode, self.stops = decode, stops
+        self.stream, self.stops = TextStream(decode), stops  # decodes only the ids since the last complete character
         self.ids, self.text, self.sent, self.stopped = [], "", 0, False
 
     def add(self, token):
         """The new text to send after `token` (may be ""); self.stopped once a stop string showed."""
         self.ids.append(token)
-        self.text = self.decode(self.ids)
-        stable = self.text.rstrip("\ufffd")
+        self.text += self.stream.new_text(self.ids)
         for stop in self.stops:
-            hit = stable.find(stop, max(0, self.sent - len(stop) + 1))
+            hit = self.text.find(stop, max(0, self.sent - len(stop) + 1))
             if hit >= 0:
-                self.text, stable, self.stopped = stable[:hit], stable[:hit], True
-        end = len(stable) if self.stopped else len(stable) - self._held(stable)
+                self.text, self.stopped = self.text[:hit], True
+        end = len(self.text) if self.stopped else len(self.text) - self._held(self.text)
         return self._send(end)
 
     def finish(self):
-        """The rest of the text, once the sequence has ended."""
+        """The rest of the text, once the sequence has ended (a character left incomplete included)."""
+        if not self.stopped:
+            self.text += self.stream.new_text(self.ids, final=True)
         return self._send(len(self.text))
 
     def _held(self, text):

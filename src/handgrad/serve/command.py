@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from ..data.chat import load_chat_format
 from ..data.sources import DataError
 from ..models.decode import SampleError
-from ..sample import add_dtype_argument, load_run
+from ..sample import add_chat_model_arguments, add_dtype_argument, load_run
 from .app import Server, Starlette
 from .engine import Engine
 
@@ -19,11 +19,7 @@ DEFAULT_CONTEXT = 2048  # positions per stream unless the model's block_size is 
 
 
 def add_arguments(parser):
-    parser.add_argument("--run", required=True, metavar="MODEL",
-                        help="the model: anything `handgrad sample --run` takes (a run, a Hugging Face directory, "
-                             "a GGUF file, a PEFT adapter, `smollm2-135m-instruct`, ...)")
-    parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="the tokenizer and chat template, where --run has none beside it")
+    add_chat_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every "
                              "interface)")
