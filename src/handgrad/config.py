@@ -173,6 +173,7 @@ class TrainSection:
     eval_tasks: str = ""
     eval_limit: int = 0
     loss_chunk: int = 0
+    recompute: str = "none"
     sample_interval: int = 100
     sample_tokens: int = 200
     checkpoint_interval: int = 100
@@ -203,7 +204,7 @@ ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size", "voca
 # train.lora_targets' names per family, in block order (models/gpt2.py and models/llama.py map them to modules)
 LORA_TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc", "mlp.c_proj"), "llama": ("q", "k", "v", "o", "gate", "up", "down")}
 CHOICES = {"model.arch": ARCHS, "train.on_nan": ("stop", "skip"), "train.dtype": ("float32", "bfloat16"),
-           "train.log_to": ("none", "tensorboard", "wandb")}
+           "train.log_to": ("none", "tensorboard", "wandb"), "train.recompute": ("none", "block")}
 
 
 @dataclass
@@ -390,8 +391,9 @@ def validate_run_config(config):
             config.gpt_config(1)  # LlamaConfig's own checks: n_kv_head divides n_head, even head size, ...
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if t.log_to not in CHOICES["train.log_to"]:
-        raise ConfigError(f"train.log_to: must be none, tensorboard or wandb, got {t.log_to!r}")
+    for key in ("log_to", "recompute", "dtype"):
+        if getattr(t, key) not in CHOICES[f"train.{key}"]:
+            raise ConfigError(f"train.{key}: must be one of {', '.join(CHOICES['train.' + key])}, got {getattr(t, key)!r}")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key}: must be positive, got {getattr(m, key)}")
@@ -409,8 +411,6 @@ def validate_run_config(config):
             raise ConfigError(f"train.{key}: must be >= 0, got {getattr(t, key)}")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
-    if t.dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"train.dtype: must be float32 or bfloat16, got {t.dtype!r}")
     if t.zero_stage not in (0, 1):
         raise ConfigError(f"train.zero_stage: must be 0 (plain data parallel) or 1 (sharded AdamW moments), "
                           f"got {t.zero_stage}")

@@ -30,12 +30,14 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from ..backends import get_backend
+from ..config import CHOICES
 from . import lora as lora_parts
 from .head import Head
 
 
 # why train.dtype=bfloat16 refuses a LoRA model on the cpu (its adapters' products run in float32)
 BF16_LORA = "does not train LoRA adapters yet (train.lora_rank)"
+RECOMPUTE = CHOICES["train.recompute"]  # none: every block's activations kept; block: see FlatModel
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class FlatModel(Head):
     """
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
-                 dropout=0.0, loss_chunk=0):
+                 dropout=0.0, loss_chunk=0, recompute="none"):
         """buffer_multiple: the flat buffers (`flat_params`, `flat_grad`) are allocated zero-padded
         to a multiple of it, so data-parallel ranks can split them into equal shards; `params` and
         `grad` are their first num_params elements.
@@ -121,7 +123,10 @@ class FlatModel(Head):
         and sampling.
         seed: the initialisation's; None leaves the weights zero, for a caller that loads them all.
         loss_chunk: the loss forms the logits of at most this many rows (of B*T) at a time, never
-        the whole (B, T, V) (head_forward); 0: all rows at once."""
+        the whole (B, T, V) (head_forward); 0: all rows at once.
+        recompute: "none", or "block": the forward keeps each block's output (the next one's input)
+        and one block's inner buffers, which the backward refills by running each block's forward
+        again before its backward (RECOMPUTE; the same gradients bit for bit)."""
         if not isinstance(config, self.CONFIG):
             raise ValueError(f"config must be a handgrad {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in ("float32", "bfloat16"):
@@ -136,7 +141,9 @@ class FlatModel(Head):
             raise ValueError(f"model.dropout must be in [0, 1), got {dropout!r}")
         if loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0 rows (0: all of them), got {loss_chunk!r}")
-        self.dtype, self.loss_chunk = dtype, int(loss_chunk)
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+        self.dtype, self.loss_chunk, self.recompute = dtype, int(loss_chunk), recompute
         self.config = config
         self.ops = get_backend(backend)
         self.backend = backend
@@ -355,7 +362,7 @@ class FlatModel(Head):
             rows = min(self.loss_chunk, B * T) if self.loss_chunk else None
             a = self._acts = self.ACTIVATIONS(self.ops, self.config, B, T, self._act_dtype(),
                                               products=np.uint16 if self.bf16_products else np.float32,
-                                              logit_rows=rows)
+                                              logit_rows=rows, recompute=self.recompute == "block")
             a.chunked = rows is not None
             a.lora_xs = None if self.lora is None else self.ops.empty(  # each adapter's s x A, per block
                 (self.config.n_layer, max(map(len, self.lora_blocks)), B, T, self.lora.rank), self._act_dtype())

@@ -92,11 +92,15 @@ def flops_per_token(config, T):
 class Activations:
     """Every buffer one forward/backward of shape (B, T) needs, allocated once and reused."""
 
-    def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32, logit_rows=None):
+    def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32, logit_rows=None, recompute=False):
         """products: np.uint16 where the matrix products take bf16 operands (the cpu's mixed
         precision): the buffers that only feed products are then bf16, and narrowed copies of the
-        others are kept (`*16`; None, or the float32 buffer itself, with float32 products)."""
-        C, L, NH, V = config.n_embd, config.n_layer, config.n_head, config.vocab_size
+        others are kept (`*16`; None, or the float32 buffer itself, with float32 products).
+        recompute: a block's buffers held for one block at a time (train.recompute block: family.py's
+        slot()); the block outputs res3 for all."""
+        C, NL, NH, V = config.n_embd, config.n_layer, config.n_head, config.vocab_size
+        L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
+        self.recompute = recompute
         e = lambda *shape: ops.empty(shape, dtype)
         x16 = lambda *shape: ops.empty(shape, products)  # a product's input only
         bf16 = np.dtype(products) == np.uint16
@@ -114,7 +118,7 @@ class Activations:
         self.ln2_mean, self.ln2_rstd = f32(L, B, T), f32(L, B, T)
         self.fch = e(L, B, T, 4 * C)       # c_fc output + bias (GELU input)
         self.fch_gelu = x16(L, B, T, 4 * C) if bf16 else e(L, B, T, 4 * C)
-        self.res3 = e(L, B, T, C)          # residual after the MLP
+        self.res3 = e(NL, B, T, C)         # residual after the MLP: every block's, the next one's input
         self.lnf = x16(B, T, C) if bf16 else e(B, T, C)
         self.lnf_mean, self.lnf_rstd = f32(B, T), f32(B, T)
         # overwritten in place by dlogits in the backward; logit_rows (the chunked loss): (1, rows, V)
@@ -125,6 +129,10 @@ class Activations:
         self.lse = ops.empty((B, T), ops.LSE_DTYPE)  # cpu float64: see crossentropy_forward
         self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add
         self.grads = None                  # gradient buffers, allocated on the first backward
+
+    def slot(self, l):
+        """Where block l's inner buffers are: its own, or under recompute the one set all share."""
+        return 0 if self.recompute else l
 
     @staticmethod
     def scratch_bytes(ops, config, B, T):
@@ -182,33 +190,40 @@ class GPT(FlatModel):
 
     def _layers_forward(self, a):
         """Embeddings, the blocks, ln_f and the logits into a.logits, from the tokens in a.idx."""
-        ops, p, w, NH = self.ops, self.p, self.p16, self.config.n_head  # w: the products' weights
+        ops, p, w = self.ops, self.p, self.p16  # w: the products' weights
         ops.encoder_forward(a.encoded, a.idx, p["wte.weight"], p["wpe.weight"])
         self.drop(a.encoded, -1, self.SITE_EMBED)
         x = a.encoded
         for l in range(self.config.n_layer):
-            h = f"h.{l}."
-            ops.layernorm_linear_forward(a.qkv[l], a.ln1_mean[l], a.ln1_rstd[l], x,
-                                         p[h + "ln_1.weight"], p[h + "ln_1.bias"],
-                                         w[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"],
-                                         adapters=self.lora_adapters(a, l, "c_attn"))
-            ops.attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, **self.attention_dropout(l))
-            ops.linear_forward(a.proj, self.narrowed(a.atty[l], a.atty16, l), w[h + "attn.c_proj.weight"],
-                               p[h + "attn.c_proj.bias"])
-            self.lora_linear(a.proj, a.atty[l], a, l, "c_proj")
-            self.drop(a.proj, l, self.SITE_ATTN_OUT)
-            ops.residual_forward(a.res2[l], x, a.proj)
-            ops.layernorm_linear_forward(a.fch[l], a.ln2_mean[l], a.ln2_rstd[l], a.res2[l],
-                                         p[h + "ln_2.weight"], p[h + "ln_2.bias"],
-                                         w[h + "mlp.c_fc.weight"], None, adapters=self.lora_adapters(a, l, "c_fc"))
-            ops.gelu_forward(a.fch_gelu[l], a.fch[l], p[h + "mlp.c_fc.bias"])
-            ops.linear_forward(a.proj, a.fch_gelu[l], w[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
-            self.lora_linear(a.proj, a.fch_gelu[l], a, l, "mlp.c_proj")
-            self.drop(a.proj, l, self.SITE_MLP_OUT)
-            ops.residual_forward(a.res3[l], a.res2[l], a.proj)
+            self._block_forward(a, l, x)
             x = a.res3[l]
         ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p["ln_f.weight"], p["ln_f.bias"])
         self.head_forward(a, a.lnf, w["wte.weight"].T)
+
+    def _block_forward(self, a, l, x):
+        """Block l from its input x (B, T, C) to a.res3[l], its buffers in slot a.slot(l) (the
+        backward runs it again under train.recompute block: the same kernels on the same inputs,
+        dropout's masks from the same seeds, so the same bits)."""
+        ops, p, w, NH, s = self.ops, self.p, self.p16, self.config.n_head, a.slot(l)  # w: the products' weights
+        h = f"h.{l}."
+        ops.layernorm_linear_forward(a.qkv[s], a.ln1_mean[s], a.ln1_rstd[s], x,
+                                     p[h + "ln_1.weight"], p[h + "ln_1.bias"],
+                                     w[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"],
+                                     adapters=self.lora_adapters(a, l, "c_attn"))
+        ops.attention_forward(a.atty[s], a.att[s], a.qkv[s], NH, **self.attention_dropout(l))
+        ops.linear_forward(a.proj, self.narrowed(a.atty[s], a.atty16, s), w[h + "attn.c_proj.weight"],
+                           p[h + "attn.c_proj.bias"])
+        self.lora_linear(a.proj, a.atty[s], a, l, "c_proj")
+        self.drop(a.proj, l, self.SITE_ATTN_OUT)
+        ops.residual_forward(a.res2[s], x, a.proj)
+        ops.layernorm_linear_forward(a.fch[s], a.ln2_mean[s], a.ln2_rstd[s], a.res2[s],
+                                     p[h + "ln_2.weight"], p[h + "ln_2.bias"],
+                                     w[h + "mlp.c_fc.weight"], None, adapters=self.lora_adapters(a, l, "c_fc"))
+        ops.gelu_forward(a.fch_gelu[s], a.fch[s], p[h + "mlp.c_fc.bias"])
+        ops.linear_forward(a.proj, a.fch_gelu[s], w[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
+        self.lora_linear(a.proj, a.fch_gelu[s], a, l, "mlp.c_proj")
+        self.drop(a.proj, l, self.SITE_MLP_OUT)
+        ops.residual_forward(a.res3[l], a.res2[s], a.proj)
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss.
@@ -240,28 +255,31 @@ class GPT(FlatModel):
         for l in reversed(range(L)):
             h = f"h.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
+            s = a.slot(l)
+            if a.recompute:  # only the block inputs were kept: run the block again
+                self._block_forward(a, l, x)
             # MLP: res3 = res2 + drop(c_proj(gelu(c_fc(ln_2(res2))))); dres holds d res3
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
             ops.linear_backward(a.dfch, g.get(h + "mlp.c_proj.weight"), g.get(h + "mlp.c_proj.bias"), dproj,
-                                a.fch_gelu[l], w[h + "mlp.c_proj.weight"], acc)
-            self.lora_linear_grad(a.dfch, dproj, a.fch_gelu[l], a, l, "mlp.c_proj")
-            ops.gelu_backward(a.dfch16, g.get(h + "mlp.c_fc.bias"), a.dfch, a.fch[l])
+                                a.fch_gelu[s], w[h + "mlp.c_proj.weight"], acc)
+            self.lora_linear_grad(a.dfch, dproj, a.fch_gelu[s], a, l, "mlp.c_proj")
+            ops.gelu_backward(a.dfch16, g.get(h + "mlp.c_fc.bias"), a.dfch, a.fch[s])
             ops.layernorm_linear_backward(a.dres, g.get(h + "ln_2.weight"), g.get(h + "ln_2.bias"),
-                                          g.get(h + "mlp.c_fc.weight"), None, a.dfch16, a.res2[l],
+                                          g.get(h + "mlp.c_fc.weight"), None, a.dfch16, a.res2[s],
                                           p[h + "ln_2.weight"], p[h + "ln_2.bias"],
-                                          a.ln2_mean[l], a.ln2_rstd[l], w[h + "mlp.c_fc.weight"], acc,
+                                          a.ln2_mean[s], a.ln2_rstd[s], w[h + "mlp.c_fc.weight"], acc,
                                           adapters=self.lora_adapters(a, l, "c_fc"))
             # attention: res2 = x + drop(c_proj(attn(c_attn(ln_1(x))))); dres now holds d res2
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
             ops.linear_backward(a.datty, g.get(h + "attn.c_proj.weight"), g.get(h + "attn.c_proj.bias"), dproj,
-                                a.atty[l] if a.atty16 is None else a.atty16[l], w[h + "attn.c_proj.weight"], acc)
-            self.lora_linear_grad(a.datty, dproj, a.atty[l], a, l, "c_proj")
-            ops.attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, out=a.atty[l],
+                                a.atty[s] if a.atty16 is None else a.atty16[s], w[h + "attn.c_proj.weight"], acc)
+            self.lora_linear_grad(a.datty, dproj, a.atty[s], a, l, "c_proj")
+            ops.attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[s], NH, out=a.atty[s],
                                    **self.attention_dropout(l))
             ops.layernorm_linear_backward(a.dres, g.get(h + "ln_1.weight"), g.get(h + "ln_1.bias"),
                                           g.get(h + "attn.c_attn.weight"), g.get(h + "attn.c_attn.bias"),
                                           self.narrowed(a.dqkv, a.dqkv16), x, p[h + "ln_1.weight"],
-                                          p[h + "ln_1.bias"], a.ln1_mean[l], a.ln1_rstd[l],
+                                          p[h + "ln_1.bias"], a.ln1_mean[s], a.ln1_rstd[s],
                                           w[h + "attn.c_attn.weight"], acc,
                                           adapters=self.lora_adapters(a, l, "c_attn"))
             ready(*next(buckets))

@@ -89,10 +89,13 @@ def flops_per_token(config, T):
 class Activations:
     """Every buffer one forward/backward of shape (B, T) needs, allocated once and reused."""
 
-    def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32, logit_rows=None):
+    def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32, logit_rows=None, recompute=False):
         """products: np.uint16 where the matrix products take bf16 operands (the cpu's mixed
-        precision), as in models/gpt2.py's Activations."""
-        C, L, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
+        precision), as in models/gpt2.py's Activations. recompute: a block's buffers held for one
+        block at a time (train.recompute block: family.py's slot()); the block outputs res3 for all."""
+        C, NL, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
+        L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
+        self.recompute = recompute
         QKV = (NH + 2 * config.n_kv_head) * config.head_dim
         e = lambda *shape: ops.empty(shape, dtype)
         f32 = lambda *shape: ops.empty(shape, np.float32)
@@ -110,7 +113,7 @@ class Activations:
         self.res2 = e(L, B, T, C)          # residual after attention
         self.gu = e(L, B, T, 2 * H)        # gate | up
         self.h = x16(L, B, T, H) if bf16 else e(L, B, T, H)  # silu(gate) * up
-        self.res3 = e(L, B, T, C)          # residual after the MLP
+        self.res3 = e(NL, B, T, C)         # residual after the MLP: every block's, the next one's input
         self.normf = x16(B, T, C) if bf16 else e(B, T, C)
         self.rstdf = f32(B, T)
         # overwritten in place by dlogits in the backward; logit_rows (the chunked loss): (1, rows, V)
@@ -121,6 +124,10 @@ class Activations:
         self.lse = ops.empty((B, T), ops.LSE_DTYPE)
         self.proj = e(B, T, C)             # scratch: o_proj and down_proj outputs before the residual add
         self.grads = None
+
+    def slot(self, l):
+        """Where block l's inner buffers are: its own, or under recompute the one set all share."""
+        return 0 if self.recompute else l
 
     @staticmethod
     def scratch_bytes(ops, config, B, T):
@@ -170,9 +177,9 @@ class Llama(FlatModel):
     is_product = staticmethod(lambda name, config: config.tie_embeddings or name != "model.embed_tokens.weight")
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
-                 dropout=0.0, loss_chunk=0):
+                 dropout=0.0, loss_chunk=0, recompute="none"):
         super().__init__(config, backend, seed, buffer_multiple=buffer_multiple, dtype=dtype, lora=lora,
-                         dropout=dropout, loss_chunk=loss_chunk)
+                         dropout=dropout, loss_chunk=loss_chunk, recompute=recompute)
         c = config
         self.cos, self.sin = self.ops.rope_cache(c.block_size, c.head_dim, c.rope_theta, c.rope_scaling)
         flat = lambda grads: SimpleNamespace(**{  # the fused [out, in] groups, per layer (grads: None if frozen)
@@ -203,33 +210,40 @@ class Llama(FlatModel):
 
     def _layers_forward(self, a):
         """Embedding, the blocks, the final norm and the logits into a.logits, from a.idx."""
-        ops, p, fp, w, fw, c = self.ops, self.p, self.fp, self.p16, self.fw, self.config  # w, fw: the products'
-        NH, NKV = c.n_head, c.n_kv_head
+        ops, p, w, c = self.ops, self.p, self.p16, self.config  # w: the products' weights
         ops.encoder_forward(a.encoded, a.idx, p["model.embed_tokens.weight"])
         self.drop(a.encoded, -1, self.SITE_EMBED)
         x = a.encoded
         for l in range(c.n_layer):
-            h = f"model.layers.{l}."
-            ops.rmsnorm_linear_forward(a.qkv[l], a.rstd1[l], x, p[h + "input_layernorm.weight"], fw.qkv[l].T,
-                                       fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
-                                       adapters=self.lora_adapters(a, l, "qkv"))
-            # RoPE inside the op (the gpu rotates q and k as its kernels load them; the cpu in place in qkv)
-            ops.gqa_attention_forward(a.atty[l], a.att[l], a.qkv[l], NH, NKV, rope=(self.cos, self.sin),
-                                      **self.attention_dropout(l))
-            ops.linear_forward(a.proj, self.narrowed(a.atty[l], a.atty16, l), w[h + "self_attn.o_proj.weight"].T)
-            self.lora_linear(a.proj, a.atty[l], a, l, "o")
-            self.drop(a.proj, l, self.SITE_ATTN_OUT)
-            ops.residual_forward(a.res2[l], x, a.proj)
-            ops.rmsnorm_linear_forward(a.gu[l], a.rstd2[l], a.res2[l], p[h + "post_attention_layernorm.weight"],
-                                       fw.gu[l].T, None, c.norm_eps, adapters=self.lora_adapters(a, l, "gu"))
-            ops.swiglu_forward(a.h[l], a.gu[l])
-            ops.linear_forward(a.proj, a.h[l], w[h + "mlp.down_proj.weight"].T)
-            self.lora_linear(a.proj, a.h[l], a, l, "down")
-            self.drop(a.proj, l, self.SITE_MLP_OUT)
-            ops.residual_forward(a.res3[l], a.res2[l], a.proj)
+            self._block_forward(a, l, x)
             x = a.res3[l]
         ops.rmsnorm_forward(a.normf, a.rstdf, x, p["model.norm.weight"], c.norm_eps)
         self.head_forward(a, a.normf, w[self.lm_head].T)
+
+    def _block_forward(self, a, l, x):
+        """Block l from its input x (B, T, C) to a.res3[l], its buffers in slot a.slot(l) (the
+        backward runs it again under train.recompute block: the same kernels on the same inputs,
+        dropout's masks from the same seeds, so the same bits)."""
+        ops, p, fp, w, fw, c = self.ops, self.p, self.fp, self.p16, self.fw, self.config  # w, fw: the products'
+        NH, NKV, s = c.n_head, c.n_kv_head, a.slot(l)
+        h = f"model.layers.{l}."
+        ops.rmsnorm_linear_forward(a.qkv[s], a.rstd1[s], x, p[h + "input_layernorm.weight"], fw.qkv[l].T,
+                                   fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
+                                   adapters=self.lora_adapters(a, l, "qkv"))
+        # RoPE inside the op (the gpu rotates q and k as its kernels load them; the cpu in place in qkv)
+        ops.gqa_attention_forward(a.atty[s], a.att[s], a.qkv[s], NH, NKV, rope=(self.cos, self.sin),
+                                  **self.attention_dropout(l))
+        ops.linear_forward(a.proj, self.narrowed(a.atty[s], a.atty16, s), w[h + "self_attn.o_proj.weight"].T)
+        self.lora_linear(a.proj, a.atty[s], a, l, "o")
+        self.drop(a.proj, l, self.SITE_ATTN_OUT)
+        ops.residual_forward(a.res2[s], x, a.proj)
+        ops.rmsnorm_linear_forward(a.gu[s], a.rstd2[s], a.res2[s], p[h + "post_attention_layernorm.weight"],
+                                   fw.gu[l].T, None, c.norm_eps, adapters=self.lora_adapters(a, l, "gu"))
+        ops.swiglu_forward(a.h[s], a.gu[s])
+        ops.linear_forward(a.proj, a.h[s], w[h + "mlp.down_proj.weight"].T)
+        self.lora_linear(a.proj, a.h[s], a, l, "down")
+        self.drop(a.proj, l, self.SITE_MLP_OUT)
+        ops.residual_forward(a.res3[l], a.res2[s], a.proj)
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss
@@ -256,26 +270,29 @@ class Llama(FlatModel):
         for l in reversed(range(L)):
             h = f"model.layers.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
+            s = a.slot(l)
+            if a.recompute:  # only the block inputs were kept: run the block again
+                self._block_forward(a, l, x)
             # MLP: res3 = res2 + drop(down(swiglu(gate|up(rmsnorm(res2))))); dres holds d res3
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
-            ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dproj, a.h[l],
+            ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dproj, a.h[s],
                                 w[h + "mlp.down_proj.weight"].T, acc)
-            self.lora_linear_grad(a.dh, dproj, a.h[l], a, l, "down")
-            ops.swiglu_backward(a.dgu, a.dh, a.gu[l])
+            self.lora_linear_grad(a.dh, dproj, a.h[s], a, l, "down")
+            ops.swiglu_backward(a.dgu, a.dh, a.gu[s])
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), _t(fg.gu[l]), None,
-                                        a.dgu, a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[l],
+                                        a.dgu, a.res2[s], p[h + "post_attention_layernorm.weight"], a.rstd2[s],
                                         fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
             # attention: res2 = x + drop(o(attn(rope(qkv(rmsnorm(x)))))); dres now holds d res2
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
             ops.linear_backward(a.datty, self.grad_t(h + "self_attn.o_proj.weight"), None, dproj,
-                                a.atty[l] if a.atty16 is None else a.atty16[l], w[h + "self_attn.o_proj.weight"].T,
+                                a.atty[s] if a.atty16 is None else a.atty16[s], w[h + "self_attn.o_proj.weight"].T,
                                 acc)
-            self.lora_linear_grad(a.datty, dproj, a.atty[l], a, l, "o")
-            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[l], a.att[l], NH, NKV, out=a.atty[l],
+            self.lora_linear_grad(a.datty, dproj, a.atty[s], a, l, "o")
+            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[s], NH, NKV, out=a.atty[s],
                                        rope=(self.cos, self.sin), **self.attention_dropout(l))  # dq, dk before RoPE
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), _t(fg.qkv[l]),
                                         fg.qkv_bias[l] if c.qkv_bias else None, self.narrowed(a.dqkv, a.dqkv16), x,
-                                        p[h + "input_layernorm.weight"], a.rstd1[l], fw.qkv[l].T, acc,
+                                        p[h + "input_layernorm.weight"], a.rstd1[s], fw.qkv[l].T, acc,
                                         adapters=self.lora_adapters(a, l, "qkv"))
             ready(*next(buckets))
         if "model.embed_tokens.weight" in g:

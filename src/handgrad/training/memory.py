@@ -41,12 +41,13 @@ class _CountingOps:
 
 
 def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float32", world_size=1, zero_stage=0,
-             lora=None, loss_chunk=0):
+             lora=None, loss_chunk=0, recompute="none"):
     """{part: bytes} of one process of a run; config is the family's architecture config. lora (a
     LoRAConfig): gradients and moments of what trains only, the frozen base beside the parameters,
     and in the activations each adapter's s x A per block and the lora ops' workspaces (s g B^T, and
     with lora_dropout the dropped input and its gradient, one of each per input width). loss_chunk: the
-    logits of that many rows, not of the whole batch (train.loss_chunk)."""
+    logits of that many rows, not of the whole batch (train.loss_chunk). recompute: train.recompute's
+    (block: one block's inner buffers and every block's output)."""
     n, frozen, xs = family.num_params(config), 0, 0
     act_bytes = 2 if dtype == "bfloat16" and backend != "cpu" else 4
     if lora is not None:
@@ -67,7 +68,8 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
         act_dtype = torch.bfloat16
     counter = _CountingOps(ops)
     rows = min(loss_chunk, batch_size * block_size) if loss_chunk else None
-    acts = family.activations(counter, config, batch_size, block_size, act_dtype, products=products, logit_rows=rows)
+    acts = family.activations(counter, config, batch_size, block_size, act_dtype, products=products, logit_rows=rows,
+                              recompute=recompute == "block")
     acts.alloc_grads(counter, config, act_dtype)
     scratch = family.activations.scratch_bytes(ops, config, batch_size, block_size)  # the ops' workspaces
     bf16_copy = 2 * padded if products is np.uint16 else 0  # the products' bf16 copy of the weights
@@ -124,6 +126,8 @@ def check_memory(parts, config, backend="cpu", processes=1, available=None, voca
         logits = t.batch_size * m.block_size * (vocab_size or m.vocab_size) * 4
         if not t.loss_chunk and biggest == "activations" and logits > parts["activations"] / 8:
             lower += f", or set train.loss_chunk (the logits, {logits / 2**30:,.2f} GiB, formed 1024 rows at a time)"
+        if t.recompute == "none" and biggest == "activations":
+            lower += ", or set train.recompute block (each block's activations formed again in the backward)"
         if not t.lora_rank and biggest != "activations":
             lower += ", or train LoRA adapters (train.lora_rank 8) instead of every weight"
         where = "GPU memory" if backend == "gpu" and not os.environ.get("TRITON_INTERPRET") else "memory"

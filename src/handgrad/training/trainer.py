@@ -69,7 +69,7 @@ class Trainer(Checkpointing, RunLoop):
         # count what the run will hold before allocating any of it; refuse what cannot fit
         memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
                           self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, config.lora_config(),
-                          loss_chunk=t.loss_chunk)
+                          loss_chunk=t.loss_chunk, recompute=t.recompute)
         need = check_memory(memory, config, backend, processes=self.dp.local_world_size,
                             vocab_size=self.gpt_config.vocab_size)
         self.log(f"memory: {describe(memory)} per process" + (f", {need / 2**30:.2f} GiB on this machine"
@@ -88,7 +88,7 @@ class Trainer(Checkpointing, RunLoop):
             lora = self._adapter_config(init_from[0], lora, init_from[2]["adapter"]["lora"])
         self.model = self.family.model(self.gpt_config, backend=backend, seed=t.seed,
                                        buffer_multiple=self.dp.world_size, dtype=t.dtype, lora=lora,
-                                       dropout=config.model.dropout, loss_chunk=t.loss_chunk)
+                                       dropout=config.model.dropout, loss_chunk=t.loss_chunk, recompute=t.recompute)
         self.base_ref = None  # a LoRA run's base model: where it came from and its weights' SHA-256
         if init_from is not None:
             self._load_pretrained(*init_from)
