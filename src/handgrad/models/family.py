@@ -10,8 +10,8 @@ provides, as a `Family` record (models/__init__.py lists them by `model.arch`):
                      parameter and gradient buffers, checkpoints and state_dict(); the names are
                      the Hugging Face ones (models/gpt2.py says which prefix is dropped)
     num_params       config -> the number of parameters, counted without building param_spec
-    init_params      (config, seed) -> the initial weights as one flat float32 array (NumPy only,
-                     so a PyTorch reference can start from the same weights)
+    init_params      (config, seed[, into]) -> the initial weights as one flat float32 array (NumPy
+                     only, so a PyTorch reference can start from them), or into the model (initialise)
     flops_per_token  (config, T) -> training FLOPs per token, for MFU
     model            the model class; its instances satisfy `CausalLM` below
     activations      the class of every buffer one forward/backward of shape (B, T) needs,
@@ -93,6 +93,24 @@ def flat_views(flat, layout):
     return {name: flat[o:o + int(np.prod(s))].reshape(s) for name, (o, s) in layout.items()}
 
 
+def initialise(spec, seed, rule, into=None):
+    """A family's initial weights, tensor by tensor in spec's order from one numpy Generator:
+    rule(name, shape) is 1.0, 0.0 or ("normal", std). into: None (returns one flat array), or name
+    -> a writable float32 array of the tensor's shape, filled in place with the same draws."""
+    layout, n = flat_layout(spec)
+    host = np.zeros(n, dtype=np.float32) if into is None else None
+    into = flat_views(host, layout).__getitem__ if into is None else into
+    rng = np.random.default_rng(seed)
+    for name, (_, shape) in layout.items():
+        out, how = into(name), rule(name, shape)
+        if isinstance(how, tuple):
+            rng.standard_normal(dtype=np.float32, out=out.reshape(-1))
+            out *= np.float32(how[1])
+        else:
+            out[...] = how
+    return host
+
+
 class FlatModel(Head):
     """What every family's model shares: the flat parameter and gradient buffers laid out by
     param_spec, state_dict and load_state_dict, zero_grad, token checks, the activations of the
@@ -124,9 +142,8 @@ class FlatModel(Head):
         seed: the initialisation's; None leaves the weights zero, for a caller that loads them all.
         loss_chunk: the loss forms the logits of at most this many rows (of B*T) at a time, never
         the whole (B, T, V) (head_forward); 0: all rows at once.
-        recompute: "none", or "block": the forward keeps each block's output (the next one's input)
-        and one block's inner buffers, which the backward refills by running each block's forward
-        again before its backward (RECOMPUTE; the same gradients bit for bit)."""
+        recompute: "none", or "block": the forward keeps each block's output and one block's inner
+        buffers, which the backward refills by running the block's forward again (bit for bit)."""
         if not isinstance(config, self.CONFIG):
             raise ValueError(f"config must be a handgrad {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in ("float32", "bfloat16"):
@@ -209,14 +226,16 @@ class FlatModel(Head):
         return out
 
     def _init_weights(self, seed):
+        """init_params' weights into the parameter views on the cpu (no second copy); the gpu's via the host."""
         self.weights_changed()
-        host = self.init_params(self.config, seed)
-        if self.lora is None:
-            self.params[:] = self.ops.from_numpy(host)
-            return
-        for name, value in flat_views(host, flat_layout(self.param_spec(self.config))[0]).items():
-            self.p[name][...] = self.ops.from_numpy(value)
-        lora_parts.init_adapters(self, seed)
+        if self.backend == "cpu":
+            self.init_params(self.config, seed, into=self.p.__getitem__)
+        else:
+            host = self.init_params(self.config, seed)
+            for name, value in flat_views(host, flat_layout(self.param_spec(self.config))[0]).items():
+                self.p[name][...] = self.ops.from_numpy(value)
+        if self.lora is not None:
+            lora_parts.init_adapters(self, seed)
 
     def _block_buckets(self):
         """grad_buckets from the trained tensors' names (a LoRA model): the head's (after the last

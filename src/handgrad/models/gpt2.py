@@ -8,7 +8,7 @@ import numpy as np
 
 from ..config import GPTConfig
 from .decode import KVCache
-from .family import Family, FlatModel, flat_layout
+from .family import Family, FlatModel, initialise
 
 
 def param_spec(config):
@@ -38,22 +38,20 @@ WRITTEN_FIRST = ("wte.weight", "attn.c_attn.weight", "attn.c_proj.weight", "mlp.
                  "mlp.c_proj.weight")
 
 
-def init_params(config, seed):
+def init_params(config, seed, into=None):
     """GPT-2's initialisation as one flat float32 array laid out by param_spec: N(0, 0.02) for weights
     and embeddings, N(0, 0.02/sqrt(2L)) for the projections into the residual stream, zero biases,
-    unit layernorm gains. NumPy only, so a PyTorch process can start from the same weights."""
-    layout, num_params = flat_layout(param_spec(config))
-    rng = np.random.default_rng(seed)
+    unit layernorm gains. NumPy only, so a PyTorch process can start from the same weights. into:
+    write each tensor into into(name) instead (family.initialise)."""
     proj_std = 0.02 / np.sqrt(2 * config.n_layer)
-    host = np.zeros(num_params, dtype=np.float32)
-    for name, (o, shape) in layout.items():
-        n = int(np.prod(shape))
+
+    def rule(name, shape):
         if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name == "ln_f.weight":
-            host[o:o + n] = 1.0
-        elif len(shape) == 2:
-            std = proj_std if name.endswith("c_proj.weight") else 0.02
-            host[o:o + n] = rng.standard_normal(n, dtype=np.float32) * np.float32(std)
-    return host
+            return 1.0
+        if len(shape) == 2:
+            return ("normal", proj_std if name.endswith("c_proj.weight") else 0.02)
+        return 0.0
+    return initialise(param_spec(config), seed, rule, into)
 
 
 def num_params(config):

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from .decode import KVCache
-from .family import Family, FlatModel, flat_layout
+from .family import Family, FlatModel, initialise
 
 
 def param_spec(config):
@@ -60,19 +60,13 @@ WRITTEN_FIRST = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weig
                  "up_proj.weight", "down_proj.weight", "lm_head.weight")
 
 
-def init_params(config, seed):
+def init_params(config, seed, into=None):
     """Hugging Face Llama's initialisation (initializer_range 0.02) as one flat float32 array laid
-    out by param_spec: N(0, 0.02) for every matrix and the embedding, zero biases, unit norm gains."""
-    layout, n = flat_layout(param_spec(config))
-    rng = np.random.default_rng(seed)
-    host = np.zeros(n, dtype=np.float32)
-    for name, (o, shape) in layout.items():
-        size = int(np.prod(shape))
-        if name.endswith("norm.weight"):
-            host[o:o + size] = 1.0
-        elif len(shape) == 2:
-            host[o:o + size] = rng.standard_normal(size, dtype=np.float32) * np.float32(0.02)
-    return host
+    out by param_spec: N(0, 0.02) for every matrix and the embedding, zero biases, unit norm gains.
+    into: write each tensor into into(name) instead (family.initialise)."""
+    def rule(name, shape):
+        return 1.0 if name.endswith("norm.weight") else ("normal", 0.02) if len(shape) == 2 else 0.0
+    return initialise(param_spec(config), seed, rule, into)
 
 
 def flops_per_token(config, T):
@@ -254,7 +248,7 @@ class Llama(FlatModel):
         if not self._ready_for_backward:
             raise RuntimeError("backward() needs a forward(idx, targets) with targets first")
         self._ready_for_backward = False
-        ops, p, g, fp, fg, a, c = self.ops, self.p, self.g, self.fp, self.fg, self._acts, self.config
+        ops, p, g, fg, a, c = self.ops, self.p, self.g, self.fg, self._acts, self.config
         w, fw = self.p16, self.fw  # the products' weights
         NH, NKV = c.n_head, c.n_kv_head
         acc = not self._grads_zero  # first backward after zero_grad(): the matrices are written, not added
