@@ -29,7 +29,7 @@ bandwidth: bound (tok/s) = bandwidth / weight bytes read per token. Reported, in
 * a bf16 row: `generate --dtype bfloat16` at batch 1 (bf16 copies of the matrices: bf16_bytes a
   token), its ratio over float32 and the fraction of its own bound.
 * serving rows (bench/streams.py): serve's engine decoding 1, then BATCH sequences at once (each
-  its own prompt, prefilled alone, then batched steps), tokens/s over all of them.
+  its own prompt, the prompts prefilled together, then batched steps), tokens/s over all of them.
 
 --profile adds one decode step's time by op (and the part inside BLAS), the BLAS calls' weight
 bytes over their time (the GEMV bandwidth), and the time outside BLAS per op call. A Llama-family

@@ -5,7 +5,7 @@ HTTP around it (tools/serve_load.py loads that; its cost is a few ms per token o
 
 Each sequence is greedy, with its own prompt and max_tokens = new tokens, no end id, so every one
 decodes the same count. The time runs from the submit to the last sequence's end: prefills
-included (each prompt prefilled alone, joining between steps, as in serve)."""
+included (the prompts admitted together prefilled together, as in serve)."""
 import threading
 import time
 

@@ -24,8 +24,8 @@ choices; `resize(B, length)` re-shapes a cache's storage for another batch (B ro
 positions, no more positions in all than it was made with), so one cache serves batches of every
 shape.
 
-Serving (`handgrad serve`, serve/engine.py) uses two more: `load_row(b, src)` copies a prompt
-prefilled alone (in a one-row cache) into row b, and `step_rows(tokens, slots, positions)` runs one
+Serving (`handgrad serve`, serve/engine.py) uses two more: `load_row(b, src, row)` copies a prompt
+prefilled in row `row` of another cache (the engine's prefill cache) into row b, and `step_rows(tokens, slots, positions)` runs one
 decoding step over sequences at different positions, each in its own row: one set of linears over
 all of them, RoPE and the attention with a position and a cache row per sequence.
 

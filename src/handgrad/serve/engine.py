@@ -1,7 +1,8 @@
 """The serving engine: many sequences decoded together, one batched step at a time.
 
 One thread owns the model. It holds a KV cache of `slots` rows (models/decode.py), one per sequence
-being decoded, and a cache of as many rows that new prompts are prefilled in. Its loop:
+being decoded, and a prefill cache of one row's positions, which new prompts are prefilled in,
+several at once as rows of it. Its loop:
 
 1. admit: while a row is free and a sequence waits, take it; prefill the prompts taken together,
    right-padded to the longest (causal attention: a row's positions never see the padding after
