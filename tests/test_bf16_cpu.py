@@ -10,11 +10,10 @@ in bf16: a test that passes in float32 proves nothing about bf16).
 """
 import numpy as np
 import pytest
+from helpers import bf16_models
 
 from handgrad.backends import cpu as ops
-from handgrad.config import GPTConfig, LlamaConfig
 from handgrad.models.gpt2 import GPT
-from handgrad.models.llama import Llama
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -187,14 +186,7 @@ def test_lm_head_and_crossentropy():
 
 
 # ---------------------------------------------------------------- the whole model
-MODELS = {
-    "gpt2": (GPT, GPTConfig(block_size=16, vocab_size=203, n_layer=2, n_head=3, n_embd=72)),
-    # 6 query heads on 2 kv heads, head size 12; an untied head with q/k/v biases (Qwen2)
-    "llama": (Llama, LlamaConfig(block_size=16, vocab_size=203, n_layer=2, n_head=6, n_kv_head=2, n_embd=72,
-                                 ffn_hidden=120)),
-    "qwen2": (Llama, LlamaConfig(block_size=16, vocab_size=203, n_layer=2, n_head=6, n_kv_head=3, n_embd=72,
-                                 ffn_hidden=120, qkv_bias=True, tie_embeddings=False)),
-}
+MODELS = bf16_models(block_size=16)
 
 
 def torch_model(cls, config, dtype):

@@ -5,23 +5,16 @@ engine in bf16 are generate's; and the flag reaches sample, chat and serve. Runs
 few-row products widen bf16 exactly, a long prefill without hardware bf16 widens to float32."""
 import numpy as np
 import pytest
+from helpers import bf16_models
 
-from handgrad import GPT, GPTConfig
+from handgrad import GPT
 from handgrad.cli import main as cli
-from handgrad.config import LlamaConfig
 from handgrad.models.decode import SampleError, generate
-from handgrad.models.llama import Llama
 
 torch = pytest.importorskip("torch")
 
 BOUND = 2.0  # handgrad's error <= BOUND x PyTorch autocast's, as tests/test_bf16_cpu.py bounds training
-MODELS = {
-    "gpt2": (GPT, GPTConfig(block_size=32, vocab_size=203, n_layer=2, n_head=3, n_embd=72)),
-    "llama": (Llama, LlamaConfig(block_size=32, vocab_size=203, n_layer=2, n_head=6, n_kv_head=2, n_embd=72,
-                                 ffn_hidden=120)),
-    "qwen2": (Llama, LlamaConfig(block_size=32, vocab_size=203, n_layer=2, n_head=6, n_kv_head=3, n_embd=72,
-                                 ffn_hidden=120, qkv_bias=True, tie_embeddings=False)),
-}
+MODELS = bf16_models(block_size=32)  # a 20-token prefill and 4 steps fit
 
 
 def torch_logits(cls, config, state, idx, dtype, autocast):
