@@ -129,8 +129,9 @@ class BackgroundLoad:
 def sgemm_peak(n=PEAK_N, runs=PEAK_RUNS, dtype="float32"):
     """float32 (n, n) @ (n, n) on the BLAS handgrad's cpu backend uses (backends/cpu/blas.py: MKL or
     numpy's OpenBLAS), checked on a few rows against float64; GFLOP/s median, best.
-    dtype "bfloat16": the same product with bf16 operands and float32 accumulation on oneDNN (what
-    train.dtype=bfloat16 multiplies with): the peak a bf16 run's MFU is measured against."""
+    dtype "bfloat16": the same product with bf16 operands and float32 accumulation on oneDNN, or
+    widened to float32 where the CPU has no bf16 multiply (what train.dtype=bfloat16 multiplies
+    with; "path" says which): the peak a bf16 run's MFU is measured against."""
     rng = np.random.default_rng(0)
     a, b, c = (common.aligned_empty((n, n)) for _ in range(3))
     a[...], b[...] = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
@@ -144,6 +145,9 @@ def sgemm_peak(n=PEAK_N, runs=PEAK_RUNS, dtype="float32"):
     with BackgroundLoad() as load:
         times = [timed(lambda: blas.gemm(a, b, c))[0] for _ in range(runs)]
     flops = 2.0 * n ** 3
-    return {"n": n, "runs": runs, "dtype": dtype, "median_gflops": flops / np.median(times) / 1e9,
-            "best_gflops": flops / min(times) / 1e9, "background_cores": load.cores}
+    out = {"n": n, "runs": runs, "dtype": dtype, "median_gflops": flops / np.median(times) / 1e9,
+           "best_gflops": flops / min(times) / 1e9, "background_cores": load.cores}
+    if dtype == "bfloat16":  # oneDNN's bf16 products, or (no bf16 multiply) widened to float32 for the BLAS
+        out["path"] = onednn.bf16_path() or "widened"
+    return out
 

@@ -48,6 +48,7 @@ SHAPES = {
     "shakespeare-char": dict(preset="shakespeare-char", vocab_size=65, batch_size=12, T=64),
     "mid": dict(preset="mid", vocab_size=8192, batch_size=8, T=256),
     "gpt2-124m": dict(preset="gpt2-124m", vocab_size=50257, batch_size=4, T=64),
+    "llama-char": dict(preset="llama-char", vocab_size=65, batch_size=12, T=64),
     "llama-mid": dict(preset="llama-mid", vocab_size=8192, batch_size=8, T=256),
     "smollm2-135m": dict(preset="smollm2-135m", vocab_size=49152, batch_size=4, T=256),
     "qwen2.5-0.5b": dict(preset="qwen2.5-0.5b", vocab_size=151936, batch_size=4, T=1024),
@@ -314,7 +315,7 @@ def _spec(name, lora_rank=None, dtype="float32"):
     if lora_rank:  # every linear of every block, PEFT's usual alpha = 2 r
         if rc.model.arch != "llama":
             raise SystemExit(f"bench train --lora: {name} is a GPT-2 shape; the LoRA rows compare against PEFT on "
-                             f"transformers' Llama (llama-mid, smollm2-135m)")
+                             f"transformers' Llama (llama-char, llama-mid, smollm2-135m)")
         spec["lora"] = {"rank": lora_rank, "alpha": 2.0 * lora_rank, "targets": list(LORA_TARGETS["llama"])}
     return spec
 
@@ -338,13 +339,15 @@ def _check_losses(name, a, b, rtol=LOSS_RTOL):
 def bench_shape(name, steps, profile, lora_rank=None, dtype="float32"):
     """Warm up, then alternate timed chunks of the sides; one result dict. lora_rank: the LoRA row
     (handgrad's LoRA, PyTorch + PEFT's, handgrad's full step beside them). dtype bfloat16: handgrad's
-    bf16 step, PyTorch's autocast bf16 step, handgrad's float32 step."""
+    bf16 step, PyTorch's autocast bf16 step, handgrad's float32 step (with lora_rank: each with the
+    adapters, PyTorch's through PEFT)."""
     spec = _spec(name, lora_rank, dtype)
     bf16 = dtype == "bfloat16"
     family = get_family(spec["arch"])
     config = family.config(**spec["model"])
     tokens_per_step = spec["batch_size"] * spec["T"]
-    sides = [_Side(s, spec) for s in (LORA_SIDES if lora_rank else BF16_SIDES if bf16 else SIDES)]
+    # bf16 with --lora: the three bf16 sides, each with the adapters (PEFT's under autocast)
+    sides = [_Side(s, spec) for s in (BF16_SIDES if bf16 else LORA_SIDES if lora_rank else SIDES)]
     try:
         warm = {s.name: s.run(WARMUP_STEPS, keep=False) for s in sides}
         if steps is None:
@@ -389,18 +392,21 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32"):
     if h["peak_rss_mib"] and p["peak_rss_mib"]:
         result["ratio_peak_rss"] = h["peak_rss_mib"] / p["peak_rss_mib"]
     if lora_rank:
+        result["lora"] = dict(spec["lora"], trained=sum(int(np.prod(s)) for n, s in split_spec(
+            family.model, config, _lora(spec))[0]))
+    if lora_rank and not bf16:
         full = result["sides"]["handgrad-full"]
-        result["lora"] = dict(spec["lora"], speedup_vs_full=h["tok_s"] / full["tok_s"],
-                              trained=sum(int(np.prod(s)) for n, s in split_spec(
-                                  family.model, config, _lora(spec))[0]))
+        result["lora"]["speedup_vs_full"] = h["tok_s"] / full["tok_s"]
         if h["peak_rss_mib"] and full["peak_rss_mib"]:
             result["lora"]["peak_rss_vs_full"] = h["peak_rss_mib"] / full["peak_rss_mib"]
     if bf16:  # each bf16 side's first losses against handgrad's float32 ones: the price of the rounding
         fp32 = np.asarray(sides[2].losses[:LOSS_CHECK_STEPS])
         off = {s.name: float(np.max(np.abs(np.asarray(s.losses[:LOSS_CHECK_STEPS]) - fp32) / np.abs(fp32)))
                for s in sides[:2]}
-        result["bf16"] = {"speedup_vs_fp32": h["tok_s"] / result["sides"]["handgrad-fp32"]["tok_s"],
-                          "loss_rel_diff_vs_fp32": off}
+        f = result["sides"]["handgrad-fp32"]
+        result["bf16"] = {"speedup_vs_fp32": h["tok_s"] / f["tok_s"], "loss_rel_diff_vs_fp32": off}
+        if h["peak_rss_mib"] and f["peak_rss_mib"]:
+            result["bf16"]["peak_rss_vs_fp32"] = h["peak_rss_mib"] / f["peak_rss_mib"]
     if prof:
         result["profile"] = prof
     return result

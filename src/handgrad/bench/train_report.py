@@ -16,14 +16,15 @@ def format_row(r):
     mem = f"{r['ratio_peak_rss']:.2f}x" if "ratio_peak_rss" in r else "?"
     if "lora" in r:
         lo = r["lora"]
+        full = (f"; handgrad LoRA / handgrad full: tok/s {lo['speedup_vs_full']:.2f}x, peak RSS "
+                f"{lo.get('peak_rss_vs_full', float('nan')):.2f}x" if "speedup_vs_full" in lo else "")
         lines.append(f"  LoRA r {lo['rank']} on {','.join(lo['targets'])} ({lo['trained']:,} trained parameters); "
-                     f"pytorch = transformers + PEFT; handgrad LoRA / handgrad full: tok/s {lo['speedup_vs_full']:.2f}x, "
-                     f"peak RSS {lo.get('peak_rss_vs_full', float('nan')):.2f}x")
+                     f"pytorch = transformers + PEFT{full}")
     if "bf16" in r:
         b = r["bf16"]
         off = b["loss_rel_diff_vs_fp32"]
         lines.append(f"  bf16: pytorch = torch.autocast('cpu', bfloat16); handgrad bf16 / handgrad float32: tok/s "
-                     f"{b['speedup_vs_fp32']:.2f}x; first {r['loss_check_steps']} losses off handgrad float32's by "
+                     f"{b['speedup_vs_fp32']:.2f}x, peak RSS {b.get('peak_rss_vs_fp32', float('nan')):.2f}x; first {r['loss_check_steps']} losses off handgrad float32's by "
                      f"{off['handgrad']:.1e} (handgrad bf16), {off['pytorch']:.1e} (pytorch autocast)")
     bg = "?" if r["background_cores"] is None else f"{r['background_cores']:.2f}"
     lines.append(f"  handgrad/pytorch: tok/s {r['ratio_tok_s']:.2f}x, peak RSS {mem}; losses agree to "
@@ -39,6 +40,10 @@ def format_row(r):
     return "\n".join(lines)
 
 
+def _bf16_how(peak):
+    return "widened to float32: no bf16 multiply" if peak.get("path") == "widened" else "oneDNN"
+
+
 def format_footer(result):
     e, p0, p1 = result["environment"], result["sgemm_peak"], result["sgemm_peak_end"]
     return "\n".join([
@@ -51,7 +56,7 @@ def format_footer(result):
         f"torch {e['torch']} ({e['torch_threads']} threads)",
         f"sgemm peak ({e['handgrad_blas']} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
         f"{p1['median_gflops']:.1f} at end; MFU = GFLOP/s / the start peak"
-        + (f"; bf16 sides: / the bf16 matmul peak (oneDNN {result['bf16_peak']['n']}^3), "
+        + (f"; bf16 sides: / the bf16 matmul peak ({_bf16_how(result['bf16_peak'])} {result['bf16_peak']['n']}^3), "
            f"{result['bf16_peak']['median_gflops']:.1f} GFLOP/s" if "bf16_peak" in result else ""),
         "GFLOP/s and MFU count the FLOPs the model needs, as `handgrad train` does (flops_per_token: "
         "6 x the matrix parameters + 6·L·C·(T+1) for attention's causal half)",

@@ -24,6 +24,7 @@ Everything that is not a family's own math is shared: the flat buffers (`flat_la
 `flat_views` below), the optimizer (training/optim.py, over the flat buffers), checkpoints
 (interop/checkpoint.py, by param_spec names), sampling (models/decode.py) and data parallelism.
 """
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -33,10 +34,9 @@ from ..backends import get_backend
 from ..config import CHOICES
 from . import lora as lora_parts
 from .head import Head
+from .params import flat_layout, flat_views, initialise  # noqa: F401 (initialise: the families')
 
 
-# why train.dtype=bfloat16 refuses a LoRA model on the cpu (its adapters' products run in float32)
-BF16_LORA = "does not train LoRA adapters yet (train.lora_rank)"
 RECOMPUTE = CHOICES["train.recompute"]  # none: every block's activations kept; block: see FlatModel
 
 
@@ -79,38 +79,6 @@ class CausalLM(Protocol):
     def grads(self): ...                                # {name: array} of the gradients
 
 
-def flat_layout(spec):
-    """name -> (offset, shape) in the flat buffer, and the total size."""
-    offsets, n = {}, 0
-    for name, shape in spec:
-        offsets[name] = (n, shape)
-        n += int(np.prod(shape))
-    return offsets, n
-
-
-def flat_views(flat, layout):
-    """name -> a view of `flat` with the tensor's shape."""
-    return {name: flat[o:o + int(np.prod(s))].reshape(s) for name, (o, s) in layout.items()}
-
-
-def initialise(spec, seed, rule, into=None):
-    """A family's initial weights, tensor by tensor in spec's order from one numpy Generator:
-    rule(name, shape) is 1.0, 0.0 or ("normal", std). into: None (returns one flat array), or name
-    -> a writable float32 array of the tensor's shape, filled in place with the same draws."""
-    layout, n = flat_layout(spec)
-    host = np.zeros(n, dtype=np.float32) if into is None else None
-    into = flat_views(host, layout).__getitem__ if into is None else into
-    rng = np.random.default_rng(seed)
-    for name, (_, shape) in layout.items():
-        out, how = into(name), rule(name, shape)
-        if isinstance(how, tuple):
-            rng.standard_normal(dtype=np.float32, out=out.reshape(-1))
-            out *= np.float32(how[1])
-        else:
-            out[...] = how
-    return host
-
-
 class FlatModel(Head):
     """What every family's model shares: the flat parameter and gradient buffers laid out by
     param_spec, state_dict and load_state_dict, zero_grad, token checks, the activations of the
@@ -134,7 +102,8 @@ class FlatModel(Head):
         state and statistics in both backends. On the gpu the activations are bf16; on the cpu
         the matrix products take bf16 operands (a bf16 copy of the weights, `params16`, and each
         product's input narrowed by the kernel that writes it) and accumulate in float32 through
-        oneDNN, everything else staying float32; it needs a CPU with AVX512_BF16 or AMX.
+        oneDNN (a CPU without AVX512_BF16 or AMX: widened to float32 for the float32 BLAS), everything
+        else staying float32. With lora, the frozen base matrices are held as bf16 only (`frozen16`).
         lora: a config.LoRAConfig: the base weights frozen (in `frozen_params`), adapters trained
         (models/lora.py); None: every weight trains.
         dropout: model.dropout, applied while `training` is set (set_training); off in evaluation
@@ -152,8 +121,6 @@ class FlatModel(Head):
         why = get_backend("cpu").bf16_unavailable() if self.bf16_products else None
         if why:
             raise ValueError(f"dtype bfloat16 on the cpu {why}; use float32")
-        if self.bf16_products and lora is not None:
-            raise ValueError(f"dtype bfloat16 on the cpu {BF16_LORA}; use float32")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {dropout!r}")
         if loss_chunk < 0:
@@ -175,17 +142,25 @@ class FlatModel(Head):
         self.flat_params = self.ops.zeros((padded,))
         self.flat_grad = self.ops.zeros((padded,))
         self.params, self.grad = self.flat_params[:self.num_params], self.flat_grad[:self.num_params]
-        self.frozen_layout, n_frozen = flat_layout(frozen)
+        # bf16 products (cpu) with LoRA: the frozen matrices held only as bf16 (`frozen16`: they never
+        # change, so no float32 copy), the frozen vectors (norms, biases) float32 in frozen_params
+        frozen16 = [(n, s) for n, s in frozen if len(s) >= 2] if self.bf16_products else []
+        self.frozen_layout, n_frozen = flat_layout([(n, s) for n, s in frozen if not (frozen16 and len(s) >= 2)])
         self.frozen_params = self.ops.zeros((n_frozen,))
+        self.frozen16_layout, n16 = flat_layout(frozen16)
+        self.frozen16 = self.ops.zeros((n16,), np.uint16) if frozen16 else None
+        self.num_frozen = n_frozen + n16
+        self.base_sha256 = None  # a bf16 base's weights_digest, of the float32 weights it was narrowed from
         trained = flat_views(self.params, self.layout)
         self.p = flat_views(self.frozen_params, self.frozen_layout)
+        self.p.update(flat_views(self.frozen16, self.frozen16_layout) if frozen16 else {})
         self.p = {name: self.p.get(name, trained.get(name)) for name, _ in self.param_spec(config)}
         self.p.update((name, view) for name, view in trained.items() if name not in self.p)  # the adapters
         self.g = flat_views(self.grad, self.layout)
-        # bf16 products (cpu): the weights narrowed to bf16, refreshed by AdamW's pass (params_bf16)
-        # or, when stale (weights_changed), by the next forward
+        # bf16 products (cpu): the trained weights narrowed to bf16, refreshed by AdamW's pass
+        # (params_bf16) or, when stale (weights_changed), by the next forward; frozen16 as it is
         self.flat_params16 = self.ops.empty((padded,), np.uint16) if self.bf16_products else None
-        self.p16 = flat_views(self.flat_params16, self.layout) if self.bf16_products else self.p
+        self.p16 = {**self.p, **flat_views(self.flat_params16, self.layout)} if self.bf16_products else self.p
         self._weights16_fresh = False
         self._acts = None
         self._ready_for_backward = False
@@ -229,7 +204,9 @@ class FlatModel(Head):
         """init_params' weights into the parameter views on the cpu (no second copy); the gpu's via the host."""
         self.weights_changed()
         if self.backend == "cpu":
-            self.init_params(self.config, seed, into=self.p.__getitem__)
+            digest = hashlib.sha256() if self.frozen16 is not None else None
+            self.init_params(self.config, seed, into=self.p.__getitem__, digest=digest)
+            self.base_sha256 = digest and digest.hexdigest()
         else:
             host = self.init_params(self.config, seed)
             for name, value in flat_views(host, flat_layout(self.param_spec(self.config))[0]).items():
@@ -302,7 +279,12 @@ class FlatModel(Head):
     def state_dict(self):
         """Copies of the weights under param_spec's (Hugging Face) names and layouts, and a LoRA
         model's adapters under theirs (models/lora.py)."""
-        return {name: self.ops.to_numpy(view).copy() for name, view in self.p.items()}
+        return {name: self.weight(name) for name in self.p}
+
+    def weight(self, name):
+        """A float32 NumPy copy of tensor `name` (a bf16 frozen base's widened, exactly)."""
+        x = self.ops.to_numpy(self.p[name])
+        return get_backend("cpu").onednn.from_bf16(x) if x.dtype == np.uint16 else x.copy()
 
     def grads(self):
         """Copies of the gradients, under the same names and layouts as state_dict()."""
@@ -332,8 +314,21 @@ class FlatModel(Head):
                                  f"expected {tuple(view.shape)}")
             if not np.issubdtype(arr.dtype, np.floating):
                 raise ValueError(f"load_state_dict: {name} has dtype {arr.dtype}, expected a float type")
-        for name in want:
-            self.p[name][...] = self.ops.from_numpy(np.asarray(state[name], dtype=np.float32))
+        base, wanted = set(self.base_names), set(want)
+        digest = hashlib.sha256() if self.frozen16 is not None and wanted.issuperset(base) else None
+        if self.frozen16 is not None and wanted.intersection(base):
+            self.base_sha256 = None
+        for name in [n for n in self.p if n in wanted]:  # param_spec's order: the digest's
+            arr, view = np.asarray(state[name], dtype=np.float32), self.p[name]
+            if digest is not None and name in base:
+                digest.update(f"{name}:{tuple(view.shape)};".encode())
+                digest.update(np.ascontiguousarray(arr).data)
+            if view.dtype == np.uint16:  # a frozen bf16 matrix: narrowed
+                self.ops.to_bf16(arr, view)
+            else:
+                view[...] = self.ops.from_numpy(arr)
+        if digest is not None:
+            self.base_sha256 = digest.hexdigest()
         self.weights_changed()
 
     def zero_grad(self):
@@ -443,8 +438,10 @@ class FlatModel(Head):
                 buf = self.flat_params16[:self.num_params]
         elif grads:
             return None
-        else:
+        elif first in self.frozen_layout:
             buf, layout = self.frozen_params, self.frozen_layout
+        else:
+            buf, layout = self.frozen16, self.frozen16_layout
         o = layout[first][0]
         end = layout[last][0] + int(np.prod(layout[last][1]))
         return buf[o:end].reshape((-1, *layout[first][1][1:]))

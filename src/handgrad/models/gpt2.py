@@ -38,11 +38,11 @@ WRITTEN_FIRST = ("wte.weight", "attn.c_attn.weight", "attn.c_proj.weight", "mlp.
                  "mlp.c_proj.weight")
 
 
-def init_params(config, seed, into=None):
+def init_params(config, seed, into=None, digest=None):
     """GPT-2's initialisation as one flat float32 array laid out by param_spec: N(0, 0.02) for weights
     and embeddings, N(0, 0.02/sqrt(2L)) for the projections into the residual stream, zero biases,
     unit layernorm gains. NumPy only, so a PyTorch process can start from the same weights. into:
-    write each tensor into into(name) instead (family.initialise)."""
+    write each tensor into into(name) instead; digest: hash them (params.initialise)."""
     proj_std = 0.02 / np.sqrt(2 * config.n_layer)
 
     def rule(name, shape):
@@ -51,7 +51,7 @@ def init_params(config, seed, into=None):
         if len(shape) == 2:
             return ("normal", proj_std if name.endswith("c_proj.weight") else 0.02)
         return 0.0
-    return initialise(param_spec(config), seed, rule, into)
+    return initialise(param_spec(config), seed, rule, into, digest)
 
 
 def num_params(config):

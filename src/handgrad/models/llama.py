@@ -60,13 +60,13 @@ WRITTEN_FIRST = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weig
                  "up_proj.weight", "down_proj.weight", "lm_head.weight")
 
 
-def init_params(config, seed, into=None):
+def init_params(config, seed, into=None, digest=None):
     """Hugging Face Llama's initialisation (initializer_range 0.02) as one flat float32 array laid
     out by param_spec: N(0, 0.02) for every matrix and the embedding, zero biases, unit norm gains.
-    into: write each tensor into into(name) instead (family.initialise)."""
+    into: write each tensor into into(name) instead; digest: hash them (params.initialise)."""
     def rule(name, shape):
         return 1.0 if name.endswith("norm.weight") else ("normal", 0.02) if len(shape) == 2 else 0.0
-    return initialise(param_spec(config), seed, rule, into)
+    return initialise(param_spec(config), seed, rule, into, digest)
 
 
 def flops_per_token(config, T):

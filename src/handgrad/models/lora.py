@@ -80,6 +80,14 @@ def split_spec(model_cls, config, lora):
     return trained, frozen, per_block
 
 
+def group_widths(model_cls, config):
+    """{fused group: its product's output width} for a block of this family (q|k|v, gate|up, ...)."""
+    shapes, widths = dict(model_cls.param_spec(config)), {}
+    for module, group in model_cls.LORA_MODULES.values():
+        widths[group] = widths.get(group, 0) + _module_shape(model_cls, shapes, model_cls.block_prefix(0) + module)[1]
+    return widths
+
+
 def initial_adapters(lora_blocks, rank, seed):
     """{name: array} of new adapters, as PEFT initialises them: lora_A ~ U(-1/sqrt(in), 1/sqrt(in))
     (kaiming_uniform_(a=sqrt(5))), lora_B = 0. NumPy only (a PyTorch side can start from them)."""
@@ -115,7 +123,7 @@ def adapter_records(model):
 def merged_weights(model):
     """The base weights with every adapter folded in, W + (alpha / r) B A (in the base layout:
     [out, in], or GPT-2's Conv1D [in, out]), under param_spec's names: a plain model's state_dict."""
-    out = {name: model.ops.to_numpy(model.p[name]).copy() for name in model.base_names}
+    out = {name: model.weight(name) for name in model.base_names}
     for blocks in model.lora_blocks:
         for t in blocks:
             a = model.ops.to_numpy(model.p[t.module + ".lora_A.weight"]).astype(np.float64)
@@ -138,9 +146,12 @@ def weights_digest(spec, weights):
 
 def base_digest(model):
     """weights_digest of the base weights a LoRA model holds: what a LoRA checkpoint records of its
-    base, checked when the base is loaded."""
-    return weights_digest(model.param_spec(model.config),
-                          {n: model.ops.to_numpy(model.p[n]) for n in model.base_names})
+    base, checked when the base is loaded. A base held as bf16 (train.dtype bfloat16 on the cpu)
+    reports the digest of the float32 weights it was narrowed from, taken as they were drawn or
+    loaded (model.base_sha256), so a run's record is the same in either dtype."""
+    if model.base_sha256 is not None:
+        return model.base_sha256
+    return weights_digest(model.param_spec(model.config), {n: model.weight(n) for n in model.base_names})
 
 
 def lora_flops_per_token(family, config, lora, T):

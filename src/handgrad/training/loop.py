@@ -41,7 +41,7 @@ def model_size(model):
     adapters and whatever trains beside them) beside its frozen base."""
     if model.lora is None:
         return f"{model.num_params:,} parameters"
-    return f"{model.num_params + len(model.frozen_params):,} parameters, {model.num_params:,} of them trained"
+    return f"{model.num_params + model.num_frozen:,} parameters, {model.num_params:,} of them trained"
 
 
 class RunLoop:

@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from ..backends import get_backend
-from ..models.lora import split_spec
+from ..models.lora import group_widths, split_spec
 from .rundir import TrainError
 
 RUNTIME_BYTES = 270 * 2**20  # the process with nothing of the model in it (measured; see above)
@@ -53,11 +53,17 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     if lora is not None:
         trained, frozen_spec, blocks = split_spec(family.model, config, lora)
         n = sum(math.prod(s) for _, s in trained)
-        frozen = sum(math.prod(s) for _, s in frozen_spec)
+        frozen = 4 * sum(math.prod(s) for _, s in frozen_spec)
         N = batch_size * block_size
         widths = {t.fan_in for block in blocks for t in block}
         xs = (config.n_layer * max(map(len, blocks)) + 1) * N * lora.rank * act_bytes
         xs += 2 * N * sum(widths) * act_bytes if lora.dropout else 0
+        if dtype == "bfloat16" and backend == "cpu":
+            # the frozen matrices held as bf16 only; the lora ops widen a bf16 input and output
+            # gradient into float32 scratch (the widest input, the widest adapted product)
+            frozen -= 2 * sum(math.prod(s) for _, s in frozen_spec if len(s) >= 2)
+            out_widths = group_widths(family.model, config)
+            xs += 4 * N * (max(widths) + max(out_widths[t.group] for block in blocks for t in block))
     padded = -(-n // world_size) * world_size
     ops = get_backend(backend)
     act_dtype, products = np.float32, np.float32
@@ -73,7 +79,7 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     acts.alloc_grads(counter, config, act_dtype)
     scratch = family.activations.scratch_bytes(ops, config, batch_size, block_size)  # the ops' workspaces
     bf16_copy = 2 * padded if products is np.uint16 else 0  # the products' bf16 copy of the weights
-    parts = {"parameters": 4 * (padded + frozen) + bf16_copy, "gradients": 4 * padded,
+    parts = {"parameters": 4 * padded + frozen + bf16_copy, "gradients": 4 * padded,
              "AdamW moments": 8 * (padded // world_size if zero_stage == 1 else padded),
              "activations": counter.bytes + scratch + xs}
     if backend == "cpu":

@@ -16,7 +16,6 @@ from ..interop.load import fit_weights, load_base
 from ..interop.published import model_ref
 from ..models import family_of, get_family
 from ..models.decode import generate
-from ..models.family import BF16_LORA
 from ..models.lora import base_digest
 from .device_loop import DeviceLoop, check_cuda_graph
 from .distributed import DataParallel
@@ -31,9 +30,9 @@ from .tracking import open_tracker
 
 
 def cpu_bf16(config):
-    """Refuse, in one line, a train.dtype=bfloat16 run the cpu cannot do: no bf16 multiply in the
-    CPU (oneDNN would emulate it, slower than float32), no oneDNN, or LoRA (float32 only so far)."""
-    why = get_backend("cpu").bf16_unavailable() or (BF16_LORA if config.lora_config() is not None else None)
+    """Refuse, in one line, a train.dtype=bfloat16 run the cpu cannot do: a CPU that multiplies bf16
+    without oneDNN installed (backends/cpu/onednn.py's bf16_unavailable)."""
+    why = get_backend("cpu").bf16_unavailable()
     if why:
         raise ConfigError(f"train.dtype: bfloat16 on the cpu {why}; use --train.dtype float32")
 
@@ -96,7 +95,7 @@ class Trainer(Checkpointing, RunLoop):
             self.base_ref = self.base_ref or {"init": "random", "seed": t.seed, "sha256": base_digest(self.model)}
             self.log(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, on {','.join(lora.targets)}"
                      + (f", dropout {lora.dropout:g}" if lora.dropout else "") + f"; {self.model.num_params:,} "
-                     f"parameters train, {len(self.model.frozen_params):,} frozen")
+                     f"parameters train, {self.model.num_frozen:,} frozen")
         # ZeRO stage 1: this rank keeps AdamW moments for its slice of the flat buffer only
         self.sharded = t.zero_stage == 1 and self.dp.world_size > 1
         shard = self.dp.shard(len(self.model.flat_params)) if self.sharded else None

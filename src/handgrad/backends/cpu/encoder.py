@@ -3,6 +3,7 @@ alone, as Llama's embed_tokens, whose positions are rotary and applied in attent
 import numpy as np
 from numba import prange
 
+from .bf16 import load_as
 from .common import kernel
 
 
@@ -14,7 +15,7 @@ def _encoder_forward_kernel(out, inp, wte, wpe):
         t = bt - b * T
         ix = inp[b, t]
         for c in range(C):
-            out[b, t, c] = wte[ix, c] + wpe[t, c]
+            out[b, t, c] = load_as(wte, wte[ix, c]) + load_as(wpe, wpe[t, c])
 
 
 @kernel
@@ -25,12 +26,12 @@ def _embedding_forward_kernel(out, inp, wte):
         t = bt - b * T
         ix = inp[b, t]
         for c in range(C):
-            out[b, t, c] = wte[ix, c]
+            out[b, t, c] = load_as(wte, wte[ix, c])
 
 
 def encoder_forward(out, inp, wte, wpe=None):
     """out (B, T, C) = wte (V, C)[inp (B, T)] + wpe (maxT, C)[:T] (wpe None: no positions).
-    Overwrites out."""
+    Overwrites out. wte and wpe may be bf16 (uint16: a frozen bf16 base's), widened as they are read."""
     if wpe is None:
         _embedding_forward_kernel(out, inp, wte)
     else:

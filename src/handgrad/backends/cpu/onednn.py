@@ -19,7 +19,9 @@ beta is oneDNN's sum post-op (dst = op(a, b) + beta * dst).
 
 `bf16_path()` says what the CPU multiplies bf16 with: "amx" (AMX-BF16 tiles, Intel Sapphire
 Rapids and later), "avx512_bf16" (AVX512_BF16's dot products, AMD Zen 4, Intel Cooper Lake), or
-None (no hardware bf16: oneDNN would emulate it, slower than float32, so handgrad refuses).
+None (no hardware bf16: oneDNN has no bf16 matmul there, so blas.gemm widens bf16 operands to
+float32, exactly, and multiplies them on the float32 BLAS; the rounding is bf16's, the speed float32's
+at best).
 """
 import ctypes
 import os
@@ -72,10 +74,11 @@ def bf16_path(flags=None):
 
 def bf16_unavailable():
     """Why bf16 products cannot run in this process, as the end of one line ("... on the cpu " + it),
-    or None where they can: the CPU multiplies bf16 and oneDNN is installed."""
+    or None where they can: the CPU multiplies bf16 and oneDNN is installed, or the CPU has no bf16
+    multiply at all, where blas.gemm widens the bf16 operands to float32 (exactly) for the float32
+    BLAS instead: bf16's rounding and memory, not its speed (oneDNN has no bf16 matmul there)."""
     if bf16_path() is None:
-        return ("needs a CPU with AVX512_BF16 or AMX, and this one has neither (`handgrad info` shows cpu_bf16; "
-                "oneDNN would emulate bf16, slower than float32)")
+        return None
     if library_path() is None:
         return f"runs its products on oneDNN, which is not installed: pip install {_DISTRIBUTION}"
     return None
