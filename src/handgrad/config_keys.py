@@ -70,8 +70,8 @@ KEYS = {
         "log_interval": "Steps between log lines (metrics.jsonl records every step)",
         "seed": "Seeds the initial weights, the batches and the samples",
         "on_nan": "What a NaN or Inf loss or gradient does: stop (the last good checkpoint kept) or skip the batch",
-        "dtype": "float32, or bfloat16 mixed precision (gpu: bf16 activations; cpu: bf16 products); weights "
-                 "stay float32",
+        "dtype": "float32, or bfloat16 mixed precision (gpu: bf16 activations; cpu: bf16 products); trained "
+                 "weights stay float32, a LoRA run's frozen base matrices are bf16 on the cpu",
         "cuda_graph": "--device gpu, one process: replay each step as captured CUDA graphs",
         "zero_stage": ("Under torchrun: 1 shards the AdamW moments across the ranks (ZeRO stage 1)",
                        "plain data parallel (every rank holds all the moments)"),
