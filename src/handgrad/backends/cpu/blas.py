@@ -33,7 +33,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from . import onednn
+from . import onednn, widen
 from .bf16 import load_as
 from .common import cheap_launches, kernel, wheel_library, workspace
 
@@ -361,8 +361,8 @@ def _hardware_bf16():
 def _bf16_gemm(a, b, c, beta):
     """c = a @ b with a bf16 operand: both operands as bf16 (a float32 a is rounded to bf16 first,
     so the products are bf16's), float32 accumulation. Few rows: _small_m_nt; otherwise oneDNN
-    where the CPU multiplies bf16, else both widened to float32 (exact) for the float32 BLAS (a
-    prefill of bf16 decoding weights on a CPU without hardware bf16)."""
+    where the CPU multiplies bf16, else the bf16 operands widened to float32 (exact) tile by tile
+    for the float32 BLAS (widen.widened_gemm: bf16 training and prefill on a CPU without hardware bf16)."""
     if a.dtype != np.uint16:
         a = onednn.to_bf16(a, workspace("gemm_bf16_a", a.shape, np.uint16))
     if _few_rows(a, b, c, beta):  # a's few rows widened once (exact), so only the weight is per element
@@ -372,16 +372,17 @@ def _bf16_gemm(a, b, c, beta):
         return c
     if b.dtype == np.uint16 and _hardware_bf16():
         return onednn.gemm(a, b, c, beta)
-    wide = []
-    for i, x in enumerate((a, b)):
-        if x.dtype == np.uint16:
-            flip = not x.flags.c_contiguous and x.T.flags.c_contiguous
-            src = x.T if flip else np.ascontiguousarray(x)
-            w = workspace(f"gemm_bf16_wide{i}", src.shape, np.float32)
-            onednn._widen(src, w)
-            x = w.T if flip else w
-        wide.append(x)
-    return gemm(wide[0], wide[1], c, beta)
+    return widen.widened_gemm(a, b, c, beta, gemm, WIDEN_TILE)
+
+
+# The widened products' float32 scratch (widen.py): one tile per bf16 operand, WIDEN_TILE elements at
+# most each (16 MiB), whatever the operands' size (a whole 151,936 x 896 lm_head would take 544 MB).
+WIDEN_TILE = 1 << 22
+
+
+def widen_scratch_bytes():
+    """The most bytes the widened products keep in workspaces (two float32 tiles)."""
+    return 2 * 4 * WIDEN_TILE
 
 
 def gemm(a, b, c, beta=0.0):
