@@ -142,6 +142,18 @@ def test_bench_train_bf16_runs_three_sides():
     assert "pytorch = transformers + PEFT" in bench_train.format_row(row)
 
 
+def test_bench_train_compile_side_times_torch_compile_apart():
+    """--compile: a fourth worker, PyTorch under torch.compile, its compile time apart from its
+    steps, its losses those of eager PyTorch (checked before anything is reported)."""
+    out = _bench("--preset", "tiny", "--steps", "2", "--compile", "--json")
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)["rows"]
+    c = row["sides"]["pytorch-compile"]
+    assert set(row["sides"]) == {"handgrad", "pytorch", "pytorch-compile"} and c["compile_s"] > 0
+    assert row["ratio_tok_s_compile"] == pytest.approx(row["sides"]["handgrad"]["tok_s"] / c["tok_s"])
+    assert "handgrad/pytorch-compile: tok/s" in bench_train.format_row(row)
+
+
 def test_bench_ops_blocks_zero_only_what_their_backward_accumulates(monkeypatch):
     """bench ops times each block as the model runs it: zero_grads leaves the written-first weight
     gradients alone (the model's zero_grad does too), and check() starts every gradient at NaN,

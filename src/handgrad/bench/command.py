@@ -66,6 +66,9 @@ def add_arguments(parser):
                              "gpu 10, after 3 warm-up steps); "
                              "learn: override the preset's train.max_steps (with --lora: the fine-tuning steps, "
                              "default 500)")
+    parser.add_argument("--compile", action="store_true",
+                        help="train: one more side, the PyTorch step under torch.compile (Inductor), its compile time "
+                             "reported apart and its losses checked against eager's")
     parser.add_argument("--lora", type=_positive_int, default=None, metavar="R",
                         help="train: LoRA rows at rank R on every linear (Llama presets): handgrad's LoRA step beside "
                              "PyTorch + PEFT's and handgrad's own full step; learn: the LoRA learning check (Llama "

@@ -59,7 +59,8 @@ DEFAULT_SHAPES = ("tiny", "mid", "gpt2-124m")  # the shapes issue 4 reports
 SIDES = ("handgrad", "pytorch")
 LORA_SIDES = ("handgrad", "pytorch", "handgrad-full")  # --lora: LoRA, PyTorch + PEFT, handgrad's own full step
 BF16_SIDES = ("handgrad", "pytorch", "handgrad-fp32")  # --dtype bfloat16: bf16, autocast bf16, handgrad float32
-WORKERS = LORA_SIDES + BF16_SIDES[2:]
+COMPILE_SIDE = "pytorch-compile"  # --compile: the PyTorch side again under torch.compile (Inductor)
+WORKERS = LORA_SIDES + BF16_SIDES[2:] + (COMPILE_SIDE,)
 N_BATCHES = 16  # distinct random batches, cycled
 WARMUP_STEPS = 3
 BUDGET_S = 12.0  # with --steps unset: timed seconds per side
@@ -185,9 +186,11 @@ class _TorchWorker:
     """PyTorch eager as its users run it: GPT-2 with addmm and scaled_dot_product_attention
     (torch_ref.TorchGPT, fast=True); the Llama family as transformers' own LlamaForCausalLM with its
     SDPA attention (grouped heads, no repeat); fused AdamW. dtype bfloat16: the forward (and so its
-    backward) under torch.autocast("cpu", dtype=torch.bfloat16)."""
+    backward) under torch.autocast("cpu", dtype=torch.bfloat16). compile: the model (its forward and,
+    through AOTAutograd, its backward) under torch.compile, Inductor's generated C++ and fused
+    element-wise kernels; the optimizer stays the fused AdamW."""
 
-    def __init__(self, config, t, flat, lora=None, seed=0, dtype="float32"):
+    def __init__(self, config, t, flat, lora=None, seed=0, dtype="float32", compile=False):
         from ..torch_ref import TorchGPT, TorchLlama, torch
         self.torch = torch
         self.autocast = dtype == "bfloat16"
@@ -200,9 +203,21 @@ class _TorchWorker:
         self.grad_clip = t["grad_clip"]
         if lora is not None:
             self._peft(config, lora, seed, t)
-            return
-        self.opt = self.model.adamw(lr=t["lr"], weight_decay=t["weight_decay"], betas=(t["beta1"], t["beta2"]),
-                                    fused=True)
+        else:
+            self.opt = self.model.adamw(lr=t["lr"], weight_decay=t["weight_decay"], betas=(t["beta1"], t["beta2"]),
+                                        fused=True)
+        if compile:
+            self.model = torch.compile(self.model)
+
+    def compile_now(self, batch):
+        """Seconds to compile: one forward and backward on batch (the gradients dropped, the weights
+        untouched, so the timed steps start where the other sides' do)."""
+        t0 = time.perf_counter()
+        with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.autocast):
+            _, loss = self.model(*batch)
+        loss.backward()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
 
     def _peft(self, config, lora, seed, t):
         """PEFT's LoRA on transformers' model, from handgrad's initial adapters; fused AdamW over the
@@ -227,7 +242,7 @@ class _TorchWorker:
 
 def worker(side, spec):
     """Build one side from spec, then answer commands read from stdin, one JSON object per line."""
-    if side == "pytorch":
+    if side.startswith("pytorch"):
         from .. import torch_ref  # noqa: F401  (torch is loaded before the baseline is read)
     before = _memory()
     family = get_family(spec["arch"])
@@ -236,19 +251,23 @@ def worker(side, spec):
     rng = np.random.default_rng(spec["seed"])
     B, T = spec["batch_size"], spec["T"]
     tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
-    cls = _TorchWorker if side == "pytorch" else _HandgradWorker
     dtype = "float32" if side == "handgrad-fp32" else spec.get("dtype", "float32")
-    w = cls(config, spec["train"], flat, lora=None if side == "handgrad-full" else _lora(spec), seed=spec["seed"],
-            dtype=dtype)
+    lora = None if side == "handgrad-full" else _lora(spec)
+    if side.startswith("pytorch"):
+        w = _TorchWorker(config, spec["train"], flat, lora=lora, seed=spec["seed"], dtype=dtype,
+                         compile=side == COMPILE_SIDE)
+    else:
+        w = _HandgradWorker(config, spec["train"], flat, lora=lora, seed=spec["seed"], dtype=dtype)
     batches = [w.prepare(tok[:, :-1].astype(np.int32), tok[:, 1:].astype(np.int32)) for tok in tokens]
     del flat
     step_no = 0
+    compile_s = w.compile_now(batches[0]) if side == COMPILE_SIDE else None
 
     def send(obj):
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    send({"ready": True, "baseline": before})
+    send({"ready": True, "baseline": before, "compile_s": compile_s})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "run":
@@ -276,7 +295,8 @@ class _Side:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "handgrad.bench.train", name, json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.baseline = self._read()["baseline"]
+        ready = self._read()
+        self.baseline, self.compile_s = ready["baseline"], ready.get("compile_s")
         self.times, self.losses = [], []
 
     def _read(self):
@@ -336,18 +356,20 @@ def _check_losses(name, a, b, rtol=LOSS_RTOL):
     return float(rel.max())
 
 
-def bench_shape(name, steps, profile, lora_rank=None, dtype="float32"):
+def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=False):
     """Warm up, then alternate timed chunks of the sides; one result dict. lora_rank: the LoRA row
     (handgrad's LoRA, PyTorch + PEFT's, handgrad's full step beside them). dtype bfloat16: handgrad's
     bf16 step, PyTorch's autocast bf16 step, handgrad's float32 step (with lora_rank: each with the
-    adapters, PyTorch's through PEFT)."""
+    adapters, PyTorch's through PEFT). compile: one more side, PyTorch's under torch.compile, its
+    compile time apart from its steps and its losses checked against eager PyTorch's."""
     spec = _spec(name, lora_rank, dtype)
     bf16 = dtype == "bfloat16"
     family = get_family(spec["arch"])
     config = family.config(**spec["model"])
     tokens_per_step = spec["batch_size"] * spec["T"]
     # bf16 with --lora: the three bf16 sides, each with the adapters (PEFT's under autocast)
-    sides = [_Side(s, spec) for s in (BF16_SIDES if bf16 else LORA_SIDES if lora_rank else SIDES)]
+    names = (BF16_SIDES if bf16 else LORA_SIDES if lora_rank else SIDES) + ((COMPILE_SIDE,) if compile else ())
+    sides = [_Side(s, spec) for s in names]
     try:
         warm = {s.name: s.run(WARMUP_STEPS, keep=False) for s in sides}
         if steps is None:
@@ -364,6 +386,9 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32"):
                 done += n
         hg, pt = sides[:2]
         err = _check_losses(name, hg.losses, pt.losses, LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
+        if compile:  # the compiled model must compute what eager does
+            _check_losses(f"{name} (torch.compile against eager)", sides[-1].losses, pt.losses,
+                          LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
         prof = hg.ask(cmd="profile", n=min(steps, 10)) if profile else None
     finally:
         memory = {}
@@ -389,6 +414,10 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32"):
         }
     h, p = result["sides"]["handgrad"], result["sides"]["pytorch"]
     result["ratio_tok_s"] = h["tok_s"] / p["tok_s"]
+    if compile:
+        c = result["sides"][COMPILE_SIDE]
+        c["compile_s"] = sides[-1].compile_s
+        result["ratio_tok_s_compile"] = h["tok_s"] / c["tok_s"]
     if h["peak_rss_mib"] and p["peak_rss_mib"]:
         result["ratio_peak_rss"] = h["peak_rss_mib"] / p["peak_rss_mib"]
     if lora_rank:
@@ -427,7 +456,8 @@ def main(args):
     peak16 = sgemm_peak(dtype="bfloat16") if dtype == "bfloat16" else None
     rows = []
     for name in names:
-        r = bench_shape(name, args.steps, args.profile, getattr(args, "lora", None), dtype)
+        r = bench_shape(name, args.steps, args.profile, getattr(args, "lora", None), dtype,
+                        getattr(args, "compile", False))
         for side_name, side in r["sides"].items():
             bf16_side = peak16 is not None and side_name != "handgrad-fp32"
             side["mfu"] = side["gflops"] / (peak16 if bf16_side else peak)["median_gflops"]

@@ -8,10 +8,10 @@ def format_row(r):
     lines = [f"\n{r['name']}: n_layer {m['n_layer']}, n_head {m['n_head']}, n_embd {m['n_embd']}, "
              f"vocab {m['vocab_size']}, B {c['batch_size']}, T {c['T']}; {r['flops_per_token'] / 1e6:.1f} "
              f"MFLOP/token (the model's: causal attention as half); {r['steps']} timed steps per side",
-             f"  {'':<13} {'tok/s':>9} {'ms/step':>9} {'GFLOP/s':>8} {'MFU':>6} {'peak RSS':>10} {'(imports)':>10}"]
+             f"  {'':<15} {'tok/s':>9} {'ms/step':>9} {'GFLOP/s':>8} {'MFU':>6} {'peak RSS':>10} {'(imports)':>10}"]
     for name, s in r["sides"].items():
         mfu = f"{100 * s['mfu']:.1f}%" if "mfu" in s else "?"
-        lines.append(f"  {name:<13} {s['tok_s']:>9.1f} {s['step_ms']:>9.1f} {s['gflops']:>8.1f} {mfu:>6} "
+        lines.append(f"  {name:<15} {s['tok_s']:>9.1f} {s['step_ms']:>9.1f} {s['gflops']:>8.1f} {mfu:>6} "
                      f"{_mib(s['peak_rss_mib']):>10} {_mib(s['baseline_rss_mib']):>10}")
     mem = f"{r['ratio_peak_rss']:.2f}x" if "ratio_peak_rss" in r else "?"
     if "lora" in r:
@@ -26,6 +26,11 @@ def format_row(r):
         lines.append(f"  bf16: pytorch = torch.autocast('cpu', bfloat16); handgrad bf16 / handgrad float32: tok/s "
                      f"{b['speedup_vs_fp32']:.2f}x, peak RSS {b.get('peak_rss_vs_fp32', float('nan')):.2f}x; first {r['loss_check_steps']} losses off handgrad float32's by "
                      f"{off['handgrad']:.1e} (handgrad bf16), {off['pytorch']:.1e} (pytorch autocast)")
+    if "ratio_tok_s_compile" in r:
+        c = r["sides"]["pytorch-compile"]
+        lines.append(f"  pytorch-compile = the pytorch side under torch.compile (its losses checked against eager's); "
+                     f"compiled in {c['compile_s']:.1f} s, not in its steps; handgrad/pytorch-compile: tok/s "
+                     f"{r['ratio_tok_s_compile']:.2f}x")
     bg = "?" if r["background_cores"] is None else f"{r['background_cores']:.2f}"
     lines.append(f"  handgrad/pytorch: tok/s {r['ratio_tok_s']:.2f}x, peak RSS {mem}; losses agree to "
                  f"{r['loss_max_rel_diff']:.1e} over {r['loss_check_steps']} steps (first {r['first_loss'][0]:.5f} vs {r['first_loss'][1]:.5f}); "
