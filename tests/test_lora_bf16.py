@@ -22,7 +22,9 @@ from handgrad.models import get_family
 from handgrad.models.gpt2 import GPT
 from handgrad.models.llama import Llama
 from handgrad.models.lora import base_digest
-from handgrad.training.memory import estimate
+from handgrad.config import load_run_config
+from handgrad.training.memory import check_memory, estimate
+from handgrad.training.rundir import TrainError
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -111,6 +113,13 @@ def test_the_frozen_base_is_bf16_only_counted_and_digested_as_float32():
     assert parts["parameters"] == held
     f32 = estimate(get_family("llama"), config, 2, 16, "cpu", "float32", lora=lora)["parameters"]
     assert f32 - parts["parameters"] == 2 * matrices - 2 * m16.flat_params16.size
+
+
+def test_a_float32_lora_run_that_does_not_fit_is_told_of_the_bf16_base():
+    run = load_run_config("qwen2.5-0.5b", overrides={"train.lora_rank": "8"})
+    parts = estimate(get_family("llama"), run.gpt_config(151936), 1, 64, "cpu", "float32", lora=run.lora_config())
+    with pytest.raises(TrainError, match=r"hold the frozen base as bf16 \(train.dtype bfloat16\)"):
+        check_memory(parts, run, available=2**30)
 
 
 # ---------------------------------------------------------------- a run

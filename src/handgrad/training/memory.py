@@ -138,6 +138,8 @@ def check_memory(parts, config, backend="cpu", processes=1, available=None, voca
             lower += ", or set train.recompute block (each block's activations formed again in the backward)"
         if not t.lora_rank and biggest != "activations":
             lower += ", or train LoRA adapters (train.lora_rank 8) instead of every weight"
+        if t.lora_rank and t.dtype == "float32" and backend == "cpu" and biggest == "parameters":
+            lower += ", or hold the frozen base as bf16 (train.dtype bfloat16)"
         where = "GPU memory" if backend == "gpu" and not os.environ.get("TRITON_INTERPRET") else "memory"
         each = f" ({processes} processes)" if processes > 1 else ""
         raise TrainError(f"the run needs {need / 2**30:,.2f} GiB of {where}{each} but {have / 2**30:,.2f} GiB is "
