@@ -7,6 +7,8 @@ A model built with `lora=LoRAConfig(...)` (FlatModel) keeps two flat buffers:
                               the embeddings where train_norms / train_embeddings say so
     frozen_params             the base weights that do not train: no gradient buffer, no AdamW
                               moments, and no weight-gradient product in the backward
+    frozen16                  with bf16 products (train.dtype bfloat16 on the cpu): the frozen
+                              matrices, held as bf16 only (frozen_params keeps the vectors)
 
 model.p still names every tensor (base and adapter), model.g only the trained ones. The adapters
 are PEFT's tensors under PEFT's names without its `base_model.model.` prefix: for each targeted
