@@ -84,7 +84,8 @@ def info_lines(info):
 def _bf16_line():
     """What the CPU multiplies bf16 with, and whether oneDNN (the cpu backend's bf16 products) is here."""
     path = onednn.bf16_path()
-    what = {"amx": "AMX-BF16 tiles", "avx512_bf16": "AVX512_BF16 dot products"}.get(path, "none (no AVX512_BF16 or AMX)")
+    what = {"amx": "AMX-BF16 tiles", "avx512_bf16": "AVX512_BF16 dot products"}.get(
+        path, "none (no AVX512_BF16 or AMX: bf16 products widened to float32)")
     try:
         lib = f"oneDNN {onednn.version()}" if onednn.library_path() else "oneDNN not installed"
     except onednn.OneDNNError as e:
