@@ -33,13 +33,11 @@ Two forms:
 """
 import numpy as np
 
-from numba import prange
-
-from .common import kernel, rows, workspace
+from .common import rows, workspace
 from . import blas
-from .bf16 import widen16
 from .dropout import dropout_forward
 from .linear import linear_forward
+from .widen import as_float32
 
 
 def _gemm_into(dst, a, b, beta):
@@ -127,23 +125,6 @@ def lora_linear_backward(dinp, dlora_a, dlora_b, dout, inp, xs, weight, lora_a, 
     return da
 
 
-@kernel
-def _widen_rows(h, out):
-    for i in prange(h.shape[0]):
-        for j in range(h.shape[1]):
-            out[i, j] = widen16(h[i, j])
-
-
-def _float32(x2, name):
-    """x2 (N, C) as float32: itself, or where it is bf16 (a bf16 product's input or output gradient,
-    train.dtype bfloat16) widened, exactly, into scratch: the adapters' own products stay float32."""
-    if x2.dtype != np.uint16:
-        return x2
-    out = workspace(name, x2.shape, np.float32)
-    _widen_rows(x2, out)
-    return out
-
-
 def _adapter_input(x2, ad):
     """dropout(x) with the adapter's own mask (into scratch), or x itself."""
     if not ad.dropout:
@@ -177,7 +158,7 @@ def lora_forward(out, inp, adapters):
     against 3 x 0.19 ms for q, k and v)."""
     if not adapters:
         return
-    x2, out2 = _float32(rows(inp), "lora_x32"), rows(out)
+    x2, out2 = as_float32(rows(inp), "lora_x32"), rows(out)
     if not _stacked(adapters):
         for ad in adapters:
             _adapter_forward(out2[:, ad.lo:ad.hi], _adapter_input(x2, ad), ad.lora_a, ad.lora_b, rows(ad.xs),
@@ -201,7 +182,7 @@ def lora_backward(dinp, dout, inp, adapters):
     each adapter's dlora_a, dlora_b."""
     if not adapters:
         return
-    x2, g2, dx2 = _float32(rows(inp), "lora_x32"), _float32(rows(dout), "lora_g32"), rows(dinp)
+    x2, g2, dx2 = as_float32(rows(inp), "lora_x32"), as_float32(rows(dout), "lora_g32"), rows(dinp)
     if _stacked(adapters):
         return _stacked_backward(dx2, g2, x2, adapters)
     for ad in adapters:

@@ -41,6 +41,17 @@ def _widen_block(src, out):
             out[i, j] = widen16(src[i, j])
 
 
+def as_float32(x, name):
+    """x (2-D) as float32: itself, or where it is bf16 widened whole (exact) into the workspace `name`
+    (the lora ops' inputs and output gradients under train.dtype bfloat16: the adapters' own thin
+    products stay float32)."""
+    if x.dtype != np.uint16:
+        return x
+    out = workspace(name, x.shape, np.float32)
+    _widen_block(x, out)
+    return out
+
+
 def blocks(M, N, K, wide_a, wide_b, tile):
     """(bm, bn, bk): blocks of c's rows, c's columns and K such that each bf16 operand's tile (bm x bk
     of a when wide_a, bk x bn of b when wide_b) holds at most `tile` elements. K whole unless that
