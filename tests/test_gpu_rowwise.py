@@ -98,7 +98,9 @@ def test_layernorm(B, T, C):
     assert_close(rstd, (x.var(-1, unbiased=False) + EPS).rsqrt(), "rstd", atol=1e-6, rtol=1e-5)
     again = empty(B, T, C)
     LN.layernorm_recompute(again, xd, mean, rstd, wd, bd)
-    assert_close(again, out, "layernorm_recompute", atol=0, rtol=0)
+    # exact in the interpreter; on the H200 (2026-11-26) 2 ulp apart at C=20, the two compiled
+    # variants of the kernel rounding differently
+    assert_close(again, out, "layernorm_recompute", atol=0, rtol=4 * 2.0**-23 if REAL_GPU else 0)
 
     dx0, dw0, db0 = randn(B, T, C, seed=5), randn(C, seed=6), randn(C, seed=7)
     g_x, g_w, g_b = on_device(dx0), on_device(dw0), on_device(db0)

@@ -80,8 +80,8 @@ def test_llama_function_bf16_within_pytorchs_own_bf16_error(case, on_gpu_backend
     dy = randn(*out_shape, seed=98, dtype=BF16)
     y_ref, g_ref = reference(ref, inputs, dy)
     y, grads = _run(hg, inputs, dy, BF16)
-    ref_bf16 = ref if name != "rope, offset 3" else (lambda x: torch_ref.rope(x, COS.to(BF16), SIN.to(BF16), NH + NKV,
-                                                                               offset=3))
+    ref_bf16 = ref if name != "rope, offset 3" else (
+        lambda x: torch_ref.rope(x, COS.to(x.device, BF16), SIN.to(x.device, BF16), NH + NKV, offset=3))
     yt, gt = _run(ref_bf16, inputs, dy, BF16)
     for label, got, theirs, exact in [("y", y, yt, y_ref)] + [(f"d{i}", g, t, r) for i, (g, t, r)
                                                                in enumerate(zip(grads, gt, g_ref))]:

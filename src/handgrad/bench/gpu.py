@@ -117,7 +117,9 @@ class LayerNorm(_Row):
         self.ops = ops
         self.hg_out, self.hg_grads, self.grad_names = self.out, [self.dx, self.dw, self.db], ["x", "w", "b"]
         self.leaves = [t.clone().requires_grad_(True) for t in (self.x, self.w, self.b)]
-        self.torch_fn = lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5)
+        # as autocast runs it: in float32, then back to x's dtype (CUDA's layer_norm refuses a bf16 x
+        # with float32 w and b, which the CPU's accepts: found on the first H200 run)
+        self.torch_fn = lambda x, w, b: F.layer_norm(x.float(), (C,), w, b, 1e-5).to(x.dtype)
 
     def hg_forward(self):
         self.ops.layernorm_forward(self.out, self.mean, self.rstd, self.x, self.w, self.b)

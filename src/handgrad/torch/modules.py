@@ -198,8 +198,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         if self.n_kv_head is None:
             return self.c_proj(causal_attention(self.c_attn(x), self.n_head))
-        if self._rope is None or self._rope[0].shape[0] < x.shape[1]:
-            self._rope = rope_cache(x.shape[1], self.head_size, self.rope_theta)
+        if self._rope is None or self._rope[0].shape[0] < x.shape[1] or self._rope[0].device != x.device:
+            # made on x's device: not buffers, so module.to(device) does not move them (a CUDA x with
+            # CPU tables was refused by rope on the first H200 run)
+            self._rope = tuple(t.to(x.device) for t in rope_cache(x.shape[1], self.head_size, self.rope_theta))
         cos, sin = self._rope
         q = rope(self.q_proj(x), cos, sin, self.n_head)  # (B, T, NH*hs)
         k = rope(self.k_proj(x), cos, sin, self.n_kv_head)  # (B, T, NKV*hs)
