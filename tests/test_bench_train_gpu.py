@@ -41,9 +41,11 @@ def test_bench_train_gpu_json(no_inductor, capsys):
         assert r["steps"] == 2 and r["tokens_per_step"] == r["batch_size"] * r["T"] and r["flops_per_token"] > 0
         check = r["loss_check"]  # the check ran: every side's warm-up losses, within the bf16 tolerance
         assert check["steps"] == train_gpu.WARMUP_STEPS and check["rtol"] == train_gpu.LOSS_RTOL
-        assert list(check["losses"]) == ["handgrad", "eager", "compile"]
+        # graph (train.cuda_graph) only on CUDA: the interpreter cannot capture
+        sides = ["handgrad", "graph", "eager", "compile"] if REAL_GPU else ["handgrad", "eager", "compile"]
+        assert list(check["losses"]) == sides
         assert all(len(v) == train_gpu.WARMUP_STEPS for v in check["losses"].values())
-        assert list(r["sides"]) == ["handgrad", "eager", "compile"]
+        assert list(r["sides"]) == sides
         for name, s in r["sides"].items():
             assert s["step_ms"] > 0 and s["tflops"] > 0 and 0 < s["mfu"]
             assert s["tok_s"] == pytest.approx(r["tokens_per_step"] / (s["step_ms"] / 1e3))
@@ -53,9 +55,17 @@ def test_bench_train_gpu_json(no_inductor, capsys):
             assert ("compile_s" in s) == (name == "compile")
         for peer in ("eager", "compile"):
             assert r[f"ratio_vs_{peer}"] == pytest.approx(r["sides"]["handgrad"]["tok_s"] / r["sides"][peer]["tok_s"])
+            assert ("graph_ratio_vs_" + peer in r) == REAL_GPU
+        assert "ratio_vs_graph" not in r and "ratio_vs_handgrad" not in r
     text = "\n".join([train_gpu.format_header(result), *map(train_gpu.format_row, result["rows"]),
                       train_gpu.format_footer(result)])
     assert "bf16 peak: torch.matmul" in text and "handgrad/compile" in text and "first 3 losses agree" in text
+    assert ("graph/compile" in text) == REAL_GPU
+    if not REAL_GPU:  # the graph side's line, from a row with one (a copy of handgrad's side)
+        row = dict(result["rows"][0], graph_ratio_vs_eager=1.5, graph_ratio_vs_compile=0.75)
+        row["sides"] = dict(row["sides"], graph=row["sides"]["handgrad"])
+        line = train_gpu.format_row(row)
+        assert "graph/eager 1.50x, graph/compile 0.75x" in line and "\n  graph " in line
     assert ("WARNING: TRITON_INTERPRET=1" in text) == (not REAL_GPU)
 
 

@@ -18,9 +18,9 @@ Six parts, in order, each in its own process with its own time limit (cut to wha
   3. verify       `handgrad verify --backend gpu`: every op and both families' model step on the device
   4. bench-ops    `handgrad bench ops --backend gpu`: each Triton op beside torch eager and
                   torch.compile (and SDPA for attention)
-  5. bench-train  `handgrad bench train --device gpu --preset gpt2-124m,smollm2-135m`: bf16 steps
-                  beside torch eager and torch.compile under autocast, MFU against the card's
-                  measured bf16 peak
+  5. bench-train  `handgrad bench train --device gpu --preset gpt2-124m,smollm2-135m`: bf16 steps,
+                  eager and as CUDA graphs, beside torch eager and torch.compile under autocast, MFU
+                  against the card's measured bf16 peak
   6. train        20 steps of `handgrad train` on the cpu (float32) and on the gpu (float32 and
                   bf16), for a GPT-2 and a Llama: the gpu's losses must be the cpu's, within
                   float32 rounding (float32) and bf16's (bfloat16)
@@ -338,6 +338,8 @@ def part_bench_train(check, part, limit):
             r = row.get(f"ratio_vs_{peer}")
             if r:
                 txt += f", {r:.2f}x {peer}"
+        if row.get("graph_ratio_vs_compile"):  # the same step replayed as CUDA graphs
+            txt += f"; as CUDA graphs {sides['graph']['tok_s']:,.0f} tok/s, {row['graph_ratio_vs_compile']:.2f}x compile"
         bits.append(txt)
     return "PASS", "; ".join(bits) or "no rows"
 

@@ -8,7 +8,10 @@ token batches:
   family's model on the gpu backend with bf16 activations (float32 weights, gradients and AdamW
   state), stepped by training/device_loop.py's DeviceLoop (forward, backward, global norm,
   clipping, AdamW, nothing read back to the host). It runs eagerly, launch by launch, as train does
-  by default (train.cuda_graph false); the CUDA graphs are not timed here;
+  by default (train.cuda_graph false);
+- graph (on CUDA only): the same step with `train.cuda_graph true`, captured after one eager step and
+  replayed: the same kernels without the host's launches, so graph against handgrad is what the
+  Python launches cost (the interpreter cannot capture, so there it is left out);
 - eager: the same model in PyTorch as its users run it (bench/train.py's PyTorch side): for GPT-2
   torch_ref.TorchGPT(fast=True) (addmm linears, scaled_dot_product_attention), for the Llama family
   transformers' own LlamaForCausalLM with SDPA attention; the forward under
@@ -72,14 +75,15 @@ PEAK_REPEAT = 10
 
 # ---------------------------------------------------------------- the sides
 class _Handgrad:
-    """handgrad's gpu step in bf16, as `handgrad train --device gpu` runs it on one process."""
-    name = "handgrad"
+    """handgrad's gpu step in bf16, as `handgrad train --device gpu` runs it on one process (with
+    cuda_graph, as `--train.cuda_graph true` does)."""
 
-    def __init__(self, family, config, t, flat, dev):
+    def __init__(self, family, config, t, flat, dev, cuda_graph=False):
+        self.name = "graph" if cuda_graph else "handgrad"
         self.model = family.model(config, backend="gpu", seed=None, dtype="bfloat16")
         self.model.load_state_dict(flat_views(flat, self.model.layout))
         opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
-        self.loop = DeviceLoop(self.model, opt, t, start_step=0)
+        self.loop = DeviceLoop(self.model, opt, t, start_step=0, cuda_graph=cuda_graph)
 
     def prepare(self, x, y):
         return x, y  # the step uploads them (ops.upload_tokens), as train's does
@@ -227,8 +231,10 @@ def bench_preset(name, steps, compile_torch, torch, dev, peak):
     rng = np.random.default_rng(t.seed)
     tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
     clock = _Clock(torch, cuda)
-    makers = [lambda: _Handgrad(family, config, t, flat, dev),
-              lambda: _Torch(family, config, t, flat, dev, compiled=False)]
+    makers = [lambda: _Handgrad(family, config, t, flat, dev)]
+    if cuda:
+        makers.append(lambda: _Handgrad(family, config, t, flat, dev, cuda_graph=True))
+    makers.append(lambda: _Torch(family, config, t, flat, dev, compiled=False))
     if compile_torch:
         makers.append(lambda: _Torch(family, config, t, flat, dev, compiled=True))
     out, checked = {}, {}
@@ -245,11 +251,12 @@ def bench_preset(name, steps, compile_torch, torch, dev, peak):
         s["mfu"] = s["tflops"] / peak["median_tflops"]
         if side == "compile":  # the warm-up beyond as many timed steps: tracing and compiling
             s["compile_s"] = max(0.0, sum(s["warmup_s"]) - WARMUP_STEPS * step_s)
-    h = out["handgrad"]
+    h, torch_sides = out["handgrad"], [k for k in out if k not in ("handgrad", "graph")]
+    graph = {f"graph_ratio_vs_{k}": out["graph"]["tok_s"] / out[k]["tok_s"] for k in torch_sides} if "graph" in out else {}
     return {"name": name, "arch": family.arch, "model": asdict(config), "batch_size": B, "T": T,
             "tokens_per_step": tokens_per_step, "flops_per_token": flops, "warmup_steps": WARMUP_STEPS,
             "steps": steps, "loss_check": {"steps": WARMUP_STEPS, "rtol": LOSS_RTOL, "losses": checked},
-            "sides": out, **{f"ratio_vs_{k}": h["tok_s"] / s["tok_s"] for k, s in out.items() if k != "handgrad"}}
+            "sides": out, **{f"ratio_vs_{k}": h["tok_s"] / out[k]["tok_s"] for k in torch_sides}, **graph}
 
 
 def _start(name, make, tokens, clock, torch, cuda, out, checked):
@@ -358,7 +365,8 @@ def format_row(r):
         comp = f"{s['compile_s']:.1f} s" if "compile_s" in s else ""
         lines.append(f"  {name:<9} {s['step_ms']:>9.2f} {s['tok_s']:>10.0f} {s['tflops']:>8.2f} "
                      f"{100 * s['mfu']:>5.1f}% {mem:>10} {s['first_step_s']:>7.1f} s {comp:>8}")
-    ratios = ", ".join(f"handgrad/{k} {r['ratio_vs_' + k]:.2f}x" for k in r["sides"] if k != "handgrad")
+    ratios = ", ".join([f"handgrad/{k} {r['ratio_vs_' + k]:.2f}x" for k in r["sides"] if "ratio_vs_" + k in r]
+                       + [f"graph/{k} {r['graph_ratio_vs_' + k]:.2f}x" for k in r["sides"] if "graph_ratio_vs_" + k in r])
     first = ", ".join(f"{k} {v[0]:.5f}" for k, v in r["loss_check"]["losses"].items())
     worst = max(s["loss_max_rel_diff"] for s in r["sides"].values())
     lines.append(f"  tok/s {ratios}; first {r['loss_check']['steps']} losses agree to {worst:.1e} "
@@ -370,7 +378,7 @@ def format_footer(result):
     return "\n".join([
         "",
         "handgrad = the gpu backend's bf16 step through DeviceLoop (as `handgrad train --device gpu --train.dtype "
-        "bfloat16`, no CUDA graphs); eager = PyTorch under torch.autocast bf16, SDPA, AdamW (fused on CUDA); "
+        "bfloat16`, no CUDA graphs); graph = the same with train.cuda_graph (CUDA only); eager = PyTorch under torch.autocast bf16, SDPA, AdamW (fused on CUDA); "
         "compile = the same under torch.compile",
         "ms/step = median of the timed steps (CUDA events; the host's clock without CUDA); TFLOP/s counts the "
         "model's FLOPs (flops_per_token, causal attention as half); peak mem = torch.cuda.max_memory_allocated "
