@@ -339,7 +339,8 @@ def part_bench_train(check, part, limit):
             if r:
                 txt += f", {r:.2f}x {peer}"
         if row.get("graph_ratio_vs_compile"):  # the same step replayed as CUDA graphs
-            txt += f"; as CUDA graphs {sides['graph']['tok_s']:,.0f} tok/s, {row['graph_ratio_vs_compile']:.2f}x compile"
+            txt += (f"; as CUDA graphs {sides['graph']['tok_s']:,.0f} tok/s, "
+                    f"{row['graph_ratio_vs_compile']:.2f}x compile")
         bits.append(txt)
     return "PASS", "; ".join(bits) or "no rows"
 

@@ -252,7 +252,8 @@ def bench_preset(name, steps, compile_torch, torch, dev, peak):
         if side == "compile":  # the warm-up beyond as many timed steps: tracing and compiling
             s["compile_s"] = max(0.0, sum(s["warmup_s"]) - WARMUP_STEPS * step_s)
     h, torch_sides = out["handgrad"], [k for k in out if k not in ("handgrad", "graph")]
-    graph = {f"graph_ratio_vs_{k}": out["graph"]["tok_s"] / out[k]["tok_s"] for k in torch_sides} if "graph" in out else {}
+    graph = {} if "graph" not in out else {f"graph_ratio_vs_{k}": out["graph"]["tok_s"] / out[k]["tok_s"]
+                                            for k in torch_sides}
     return {"name": name, "arch": family.arch, "model": asdict(config), "batch_size": B, "T": T,
             "tokens_per_step": tokens_per_step, "flops_per_token": flops, "warmup_steps": WARMUP_STEPS,
             "steps": steps, "loss_check": {"steps": WARMUP_STEPS, "rtol": LOSS_RTOL, "losses": checked},
@@ -366,7 +367,8 @@ def format_row(r):
         lines.append(f"  {name:<9} {s['step_ms']:>9.2f} {s['tok_s']:>10.0f} {s['tflops']:>8.2f} "
                      f"{100 * s['mfu']:>5.1f}% {mem:>10} {s['first_step_s']:>7.1f} s {comp:>8}")
     ratios = ", ".join([f"handgrad/{k} {r['ratio_vs_' + k]:.2f}x" for k in r["sides"] if "ratio_vs_" + k in r]
-                       + [f"graph/{k} {r['graph_ratio_vs_' + k]:.2f}x" for k in r["sides"] if "graph_ratio_vs_" + k in r])
+                       + [f"graph/{k} {r['graph_ratio_vs_' + k]:.2f}x" for k in r["sides"]
+                          if "graph_ratio_vs_" + k in r])
     first = ", ".join(f"{k} {v[0]:.5f}" for k, v in r["loss_check"]["losses"].items())
     worst = max(s["loss_max_rel_diff"] for s in r["sides"].values())
     lines.append(f"  tok/s {ratios}; first {r['loss_check']['steps']} losses agree to {worst:.1e} "
