@@ -263,8 +263,11 @@ class FlatModel(Head):
     def plain(self):
         """A model of the same family and backend without adapters, computing what this one does
         (the adapters folded into its weights): what decoding and exports take."""
-        model = type(self)(self.config, backend=self.backend)
-        model.load_state_dict(self.merged_state_dict())
+        model = type(self)(self.config, backend=self.backend, seed=None)  # no draw: every weight is loaded
+        if self.lora is None:
+            model.load_state_dict(self.state_dict())
+        else:  # one merged tensor at a time: no second copy of every weight beside the new model
+            model.load_state_dict(lora_parts.merged_weights(self, lazy=True))
         return model
 
     def merged_state_dict(self):

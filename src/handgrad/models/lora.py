@@ -122,18 +122,40 @@ def adapter_records(model):
     return records
 
 
-def merged_weights(model):
+def merged_weights(model, lazy=False):
     """The base weights with every adapter folded in, W + (alpha / r) B A (in the base layout:
-    [out, in], or GPT-2's Conv1D [in, out]), under param_spec's names: a plain model's state_dict."""
-    out = {name: model.weight(name) for name in model.base_names}
-    for blocks in model.lora_blocks:
-        for t in blocks:
-            a = model.ops.to_numpy(model.p[t.module + ".lora_A.weight"]).astype(np.float64)
-            b = model.ops.to_numpy(model.p[t.module + ".lora_B.weight"]).astype(np.float64)
-            delta = model.lora.scale * (b @ a)  # (out, in)
-            w = out[t.module + ".weight"]
-            w += (delta.T if model.FAN_IN_FAN_OUT else delta).astype(np.float32)
-    return out
+    [out, in], or GPT-2's Conv1D [in, out]), under param_spec's names: a plain model's state_dict.
+    lazy: each tensor is computed when it is read (np.asarray), for load_state_dict, which reads
+    them one at a time: a plain model is then made without a second float32 copy of every weight
+    (2 GB for a 0.5B model)."""
+    adapters = {t.module + ".weight": t for blocks in model.lora_blocks for t in blocks}
+    if lazy:
+        return {name: _MergedTensor(model, name, adapters.get(name)) for name in model.base_names}
+    return {name: _merged(model, name, adapters.get(name)) for name in model.base_names}
+
+
+def _merged(model, name, t):
+    """A float32 copy of base tensor `name`, with adapter t (or None) folded in."""
+    w = model.weight(name)
+    if t is not None:
+        a = model.ops.to_numpy(model.p[t.module + ".lora_A.weight"]).astype(np.float64)
+        b = model.ops.to_numpy(model.p[t.module + ".lora_B.weight"]).astype(np.float64)
+        delta = model.lora.scale * (b @ a)  # (out, in)
+        w += (delta.T if model.FAN_IN_FAN_OUT else delta).astype(np.float32)
+    return w
+
+
+class _MergedTensor:
+    """One tensor of merged_weights(lazy=True): its shape and dtype now, its values when read."""
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, model, name, adapter):
+        self.model, self.name, self.adapter = model, name, adapter
+        self.shape = tuple(model.p[name].shape)
+
+    def __array__(self, dtype=None, copy=None):
+        w = _merged(self.model, self.name, self.adapter)
+        return w if dtype is None else w.astype(dtype, copy=False)
 
 
 def weights_digest(spec, weights):
