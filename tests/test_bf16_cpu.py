@@ -10,16 +10,13 @@ in bf16: a test that passes in float32 proves nothing about bf16).
 """
 import numpy as np
 import pytest
-from helpers import bf16_models
+from helpers import bf16_models, needs_bf16
 
 from handgrad.backends import cpu as ops
 from handgrad.models.gpt2 import GPT
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
-
-needs_bf16 = pytest.mark.skipif(ops.bf16_unavailable() is not None,
-                                reason="this CPU multiplies bf16 but oneDNN is missing")
 
 BOUND = 2.0  # handgrad's error <= BOUND x PyTorch autocast's
 

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import prepared_char_data
+from helpers import needs_bf16, prepared_char_data
 
 from handgrad.interop.checkpoint import read_state
 from handgrad.config import ConfigError, GPTConfig, load_run_config
@@ -270,16 +270,6 @@ def test_llama_two_ranks_zero1_equal_one_process(data_dir, tmp_path):
     assert rel(flat(ckpt(tmp_path / "zero", 3)), flat(ckpt(tmp_path / "single", 3))) < 1e-6
     assert rel(flat(ckpt(tmp_path / "zero", 3), "optim.safetensors"),
                flat(ckpt(tmp_path / "single", 3), "optim.safetensors")) < 1e-5
-
-
-def _bf16_unavailable():
-    from handgrad.backends.cpu import onednn
-    return onednn.bf16_unavailable()
-
-
-# bf16 runs on every CPU now (widened to float32 where the CPU has no bf16 multiply); only a bf16
-# CPU without oneDNN refuses it
-needs_bf16 = pytest.mark.skipif(_bf16_unavailable() is not None, reason=f"bf16 on the cpu {_bf16_unavailable()}")
 
 
 @needs_bf16
