@@ -1,9 +1,14 @@
-"""What every benchmark shares: the check of a result against PyTorch before it is timed, and
-timing that alternates the two sides in chunks and reports the background load."""
+"""What every benchmark shares: the check of a result against PyTorch before it is timed, timing
+that alternates the two sides in chunks and reports the background load, and the PyTorch side's
+own process."""
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
 
+from ..backends.cpu import blas
 from ..machine import BackgroundLoad
 
 
@@ -64,3 +69,67 @@ def randn(rng, shape, scale=1.0):
 def fmt_load(cores):
     return "?" if cores is None else f"{cores:.2f}"
 
+
+# ---------------------------------------------------------------- the PyTorch side in its own process
+class TorchProcess:
+    """A worker process for a benchmark's PyTorch side that imports torch before anything of
+    handgrad's, as a user's own PyTorch script runs. In one process with handgrad's kernels, torch's
+    small parallel regions ran several times slower (two OpenMP pools on the same cores; measured
+    in bench/eval.py's docstring), which flatters handgrad. It runs `function()` of `module`, which
+    reads `setup`, loads what it times and says so (ready()); then it reads one JSON command per
+    line from stdin (commands()) and answers each with one JSON line (reply()); nothing is pickled.
+    The constructor returns once it is ready, so its loading overlaps nothing that is timed."""
+
+    def __init__(self, module, function, setup, what):
+        code = f"import torch, sys; from {module} import {function}; sys.exit({function}())"
+        self.what = what
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self._send(setup)
+        if not self._read().get("torch_first"):  # ready(): torch came before handgrad's kernels' pool
+            raise SystemExit(f"{self.what}: the PyTorch side loaded handgrad's kernels before torch")
+
+    def _send(self, obj):
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, **cmd):
+        """Send one command; its answer (a dict). Its error, if it dies, is on the shared stderr."""
+        self._send(cmd)
+        return self._read()
+
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"{self.what}: the PyTorch side exited with status {self.proc.wait()} (its error is above)")
+        return json.loads(line)
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def rerun_torch_first(module, function, args):
+    """Run function(*args) of module in a process that imports torch first, its output this one's;
+    its exit status. For a benchmark that times both sides in one process (bench ops): there, with
+    torch loaded first, handgrad's kernels take torch's OpenMP pool and the two share it."""
+    code = (f"import torch, json, sys; from {module} import {function}; "
+            f"sys.exit({function}(*json.loads(sys.argv[1])))")
+    return subprocess.run([sys.executable, "-c", code, json.dumps(args)]).returncode
+
+
+def commands():
+    """In a TorchProcess: its setup (the first line), then each command, as dicts."""
+    for line in sys.stdin:
+        yield json.loads(line)
+
+
+def ready():
+    """In a TorchProcess: its model is loaded; and whether torch came first (blas.TORCH_FIRST)."""
+    reply({"ready": True, "torch_first": blas.TORCH_FIRST})
+
+
+def reply(obj):
+    """In a TorchProcess: one answer line."""
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()

@@ -21,7 +21,9 @@ bandwidth: bound (tok/s) = bandwidth / weight bytes read per token. Reported, in
   token's forward and argmax; the prefill is not timed. Best of --repeat runs (median beside it).
 * transformers: the same weights in transformers' own LlamaForCausalLM (torch_ref.hf_llama, SDPA
   attention) or GPT2LMHeadModel (interop/hf.hf_config), float32, `generate(do_sample=False,
-  use_cache=True)`, timed the same way through a streamer; torch on the same threads. Both sides'
+  use_cache=True)`, timed the same way through a streamer; torch on the same threads, in a process
+  of its own that imports torch first (bench/common.py's TorchProcess: in one process with
+  handgrad's kernels torch's small parallel regions ran several times slower). Both sides'
   greedy tokens are compared before anything is timed, and the count that agree is reported (the
   JSON holds handgrad's, `tokens`, to compare another engine's by hand: the prompt is
   numpy.random.default_rng(0).integers(0, V, (BATCH, prompt_tokens))[0]).
@@ -50,7 +52,7 @@ from ..machine import BackgroundLoad, cores_available, cpu_model, environment
 from ..models import get_family
 from ..models.decode import generate
 from ..sample import load_run
-from .common import SETTLE_S, fmt_load
+from .common import SETTLE_S, TorchProcess, commands, fmt_load, ready, reply
 from .profile import _Profiler
 from .streams import EngineRows
 from .train import SHAPES
@@ -233,6 +235,23 @@ def _transformers_decode(tf, torch, prompt, n):
     return out[:, prompt.shape[1]:].numpy(), marks.t[-1] - marks.t[1]
 
 
+def tf_decode_worker():
+    """transformers' side, in a TorchProcess (bench/common.py): setup {preset, run, threads, prompt
+    (1, T0), n}: the same weights (_model) in transformers' class; then each command a greedy
+    `generate`, answered with {tokens, seconds}."""
+    import torch
+    lines = commands()
+    setup = next(lines)  # the first line
+    torch.set_num_threads(setup["threads"])
+    tf = transformers_model(_model(setup["preset"], setup["run"])[0], torch)
+    prompt = np.array(setup["prompt"], dtype=np.int64)
+    ready()
+    for _ in lines:
+        tokens, seconds = _transformers_decode(tf, torch, prompt, setup["n"])
+        reply({"tokens": tokens.tolist(), "seconds": seconds})
+    return 0
+
+
 def _agree(a, b):
     """How many leading tokens of a and b (B, n) agree, fewest over the rows."""
     differ = a != b
@@ -318,16 +337,17 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
     from ..torch_ref import require_torch
     torch = require_torch()
     threads = threads or cores_available()
-    set_threads(threads)
-    torch.set_num_threads(threads)
+    set_threads(threads)  # torch's: in tf_decode_worker's process
     prompt = np.random.default_rng(0).integers(0, V, (BATCH, prompt_tokens))
     one, n, steps = prompt[:1], new_tokens, new_tokens - 1
     triad = Triad()
     wb = weight_bytes(model)
-    tf = transformers_model(model, torch)
+    tf = TorchProcess(__name__, "tf_decode_worker", {"preset": preset, "run": None if run is None else str(run),
+                                                     "threads": threads, "prompt": one.tolist(), "n": n},
+                      "bench decode")
     mine = _handgrad_decode(model, one, n)[0]  # the warm-ups: Numba's compiles, torch's first calls
     _handgrad_decode(model, prompt, n)
-    theirs = _transformers_decode(tf, torch, one, n)[0]
+    theirs = np.array(tf.ask(cmd="run")["tokens"])
     agree = _agree(mine, theirs)
     mine16 = _handgrad_decode(model, one, n, "bfloat16")[0]
     engine = EngineRows(model, BATCH, prompt_tokens + n)
@@ -335,18 +355,19 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
     served = engine.tokens[0]
     sides = {"bandwidth": triad.run,  # in the same turns as the rest: the bound under the same conditions
              "handgrad": lambda: _handgrad_decode(model, one, n)[1],
-             "transformers": lambda: _transformers_decode(tf, torch, one, n)[1],
+             "transformers": lambda: tf.ask(cmd="run")["seconds"],
              "handgrad_batch": lambda: _handgrad_decode(model, prompt, n)[1],
              "handgrad_bf16": lambda: _handgrad_decode(model, one, n, "bfloat16")[1],
              "serve_1": lambda: engine.seconds(prompt[:1], n),
              "serve_batch": lambda: engine.seconds(prompt, n)}
     seconds = {row: [] for row in sides}
-    with BackgroundLoad() as load:
+    with BackgroundLoad(pids=[tf.proc.pid]) as load:  # the PyTorch side's process is ours
         for _ in range(repeat):  # the sides take turns, so a busy moment lands on each alike
             for row, side in sides.items():
                 time.sleep(SETTLE_S)
                 seconds[row].append(side())
     engine.close()
+    tf.close()
     del seconds["bandwidth"]
     bw = triad.result()
     del triad

@@ -20,8 +20,9 @@ import time
 import numpy as np
 
 from ..backends import get_backend
+from ..backends.cpu import blas
 from ..machine import environment, sgemm_peak, timed
-from .common import ATOL_REL, BUSY_CORES, check_close, fmt_load, race, randn
+from .common import ATOL_REL, BUSY_CORES, check_close, fmt_load, race, randn, rerun_torch_first
 
 
 MATMUL_SIZES = (128, 256, 512, 1024)
@@ -307,9 +308,14 @@ def bench_block(cls, label, ops, torch, T, repeat):
 
 # ---------------------------------------------------------------- the verb
 def bench_ops(backend, repeat, as_json):
-    """`handgrad bench ops`: the peak, then every row, then the peak again; print a table or JSON."""
+    """`handgrad bench ops`: the peak, then every row, then the peak again; print a table or JSON.
+    Both sides run in one process, so it is one that loaded torch first (bench/common.py's
+    rerun_torch_first): their kernels then share torch's OpenMP pool."""
     from ..torch_ref import require_torch
-    torch = require_torch()
+    require_torch()
+    if backend == "cpu" and not blas.TORCH_FIRST:
+        return rerun_torch_first(__name__, "bench_ops", [backend, repeat, as_json])
+    import torch
     ops = get_backend(backend)
     t_start = time.perf_counter()
     peak = sgemm_peak()

@@ -26,6 +26,7 @@ passed to BLAS as a transpose flag, never copied); c's last axis must have unit 
 """
 import ctypes
 import os
+import sys
 
 import numba
 import numpy as np
@@ -97,6 +98,9 @@ def _one_openmp():
     return True
 
 
+# whether torch was loaded before this process's kernels chose their OpenMP pool: then both run on
+# torch's, as a benchmark that times the two in one process needs (bench/common.py's torch_first)
+TORCH_FIRST = "torch" in sys.modules
 _GNU_OPENMP = _one_openmp()
 if _GNU_OPENMP:
     cheap_launches()
@@ -352,9 +356,10 @@ _HW = []
 
 
 def _hardware_bf16():
-    """Whether this CPU multiplies bf16 (onednn.bf16_path, read once)."""
+    """Whether the bf16 products run on oneDNN: the CPU multiplies bf16 and oneDNN is installed
+    (onednn.products_path, read once)."""
     if not _HW:
-        _HW.append(onednn.bf16_path() is not None)
+        _HW.append(onednn.products_path() is not None)
     return _HW[0]
 
 
