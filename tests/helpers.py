@@ -8,12 +8,6 @@ import pytest
 
 from handgrad.backends import cpu as ops
 
-# bf16 on the cpu runs everywhere (widened to float32 where the CPU has no bf16 multiply), except on a
-# CPU that multiplies bf16 while oneDNN is missing (the lent GPU machine's host, installed --no-deps)
-needs_bf16 = pytest.mark.skipif(ops.bf16_unavailable() is not None,
-                                reason=f"bf16 on the cpu {ops.bf16_unavailable()}")
-
-
 def bf16_models(block_size):
     """The three small models the bf16 error bounds are tested on (training: test_bf16_cpu.py;
     decoding: test_decode_bf16.py): GPT-2; Llama with 6 query heads on 2 kv heads, head size 12;

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import needs_bf16, prepared_char_data
+from helpers import prepared_char_data
 
 from handgrad.interop.checkpoint import read_state
 from handgrad.config import ConfigError, GPTConfig, load_run_config
@@ -272,7 +272,6 @@ def test_llama_two_ranks_zero1_equal_one_process(data_dir, tmp_path):
                flat(ckpt(tmp_path / "single", 3), "optim.safetensors")) < 1e-5
 
 
-@needs_bf16
 def test_bf16_two_ranks_zero1_equal_one_process(data_dir, tmp_path):
     """train.dtype=bfloat16 under torchrun with ZeRO-1: each rank updates its slice of the weights
     and of their bf16 copy, the all-gather brings the float32 weights, and every rank narrows the
@@ -288,7 +287,6 @@ def test_bf16_two_ranks_zero1_equal_one_process(data_dir, tmp_path):
     assert rel(fp32, single) > 10 * rel(zero, single)
 
 
-@needs_bf16
 def test_bf16_lora_two_ranks_equal_one_process(data_dir, tmp_path):
     """bf16 LoRA under torchrun, plain data parallel and ZeRO-1: the frozen bf16 base is the same on
     every rank, only the float32 adapters' gradients are all-reduced and only their AdamW state is

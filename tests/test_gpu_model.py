@@ -12,7 +12,7 @@ from gpu_helpers import (REAL_GPU, assert_backends_agree, assert_bf16_model_with
 from handgrad import GPT, GPTConfig
 from handgrad.cli import main as cli
 from handgrad.verify import check_model_adamw, check_model_step
-from helpers import assert_rows, needs_bf16, prepared_char_data
+from helpers import assert_rows, prepared_char_data
 
 TINY = GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=64)
 
@@ -106,7 +106,6 @@ def test_bf16_mixed_precision_error_is_a_small_multiple_of_torch_autocast():
     assert model.forward(idx).dtype == np.float32  # logits come back widened
 
 
-@needs_bf16
 def test_bf16_is_each_backends_own_mixed_precision():
     """dtype bfloat16 on the gpu: bf16 activations; on the cpu: float32 activations, bf16 products
     (tests/test_bf16_cpu.py; widened to float32 where the CPU has no bf16 multiply)."""

@@ -148,6 +148,6 @@ def sgemm_peak(n=PEAK_N, runs=PEAK_RUNS, dtype="float32"):
     out = {"n": n, "runs": runs, "dtype": dtype, "median_gflops": flops / np.median(times) / 1e9,
            "best_gflops": flops / min(times) / 1e9, "background_cores": load.cores}
     if dtype == "bfloat16":  # oneDNN's bf16 products, or (no bf16 multiply) widened to float32 for the BLAS
-        out["path"] = onednn.bf16_path() or "widened"
+        out["path"] = onednn.products_path() or "widened"
     return out
 

@@ -118,9 +118,6 @@ class FlatModel(Head):
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         self.bf16_products = dtype == "bfloat16" and backend == "cpu"
-        why = get_backend("cpu").bf16_unavailable() if self.bf16_products else None
-        if why:
-            raise ValueError(f"dtype bfloat16 on the cpu {why}; use float32")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {dropout!r}")
         if loss_chunk < 0:

@@ -5,7 +5,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from ..backends.cpu import bf16_path, set_threads
+from ..backends.cpu import onednn, set_threads
 from ..config import RUN_PRESETS, SECTIONS, ConfigError, load_run_config
 from ..config_keys import help_line
 from ..interop.load import load_pretrained
@@ -84,7 +84,8 @@ def _same_number(a, b):
 
 def peak_line(dtype, peak, world_size=1, threads=0):
     """The log line of the matmul peak MFU is measured against: float32's sgemm, or bf16's on oneDNN."""
-    how = "oneDNN" if bf16_path() else "widened to float32: this CPU has no bf16 multiply"
+    how = ("oneDNN" if onednn.products_path() else "widened to float32: oneDNN is not installed"
+           if onednn.bf16_path() else "widened to float32: this CPU has no bf16 multiply")
     what = f"bf16 matmul peak ({how}, measured now)" if dtype == "bfloat16" else "sgemm peak (measured now)"
     where = f" over {world_size} ranks (gloo), {threads} threads each" if world_size > 1 else ""
     return f"{what}{where}: {peak:.0f} GFLOP/s"

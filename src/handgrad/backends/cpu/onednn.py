@@ -21,7 +21,8 @@ beta is oneDNN's sum post-op (dst = op(a, b) + beta * dst).
 Rapids and later), "avx512_bf16" (AVX512_BF16's dot products, AMD Zen 4, Intel Cooper Lake), or
 None (no hardware bf16: oneDNN has no bf16 matmul there, so blas.gemm widens bf16 operands to
 float32, exactly, and multiplies them on the float32 BLAS; the rounding is bf16's, the speed float32's
-at best).
+at best). `products_path()` is what the products use in this process: bf16_path() where oneDNN is
+installed, else None (widened too, with `bf16_note()`'s line to say so).
 """
 import ctypes
 import os
@@ -72,16 +73,21 @@ def bf16_path(flags=None):
     return None
 
 
-def bf16_unavailable():
-    """Why bf16 products cannot run in this process, as the end of one line ("... on the cpu " + it),
-    or None where they can: the CPU multiplies bf16 and oneDNN is installed, or the CPU has no bf16
-    multiply at all, where blas.gemm widens the bf16 operands to float32 (exactly) for the float32
-    BLAS instead: bf16's rounding and memory, not its speed (oneDNN has no bf16 matmul there)."""
-    if bf16_path() is None:
+def products_path():
+    """What this process's bf16 products run on: bf16_path() where oneDNN is installed to use it, else
+    None (blas.gemm widens the bf16 operands to float32, exactly, for the float32 BLAS: bf16's
+    rounding and memory, not its speed)."""
+    return bf16_path() if library_path() is not None else None
+
+
+def bf16_note():
+    """One line for a CPU that multiplies bf16 while oneDNN, which would use it, is not installed
+    (bf16 then runs widened, as on a CPU without bf16 multiply); None otherwise."""
+    path = bf16_path()
+    if path is None or library_path() is not None:
         return None
-    if library_path() is None:
-        return f"runs its products on oneDNN, which is not installed: pip install {_DISTRIBUTION}"
-    return None
+    return (f"bf16 products widened to float32: this CPU multiplies bf16 ({path}) but oneDNN is not "
+            f"installed; pip install {_DISTRIBUTION} for its speed")
 
 
 def _cpu_flags():
