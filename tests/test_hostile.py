@@ -76,7 +76,10 @@ def _peak_rss(argv):
      "--train.batch_size", "2"],                                                             # mostly weights + AdamW
     ["--model.n_layer", "2", "--model.n_embd", "1024", "--model.n_head", "8", "--model.block_size", "16",
      "--train.batch_size", "2", "--train.lora_rank", "8"],                                   # a frozen base, no moments
-], ids=["tiny", "activations", "weights", "lora"])
+    ["--model.n_layer", "6", "--model.n_embd", "1024", "--model.n_head", "8", "--model.block_size", "16",
+     "--train.batch_size", "2", "--train.lora_rank", "8", "--train.sample_interval", "1",
+     "--train.sample_tokens", "8"],                                # sampling: a plain copy of the model besides
+], ids=["tiny", "activations", "weights", "lora", "lora-sampling"])
 def test_memory_count_is_within_25_percent_of_the_measured_peak(tmp_path, data, flags):
     argv = ["train", "--data", str(data), "--out", str(tmp_path / "run"), *SMALL, *flags, "--train.max_steps", "2"]
     _peak_rss(argv[:4] + [str(tmp_path / "warm")] + argv[5:])  # the kernels compiled and cached first
@@ -85,7 +88,8 @@ def test_memory_count_is_within_25_percent_of_the_measured_peak(tmp_path, data, 
     config = load_run_config("tiny", overrides=dict(zip([f[2:] for f in (SMALL + flags)[2::2]],
                                                         (SMALL + flags)[3::2])))
     parts = estimate(FAMILY, config.gpt_config(json.loads((data / "meta.json").read_text())["vocab_size"]),
-                     config.train.batch_size, config.model.block_size, lora=config.lora_config())
+                     config.train.batch_size, config.model.block_size, lora=config.lora_config(),
+                     sample_tokens=config.train.sample_tokens if config.train.sample_interval else 0)
     counted = sum(parts.values())
     assert f"{counted / 2**30:.2f} GiB" in line
     assert abs(counted - peak) <= 0.25 * peak, (line, peak / 2**20)
@@ -114,6 +118,28 @@ def test_memory_refusal_names_the_need_the_machine_and_what_to_lower():
         check_memory(wide, config, available=2**30, vocab_size=8192)
     zero = estimate(FAMILY, config.gpt_config(8192), 8, 256, world_size=2, zero_stage=1)
     assert zero["AdamW moments"] == parts["AdamW moments"] // 2
+
+
+def test_sampling_and_scoring_between_steps_are_counted_once_per_machine():
+    """A LoRA run samples from a plain float32 copy of the model (the adapters folded in): counted
+    as `decoding`, on the main process only, and named in the refusal as what to turn off."""
+    qwen = load_run_config("qwen2.5-0.5b", overrides={"train.lora_rank": 8, "train.dtype": "bfloat16"})
+    family, cfg = get_family("llama"), qwen.gpt_config(151936)
+    plain = estimate(family, cfg, 1, 64, "cpu", "bfloat16", lora=qwen.lora_config())
+    sampled = estimate(family, cfg, 1, 64, "cpu", "bfloat16", lora=qwen.lora_config(), sample_tokens=200)
+    scored = estimate(family, cfg, 1, 64, "cpu", "bfloat16", lora=qwen.lora_config(), eval_tasks=True)
+    weights = 4 * family.num_params(cfg)
+    assert cfg.block_size > 201
+    kv = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 201 * 4  # the sample's prompt and 200 tokens
+    assert "decoding" not in plain and weights + kv < sampled["decoding"] < weights + kv + 2**21
+    assert scored["decoding"] > sampled["decoding"]  # the scorer's batches of up to MAX_TOKENS positions
+    full = estimate(family, cfg, 1, 64, "cpu", "float32", sample_tokens=200)
+    assert kv < full["decoding"] < kv + 2**21  # full fine-tuning decodes from the model itself
+    total = sum(sampled.values())
+    assert check_memory(sampled, qwen, available=2**40, processes=2) == 2 * total - sampled["decoding"]
+    with pytest.raises(TrainError, match=r"or sample and score nothing between steps \(train\.sample_interval 0, "
+                                         r"no train\.eval_tasks: 1\.8\d GiB\)"):
+        check_memory(sampled, qwen, available=2**31, vocab_size=151936)
 
 
 def test_impossible_sizes_are_refused_before_any_allocation(tmp_path, data):

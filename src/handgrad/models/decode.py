@@ -88,7 +88,7 @@ class KVCache:
         self.prefills = self.steps = 0
         # Flat storage for the per-layer activations, viewed as contiguous (B, T, ...) arrays for the
         # (B, T) at hand (ops write through reshaped views); grown on demand up to B * length rows.
-        self._widths = self._buffer_widths()
+        self._widths = self.buffer_widths(cfg)
         self._flat = {}  # name -> flat storage; "idx" holds the token ids (int32)
         self._flat_att = self.ops.empty((0,))  # attention_forward's state (scratch), grown on demand
         self._flat_head = {}  # the final norm's and the logits' storage, grown on demand
@@ -128,14 +128,20 @@ class KVCache:
         return store[name]
 
     # ------------------------------------------------------------ GPT-2's layers (a family overrides these)
-    def _buffer_widths(self):
-        C = self.C
+    @staticmethod
+    def buffer_widths(config):
+        """The blocks' buffers, as widths per position (1: a (B, T) statistic)."""
+        C = config.n_embd
         return {"x": C, "ln": C, "qkv": 3 * C, "atty": C, "proj": C, "fch": 4 * C, "fch_gelu": 4 * C,
                 "mean": 1, "rstd": 1}
 
-    def _head_widths(self):
-        """The final norm's buffers, as widths per position (1: a (B, T) statistic)."""
-        return {"norm": self.C, "mean": 1, "rstd": 1}
+    @staticmethod
+    def head_widths(config):  # the final norm's buffers
+        return {"norm": config.n_embd, "mean": 1, "rstd": 1}
+
+    @staticmethod
+    def kv_shape(config):  # (heads cached, head size) per layer
+        return config.n_head, config.n_embd // config.n_head
 
     def _final_norm(self, h, x):
         """h.norm = ln_f(x), x (B, T, C)."""
@@ -224,7 +230,7 @@ class KVCache:
         """Logits (B, T, V) of x (B, T, C), as NumPy: the final norm, then the lm_head. On the cpu a
         view, overwritten by the next call; on the gpu a host copy."""
         B, T, _ = x.shape
-        widths = dict(self._head_widths(), logits=self.model.config.vocab_size)
+        widths = dict(self.head_widths(self.model.config), logits=self.model.config.vocab_size)
         h = SimpleNamespace(**{name: self._grown(self._flat_head, name, B * T * w)[:B * T * w]
                                .reshape((B, T, w) if w > 1 else (B, T)) for name, w in widths.items()})
         self._final_norm(h, x)

@@ -322,10 +322,14 @@ class LlamaKVCache(KVCache):
         return {name: to(w) if name.endswith(("o_proj.weight", "down_proj.weight")) else w
                 for name, w in self.model.p.items()}
 
-    def _buffer_widths(self):
-        c, C = self.model.config, self.C
-        return {"x": C, "qkv": (c.n_head + 2 * c.n_kv_head) * c.head_dim, "atty": c.n_head * c.head_dim,
-                "proj": C, "gu": 2 * self.H, "h": self.H, "rstd": 1}
+    @staticmethod
+    def buffer_widths(c):
+        return {"x": c.n_embd, "qkv": (c.n_head + 2 * c.n_kv_head) * c.head_dim, "atty": c.n_head * c.head_dim,
+                "proj": c.n_embd, "gu": 2 * c.ffn_hidden, "h": c.ffn_hidden, "rstd": 1}
+
+    @staticmethod
+    def kv_shape(c):
+        return c.n_kv_head, c.head_dim
 
     def _embed(self, s, pos):
         self.ops.encoder_forward(s.x, s.idx, self.p["model.embed_tokens.weight"])
@@ -370,8 +374,9 @@ class LlamaKVCache(KVCache):
         self.ops.llama_decode_forward(s.x, self._layers, self.k, self.v, pos, rows, self.model.cos, self.model.sin,
                                       c.n_head, c.n_kv_head, c.norm_eps)
 
-    def _head_widths(self):
-        return {"norm": self.C, "rstd": 1}
+    @staticmethod
+    def head_widths(c):
+        return {"norm": c.n_embd, "rstd": 1}
 
     def _final_norm(self, h, x):
         self.ops.rmsnorm_forward(h.norm, h.rstd, x, self.p["model.norm.weight"], self.model.config.norm_eps)

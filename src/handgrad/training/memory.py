@@ -9,6 +9,11 @@ that only adds up sizes, so the count follows the model's own buffers), the ops'
 constant measured on this project's machines: the peak resident memory of a `tiny` run (0.1M
 parameters), 270 MB on the Intel Xeon of 2026-11-23 (see tests/test_memory.py, which checks the
 whole count against measured runs).
+
+Sampling (train.sample_interval) and task evaluation (train.eval_tasks) between steps hold more on
+top, counted as the part `decoding`: a KV cache and its buffers, and in a LoRA run a plain float32
+model with the adapters folded in (model.plain(): decoding reads plain weights), which for
+qwen2.5-0.5b is 1.84 GiB beside a bf16 LoRA run's 1.45. Only the main process samples and scores.
 """
 import math
 import os
@@ -16,6 +21,7 @@ import os
 import numpy as np
 
 from ..backends import get_backend
+from ..eval.score import MAX_LOGITS, MAX_TOKENS
 from ..models.lora import group_widths, split_spec
 from .rundir import TrainError
 
@@ -41,13 +47,15 @@ class _CountingOps:
 
 
 def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float32", world_size=1, zero_stage=0,
-             lora=None, loss_chunk=0, recompute="none"):
+             lora=None, loss_chunk=0, recompute="none", sample_tokens=0, eval_tasks=False):
     """{part: bytes} of one process of a run; config is the family's architecture config. lora (a
     LoRAConfig): gradients and moments of what trains only, the frozen base beside the parameters,
     and in the activations each adapter's s x A per block and the lora ops' workspaces (s g B^T, and
     with lora_dropout the dropped input and its gradient, one of each per input width). loss_chunk: the
     logits of that many rows, not of the whole batch (train.loss_chunk). recompute: train.recompute's
-    (block: one block's inner buffers and every block's output)."""
+    (block: one block's inner buffers and every block's output). sample_tokens: the tokens each sample
+    between steps decodes (0: no sampling); eval_tasks: whether tasks are scored between steps
+    (both add the part `decoding`: _decoding_bytes)."""
     n, frozen, xs = family.num_params(config), 0, 0
     act_bytes = 2 if dtype == "bfloat16" and backend != "cpu" else 4
     if lora is not None:
@@ -78,15 +86,40 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
                               recompute=recompute == "block")
     acts.alloc_grads(counter, config, act_dtype)
     scratch = family.activations.scratch_bytes(ops, config, batch_size, block_size)  # the ops' workspaces
-    if products is np.uint16 and not ops.bf16_path():  # no bf16 multiply: the products' widening tiles
+    if products is np.uint16 and not ops.products_path():  # widened products: their float32 tiles
         scratch += ops.blas.widen_scratch_bytes()
     bf16_copy = 2 * padded if products is np.uint16 else 0  # the products' bf16 copy of the weights
     parts = {"parameters": 4 * padded + frozen + bf16_copy, "gradients": 4 * padded,
              "AdamW moments": 8 * (padded // world_size if zero_stage == 1 else padded),
              "activations": counter.bytes + scratch + xs}
+    if sample_tokens or eval_tasks:
+        parts["decoding"] = _decoding_bytes(family, config, lora is not None, sample_tokens, eval_tasks)
     if backend == "cpu":
         parts["runtime"] = RUNTIME_BYTES
     return parts
+
+
+def _decoding_bytes(family, config, lora, sample_tokens, eval_tasks):
+    """What sampling or scoring between two steps holds beside the run: a LoRA model's plain copy
+    (float32, every weight: models/family.py's plain(), built for each sample and evaluation and
+    dropped after it) and the larger of the sample's KV cache (one row of the prompt and
+    sample_tokens positions, fed one position a call) and the task scorer's two caches (eval/score.py:
+    each at most MAX_TOKENS positions a call and MAX_LOGITS logits; a bound, reached by batches of
+    long rows)."""
+    cache = family.model.KV_CACHE
+    sampling = _cache_bytes(cache, config, min(config.block_size, sample_tokens + 1), 1) if sample_tokens else 0
+    scoring = 2 * _cache_bytes(cache, config, MAX_TOKENS, MAX_TOKENS, MAX_LOGITS) if eval_tasks else 0
+    return (4 * family.num_params(config) if lora else 0) + max(sampling, scoring)
+
+
+def _cache_bytes(cache, config, positions, rows_per_call, logits=None):
+    """Bytes of a float32 KV cache (the class `cache`, models/decode.py) of `positions` positions whose
+    calls run at most rows_per_call positions and return `logits` logits (default rows_per_call x V):
+    keys, values and the buffers its _bufs and _head grow to, from the class's own widths."""
+    heads, hs = cache.kv_shape(config)
+    logits = rows_per_call * config.vocab_size if logits is None else logits
+    widths = sum(cache.buffer_widths(config).values()) + sum(cache.head_widths(config).values())
+    return 4 * (2 * config.n_layer * heads * hs * positions + rows_per_call * (widths + 1) + logits)
 
 
 def available_bytes(backend="cpu"):
@@ -124,7 +157,7 @@ def describe(parts):
 def check_memory(parts, config, backend="cpu", processes=1, available=None, vocab_size=0):
     """TrainError naming what to lower when `processes` copies of the run need more than there is.
     vocab_size: the model's (config.model's may be 0: the data's)."""
-    need = sum(parts.values()) * processes
+    need = sum(parts.values()) * processes - parts.get("decoding", 0) * (processes - 1)  # the main one decodes
     have = available_bytes(backend) if available is None else available
     if have is not None and need > have:
         m, t = config.model, config.train
@@ -140,6 +173,9 @@ def check_memory(parts, config, backend="cpu", processes=1, available=None, voca
             lower += ", or train LoRA adapters (train.lora_rank 8) instead of every weight"
         if t.lora_rank and t.dtype == "float32" and backend == "cpu" and biggest == "parameters":
             lower += ", or hold the frozen base as bf16 (train.dtype bfloat16)"
+        if parts.get("decoding", 0) > need / 8:
+            lower += (f", or sample and score nothing between steps (train.sample_interval 0, no train.eval_tasks: "
+                      f"{parts['decoding'] / 2**30:,.2f} GiB)")
         where = "GPU memory" if backend == "gpu" and not os.environ.get("TRITON_INTERPRET") else "memory"
         each = f" ({processes} processes)" if processes > 1 else ""
         raise TrainError(f"the run needs {need / 2**30:,.2f} GiB of {where}{each} but {have / 2**30:,.2f} GiB is "

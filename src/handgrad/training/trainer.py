@@ -29,14 +29,6 @@ from .tasks import TaskEval
 from .tracking import open_tracker
 
 
-def cpu_bf16(config):
-    """Refuse, in one line, a train.dtype=bfloat16 run the cpu cannot do: a CPU that multiplies bf16
-    without oneDNN installed (backends/cpu/onednn.py's bf16_unavailable)."""
-    why = get_backend("cpu").bf16_unavailable()
-    if why:
-        raise ConfigError(f"train.dtype: bfloat16 on the cpu {why}; use --train.dtype float32")
-
-
 class Trainer(Checkpointing, RunLoop):
     """One training run over a prepared data directory, writing into run_dir."""
 
@@ -63,12 +55,13 @@ class Trainer(Checkpointing, RunLoop):
             raise ConfigError(f"model.n_embd / model.n_head = {hs}: the gpu backend's attention needs a head size "
                               f"that is a power of two >= 16 (16, 32, 64, 128, 256); pick n_head so, or train with "
                               f"--device cpu")
-        if t.dtype == "bfloat16" and backend == "cpu":
-            cpu_bf16(config)
+        if t.dtype == "bfloat16" and backend == "cpu" and get_backend("cpu").bf16_note():
+            self.log(get_backend("cpu").bf16_note())  # a CPU with bf16 multiply, without oneDNN: widened
         # count what the run will hold before allocating any of it; refuse what cannot fit
         memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
                           self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, config.lora_config(),
-                          loss_chunk=t.loss_chunk, recompute=t.recompute)
+                          loss_chunk=t.loss_chunk, recompute=t.recompute,
+                          sample_tokens=t.sample_tokens if t.sample_interval else 0, eval_tasks=bool(t.eval_tasks))
         need = check_memory(memory, config, backend, processes=self.dp.local_world_size,
                             vocab_size=self.gpt_config.vocab_size)
         self.log(f"memory: {describe(memory)} per process" + (f", {need / 2**30:.2f} GiB on this machine"
