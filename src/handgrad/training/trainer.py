@@ -55,8 +55,9 @@ class Trainer(Checkpointing, RunLoop):
             raise ConfigError(f"model.n_embd / model.n_head = {hs}: the gpu backend's attention needs a head size "
                               f"that is a power of two >= 16 (16, 32, 64, 128, 256); pick n_head so, or train with "
                               f"--device cpu")
-        if t.dtype == "bfloat16" and backend == "cpu" and get_backend("cpu").bf16_note():
-            self.log(get_backend("cpu").bf16_note())  # a CPU with bf16 multiply, without oneDNN: widened
+        note = get_backend("cpu").bf16_note() if t.dtype == "bfloat16" and backend == "cpu" else None
+        if note:  # a CPU with bf16 multiply, without oneDNN: widened
+            self.log(note)
         # count what the run will hold before allocating any of it; refuse what cannot fit
         memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
                           self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, config.lora_config(),

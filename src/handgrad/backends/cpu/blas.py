@@ -99,7 +99,8 @@ def _one_openmp():
 
 
 # whether torch was loaded before this process's kernels chose their OpenMP pool: then both run on
-# torch's, as a benchmark that times the two in one process needs (bench/common.py's torch_first)
+# torch's, as a benchmark that times the two in one process needs (bench/common.py's ready()
+# reports it; rerun_torch_first makes it so)
 TORCH_FIRST = "torch" in sys.modules
 _GNU_OPENMP = _one_openmp()
 if _GNU_OPENMP:
