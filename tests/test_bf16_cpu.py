@@ -278,6 +278,7 @@ def test_a_cpu_that_multiplies_bf16_without_onednn_widens_and_says_so(data_dir, 
     monkeypatch.setattr(ops.onednn, "library_path", lambda: None)
     monkeypatch.setattr(ops.onednn, "gemm", None)  # would raise if a product went to oneDNN
     monkeypatch.setattr(ops.blas, "_HW", [])  # _hardware_bf16 reads products_path again
+    monkeypatch.setattr(ops.blas, "_F32_ONEDNN", False)  # chosen at import: never oneDNN without it
     assert ops.products_path() is None and not ops.blas._hardware_bf16()
     assert train(data_dir, tmp_path / "r", "gpt2", "--train.dtype", "bfloat16", "--train.max_steps", "2") == 0
     out = capsys.readouterr().out

@@ -12,18 +12,23 @@ import sys
 import numpy as np
 import pytest
 
-from handgrad.backends.cpu import aligned_empty, blas, empty, zeros
+from handgrad.backends.cpu import aligned_empty, blas, empty, onednn, zeros
 from handgrad.verify import check_attention, check_layernorm_linear, check_linear
 
 from helpers import assert_rows, env_without, forced_kernels
 
-IMPLS = ["numpy"] + (["mkl"] if blas._PATH else [])
+IMPLS = ["numpy"] + (["mkl"] if blas._PATH else []) + (["onednn"] if onednn.library_path() else [])
 
 
 @pytest.fixture(params=IMPLS)
 def impl(request, monkeypatch):
-    """Run the test on one BLAS (the process's choice is restored afterwards)."""
-    monkeypatch.setattr(blas, "_NAME", request.param)
+    """Run the test on one BLAS (the process's choice is restored afterwards). "onednn": the 2-D
+    float32 products on oneDNN, every size of them (ONEDNN_MIN_WORK 1), the rest on the BLAS."""
+    on = request.param == "onednn"
+    monkeypatch.setattr(blas, "_NAME", ("mkl" if blas._PATH else "numpy") if on else request.param)
+    monkeypatch.setattr(blas, "_F32_ONEDNN", on)
+    if on:
+        monkeypatch.setattr(blas, "ONEDNN_MIN_WORK", 1)
     return request.param
 
 
@@ -221,9 +226,45 @@ def test_env_var_picks_numpy():
     assert r.returncode == 0 and r.stdout.strip() == "numpy", r.stderr
 
 
+def _float32_library_in_subprocess(value):
+    env = {**os.environ, "HANDGRAD_BLAS": value}
+    code = "from handgrad.backends.cpu import blas; print(blas.name(), blas.float32_library())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+@pytest.mark.skipif(not onednn.library_path(), reason="oneDNN is not installed")
+def test_env_var_puts_float32_on_onednn_or_keeps_it_on_the_blas():
+    r = _float32_library_in_subprocess("onednn")
+    assert r.returncode == 0 and r.stdout.split() == [blas.name(), "onednn"], r.stderr
+    r = _float32_library_in_subprocess("numpy")
+    assert r.returncode == 0 and r.stdout.split() == ["numpy", "numpy"], r.stderr
+
+
+def test_onednn_requested_but_missing(monkeypatch):
+    monkeypatch.setenv("HANDGRAD_BLAS", "onednn")
+    monkeypatch.setattr(onednn, "library_path", lambda: None)
+    with pytest.raises(ValueError, match="oneDNN is not installed"):
+        blas._choose()
+
+
+@pytest.mark.parametrize("vendor, flags, installed, expected", [
+    ("AuthenticAMD", {"avx2", "avx512f"}, True, True),  # Zen 4 / 5: MKL runs its AVX2 code there
+    ("AuthenticAMD", {"avx2", "avx512f"}, False, False),  # no oneDNN to go to
+    ("AuthenticAMD", {"avx2", "fma"}, True, False),  # Zen 3: no AVX-512 for MKL to miss
+    ("GenuineIntel", {"avx2", "avx512f"}, True, False),  # MKL's own AVX-512 code
+    (None, {"avx512f"}, True, False),  # nothing known of the vendor
+])
+def test_float32_goes_to_onednn_only_where_mkl_leaves_avx512_unused(monkeypatch, vendor, flags, installed, expected):
+    monkeypatch.delenv("HANDGRAD_BLAS", raising=False)
+    monkeypatch.setattr(onednn, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(onednn, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(onednn, "library_path", lambda: "/libdnnl.so" if installed else None)
+    assert blas._choose()[1] is expected
+
+
 def test_env_var_rejects_unknown_name():
     r = _name_in_subprocess("atlas")
-    assert r.returncode != 0 and "HANDGRAD_BLAS='atlas'" in r.stderr and "'mkl' or 'numpy'" in r.stderr
+    assert r.returncode != 0 and "HANDGRAD_BLAS='atlas'" in r.stderr and "'mkl', 'numpy' or 'onednn'" in r.stderr
 
 
 def test_mkl_requested_but_missing(monkeypatch):
@@ -232,7 +273,7 @@ def test_mkl_requested_but_missing(monkeypatch):
     with pytest.raises(ValueError, match="mkl package is not installed"):
         blas._choose()
     monkeypatch.delenv("HANDGRAD_BLAS")
-    assert blas._choose() == ("numpy", None)  # unset: fall back quietly
+    assert blas._choose()[0] == ("numpy", None)  # unset: fall back quietly
 
 
 @pytest.mark.skipif(not blas._PATH, reason="the mkl package is not installed")
@@ -258,7 +299,7 @@ import json
 import numba
 import numpy as np
 from handgrad.backends.cpu import blas, swiglu
-a = np.ones((256, 256), np.float32)
+a = np.ones((64, 64), np.float32)  # under blas.ONEDNN_MIN_WORK: on MKL wherever float32 goes to oneDNN
 blas.gemm(a, a, np.empty_like(a), 0.0)
 h, gu = np.empty((1, 512, 1408), np.float32), np.ones((1, 512, 2816), np.float32)
 swiglu._swiglu_forward_kernel32.parallel(h.reshape(512, 1408), gu.reshape(512, 2, 1408))

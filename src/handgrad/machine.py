@@ -72,7 +72,8 @@ def environment(torch=None):
     except ValueError:  # no parallel kernel has run yet
         layer = numba.config.THREADING_LAYER
     return {
-        "cpu": cpu, "cpus": os.cpu_count(), "handgrad_blas": blas.name(), "mkl_threading": blas.threading_layer(),
+        "cpu": cpu, "cpus": os.cpu_count(), "handgrad_blas": blas.name(),
+        "float32_products": blas.float32_library(), "mkl_threading": blas.threading_layer(),
         "numpy": np.__version__, "numpy_blas": numpy_blas,
         "openblas_runtime": _openblas_runtime(),
         "numba": numba.__version__, "numba_threads": numba.get_num_threads(), "numba_threading_layer": layer,
@@ -80,6 +81,12 @@ def environment(torch=None):
         "torch": torch and torch.__version__, "torch_threads": torch and torch.get_num_threads(),
         "torch_mkl": torch and torch.backends.mkl.is_available(), "env": env,
     }
+
+
+def products_label(e):
+    """environment(e)'s products in words: 'mkl', or 'onednn (2-D float32), mkl' where they differ."""
+    f32 = e.get("float32_products", e["handgrad_blas"])
+    return e["handgrad_blas"] if f32 == e["handgrad_blas"] else f"{f32} (2-D float32), {e['handgrad_blas']}"
 
 
 def timed(*fns):
@@ -127,8 +134,8 @@ class BackgroundLoad:
 
 
 def sgemm_peak(n=PEAK_N, runs=PEAK_RUNS, dtype="float32"):
-    """float32 (n, n) @ (n, n) on the BLAS handgrad's cpu backend uses (backends/cpu/blas.py: MKL or
-    numpy's OpenBLAS), checked on a few rows against float64; GFLOP/s median, best.
+    """float32 (n, n) @ (n, n) on what handgrad's cpu backend multiplies float32 with
+    (backends/cpu/blas.py: MKL, numpy's OpenBLAS, or oneDNN: blas.float32_library()), checked on a few rows against float64; GFLOP/s median, best.
     dtype "bfloat16": the same product with bf16 operands and float32 accumulation on oneDNN, or
     widened to float32 where the CPU has no bf16 multiply (what train.dtype=bfloat16 multiplies
     with; "path" says which): the peak a bf16 run's MFU is measured against."""

@@ -7,7 +7,7 @@ products of a training step, x (N, C) and g (N, OC) over the N = B T tokens:
     input gradient   dx = g W^T          (N, OC) @ (OC, C), W read transposed
     weight gradient  dW = x^T g          (C, N) @ (N, OC), x read transposed
 
-each timed on MKL's sgemm (float32; blas.py, what handgrad runs today), oneDNN's matmul in float32,
+each timed on MKL's sgemm (float32; blas.blas_gemm, what handgrad runs on Intel's CPUs), oneDNN's matmul in float32,
 and oneDNN's matmul with bf16 operands and float32 accumulation (onednn.py; the operands narrowed
 beforehand, outside the timing: what `train.dtype = "bfloat16"` will feed it). Each result is
 checked first: float32 against float64 at 1e-4 of the largest value, bf16 against float64 products
@@ -65,7 +65,7 @@ def time_product(M, K, N, trans_a=False, trans_b=False, seed=0):
     a, b = _operands(rng, M, K, N, trans_a, trans_b)
     a16, b16 = _bf16(a), _bf16(b)
     c = common.aligned_empty((M, N))
-    calls = {"mkl f32": lambda: blas.gemm(a, b, c), "onednn f32": lambda: onednn.gemm(a, b, c),
+    calls = {"mkl f32": lambda: blas.blas_gemm(a, b, c), "onednn f32": lambda: onednn.gemm(a, b, c),
              "onednn bf16": lambda: onednn.gemm(a16, b16, c)}
     rows = slice(0, min(M, 16))
     ref32 = a[rows].astype(np.float64) @ b.astype(np.float64)

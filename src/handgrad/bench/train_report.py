@@ -1,4 +1,5 @@
 """`handgrad bench train`'s table: a row per shape (bench_shape's result) and the footer."""
+from ..machine import products_label
 from .profile import format_profile
 
 
@@ -53,13 +54,13 @@ def format_footer(result):
     e, p0, p1 = result["environment"], result["sgemm_peak"], result["sgemm_peak_end"]
     return "\n".join([
         "",
-        f"machine {e['cpu']}, {e['cpus']} CPUs; handgrad matmuls on {e['handgrad_blas']}"
+        f"machine {e['cpu']}, {e['cpus']} CPUs; handgrad matmuls on {products_label(e)}"
         f"{' (' + e['mkl_threading'] + ' OpenMP)' if e.get('mkl_threading') else ''}; numba kernels on "
         f"{e['numba_threading_layer']}"
         f"{', ' + str(e['numba_vector_bits']) + '-bit vectors' if e.get('numba_vector_bits') else ''}; numpy {e['numpy']} "
         f"({e['numpy_blas']}), numba {e['numba']}, "
         f"torch {e['torch']} ({e['torch_threads']} threads)",
-        f"sgemm peak ({e['handgrad_blas']} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
+        f"sgemm peak ({e.get('float32_products', e['handgrad_blas'])} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
         f"{p1['median_gflops']:.1f} at end; MFU = GFLOP/s / the start peak"
         + (f"; bf16 sides: / the bf16 matmul peak ({_bf16_how(result['bf16_peak'])} {result['bf16_peak']['n']}^3), "
            f"{result['bf16_peak']['median_gflops']:.1f} GFLOP/s" if "bf16_peak" in result else ""),

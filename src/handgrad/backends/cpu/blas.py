@@ -10,6 +10,16 @@ Two BLAS are supported:
 The choice is made once per process: HANDGRAD_BLAS=mkl|numpy if set (mkl without the package is an
 error), otherwise mkl when the package is installed. `name()` says which one runs.
 
+Float32 products of two 2-D operands go to oneDNN's matmul instead (onednn.gemm) where MKL would not
+use the CPU: a CPU with AVX-512 that is not Intel's (AMD Zen 4 and 5), where MKL's sgemm dispatches
+to its AVX2 code. Measured on the 2-core AMD EPYC Zen 5 (`handgrad bench products --preset
+smollm2-135m`, 2026-11-27): a training step's products at 209 GFLOP/s on MKL, 454 on oneDNN; on the
+Intel Xeon (AMX) oneDNN's were 0.66-0.95x MKL's, so float32 stays on MKL there (docs/PERFORMANCE.md).
+HANDGRAD_BLAS=onednn asks for it on any CPU (oneDNN must be installed); HANDGRAD_BLAS=mkl or numpy
+keeps every product on that BLAS. Tiny products (under ONEDNN_MIN_WORK multiply-adds: oneDNN's call
+costs ~8 us through ctypes, MKL's ~1) and batched ones (attention's heads) stay on the BLAS.
+`float32_library()` says which runs the float32 products.
+
 Few rows (decoding: one row per sequence, SMALL_M at most) times a weight passed as the transpose
 of a contiguous (N, K) matrix (every Llama linear and every tied lm_head) take neither: a Numba
 kernel (_small_m_nt) reads each weight row once for all the rows, which is what a decode step's
@@ -48,16 +58,28 @@ def _mkl_library():
 
 def _choose():
     wanted = os.environ.get("HANDGRAD_BLAS", "").strip().lower()
-    if wanted not in ("", "mkl", "numpy"):
-        raise ValueError(f"HANDGRAD_BLAS={wanted!r}: use 'mkl' or 'numpy' (or leave it unset)")
-    path = _mkl_library() if wanted in ("", "mkl") else None
+    if wanted not in ("", "mkl", "numpy", "onednn"):
+        raise ValueError(f"HANDGRAD_BLAS={wanted!r}: use 'mkl', 'numpy' or 'onednn' (or leave it unset)")
+    if wanted == "onednn" and onednn.library_path() is None:
+        raise ValueError("HANDGRAD_BLAS=onednn but oneDNN is not installed: "
+                         "pip install onednn-cpu-gomp, or unset HANDGRAD_BLAS")
+    path = _mkl_library() if wanted in ("", "mkl", "onednn") else None
     if wanted == "mkl" and path is None:
         raise ValueError("HANDGRAD_BLAS=mkl but the mkl package is not installed: "
                          "pip install mkl, or unset HANDGRAD_BLAS")
-    return ("mkl", path) if path else ("numpy", None)
+    return ("mkl", path) if path else ("numpy", None), wanted == "onednn" or (not wanted and _mkl_without_avx512())
 
 
-_NAME, _PATH = _choose()
+def _mkl_without_avx512():
+    """Whether MKL would leave this CPU's AVX-512 unused (not Intel's, has AVX-512F) while oneDNN,
+    which dispatches on the CPU's features alone, is installed."""
+    flags = onednn.cpu_flags()
+    return "avx512f" in flags and onednn.cpu_vendor() not in ("GenuineIntel", None) \
+        and onednn.library_path() is not None
+
+
+(_NAME, _PATH), _F32_ONEDNN = _choose()
+ONEDNN_MIN_WORK = 1 << 20  # M * N * K at least: below it MKL's cheaper call wins (64^3: 5.2 us, oneDNN 8.6)
 
 
 # MKL_Set_Threading_Layer's argument for GNU OpenMP (mkl_service.h: INTEL 0, SEQUENTIAL 1, PGI 2,
@@ -125,11 +147,25 @@ def name():
     return _NAME
 
 
+def float32_library():
+    """What this process's 2-D float32 products run on: 'onednn', or name()'s BLAS."""
+    return "onednn" if _F32_ONEDNN else _NAME
+
+
+def _onednn_float32(a, b, c):
+    """Whether c = a @ b goes to onednn.gemm: float32, 2-D, enough work, one unit stride each."""
+    return (_F32_ONEDNN and a.dtype == b.dtype == c.dtype == np.float32 and a.ndim == b.ndim == c.ndim == 2
+            and a.shape[0] * a.shape[1] * b.shape[1] >= ONEDNN_MIN_WORK and c.strides[1] == 4
+            and 4 in (a.strides[1], a.strides[0]) and 4 in (b.strides[1], b.strides[0])
+            and a.shape[1] == b.shape[0] and c.shape == (a.shape[0], b.shape[1]))
+
+
 def set_threads(n):
-    """Threads for MKL's gemm (threadpoolctl sets OpenBLAS's)."""
+    """Threads for MKL's gemm (threadpoolctl sets OpenBLAS's) and oneDNN's (GNU OpenMP's default)."""
     if _NAME == "mkl":
         _load()
         _mkl.MKL_Set_Num_Threads(int(n))
+    onednn.set_threads(n)
 
 
 def _load():
@@ -399,6 +435,13 @@ def gemm(a, b, c, beta=0.0):
     if _few_rows(a, b, c, beta):
         _small_m_nt(a, b.T, c)
         return c
+    if _onednn_float32(a, b, c):
+        return onednn.gemm(a, b, c, beta)
+    return blas_gemm(a, b, c, beta)
+
+
+def blas_gemm(a, b, c, beta=0.0):
+    """gemm on name()'s BLAS alone (float32 or float64 operands), whatever float32_library() says."""
     if _NAME == "mkl" and a.dtype == b.dtype == c.dtype and a.ndim == b.ndim == c.ndim:
         addr = (_addr or _load()).get(c.dtype)
         fn = _DRIVERS.get(c.ndim)

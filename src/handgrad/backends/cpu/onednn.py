@@ -65,7 +65,7 @@ def library_path():
 def bf16_path(flags=None):
     """"amx", "avx512_bf16" or None: the CPU's bf16 multiply (flags: /proc/cpuinfo's, read if None)."""
     if flags is None:
-        flags = _cpu_flags()
+        flags = cpu_flags()
     if "amx_bf16" in flags:
         return "amx"
     if "avx512_bf16" in flags:
@@ -90,15 +90,37 @@ def bf16_note():
             f"installed; pip install {_DISTRIBUTION} for its speed")
 
 
-def _cpu_flags():
+def _cpuinfo(field):
+    """The first value of `field` in /proc/cpuinfo, or None (not Linux, or no such field)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags():
+    """The CPU's feature flags, as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    return set((_cpuinfo("flags") or "").split())
+
+
+def cpu_vendor():
+    """'GenuineIntel', 'AuthenticAMD', ... or None where /proc/cpuinfo cannot be read."""
+    return _cpuinfo("vendor_id")
+
+
+def set_threads(n):
+    """oneDNN's threads: GNU OpenMP's default for this thread's parallel regions (omp_set_num_threads),
+    which oneDNN's products take; nothing where oneDNN or libgomp is not there."""
+    if library_path() is None:
+        return
+    try:
+        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(int(n))
+    except (OSError, AttributeError):
+        pass
 
 
 class _Library:
