@@ -389,3 +389,38 @@ def test_bench_eval_scores_with_transformers_beside_handgrad_and_counts_disagree
     assert doc["total"]["rows"] == sum(t["rows"] for t in doc["tasks"]) and doc["total"]["differ"] == 0
     with pytest.raises(SystemExit, match="bench eval: needs --run MODEL and --tasks"):
         cli(["bench", "eval", "--tasks", str(tasks["mc"])])
+
+
+def test_bench_eval_scores_a_pair_transformers_tokenizes_otherwise_on_handgrads_tokens():
+    """A pair whose transformers tokens differ from handgrad's (SmolLM2's digits under transformers'
+    GGUF loader) is scored on handgrad's tokens and its row counted, not a stop of the whole run."""
+    import torch
+    from types import SimpleNamespace
+
+    from handgrad.bench.eval import _tf_score
+    V = 7
+
+    class Tok:
+        eos_token_id = 0
+
+        def encode(self, text, add_special_tokens=False):
+            return [1, 2] if text == "ctx" else [3]
+
+    def model(ids):
+        logits = torch.zeros(1, ids.shape[1], V)
+        logits[0, :, 5] = 1.0  # token 5 is every position's argmax
+        return SimpleNamespace(logits=logits)
+
+    row = SimpleNamespace(line=4, contexts=["ctx", "ctx"], continuations=["a", "a"])
+    task = SimpleNamespace(rows=[row], path="t.jsonl")
+    same = np.array([1, 2, 3])
+    other = np.array([1, 2, 5, 5])  # handgrad's split: a 2-token continuation, both the argmax
+    e = SimpleNamespace(seqs=[same, other], n_ctx=[2, 2])
+    otherwise = []
+    (lp, greedy), = _tf_score(model, Tok(), torch, task, [e], None, otherwise)
+    lse = np.log(6 + np.e)
+    assert otherwise == [4]
+    np.testing.assert_allclose(lp, [-lse, 2 * (1 - lse)], rtol=1e-12)
+    assert greedy.tolist() == [False, True]
+    with pytest.raises(SystemExit, match="t.jsonl:4: transformers' tokenizer gives other tokens"):
+        _tf_score(model, Tok(), torch, task, [e], None)
