@@ -20,7 +20,7 @@ from .files import OutputLockedError
 from .interop import convert
 from .interop.common import ConvertError
 from .machine import environment, sgemm_peak
-from .models.decode import SampleError
+from .models.sampling import SampleError
 from .training import command as train
 from .interop.checkpoint import CheckpointError
 from .training.distributed import DistributedError, exit_if_lost

@@ -129,12 +129,12 @@ def _extend_len(e, P):
 
 
 class Scorer:
-    """Scores Encoded rows with a model (its plain weights: a LoRA model's adapters folded in),
+    """Scores Encoded rows with a model (a LoRA model through its adapters, models/decode.py's KVCache),
     keeping two KV caches between calls: the queries' and their pairs'. `positions` counts the
     positions it ran (padding included), `naive_positions` those one forward per pair would run."""
 
     def __init__(self, model, batch_size=64):
-        self.model = model.plain() if getattr(model, "lora", None) is not None else model
+        self.model = model
         self.batch_size = batch_size
         self.V = self.model.config.vocab_size
         self.caches = {}  # "prefix" | "branch" -> KVCache

@@ -35,9 +35,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-
-class SampleError(ValueError):
-    """A mistake in what the user asked for: one line that names the argument."""
+from . import lora as lora_parts
+from .sampling import SampleError, as_rng, check_prompt, check_sampling, sample_logits
 
 
 # The weights' dtype for decoding: float32 (the model's own), or bf16 copies of the matrices the
@@ -66,6 +65,9 @@ class KVCache:
         if dtype == "bfloat16" and model.backend != "cpu":
             raise SampleError("bfloat16 decoding weights are the cpu backend's; on the gpu decode in the model's dtype")
         self.dtype = dtype
+        # a LoRA model decodes from its base as it holds it (bf16 under train.dtype bfloat16 on the cpu)
+        # with its adapters applied beside each product: no merged copy of the weights
+        self.adapters = lora_parts.decode_records(model) if getattr(model, "lora", None) is not None else []
         if share is not None:  # another cache of this model and dtype: its weights, not new copies
             self.p, self._head_w = share.p, share._head_w
             self.fp = getattr(share, "fp", None)
@@ -157,7 +159,22 @@ class KVCache:
         few-row product's layout: backends/cpu/blas.py). Embeddings and vectors stay float32."""
         to = self.ops.to_bf16
         return {name: to(np.ascontiguousarray(w.T)).T if w.ndim == 2 and name not in ("wte.weight", "wpe.weight")
-                else w for name, w in self.model.p.items()}
+                and w.dtype != np.uint16 and ".lora_" not in name else w for name, w in self.model.p.items()}
+
+    def _adapters(self, l, group, x):
+        """Block l's `group` adapters (() without any), each xs on scratch for x's rows."""
+        ads = self.adapters[l].get(group, ()) if self.adapters else ()
+        if ads:
+            n, r = int(np.prod(x.shape[:-1])), self.model.lora.rank
+            xs = self._grown(self._flat, "lora_xs", n * r)[:n * r].reshape(n, r)
+            for ad in ads:
+                ad.xs = xs
+        return ads
+
+    def _lora(self, out, inp, l, group):
+        """out += block l's `group` adapters applied to inp (nothing without adapters)."""
+        if self.adapters:
+            self.ops.lora_forward(out, inp, self._adapters(l, group, inp))
 
     def _embed(self, s, pos):
         """s.x = the embeddings of s.idx at positions [pos, pos + T)."""
@@ -212,13 +229,17 @@ class KVCache:
             h = f"h.{l}."
             ops.layernorm_forward(s.ln, s.mean, s.rstd, s.x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
             ops.linear_forward(s.qkv, s.ln, p[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"])
+            self._lora(s.qkv, s.ln, l, "c_attn")
             attend(l, s.atty, s.qkv)
             ops.linear_forward(s.proj, s.atty, p[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
+            self._lora(s.proj, s.atty, l, "c_proj")
             ops.residual_forward(s.x, s.x, s.proj)
             ops.layernorm_forward(s.ln, s.mean, s.rstd, s.x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
             ops.linear_forward(s.fch, s.ln, p[h + "mlp.c_fc.weight"], None)
+            self._lora(s.fch, s.ln, l, "c_fc")
             ops.gelu_forward(s.fch_gelu, s.fch, p[h + "mlp.c_fc.bias"])  # adds the bias into fch
             ops.linear_forward(s.proj, s.fch_gelu, p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
+            self._lora(s.proj, s.fch_gelu, l, "mlp.c_proj")
             ops.residual_forward(s.x, s.x, s.proj)
 
     def _decode_blocks(self, s, pos, rows=None):
@@ -365,87 +386,7 @@ class KVCache:
         return self.prefill(ids[:, -self.keep:])
 
 
-# ---------------------------------------------------------------- sampling
-def sample_logits(logits, temperature=1.0, top_k=None, top_p=None, rng=None):
-    """One token id per row of logits (B, V), as int64 (B,).
-
-    temperature 0 is greedy (argmax; top_k and top_p are then irrelevant). Otherwise, in float64:
-    divide by the temperature; top_k keeps the k largest logits; softmax; top_p keeps the smallest
-    set of most probable tokens whose probability sums to at least top_p (the most probable token
-    always stays); then one draw per row from rng (a numpy Generator; None: fresh entropy).
-    """
-    if temperature == 0:
-        return np.argmax(logits, axis=-1).astype(np.int64)
-    rng = rng if rng is not None else np.random.default_rng()
-    z = np.asarray(logits, dtype=np.float64) / temperature
-    B, V = z.shape
-    if top_k is not None and top_k < V:
-        kth = np.partition(z, V - top_k, axis=-1)[:, V - top_k:V - top_k + 1]
-        z = np.where(z < kth, -np.inf, z)
-    probs = np.exp(z - z.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    if top_p is not None and top_p < 1:
-        order = np.argsort(-probs, axis=-1, kind="stable")
-        sorted_probs = np.take_along_axis(probs, order, axis=-1)
-        before = np.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the more probable tokens
-        drop = np.empty_like(probs, dtype=bool)
-        np.put_along_axis(drop, order, before >= top_p, axis=-1)
-        probs = np.where(drop, 0.0, probs)
-    cdf = np.cumsum(probs, axis=-1)
-    u = rng.random(B)[:, None] * cdf[:, -1:]
-    return np.minimum((cdf <= u).sum(axis=-1), V - 1).astype(np.int64)  # first index with cdf > u
-
-
-def check_sampling(temperature=1.0, top_k=None, top_p=None, max_new_tokens=0, cli=False):
-    """Raise SampleError naming the first bad argument (as a --flag when cli)."""
-    name = (lambda s: "--" + s.replace("_", "-")) if cli else (lambda s: s)
-
-    def is_int(x):
-        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-    if not is_int(max_new_tokens) or max_new_tokens < 0:
-        raise SampleError(f"{name('max_new_tokens')} must be an integer >= 0, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
-            or not np.isfinite(temperature) or temperature < 0:
-        raise SampleError(f"{name('temperature')} must be a finite number >= 0 (0 = greedy), "
-                          f"got {temperature!r}")
-    if top_k is not None and (not is_int(top_k) or top_k < 1):
-        raise SampleError(f"{name('top_k')} must be an integer >= 1, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.floating))
-                              or not 0 < top_p <= 1):
-        raise SampleError(f"{name('top_p')} must be in (0, 1], got {top_p!r}")
-
-
-def _check_prompt(prompt_ids, config):
-    """prompt_ids as an int64 (B, T0) array, or SampleError naming prompt_ids."""
-    try:
-        idx = np.asarray(prompt_ids)
-    except ValueError:  # ragged nested lists
-        raise SampleError("prompt_ids must be a list of ints or a (B, T0) array of ints") from None
-    if idx.ndim == 1:
-        idx = idx[None, :]
-    if idx.ndim != 2 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
-        raise SampleError(f"prompt_ids must be a list of ints or a (B, T0) array of ints, "
-                          f"got shape {idx.shape} and dtype {idx.dtype}")
-    B, T0 = idx.shape
-    if B < 1 or T0 < 1:
-        raise SampleError(f"prompt_ids is empty (shape {idx.shape}): give at least one token per row")
-    V = config.vocab_size
-    bad = (idx < 0) | (idx >= V)
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise SampleError(f"prompt_ids{list(where)} = {int(idx[where])} is outside [0, {V})")
-    return idx.astype(np.int64)
-
-
-def _as_rng(rng):
-    if rng is None or isinstance(rng, (int, np.integer)):
-        return np.random.default_rng(rng)
-    if isinstance(rng, np.random.Generator):
-        return rng
-    raise SampleError(f"rng must be None, an int seed or a numpy Generator, got {type(rng).__name__}")
-
-
+# ---------------------------------------------------------------- generating
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, rng=None,
              on_token=None, stop_id=None, vocab=None, dtype="float32"):
     """Continue each row of prompt_ids (a list of ints, or a (B, T0) array) by max_new_tokens tokens.
@@ -464,12 +405,11 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     vocab: only ids below it are sampled (the tokenizer's size, where the embedding has rows of
     padding past it that no token decodes from: Qwen2's 151,936 for 151,665 tokens).
     dtype: the decoding weights' (DTYPES): "bfloat16" multiplies bf16 copies of the matrices.
+    A LoRA model decodes through its adapters, beside its base as held (KVCache): no merged copy.
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
-    if getattr(model, "lora", None) is not None:
-        model = model.plain()  # decoding reads plain weights: the adapters folded in
-    idx = _check_prompt(prompt_ids, model.config)
-    rng = _as_rng(rng)
+    idx = check_prompt(prompt_ids, model.config)
+    rng = as_rng(rng)
     B, T0 = idx.shape
     out = np.empty((B, T0 + min(max_new_tokens, model.config.block_size)), dtype=np.int64)  # grown below
     out[:, :T0] = idx
@@ -493,4 +433,3 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
         if step + 1 < max_new_tokens:
             logits = cache.advance(out[:, :t + 1])
     return out
-

@@ -312,11 +312,12 @@ class LlamaKVCache(KVCache):
         self.fp = model.fp  # the fused q/k/v and gate/up matrices (bf16 copies: _bf16_params)
         self._layers = None  # _decode_blocks' weight views, made on its first call
         super().__init__(model, B, length, kv_heads=c.n_kv_head, dtype=dtype, share=share)
+        self.fused = self.fused and not self.adapters  # adapters: op by op, each product's beside it
 
     def _bf16_params(self):
         """As KVCache's: o_proj, down_proj and the fused q/k/v and gate/up (self.fp) as bf16 copies,
         (out, in) as Hugging Face stores them, passed transposed; the rest float32."""
-        to = self.ops.to_bf16
+        to = lambda w: w if w.dtype == np.uint16 else self.ops.to_bf16(w)  # a LoRA model's bf16 base as it is
         self.fp = SimpleNamespace(**{key: [to(w) for w in mats] if key != "qkv_bias" else mats
                                      for key, mats in vars(self.model.fp).items()})
         return {name: to(w) if name.endswith(("o_proj.weight", "down_proj.weight")) else w
@@ -345,16 +346,19 @@ class LlamaKVCache(KVCache):
         for l in range(self.L):
             h = f"model.layers.{l}."
             ops.rmsnorm_linear_forward(s.qkv, s.rstd, s.x, p[h + "input_layernorm.weight"], fp.qkv[l].T,
-                                       fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps)
+                                       fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
+                                       adapters=self._adapters(l, "qkv", s.x))
             qk = s.qkv[:, :, :rot]
             ops.rope_forward(qk, qk, self.model.cos, self.model.sin, c.n_head + c.n_kv_head, pos)
             attend(l, s.atty, s.qkv)
             ops.linear_forward(s.proj, s.atty, p[h + "self_attn.o_proj.weight"].T)
+            self._lora(s.proj, s.atty, l, "o")
             ops.residual_forward(s.x, s.x, s.proj)
             ops.rmsnorm_linear_forward(s.gu, s.rstd, s.x, p[h + "post_attention_layernorm.weight"], fp.gu[l].T,
-                                       None, c.norm_eps)
+                                       None, c.norm_eps, adapters=self._adapters(l, "gu", s.x))
             ops.swiglu_forward(s.h, s.gu)
             ops.linear_forward(s.proj, s.h, p[h + "mlp.down_proj.weight"].T)
+            self._lora(s.proj, s.h, l, "down")
             ops.residual_forward(s.x, s.x, s.proj)
 
     def _decode_blocks(self, s, pos, rows=None):

@@ -122,6 +122,14 @@ def adapter_records(model):
     return records
 
 
+def decode_records(model):
+    """Per block, {group: [adapter record]} for decoding (models/decode.py): the adapters' views,
+    no gradients, no dropout; each record's xs is the decode cache's scratch, set per call."""
+    return [{group: [SimpleNamespace(lo=ad.lo, hi=ad.hi, lora_a=ad.lora_a, lora_b=ad.lora_b, scale=ad.scale,
+                                     dropout=0.0, seed=0, xs=None) for ad in ads]
+             for group, ads in groups.items()} for groups in model.adapters]
+
+
 def merged_weights(model, lazy=False):
     """The base weights with every adapter folded in, W + (alpha / r) B A (in the base layout:
     [out, in], or GPT-2's Conv1D [in, out]), under param_spec's names: a plain model's state_dict.

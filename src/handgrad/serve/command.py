@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from ..data.chat import load_chat_format
 from ..data.sources import DataError
-from ..models.decode import SampleError
+from ..models.sampling import SampleError
 from ..sample import add_chat_model_arguments, add_dtype_argument, load_run
 from .app import Server, Starlette
 from .engine import Engine

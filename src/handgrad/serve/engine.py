@@ -36,7 +36,7 @@ import traceback
 
 import numpy as np
 
-from ..models.decode import sample_logits
+from ..models.sampling import sample_logits
 
 PAD_WASTE = 1.5  # a group of prompts prefilled together runs at most this many times their positions
 

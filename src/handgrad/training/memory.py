@@ -11,9 +11,10 @@ parameters), 270 MB on the Intel Xeon of 2026-11-23 (see tests/test_memory.py, w
 whole count against measured runs).
 
 Sampling (train.sample_interval) and task evaluation (train.eval_tasks) between steps hold more on
-top, counted as the part `decoding`: a KV cache and its buffers, and in a LoRA run a plain float32
-model with the adapters folded in (model.plain(): decoding reads plain weights), which for
-qwen2.5-0.5b is 1.84 GiB beside a bf16 LoRA run's 1.45. Only the main process samples and scores.
+top, counted as the part `decoding`: a KV cache and its buffers, and in a LoRA run the adapters'
+scratch (a LoRA model decodes through its adapters, beside its base as it holds it: no merged copy;
+until 2026-11-27 a plain float32 copy, 1.84 GiB for qwen2.5-0.5b). Only the main process samples
+and scores.
 """
 import math
 import os
@@ -93,23 +94,40 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
              "AdamW moments": 8 * (padded // world_size if zero_stage == 1 else padded),
              "activations": counter.bytes + scratch + xs}
     if sample_tokens or eval_tasks:
-        parts["decoding"] = _decoding_bytes(family, config, lora is not None, sample_tokens, eval_tasks)
+        parts["decoding"] = _decoding_bytes(family, config, lora, dtype == "bfloat16" and backend == "cpu",
+                                            sample_tokens, eval_tasks)
     if backend == "cpu":
         parts["runtime"] = RUNTIME_BYTES
     return parts
 
 
-def _decoding_bytes(family, config, lora, sample_tokens, eval_tasks):
-    """What sampling or scoring between two steps holds beside the run: a LoRA model's plain copy
-    (float32, every weight: models/family.py's plain(), built for each sample and evaluation and
-    dropped after it) and the larger of the sample's KV cache (one row of the prompt and
-    sample_tokens positions, fed one position a call) and the task scorer's two caches (eval/score.py:
-    each at most MAX_TOKENS positions a call and MAX_LOGITS logits; a bound, reached by batches of
-    long rows)."""
+def _decoding_bytes(family, config, lora, bf16_base, sample_tokens, eval_tasks):
+    """What sampling or scoring between two steps holds beside the run: the larger of the sample's
+    KV cache (one row of the prompt and sample_tokens positions, fed one position a call) and the
+    task scorer's two caches (eval/score.py: each at most MAX_TOKENS positions a call and MAX_LOGITS
+    logits; a bound, reached by batches of long rows), and in a LoRA run the adapters' scratch for
+    the rows of one call (_adapter_bytes)."""
     cache = family.model.KV_CACHE
-    sampling = _cache_bytes(cache, config, min(config.block_size, sample_tokens + 1), 1) if sample_tokens else 0
-    scoring = 2 * _cache_bytes(cache, config, MAX_TOKENS, MAX_TOKENS, MAX_LOGITS) if eval_tasks else 0
-    return (4 * family.num_params(config) if lora else 0) + max(sampling, scoring)
+    sampling = scoring = 0
+    if sample_tokens:
+        sampling = _cache_bytes(cache, config, min(config.block_size, sample_tokens + 1), 1)
+        sampling += _adapter_bytes(family, config, lora, bf16_base, 1)
+    if eval_tasks:
+        scoring = 2 * _cache_bytes(cache, config, MAX_TOKENS, MAX_TOKENS, MAX_LOGITS)
+        scoring += _adapter_bytes(family, config, lora, bf16_base, MAX_TOKENS)
+    return max(sampling, scoring)
+
+
+def _adapter_bytes(family, config, lora, bf16_base, rows):
+    """The scratch of a LoRA model's adapters decoding `rows` positions a call (backends' lora_forward):
+    each xs and a group's stacked xs (r numbers a row per adapter), and over a bf16 base the adapter
+    input widened to float32 (the widest input). 0 without adapters."""
+    if lora is None:
+        return 0
+    _, _, blocks = split_spec(family.model, config, lora)
+    per_group = max((sum(t.group == u.group for u in block) for block in blocks for t in block), default=0)
+    widest = max((t.fan_in for block in blocks for t in block), default=0) if bf16_base else 0
+    return 4 * rows * (lora.rank * (1 + per_group) + widest)
 
 
 def _cache_bytes(cache, config, positions, rows_per_call, logits=None):
