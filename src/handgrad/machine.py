@@ -83,9 +83,14 @@ def environment(torch=None):
     }
 
 
+def float32_products(e):
+    """The library an environment() ran its 2-D float32 products on (older reports: the BLAS's)."""
+    return e.get("float32_products", e["handgrad_blas"])
+
+
 def products_label(e):
     """environment(e)'s products in words: 'mkl', or 'onednn (2-D float32), mkl' where they differ."""
-    f32 = e.get("float32_products", e["handgrad_blas"])
+    f32 = float32_products(e)
     return e["handgrad_blas"] if f32 == e["handgrad_blas"] else f"{f32} (2-D float32), {e['handgrad_blas']}"
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..backends import get_backend
 from ..backends.cpu import blas
-from ..machine import environment, products_label, sgemm_peak, timed
+from ..machine import environment, float32_products, products_label, sgemm_peak, timed
 from .common import ATOL_REL, BUSY_CORES, check_close, fmt_load, race, randn, rerun_torch_first
 
 
@@ -355,7 +355,7 @@ def format_table(result):
     ]
     for key, when in (("sgemm_peak", "start"), ("sgemm_peak_end", "end")):
         p = result[key]
-        lines.append(f"sgemm peak at {when:<5} ({e.get('float32_products', e['handgrad_blas'])} float32 {p['n']}^3, {p['runs']} runs): median "
+        lines.append(f"sgemm peak at {when:<5} ({float32_products(e)} float32 {p['n']}^3, {p['runs']} runs): median "
                      f"{p['median_gflops']:.1f} GFLOP/s, best {p['best_gflops']:.1f}, "
                      f"background load {fmt_load(p['background_cores'])} cores")
     lines += ["", f"{'row':<28} {'phase':<5} {'unit':<8} {'handgrad':>9} {'torch':>9} {'torch/hg':>9} "

@@ -1,5 +1,5 @@
 """`handgrad bench train`'s table: a row per shape (bench_shape's result) and the footer."""
-from ..machine import products_label
+from ..machine import float32_products, products_label
 from .profile import format_profile
 
 
@@ -60,7 +60,7 @@ def format_footer(result):
         f"{', ' + str(e['numba_vector_bits']) + '-bit vectors' if e.get('numba_vector_bits') else ''}; numpy {e['numpy']} "
         f"({e['numpy_blas']}), numba {e['numba']}, "
         f"torch {e['torch']} ({e['torch_threads']} threads)",
-        f"sgemm peak ({e.get('float32_products', e['handgrad_blas'])} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
+        f"sgemm peak ({float32_products(e)} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
         f"{p1['median_gflops']:.1f} at end; MFU = GFLOP/s / the start peak"
         + (f"; bf16 sides: / the bf16 matmul peak ({_bf16_how(result['bf16_peak'])} {result['bf16_peak']['n']}^3), "
            f"{result['bf16_peak']['median_gflops']:.1f} GFLOP/s" if "bf16_peak" in result else ""),
