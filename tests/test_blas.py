@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from handgrad.backends.cpu import aligned_empty, blas, empty, onednn, zeros
+from handgrad.backends.cpu import aligned_empty, blas, empty, few_rows, onednn, zeros
 from handgrad.verify import check_attention, check_layernorm_linear, check_linear
 
 from helpers import assert_rows, env_without, forced_kernels
@@ -153,11 +153,18 @@ def _attention_both_ways(monkeypatch, B, T, C, NH, dtype, seed=0):
 @pytest.mark.parametrize("block", [1, 3, 5, 64])
 @pytest.mark.parametrize("B, T, C, NH", [(2, 13, 12, 4), (1, 1, 6, 2), (1, 10, 15, 1)])
 @pytest.mark.parametrize("copy", ["serial", "parallel"])
-def test_attention_per_head_blocks(monkeypatch, dtype, block, B, T, C, NH, copy):
+@pytest.mark.parametrize("products", ["mkl", "onednn"])
+def test_attention_per_head_blocks(monkeypatch, dtype, block, B, T, C, NH, copy, products):
     """The causal blocks (any size, T a multiple of it or not, one block or T of them) give what
     the full products do, probabilities included (zero above the diagonal), on either copy of
-    the kernels; and the MKL path really runs the per-head kernels: blas.gemm is never called."""
+    the kernels, their products on MKL or (float32) oneDNN's dnnl_sgemm; and the MKL path really
+    runs the per-head kernels: blas.gemm is never called."""
     from handgrad.backends.cpu import attention
+    if products == "onednn" and not onednn.library_path():
+        pytest.skip("oneDNN is not installed")
+    monkeypatch.setattr(blas, "_F32_ONEDNN", products == "onednn")
+    monkeypatch.setattr(blas, "_GNU_OPENMP", blas._GNU_OPENMP or products == "onednn")
+    assert blas.in_kernel(np.float32)[2] == (products == "onednn") and blas.in_kernel(np.float64)[2] == 0
     monkeypatch.setattr(attention, "CAUSAL_BLOCK", block)
     gemm_calls = []
     gemm = blas.gemm
@@ -372,12 +379,12 @@ def test_training_bits_do_not_depend_on_the_pool(tmp_path, arch):
 @pytest.mark.parametrize("K, N", [(1, 1), (37, 70), (96, 33)])
 def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
     """Decoding's products (<= SMALL_M rows times a transposed contiguous weight) run on
-    _small_m_nt: the product within float32 rounding, each row the same bits in any batch of 2 or
+    few_rows.small_m_nt: the product within float32 rounding, each row the same bits in any batch of 2 or
     more (serve's batched step), and alone within float32 rounding."""
     rng = np.random.default_rng(M * 1000 + K)
     a = rng.standard_normal((M, K), dtype=np.float32)
     w = rng.standard_normal((N, K), dtype=np.float32)
-    assert blas._few_rows(a, w.T, np.empty((M, N), np.float32), 0.0)
+    assert few_rows.takes(a, w.T, np.empty((M, N), np.float32), 0.0)
     c = blas.gemm(a, w.T, np.full((M, N), np.nan, np.float32))
     np.testing.assert_allclose(c, a.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5 * np.sqrt(K))
     for m in range(M):
@@ -387,7 +394,7 @@ def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
             pair = blas.gemm(a[[m, (m + 1) % M]], w.T, np.empty((2, N), np.float32))
             np.testing.assert_array_equal(pair[0], c[m])
     if K > 1 and N > 1:  # (K, N) contiguous: BLAS (a 1-wide matrix is both layouts)
-        assert not blas._few_rows(a, np.ascontiguousarray(w.T), c, 0.0)
-    assert not blas._few_rows(a, w.T, c, 1.0)  # accumulating: BLAS
-    big = np.empty((blas.SMALL_M + 1, K), np.float32)
-    assert not blas._few_rows(big, w.T, np.empty((blas.SMALL_M + 1, N), np.float32), 0.0)
+        assert not few_rows.takes(a, np.ascontiguousarray(w.T), c, 0.0)
+    assert not few_rows.takes(a, w.T, c, 1.0)  # accumulating: BLAS
+    big = np.empty((few_rows.SMALL_M + 1, K), np.float32)
+    assert not few_rows.takes(big, w.T, np.empty((few_rows.SMALL_M + 1, N), np.float32), 0.0)

@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from . import blas
-from .blas import NO_TRANS, TRANS, _cblas_gemm, gemm_at, restore_threads, single_threaded
+from .blas import NO_TRANS, TRANS, gemm_at, gemm_beta_at, restore_threads, single_threaded
 from .common import HEAVY, decode_rows, kernel, serial_kernel, workspace
 from .dropout import MASK32, _SHIFT32, _split, philox4x32, threshold
 from .mathfn import dot64, exp32, max32, sum64
@@ -193,8 +193,8 @@ def _head_qkv(x, NH, bh):
 
 @njit(inline="always")
 def _gemm_add_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one):
-    """c += op(a) @ op(b): blas.gemm_at with beta = 1."""
-    _cblas_gemm(mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, one, pc, ldc)
+    """c += op(a) @ op(b): blas.gemm_beta_at with beta = 1."""
+    gemm_beta_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one, one)
 
 
 @kernel(min_parallel=HEAVY)

@@ -22,7 +22,7 @@ costs ~8 us through ctypes, MKL's ~1) and batched ones (attention's heads) stay 
 
 Few rows (decoding: one row per sequence, SMALL_M at most) times a weight passed as the transpose
 of a contiguous (N, K) matrix (every Llama linear and every tied lm_head) take neither: a Numba
-kernel (_small_m_nt) reads each weight row once for all the rows, which is what a decode step's
+kernel (few_rows.small_m_nt) reads each weight row once for all the rows, which is what a decode step's
 speed is made of (memory bandwidth). Measured on the 2-core AMD EPYC (AVX2) with SmolLM2-135M's
 four weight shapes, 2 threads, one run: MKL's sgemm 14.3 ms at 1 row and 31.1 at 8, this kernel 6.9
 and 10.8 (docs/PERFORMANCE.md, "Decoding's few-row products"). Within a batch every row is computed by the same code
@@ -42,10 +42,10 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import onednn, widen
-from .bf16 import load_as
+from .few_rows import small_m_nt, takes as _few_rows
 from .common import cheap_launches, kernel, wheel_library, workspace
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -220,6 +220,35 @@ def _cblas_gemm(typingctx, addr, ta, tb, M, N, K, alpha, pa, lda, pb, ldb, beta,
 
 
 @intrinsic
+def _dnnl_sgemm(typingctx, addr, ta, tb, M, N, K, alpha, pa, lda, pb, ldb, beta, pc, ldc):
+    """oneDNN's dnnl_sgemm(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc) (row-major; ta, tb
+    cblas's NO_TRANS or TRANS, passed on as 'N' or 'T'; sizes as int64) through the function at `addr`."""
+    if alpha != types.float32 or beta != alpha:
+        return None
+    sig = types.void(addr, ta, tb, M, N, K, alpha, pa, lda, pb, ldb, beta, pc, ldc)
+
+    def codegen(context, builder, signature, args):
+        i8, i32, i64, ptr = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(i32, [i8, i8, i64, i64, i64, ir.FloatType(), ptr, i64, ptr, i64, ir.FloatType(), ptr, i64])
+
+        def flag(v):  # cblas's 111 / 112 -> 'N' (78) / 'T' (84)
+            trans = builder.icmp_signed("==", _int32(builder, v), ir.Constant(i32, _TRANS))
+            return builder.select(trans, ir.Constant(i8, ord("T")), ir.Constant(i8, ord("N")))
+
+        def int64(v):
+            return builder.sext(v, i64) if v.type.width < 64 else v
+
+        a_ = list(args)
+        call_args = [flag(a_[1]), flag(a_[2])] + [int64(v) for v in a_[3:6]] + [
+            a_[6], builder.inttoptr(a_[7], ptr), int64(a_[8]), builder.inttoptr(a_[9], ptr), int64(a_[10]),
+            a_[11], builder.inttoptr(a_[12], ptr), int64(a_[13])]
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), call_args)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _cblas_int(typingctx, addr, n):
     """int f(int) through the function at `addr` (MKL_Set_Num_Threads_Local)."""
     if not isinstance(n, types.Integer):
@@ -237,11 +266,35 @@ NO_TRANS, TRANS = _NO_TRANS, _TRANS
 
 
 @njit(inline="always")
+def gemm_beta_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one, beta):
+    """c = op(a) @ op(b) + beta * c on raw pointers (row-major, ta/tb NO_TRANS or TRANS, leading
+    dimensions in elements), for kernels that call the products themselves: mkl = in_kernel()'s
+    (gemm address, MKL's threads address, 1 where the gemm is oneDNN's dnnl_sgemm), one = 1 and
+    beta in the operands' dtype."""
+    _gemm_call(mkl, ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc)
+
+
+def _gemm_call(mkl, ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc):
+    """gemm_beta_at's call (Numba only): float32 on whichever gemm mkl[2] names, float64 on MKL's."""
+
+
+@overload(_gemm_call, inline="always")
+def _gemm_call_typed(mkl, ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc):
+    if one == types.float32:
+        def call(mkl, ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc):
+            if mkl[2]:
+                _dnnl_sgemm(mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc)
+            else:
+                _cblas_gemm(mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc)
+        return call
+    return lambda mkl, ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc: _cblas_gemm(
+        mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc)
+
+
+@njit(inline="always")
 def gemm_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one):
-    """c = op(a) @ op(b) on raw pointers (row-major, ta/tb NO_TRANS or TRANS, leading dimensions
-    in elements), for kernels that call MKL themselves: mkl = in_kernel()'s (gemm address, threads
-    address), one = 1 in the operands' dtype. Beta is 0: c's old contents are ignored."""
-    _cblas_gemm(mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, one - one, pc, ldc)
+    """gemm_beta_at with beta 0: c's old contents are ignored."""
+    gemm_beta_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one, one - one)
 
 
 @njit(inline="always")
@@ -257,15 +310,21 @@ def restore_threads(mkl, previous):
 
 
 def in_kernel(dtype):
-    """(gemm address, MKL_Set_Num_Threads_Local address) for a Numba kernel that calls MKL from
-    its own parallel loop, each thread on its own small products (attention's heads); None when
-    the matrix products do not run on MKL or dtype is neither float32 nor float64."""
+    """(gemm address, MKL_Set_Num_Threads_Local address, kind) for a Numba kernel that calls the
+    products from its own parallel loop, each thread on its own small products (attention's heads);
+    None when the matrix products do not run on MKL or dtype is neither float32 nor float64.
+    kind 1: float32 on oneDNN's dnnl_sgemm where the 2-D float32 products run on oneDNN
+    (float32_library()) and Numba's kernels share oneDNN's OpenMP pool, inside whose parallel
+    regions oneDNN runs single-threaded (2.2x MKL's AVX2 code on the AMD EPYC Zen 5's attention
+    shapes, one thread: docs/PERFORMANCE.md); kind 0: MKL's cblas_?gemm."""
     if _NAME != "mkl":
         return None
     addr = (_addr or _load()).get(np.dtype(dtype))
     if addr is None:
         return None
-    return addr, _threads_addr
+    if _F32_ONEDNN and _GNU_OPENMP and np.dtype(dtype) == np.float32:
+        return onednn.sgemm_address(), _threads_addr, 1
+    return addr, _threads_addr, 0
 
 
 @njit(inline="always")
@@ -327,68 +386,6 @@ def _gemm4(addr, a, b, c, beta):
 
 _DRIVERS = {2: _gemm2, 4: _gemm4}
 
-SMALL_M = 16  # rows at most for the few-rows kernel below
-_NT_BLOCK = 32  # weight rows per parallel task
-
-
-@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _dot4(a0, a1, a2, a3, w, n):
-    """Four rows' dot products with one weight row, float32 accumulators (vectorised: reassoc).
-    Rows and weight may be float32 or bf16 (uint16: widened exactly, so bf16 x bf16 products are
-    exact in float32, as the hardware's bf16 dot products make them)."""
-    t0 = t1 = t2 = t3 = np.float32(0.0)
-    for s in range(n):
-        x = load_as(w, w[s])
-        t0 += load_as(a0, a0[s]) * x
-        t1 += load_as(a1, a1[s]) * x
-        t2 += load_as(a2, a2[s]) * x
-        t3 += load_as(a3, a3[s]) * x
-    return t0, t1, t2, t3
-
-
-@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _dot1(a0, w, n):
-    """One row's dot product with a weight row, as _dot4's (a single row pays for no padding)."""
-    t0 = np.float32(0.0)
-    for s in range(n):
-        t0 += load_as(a0, a0[s]) * load_as(w, w[s])
-    return t0
-
-
-@kernel
-def _small_m_nt(a, wt, c):
-    """c (M, N) = a (M, K) @ wt (N, K)^T, four rows of a per pass over a row of wt (rows past M
-    repeat row M - 1, so every row of a batch goes through the same code; one row alone takes
-    _dot1, the same sums up to float32 rounding). Parallel over blocks of wt's rows."""
-    M, K = a.shape
-    N = wt.shape[0]
-    for j in prange((N + _NT_BLOCK - 1) // _NT_BLOCK):
-        for n in range(j * _NT_BLOCK, min(N, (j + 1) * _NT_BLOCK)):
-            w = wt[n]
-            if M == 1:
-                c[0, n] = _dot1(a[0], w, K)
-                continue
-            for m in range(0, M, 4):
-                m1, m2, m3 = min(m + 1, M - 1), min(m + 2, M - 1), min(m + 3, M - 1)
-                t0, t1, t2, t3 = _dot4(a[m], a[m1], a[m2], a[m3], w, K)
-                c[m, n] = t0
-                c[m1, n] = t1
-                c[m2, n] = t2
-                c[m3, n] = t3
-
-
-_OPERANDS = (np.float32, np.uint16)
-
-
-def _few_rows(a, b, c, beta):
-    """Whether c = a @ b goes to _small_m_nt: 2-D, beta 0, at most SMALL_M rows, b the transpose
-    of a contiguous matrix, a's and c's rows contiguous; a and b float32 or bf16, c float32."""
-    return (beta == 0 and a.ndim == b.ndim == c.ndim == 2 and a.shape[0] <= SMALL_M and a.shape[1] > 0
-            and a.dtype in _OPERANDS and b.dtype in _OPERANDS and c.dtype == np.float32
-            and b.T.flags.c_contiguous and a.strides[1] == a.itemsize and c.strides[1] == 4
-            and a.shape[1] == b.shape[0] and c.shape == (a.shape[0], b.shape[1]))
-
-
 _HW = []
 
 
@@ -402,7 +399,7 @@ def _hardware_bf16():
 
 def _bf16_gemm(a, b, c, beta):
     """c = a @ b with a bf16 operand: both operands as bf16 (a float32 a is rounded to bf16 first,
-    so the products are bf16's), float32 accumulation. Few rows: _small_m_nt; otherwise oneDNN
+    so the products are bf16's), float32 accumulation. Few rows: few_rows.small_m_nt; otherwise oneDNN
     where the CPU multiplies bf16, else the bf16 operands widened to float32 (exact) tile by tile
     for the float32 BLAS (widen.widened_gemm: bf16 training and prefill on a CPU without hardware bf16)."""
     if a.dtype != np.uint16:
@@ -410,7 +407,7 @@ def _bf16_gemm(a, b, c, beta):
     if _few_rows(a, b, c, beta):  # a's few rows widened once (exact), so only the weight is per element
         wide = workspace("gemm_bf16_rows", a.shape, np.float32)
         onednn._widen(a, wide)
-        _small_m_nt(wide, b.T, c)
+        small_m_nt(wide, b.T, c)
         return c
     if b.dtype == np.uint16 and _hardware_bf16():
         return onednn.gemm(a, b, c, beta)
@@ -433,7 +430,7 @@ def gemm(a, b, c, beta=0.0):
     if np.uint16 in (a.dtype, b.dtype):
         return _bf16_gemm(a, b, c, beta)
     if _few_rows(a, b, c, beta):
-        _small_m_nt(a, b.T, c)
+        small_m_nt(a, b.T, c)
         return c
     if _onednn_float32(a, b, c):
         return onednn.gemm(a, b, c, beta)

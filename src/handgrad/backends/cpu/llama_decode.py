@@ -7,7 +7,7 @@ memory bandwidth's (bench decode) plus whatever the work between the products co
 argument checks and Numba's dispatch: 20-50 us a call beside 1-13 us of arithmetic (SmolLM2-135M on
 the 2-core EPYC: attention's op 53 us against its kernel's 13, RoPE's 14 against 1.6), 7-8 ms of a
 36 ms step. Here the whole step is one Numba function that calls the same kernels the ops call, in
-the same order, on the same buffers: the products (blas._small_m_nt), rmsnorm, RoPE, the decode
+the same order, on the same buffers: the products (few_rows.small_m_nt), rmsnorm, RoPE, the decode
 attention, SwiGLU, the residual adds. Its results are the op path's bit for bit (tests/
 test_llama_decode.py), since every kernel's parallel and serial copies compute the same sums.
 
@@ -24,7 +24,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from . import blas
+from .few_rows import small_m_nt
 from .attention import _decode_kernel
 from .common import HEAVY, MIN_PARALLEL, decode_rows, threshold_divisor, workspace
 from .linear import _add_bias_kernel
@@ -40,7 +40,7 @@ LAYER_PARTS = ("norm1", "wqkv", "bqkv", "wo", "norm2", "wgu", "wdown")
 _rmsnorm, _rope, _add_bias = _rmsnorm_forward_kernel.serial, _rope_forward_kernel.serial, _add_bias_kernel.serial
 _residual, _swiglu, _narrow_rows = _residual_forward_kernel.serial, _swiglu_forward_kernel32.serial, _narrow.serial
 _attend, _attend_parallel = _decode_kernel.serial, _decode_kernel.parallel
-_few_rows, _few_rows_parallel = blas._small_m_nt.serial, blas._small_m_nt.parallel
+_few_rows, _few_rows_parallel = small_m_nt.serial, small_m_nt.parallel
 
 
 @njit(cache=True, error_model="numpy")

@@ -213,6 +213,12 @@ def load():
     return _library
 
 
+def sgemm_address():
+    """The address of oneDNN's dnnl_sgemm (row-major, BLAS-like), for Numba kernels that call it on
+    their own threads (blas.in_kernel); None where oneDNN is not installed."""
+    return ctypes.cast(load().lib.dnnl_sgemm, ctypes.c_void_p).value if library_path() else None
+
+
 def version():
     """oneDNN's version, or None where it is not installed."""
     return load().version() if library_path() else None

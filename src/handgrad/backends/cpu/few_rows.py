@@ -1,0 +1,72 @@
+"""Few rows times a transposed weight: c (M, N) = a (M, K) @ wt (N, K)^T for M <= SMALL_M, the
+products of decoding (one row per sequence), which read every weight once and so run at the speed
+of memory (blas.gemm sends them here: `takes`; backends' llama_decode.py calls small_m_nt itself).
+
+The weight rows are read once for all of a's rows, float32 or bf16 (uint16, widened exactly).
+"""
+import numpy as np
+from numba import njit, prange
+
+from .bf16 import load_as
+from .common import kernel
+
+SMALL_M = 16  # rows at most for the few-rows kernel below
+NT_BLOCK = 32  # weight rows per parallel task
+
+
+@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _dot4(a0, a1, a2, a3, w, n):
+    """Four rows' dot products with one weight row, float32 accumulators (vectorised: reassoc).
+    Rows and weight may be float32 or bf16 (uint16: widened exactly, so bf16 x bf16 products are
+    exact in float32, as the hardware's bf16 dot products make them)."""
+    t0 = t1 = t2 = t3 = np.float32(0.0)
+    for s in range(n):
+        x = load_as(w, w[s])
+        t0 += load_as(a0, a0[s]) * x
+        t1 += load_as(a1, a1[s]) * x
+        t2 += load_as(a2, a2[s]) * x
+        t3 += load_as(a3, a3[s]) * x
+    return t0, t1, t2, t3
+
+
+@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _dot1(a0, w, n):
+    """One row's dot product with a weight row, as _dot4's (a single row pays for no padding)."""
+    t0 = np.float32(0.0)
+    for s in range(n):
+        t0 += load_as(a0, a0[s]) * load_as(w, w[s])
+    return t0
+
+
+@kernel
+def small_m_nt(a, wt, c):
+    """c (M, N) = a (M, K) @ wt (N, K)^T, four rows of a per pass over a row of wt (rows past M
+    repeat row M - 1, so every row of a batch goes through the same code; one row alone takes
+    _dot1, the same sums up to float32 rounding). Parallel over blocks of wt's rows."""
+    M, K = a.shape
+    N = wt.shape[0]
+    for j in prange((N + NT_BLOCK - 1) // NT_BLOCK):
+        for n in range(j * NT_BLOCK, min(N, (j + 1) * NT_BLOCK)):
+            w = wt[n]
+            if M == 1:
+                c[0, n] = _dot1(a[0], w, K)
+                continue
+            for m in range(0, M, 4):
+                m1, m2, m3 = min(m + 1, M - 1), min(m + 2, M - 1), min(m + 3, M - 1)
+                t0, t1, t2, t3 = _dot4(a[m], a[m1], a[m2], a[m3], w, K)
+                c[m, n] = t0
+                c[m1, n] = t1
+                c[m2, n] = t2
+                c[m3, n] = t3
+
+
+_OPERANDS = (np.float32, np.uint16)
+
+
+def takes(a, b, c, beta):
+    """Whether c = a @ b goes to small_m_nt: 2-D, beta 0, at most SMALL_M rows, b the transpose
+    of a contiguous matrix, a's and c's rows contiguous; a and b float32 or bf16, c float32."""
+    return (beta == 0 and a.ndim == b.ndim == c.ndim == 2 and a.shape[0] <= SMALL_M and a.shape[1] > 0
+            and a.dtype in _OPERANDS and b.dtype in _OPERANDS and c.dtype == np.float32
+            and b.T.flags.c_contiguous and a.strides[1] == a.itemsize and c.strides[1] == 4
+            and a.shape[1] == b.shape[0] and c.shape == (a.shape[0], b.shape[1]))
