@@ -78,6 +78,24 @@ def test_batched_streams_get_the_tokens_they_get_alone(arch, dtype):
     assert engine.steps < sum(news)  # steps were shared
 
 
+def test_an_engine_drained_on_the_callers_thread_decodes_as_its_own_thread_does():
+    """drain() (bench decode's rows: the engine's kernels on the caller's thread, no second OpenMP
+    pool) runs the same loop: each sequence gets the tokens it gets alone, waiting ones included;
+    and the constructor's bf16 copies were made on a thread that is gone."""
+    import threading
+    model = MODELS["llama"]()
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 67, n).tolist() for n in (3, 9, 5)]
+    alone = [generate(model, [p], 8, temperature=0, dtype="bfloat16")[0, len(p):].tolist() for p in prompts]
+    engine = Engine(model, slots=2, length=40, dtype="bfloat16")  # 3 sequences, 2 rows: one waits
+    assert not [t for t in threading.enumerate() if t.name.startswith("handgrad-engine")]
+    seqs = [Sequence(p, 8, temperature=0) for p in prompts]
+    engine.submit(seqs)
+    engine.drain()
+    assert [s.tokens for s in seqs] == alone and all(s.finish == "length" for s in seqs)
+    engine.drain()  # nothing left: returns at once
+
+
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_prompts_prefilled_together_get_the_tokens_they_get_alone(arch):
     """Four prompts taken at once: three of similar length prefilled together, right-padded; the

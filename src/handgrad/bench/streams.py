@@ -1,12 +1,12 @@
 """`bench decode`'s serving rows: `handgrad serve`'s engine (serve/engine.py) decoding 1 and then
 BATCH concurrent sequences, the aggregate tokens/s over all of them, timed as the engine runs them
 for a server (a batched step over every active sequence, each at its own position), without the
-HTTP around it (tools/serve_load.py loads that; its cost is a few ms per token of Python).
+HTTP around it (tools/serve_load.py loads that; its cost is a few ms per token of Python). The
+engine's loop runs on the bench's own thread (Engine.drain), as a server runs it on its one.
 
 Each sequence is greedy, with its own prompt and max_tokens = new tokens, no end id, so every one
 decodes the same count. The time runs from the submit to the last sequence's end: prefills
 included (the prompts admitted together prefilled together, as in serve)."""
-import threading
 import time
 
 import numpy as np
@@ -15,20 +15,19 @@ from ..serve.engine import Engine, Sequence
 
 
 class EngineRows:
-    """One engine (rows = the most streams timed), reused by every timed turn."""
+    """One engine (rows = the most streams timed), reused by every timed turn, driven on the
+    caller's thread (Engine.drain): the bench's other rows run their kernels there too, and a
+    second thread's OpenMP pool would slow both (serve/engine.py's docstring)."""
 
     def __init__(self, model, streams, length, dtype="float32"):
-        self.engine = Engine(model, slots=streams, length=length, max_waiting=streams, dtype=dtype).start()
+        self.engine = Engine(model, slots=streams, length=length, max_waiting=streams, dtype=dtype)
 
     def seconds(self, prompts, new_tokens):
         """Decode one greedy sequence per prompt row, all submitted at once; the wall time."""
-        ended = threading.Semaphore(0)
-        seqs = [Sequence(p.tolist(), new_tokens, temperature=0, emit=lambda t: t is None and ended.release())
-                for p in np.atleast_2d(prompts)]
+        seqs = [Sequence(p.tolist(), new_tokens, temperature=0) for p in np.atleast_2d(prompts)]
         t0 = time.perf_counter()
         self.engine.submit(seqs)
-        for _ in seqs:
-            ended.acquire()
+        self.engine.drain()
         seconds = time.perf_counter() - t0
         if any(s.finish != "length" or len(s.tokens) != new_tokens for s in seqs):
             raise RuntimeError(f"bench decode: an engine sequence ended early: {[s.finish for s in seqs]}")
@@ -36,4 +35,4 @@ class EngineRows:
         return seconds
 
     def close(self):
-        self.engine.stop()
+        pass

@@ -28,6 +28,15 @@ sampled: it is not emitted), "length" (max_tokens), "cancelled" or "error". The 
 into text and HTTP (serve/app.py). Limits are the caller's: a prompt plus max_tokens must fit the
 cache's length (submit refuses otherwise), and at most `max_waiting` sequences wait for a row
 (submit raises Busy beyond that).
+
+Threads and OpenMP. Numba's OpenMP layer (and MKL's, oneDNN's: one GNU OpenMP) gives every thread
+that launches a parallel kernel its own pool of workers, for as long as that thread lives; with
+more workers than cores, GNU OpenMP's workers sleep between two kernels instead of spinning, and a
+decode step launches ~120. Measured on the 2-core AMD EPYC Zen 5 (SmolLM2-135M, one stream):
+80-84 tok/s with the engine's thread the only one that ran a kernel, 51-57 once the main thread
+had run one too (docs/PERFORMANCE.md). So the engine's kernels run on one thread: its own (start),
+or the caller's (drain, with no thread started); what the constructor computes (a bf16 copy of
+the weights) runs on a thread that ends with it (_passing).
 """
 import collections
 import sys
@@ -76,7 +85,7 @@ class Engine:
             model = model.plain()  # decoding reads plain weights: the adapters folded in
         self.model, self.vocab, self.max_waiting = model, vocab, max_waiting
         self.length = length = min(length or model.config.block_size, model.config.block_size)
-        self.cache = model.KV_CACHE(model, slots, length, dtype=dtype)
+        self.cache = _passing(lambda: model.KV_CACHE(model, slots, length, dtype=dtype))
         # prompts are prefilled here, several at once while their padded positions fit one row's
         self.pre = model.KV_CACHE(model, 1, length, dtype=dtype, share=self.cache)
         self.slots = slots
@@ -125,39 +134,53 @@ class Engine:
         with self.cv:
             return len(self.active), len(self.waiting), len(self.free)
 
+    def drain(self):
+        """Decode on the calling thread until nothing waits or decodes: an engine never start()ed,
+        driven by its caller (bench decode's rows, whose kernels so share the caller's OpenMP pool)."""
+        while self._turn(wait=False):
+            pass
+
     # ------------------------------------------------------------ the engine's thread
     def _loop(self):
-        while True:
-            with self.cv:
-                while not self.stopping and not self.waiting and not self.active:
-                    self.cv.wait()
-                if self.stopping:
-                    for seq in list(self.active.values()) + list(self.waiting):
-                        self._end(seq, "cancelled")
-                    return
-                admit = []
-                while self.free and self.waiting:
-                    seq = self.waiting.popleft()
-                    if seq.cancelled:
-                        self._end(seq, "cancelled")
-                    else:
-                        admit.append((self.free.pop(), seq))
-            try:
-                for group in _groups(admit, self.length):
-                    for row, seq in group:
-                        self.active[row] = seq
-                    self._prefill(group)
+        while self._turn(wait=True):
+            pass
+
+    def _turn(self, wait):
+        """Admit and prefill what waits, then one step over every active sequence. False when
+        stopping, or (wait False) when there was nothing to do; wait True: sleep until there is."""
+        with self.cv:
+            while wait and not self.stopping and not self.waiting and not self.active:
+                self.cv.wait()
+            if self.stopping:
+                for seq in list(self.active.values()) + list(self.waiting):
+                    self._end(seq, "cancelled")
+                return False
+            if not self.waiting and not self.active:
+                return False
+            admit = []
+            while self.free and self.waiting:
+                seq = self.waiting.popleft()
+                if seq.cancelled:
+                    self._end(seq, "cancelled")
+                else:
+                    admit.append((self.free.pop(), seq))
+        try:
+            for group in _groups(admit, self.length):
+                for row, seq in group:
+                    self.active[row] = seq
+                self._prefill(group)
+            self._release()
+            if self.active:
+                self._step()
                 self._release()
-                if self.active:
-                    self._step()
-                    self._release()
-            except Exception:  # a bug, not a user's mistake: end what was decoding and go on serving
-                traceback.print_exc(file=sys.stderr)
-                with self.cv:
-                    for row, seq in list(self.active.items()):
-                        self._end(seq, "error")
-                        del self.active[row]
-                        self.free.append(row)
+        except Exception:  # a bug, not a user's mistake: end what was decoding and go on serving
+            traceback.print_exc(file=sys.stderr)
+            with self.cv:
+                for row, seq in list(self.active.items()):
+                    self._end(seq, "error")
+                    del self.active[row]
+                    self.free.append(row)
+        return True
 
     def _end(self, seq, why):
         if seq.finish is None:
@@ -230,3 +253,15 @@ def _groups(admit, capacity):
             groups.append([(row, seq)])
             total = n
     return groups
+
+
+def _passing(fn):
+    """fn()'s result, computed on a thread that ends with it (so that any OpenMP pool its kernels
+    make ends too: the module docstring)."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()), name="handgrad-engine-setup")
+    thread.start()
+    thread.join()
+    if not out:
+        raise RuntimeError("the engine's setup failed (its traceback is above)")
+    return out[0]
