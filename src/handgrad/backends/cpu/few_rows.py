@@ -3,15 +3,45 @@ products of decoding (one row per sequence), which read every weight once and so
 of memory (blas.gemm sends them here: `takes`; backends' llama_decode.py calls small_m_nt itself).
 
 The weight rows are read once for all of a's rows, float32 or bf16 (uint16, widened exactly).
+Past 4 rows a weight row's work (two or more passes of _dot4) is as long as its fetch from memory,
+and the two did not overlap: the kernel prefetches the row PREFETCH_AHEAD rows on (llvm.prefetch)
+before it works on one. Measured on the 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 decode products
+at 8 rows, float32: 25.2 -> 19.4 ms (1 row ahead 21.3, 4 ahead 19.5); at 4 rows it cost 4-7%
+and at 1 row nothing, so fewer rows go without it.
 """
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .bf16 import load_as
 from .common import kernel
 
 SMALL_M = 16  # rows at most for the few-rows kernel below
 NT_BLOCK = 32  # weight rows per parallel task
+PREFETCH_AHEAD = 2  # weight rows; with more than 4 rows of a
+_LINE = 64  # bytes
+
+
+@intrinsic
+def _prefetch(typingctx, arr, i, j):
+    """Ask for the cache line holding arr[i, j] (a 2-D array), to be read soon (llvm.prefetch)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 2):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], args[2]], wraparound=False)
+        i32, p8 = ir.IntType(32), ir.IntType(8).as_pointer()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [p8, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        # read (0), keep in every cache level (3), data (1)
+        builder.call(fn, [builder.bitcast(ptr, p8), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, i, j), codegen
 
 
 @njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
@@ -42,11 +72,16 @@ def _dot1(a0, w, n):
 def small_m_nt(a, wt, c):
     """c (M, N) = a (M, K) @ wt (N, K)^T, four rows of a per pass over a row of wt (rows past M
     repeat row M - 1, so every row of a batch goes through the same code; one row alone takes
-    _dot1, the same sums up to float32 rounding). Parallel over blocks of wt's rows."""
+    _dot1, the same sums up to float32 rounding). Parallel over blocks of wt's rows; past 4 rows
+    each weight row PREFETCH_AHEAD on is prefetched first (the module docstring)."""
     M, K = a.shape
     N = wt.shape[0]
+    step = _LINE // wt.itemsize
     for j in prange((N + NT_BLOCK - 1) // NT_BLOCK):
         for n in range(j * NT_BLOCK, min(N, (j + 1) * NT_BLOCK)):
+            if M > 4 and n + PREFETCH_AHEAD < N:
+                for q in range(0, K, step):
+                    _prefetch(wt, n + PREFETCH_AHEAD, q)
             w = wt[n]
             if M == 1:
                 c[0, n] = _dot1(a[0], w, K)
