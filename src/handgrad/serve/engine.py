@@ -36,7 +36,7 @@ decode step launches ~120. Measured on the 2-core AMD EPYC Zen 5 (SmolLM2-135M, 
 80-84 tok/s with the engine's thread the only one that ran a kernel, 51-57 once the main thread
 had run one too (docs/PERFORMANCE.md). So the engine's kernels run on one thread: its own (start),
 or the caller's (drain, with no thread started); what the constructor computes (a bf16 copy of
-the weights) runs on a thread that ends with it (_passing).
+the weights, a LoRA model's merged weights) runs on a thread that ends with it (_passing).
 """
 import collections
 import sys
@@ -73,7 +73,8 @@ class Sequence:
 
 
 class Engine:
-    """Decodes the sequences submitted to it on its own thread (start() it, stop() it).
+    """Decodes the sequences submitted to it on its own thread (start() it, stop() it), or on the
+    caller's (drain(), never started).
 
     model: a handgrad model (LoRA adapters are folded in); slots: sequences decoded at once;
     length: positions per row (prompt plus new tokens); max_waiting: sequences queued beyond the
@@ -82,7 +83,7 @@ class Engine:
 
     def __init__(self, model, slots=8, length=None, max_waiting=32, vocab=None, dtype="float32"):
         if getattr(model, "lora", None) is not None:
-            model = model.plain()  # decoding reads plain weights: the adapters folded in
+            model = _passing(model.plain)  # the adapters folded in: a server decodes at the plain model's speed
         self.model, self.vocab, self.max_waiting = model, vocab, max_waiting
         self.length = length = min(length or model.config.block_size, model.config.block_size)
         self.cache = _passing(lambda: model.KV_CACHE(model, slots, length, dtype=dtype))
