@@ -329,6 +329,23 @@ def _pool(**env):
 
 
 @pytest.mark.skipif(not blas._PATH, reason="the mkl package is not installed")
+def test_a_workspace_name_keeps_a_few_shapes(monkeypatch):
+    """Scoring asks a workspace name for a new (B, T) with almost every batch: a name keeps its
+    WORKSPACE_SHAPES newest shapes, the same shape gets the same buffer, and a buffer dropped while
+    its caller holds it is never handed to anyone else."""
+    from handgrad.backends.cpu import common
+    monkeypatch.setattr(common, "_workspace", {})
+    monkeypatch.setattr(common, "_shapes_by_name", {})
+    first = common.workspace("t", (3, 5))
+    assert common.workspace("t", (3, 5)) is first
+    held = [common.workspace("t", (n, 5)) for n in range(4, 4 + 3 * common.WORKSPACE_SHAPES)]
+    assert len(common._workspace) == common.WORKSPACE_SHAPES
+    again = common.workspace("t", (3, 5))  # evicted long ago: a new buffer, not anyone's
+    assert again is not first and all(again is not h for h in held)
+    assert common.workspace("u", (3, 5)) is not again  # names never share
+    assert len(common._workspace) == common.WORKSPACE_SHAPES + 1
+
+
 def test_mkl_and_kernels_share_one_gnu_openmp_pool():
     """Where libgomp loads, MKL runs on its GNU threading library and Numba's kernels on its OpenMP
     layer: one pool, and Intel's OpenMP runtime is never loaded."""

@@ -127,13 +127,25 @@ def _aligned(alloc, shape, dtype):
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+# Shapes kept per workspace name: a training step asks each name for one to three shapes, always the
+# same ones; scoring (`handgrad eval`) asks for a new (B, T) with almost every batch, and kept every
+# one (BoolQ's first 300 rows: 501 buffers, 198 MiB; the full 3,270 drove the process past 6 GB).
+# A name's oldest shape goes when it would hold more (a caller still using it keeps its own reference).
+WORKSPACE_SHAPES = 8
+_shapes_by_name = {}
+
+
 def workspace(name, shape, dtype=np.float32):
     """A scratch buffer reused across calls: contents are undefined on return."""
     key = (name, tuple(shape), np.dtype(dtype))
     buf = _workspace.get(key)
     if buf is None:
+        keys = _shapes_by_name.setdefault(name, [])
+        while len(keys) >= WORKSPACE_SHAPES:
+            _workspace.pop(keys.pop(0), None)
         buf = aligned_empty(shape, dtype)
         _workspace[key] = buf
+        keys.append(key)
     return buf
 
 
