@@ -213,10 +213,16 @@ def load():
     return _library
 
 
+_SGEMM = []
+
+
 def sgemm_address():
     """The address of oneDNN's dnnl_sgemm (row-major, BLAS-like), for Numba kernels that call it on
-    their own threads (blas.in_kernel); None where oneDNN is not installed."""
-    return ctypes.cast(load().lib.dnnl_sgemm, ctypes.c_void_p).value if library_path() else None
+    their own threads (blas.in_kernel, every attention call: found once); None where oneDNN is not
+    installed."""
+    if not _SGEMM:
+        _SGEMM.append(ctypes.cast(load().lib.dnnl_sgemm, ctypes.c_void_p).value if library_path() else None)
+    return _SGEMM[0]
 
 
 def version():
