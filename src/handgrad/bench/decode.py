@@ -366,7 +366,6 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
             for row, side in sides.items():
                 time.sleep(SETTLE_S)
                 seconds[row].append(side())
-    engine.close()
     tf.close()
     del seconds["bandwidth"]
     bw = triad.result()

@@ -33,6 +33,3 @@ class EngineRows:
             raise RuntimeError(f"bench decode: an engine sequence ended early: {[s.finish for s in seqs]}")
         self.tokens = [s.tokens for s in seqs]
         return seconds
-
-    def close(self):
-        pass

@@ -265,29 +265,24 @@ def _cblas_int(typingctx, addr, n):
 NO_TRANS, TRANS = _NO_TRANS, _TRANS
 
 
-@njit(inline="always")
 def gemm_beta_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one, beta):
     """c = op(a) @ op(b) + beta * c on raw pointers (row-major, ta/tb NO_TRANS or TRANS, leading
-    dimensions in elements), for kernels that call the products themselves: mkl = in_kernel()'s
-    (gemm address, MKL's threads address, 1 where the gemm is oneDNN's dnnl_sgemm), one = 1 and
-    beta in the operands' dtype."""
-    _gemm_call(mkl, ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc)
+    dimensions in elements), for kernels that call the products themselves (Numba only): mkl =
+    in_kernel()'s (gemm address, MKL's threads address, 1 where the gemm is oneDNN's dnnl_sgemm),
+    one = 1 and beta in the operands' dtype. float32 runs on whichever gemm mkl[2] names, float64
+    on MKL's."""
 
 
-def _gemm_call(mkl, ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc):
-    """gemm_beta_at's call (Numba only): float32 on whichever gemm mkl[2] names, float64 on MKL's."""
-
-
-@overload(_gemm_call, inline="always")
-def _gemm_call_typed(mkl, ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc):
+@overload(gemm_beta_at, inline="always")
+def _gemm_beta_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one, beta):
     if one == types.float32:
-        def call(mkl, ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc):
+        def call(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one, beta):
             if mkl[2]:
                 _dnnl_sgemm(mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc)
             else:
                 _cblas_gemm(mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc)
         return call
-    return lambda mkl, ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc: _cblas_gemm(
+    return lambda mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one, beta: _cblas_gemm(
         mkl[0], ta, tb, M, N, K, one, pa, lda, pb, ldb, beta, pc, ldc)
 
 
