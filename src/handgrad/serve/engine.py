@@ -33,7 +33,7 @@ Threads and OpenMP. Numba's OpenMP layer (and MKL's, oneDNN's: one GNU OpenMP) g
 that launches a parallel kernel its own pool of workers, for as long as that thread lives; with
 more workers than cores, GNU OpenMP's workers sleep between two kernels instead of spinning, and a
 decode step launches ~120. Measured on the 2-core AMD EPYC Zen 5 (SmolLM2-135M, one stream):
-80-84 tok/s with the engine's thread the only one that ran a kernel, 51-57 once the main thread
+79-84 tok/s with the engine's thread the only one that ran a kernel, 51-57 once the main thread
 had run one too (docs/PERFORMANCE.md). So the engine's kernels run on one thread: its own (start),
 or the caller's (drain, with no thread started); what the constructor computes (a bf16 copy of
 the weights, a LoRA model's merged weights) runs on a thread that ends with it (_passing).

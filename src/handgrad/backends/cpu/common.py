@@ -129,7 +129,7 @@ def _aligned(alloc, shape, dtype):
 
 # Shapes kept per workspace name: a training step asks each name for one to three shapes, always the
 # same ones; scoring (`handgrad eval`) asks for a new (B, T) with almost every batch, and kept every
-# one (BoolQ's first 300 rows: 501 buffers, 198 MiB; the full 3,270 drove the process past 6 GB).
+# one (BoolQ's first 300 rows: 501 buffers, 198 MiB; the full-size eval's process passed 6 GB).
 # A name's oldest shape goes when it would hold more (a caller still using it keeps its own reference).
 WORKSPACE_SHAPES = 8
 _shapes_by_name = {}

@@ -5,9 +5,10 @@ of memory (blas.gemm sends them here: `takes`; backends' llama_decode.py calls s
 The weight rows are read once for all of a's rows, float32 or bf16 (uint16, widened exactly).
 Past 4 rows a weight row's work (two or more passes of _dot4) is as long as its fetch from memory,
 and the two did not overlap: the kernel prefetches the row PREFETCH_AHEAD rows on (llvm.prefetch)
-before it works on one. Measured on the 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 decode products
-at 8 rows, float32: 25.2 -> 19.4 ms (1 row ahead 21.3, 4 ahead 19.5); at 4 rows it cost 4-7%
-and at 1 row nothing, so fewer rows go without it.
+before it works on one. Measured on the 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 decode products,
+interleaved A/B, best of 20: 8 rows 27.1 -> 23.2 ms float32 and 18.0 -> 12.9 bf16, 6 rows 22.1 ->
+21.5 float32; in a first trial it cost 4-7% at 4 rows and nothing at 1, so 4 rows and fewer go
+without it.
 """
 import numpy as np
 from llvmlite import ir
