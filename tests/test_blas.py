@@ -393,7 +393,7 @@ def test_training_bits_do_not_depend_on_the_pool(tmp_path, arch):
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 16])
-@pytest.mark.parametrize("K, N", [(1, 1), (37, 70), (96, 33)])
+@pytest.mark.parametrize("K, N", [(1, 1), (37, 70), (96, 33), (1536, 5)])
 def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
     """Decoding's products (<= SMALL_M rows times a transposed contiguous weight) run on
     few_rows.small_m_nt: the product within float32 rounding, each row the same bits in any batch of 2 or
@@ -415,3 +415,25 @@ def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
     assert not few_rows.takes(a, w.T, c, 1.0)  # accumulating: BLAS
     big = np.empty((few_rows.SMALL_M + 1, K), np.float32)
     assert not few_rows.takes(big, w.T, np.empty((few_rows.SMALL_M + 1, N), np.float32), 0.0)
+
+
+@pytest.mark.parametrize("rows_bf16", [False, True])
+@pytest.mark.parametrize("M", [1, 4, 5, 8, 13])
+@pytest.mark.parametrize("K, N", [(15, 9), (16, 31), (577, 70)])
+def test_few_rows_kernel_takes_bf16_operands(M, K, N, rows_bf16):
+    """bf16 weights (uint16), rows float32 or bf16: the exact products of the widened operands
+    (float32 accumulation, so within float32 rounding of float64's sum), K below, at and past a
+    vector register's lanes with a tail, N not a multiple of the tile; any batch the same bits."""
+    rng = np.random.default_rng(M * 7 + K)
+    w = onednn.to_bf16(rng.standard_normal((N, K), dtype=np.float32))
+    a = rng.standard_normal((M, K), dtype=np.float32)
+    a = onednn.to_bf16(a) if rows_bf16 else a
+    wide = [onednn.from_bf16(x) if x.dtype == np.uint16 else x for x in (a, w)]
+    c = np.full((M, N), np.nan, np.float32)
+    few_rows.small_m_nt(a, w, c)
+    np.testing.assert_allclose(c, wide[0].astype(np.float64) @ wide[1].T.astype(np.float64), rtol=1e-5,
+                               atol=1e-5 * np.sqrt(K))
+    if M > 2:
+        pair = np.empty((2, N), np.float32)
+        few_rows.small_m_nt(a[[M - 1, 0]], w, pair)
+        np.testing.assert_array_equal(pair, c[[M - 1, 0]])
