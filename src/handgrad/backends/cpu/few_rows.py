@@ -2,25 +2,27 @@
 products of decoding (one row per sequence), which read every weight once and so run at the speed
 of memory (blas.gemm sends them here: `takes`; backends' llama_decode.py calls small_m_nt itself).
 
-The weight rows are read once for all of a's rows, float32 or bf16 (uint16, widened exactly). Past
-one row the work is _tile's: TILE_M rows of a by TILE_N weight rows, their accumulators held in
-registers (LLVM IR; AVX-512: 16 lanes, 4 x 4; else 8 lanes, 4 x 2, as many accumulators as 16 ymm
+The weight rows are read once for all of a's rows, float32 or bf16 (uint16, widened exactly). The
+work is a tile's (_tiles, in LLVM IR): TILE_M rows of a by TILE_N weight rows, their accumulators
+held in registers (AVX-512: 16 lanes, 4 x 4; else 8 lanes, 4 x 2, as many accumulators as 16 ymm
 registers hold beside the loads), and in the same loop the next tile's weight lines prefetched, so
 the fetch from memory overlaps the arithmetic (8 rows do 8 multiply-adds a weight element: done
-after the fetch, the two times add). Measured on the 2-core AMD EPYC Zen 5, SmolLM2-135M's 121
-decode products, against the loop of Numba dot products it replaced (a bulk prefetch of the row
-two on before each row), interleaved, best of 15: 8 rows 23.4 -> 14.0 ms float32 and 15.1 -> 8.1
-bf16, 4 rows 15.7 -> 14.2 and 7.4 -> 6.9, 1 row unchanged (_dot1, memory-bound; a 1 x 4 tile
-was slower). In cache the tile runs 8 rows at 290-370 GFLOP/s against 115-160 before.
+after the fetch, the two times add). One row alone is one row by one weight row, over ROW_CHAINS
+accumulators in turn, prefetching ROW_AHEAD rows on. Measured on the 2-core AMD EPYC Zen 5,
+SmolLM2-135M's 121 decode products, against the loop of Numba dot products this replaced (four
+rows of a a pass, a bulk prefetch of the weight row two on past 4 rows), interleaved, best of 15,
+two runs: 8 rows 19.1-19.6 -> 11.2-13.7 ms float32 and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4
+-> 14.1 and 7.4-7.9 -> 5.1-6.7; 1 row 11.1-11.5 -> 11.1-11.5 and 4.4-5.1 -> 4.0-4.2 (at a moment of
+higher bandwidth, float32 1 row 8.4-8.5 -> 7.8-7.9). In cache, 8 rows run at 290-370 GFLOP/s
+against 115-160 before (`/tmp` scripts, not committed).
 """
 import numpy as np
 from llvmlite import ir
 from llvmlite.binding import get_host_cpu_features
-from numba import njit, prange, types
+from numba import prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from .bf16 import load_as
 from .common import kernel
 
 SMALL_M = 16  # rows at most for the few-rows kernel below
@@ -29,6 +31,7 @@ _AVX512 = "+avx512f" in (config.CPU_FEATURES or get_host_cpu_features().flatten(
 LANES = 16 if _AVX512 else 8  # floats in one vector register: _tile's vectors
 TILE_M, TILE_N = (4, 4) if _AVX512 else (4, 2)  # rows of a and of wt whose products _tile keeps in registers
 PREFETCH_AHEAD = TILE_N  # weight rows: the next tile's
+ROW_CHAINS, ROW_AHEAD = 4, 4  # one row alone: accumulators in turn, and weight rows prefetched ahead
 
 
 _F32, _I64 = ir.FloatType(), ir.IntType(64)
@@ -74,87 +77,105 @@ def _lane_sum(builder, v):
     return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
 
-@intrinsic
-def _tile(typingctx, a, wt, c, m0, n0, ahead):
-    """c[m, n] = a[m] . wt[n] for TILE_M rows of a from m0 and TILE_N rows of wt from n0, indices
-    past the last row repeating it (the same value stored twice); the weight rows `ahead` rows on
-    are prefetched line by line in the same loop. Rows contiguous, float32 or bf16
-    (uint16), c float32. Written in LLVM IR so the TILE_M x TILE_N accumulators stay in registers
-    (Numba's loops gave LLVM's vectoriser one accumulator a row, and it spilled past four): each
-    LANES-wide chunk of K loads TILE_M + TILE_N vectors for TILE_M * TILE_N fused multiply-adds;
-    each accumulator's lanes are summed as a tree, then K's last K % LANES terms added in order.
-    A product's order depends only on K: a row's sums are the same bits in any batch."""
-    if not all(isinstance(x, types.Array) and x.ndim == 2 for x in (a, wt, c)):
-        return None
+def _tiles(rows_a, rows_w, chains):
+    """An intrinsic tile(a, wt, c, m0, n0, ahead): c[m, n] = a[m] . wt[n] for rows_a rows of a from
+    m0 and rows_w rows of wt from n0, indices past the last row repeating it (the same value stored
+    twice); the weight rows `ahead` rows on are prefetched line by line in the same loop. Rows
+    contiguous, float32 or bf16 (uint16), c float32. Written in LLVM IR so the rows_a x rows_w
+    accumulators stay in registers (Numba's loops gave LLVM's vectoriser one accumulator a row, and
+    it spilled past four): each LANES-wide chunk of K loads rows_a + rows_w vectors for
+    rows_a * rows_w fused multiply-adds. With chains > 1 (one row by one), consecutive chunks go to
+    `chains` accumulators in turn, so the adds' latency overlaps, and are added as a tree. Each
+    accumulator's lanes are summed as a tree, then K's last K % LANES terms added in order: a
+    product's order depends only on K and chains, so a row's sums are the same bits in any batch."""
+    span = LANES * chains
 
-    def codegen(context, builder, signature, args):
-        aty, wty, cty = signature.args[:3]
-        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3])]
-        (M, K), N = cgutils.unpack_tuple(builder, arrays[0].shape, 2), builder.extract_value(arrays[1].shape, 0)
-        zero, one = ir.Constant(_I64, 0), ir.Constant(_I64, 1)
+    @intrinsic
+    def tile(typingctx, a, wt, c, m0, n0, ahead):
+        if not all(isinstance(x, types.Array) and x.ndim == 2 for x in (a, wt, c)):
+            return None
 
-        def rows(first, count, total):
-            last = builder.sub(total, one)
-            at = [builder.add(first, ir.Constant(_I64, i)) for i in range(count)]
-            return [builder.select(builder.icmp_signed("<", i, last), i, last) for i in at]
+        def codegen(context, builder, signature, args):
+            aty, wty, cty = signature.args[:3]
+            arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3])]
+            (M, K), N = cgutils.unpack_tuple(builder, arrays[0].shape, 2), builder.extract_value(arrays[1].shape, 0)
+            zero, one = ir.Constant(_I64, 0), ir.Constant(_I64, 1)
 
-        ms, ns = rows(args[3], TILE_M, M), rows(args[4], TILE_N, N)
-        soon = [cgutils.get_item_pointer(context, builder, wty, arrays[1], [n, zero], wraparound=False)
-                for n in rows(builder.add(args[4], args[5]), TILE_N, N)]
-        pa = [cgutils.get_item_pointer(context, builder, aty, arrays[0], [m, zero], wraparound=False) for m in ms]
-        pw = [cgutils.get_item_pointer(context, builder, wty, arrays[1], [n, zero], wraparound=False) for n in ns]
-        abf, wbf = aty.dtype == types.uint16, wty.dtype == types.uint16
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), f"llvm.fma.v{LANES}f32")
-        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
-        acc = [[cgutils.alloca_once_value(builder, ir.Constant(_VEC, None)) for _ in pw] for _ in pa]
-        whole = builder.and_(K, ir.Constant(_I64, -LANES))
-        with cgutils.for_range_slice(builder, zero, whole, ir.Constant(_I64, LANES)) as (k, _):
-            wv = [_vector_at(builder, p, k, wbf) for p in pw]
-            for p in soon:
-                _prefetch(builder, builder.gep(p, [k]))
-            for p, row in zip(pa, acc):
-                av = _vector_at(builder, p, k, abf)
-                for w, slot in zip(wv, row):
-                    builder.store(builder.call(fma, [av, w, builder.load(slot)]), slot)
-        sums = [[cgutils.alloca_once_value(builder, _lane_sum(builder, builder.load(s))) for s in row] for row in acc]
-        with cgutils.for_range_slice(builder, whole, K, one) as (k, _):
-            ws = [_scalar_at(builder, p, k, wbf) for p in pw]
-            for p, row in zip(pa, sums):
-                x = _scalar_at(builder, p, k, abf)
-                for w, slot in zip(ws, row):
-                    builder.store(builder.call(fma1, [x, w, builder.load(slot)]), slot)
-        for m, row in zip(ms, sums):
-            for n, slot in zip(ns, row):
-                builder.store(builder.load(slot), cgutils.get_item_pointer(context, builder, cty, arrays[2], [m, n],
-                                                                           wraparound=False))
-        return context.get_dummy_value()
+            def rows(first, count, total):
+                last = builder.sub(total, one)
+                at = [builder.add(first, ir.Constant(_I64, i)) for i in range(count)]
+                return [builder.select(builder.icmp_signed("<", i, last), i, last) for i in at]
 
-    return types.void(a, wt, c, m0, n0, ahead), codegen
+            def starts(arr, ty, which):
+                return [cgutils.get_item_pointer(context, builder, ty, arr, [r, zero], wraparound=False) for r in which]
+
+            ms, ns = rows(args[3], rows_a, M), rows(args[4], rows_w, N)
+            pa, pw = starts(arrays[0], aty, ms), starts(arrays[1], wty, ns)
+            soon = starts(arrays[1], wty, rows(builder.add(args[4], args[5]), rows_w, N))
+            abf, wbf = aty.dtype == types.uint16, wty.dtype == types.uint16
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3),
+                                                 f"llvm.fma.v{LANES}f32")
+            fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+            acc = [[[cgutils.alloca_once_value(builder, ir.Constant(_VEC, None)) for _ in pw] for _ in pa]
+                   for _ in range(chains)]
+
+            def chunk(k, grid):  # grid[i][j] += a[m_i, k:k + LANES] * wt[n_j, k:k + LANES]
+                wv = [_vector_at(builder, p, k, wbf) for p in pw]
+                for p in soon:
+                    _prefetch(builder, builder.gep(p, [k]))
+                for p, row in zip(pa, grid):
+                    av = _vector_at(builder, p, k, abf)
+                    for w, slot in zip(wv, row):
+                        builder.store(builder.call(fma, [av, w, builder.load(slot)]), slot)
+
+            spans, whole = builder.and_(K, ir.Constant(_I64, -span)), builder.and_(K, ir.Constant(_I64, -LANES))
+            with cgutils.for_range_slice(builder, zero, spans, ir.Constant(_I64, span)) as (k, _):
+                for ch, grid in enumerate(acc):
+                    chunk(builder.add(k, ir.Constant(_I64, ch * LANES)), grid)
+            if chains > 1:
+                with cgutils.for_range_slice(builder, spans, whole, ir.Constant(_I64, LANES)) as (k, _):
+                    chunk(k, acc[0])
+            level = [[[builder.load(s) for s in row] for row in grid] for grid in acc]
+            while len(level) > 1:  # the chains added pairwise (chains: a power of two)
+                level = [[[builder.fadd(x, y) for x, y in zip(r, q)] for r, q in zip(g, h)]
+                         for g, h in zip(level[::2], level[1::2])]
+            vecs = level[0]
+            sums = [[cgutils.alloca_once_value(builder, _lane_sum(builder, v)) for v in row] for row in vecs]
+            with cgutils.for_range_slice(builder, whole, K, one) as (k, _):
+                ws = [_scalar_at(builder, p, k, wbf) for p in pw]
+                for p, row in zip(pa, sums):
+                    x = _scalar_at(builder, p, k, abf)
+                    for w, slot in zip(ws, row):
+                        builder.store(builder.call(fma1, [x, w, builder.load(slot)]), slot)
+            for m, row in zip(ms, sums):
+                for n, slot in zip(ns, row):
+                    builder.store(builder.load(slot), cgutils.get_item_pointer(context, builder, cty, arrays[2], [m, n],
+                                                                               wraparound=False))
+            return context.get_dummy_value()
+
+        return types.void(a, wt, c, m0, n0, ahead), codegen
+
+    return tile
 
 
-@njit(cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _dot1(a0, w, n):
-    """One row's dot product with a weight row (Numba's loop, vectorised: reassoc); one row alone
-    is memory-bound, and _tile's TILE_M - 1 repeated rows would be work for nothing."""
-    t0 = np.float32(0.0)
-    for s in range(n):
-        t0 += load_as(a0, a0[s]) * load_as(w, w[s])
-    return t0
+_tile = _tiles(TILE_M, TILE_N, 1)
+_row = _tiles(1, 1, ROW_CHAINS)
 
 
 @kernel
 def small_m_nt(a, wt, c):
     """c (M, N) = a (M, K) @ wt (N, K)^T: tiles of TILE_M rows of a by TILE_N rows of wt (_tile;
     rows past M repeat row M - 1, so every row of a batch goes through the same code); one row
-    alone takes _dot1, the same sums up to float32 rounding. Parallel over blocks of wt's rows;
-    each tile prefetches the next tile's weight rows as it works (the module docstring)."""
+    alone takes _row, the same sums up to float32 rounding (its accumulators are chained).
+    Parallel over blocks of wt's rows; each tile prefetches the weight rows after its own as it
+    works (the module docstring)."""
     M, K = a.shape
     N = wt.shape[0]
     for j in prange((N + NT_BLOCK - 1) // NT_BLOCK):
         top = min(N, (j + 1) * NT_BLOCK)
         if M == 1:
             for n in range(j * NT_BLOCK, top):
-                c[0, n] = _dot1(a[0], wt[n], K)
+                _row(a, wt, c, 0, n, ROW_AHEAD)
             continue
         for n in range(j * NT_BLOCK, top, TILE_N):
             for m in range(0, M, TILE_M):
