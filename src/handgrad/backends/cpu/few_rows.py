@@ -11,10 +11,10 @@ after the fetch, the two times add). One row alone is one row by one weight row,
 accumulators in turn, prefetching ROW_AHEAD rows on. Measured on the 2-core AMD EPYC Zen 5,
 SmolLM2-135M's 121 decode products, against the loop of Numba dot products this replaced (four
 rows of a a pass, a bulk prefetch of the weight row two on past 4 rows), interleaved, best of 15,
-two runs: 8 rows 19.1-19.6 -> 11.2-13.7 ms float32 and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4
--> 14.1 and 7.4-7.9 -> 5.1-6.7; 1 row 11.1-11.5 -> 11.1-11.5 and 4.4-5.1 -> 4.0-4.2 (at a moment of
-higher bandwidth, float32 1 row 8.4-8.5 -> 7.8-7.9). In cache, 8 rows run at 290-370 GFLOP/s
-against 115-160 before (`/tmp` scripts, not committed).
+two runs (five at one row): 8 rows 19.1-19.6 -> 11.2-13.7 ms float32 and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4
+-> 14.1 and 7.4-7.9 -> 5.1-6.7; 1 row 11.1-11.5 -> 11.1-11.5 and 4.4-5.1 -> 3.7-4.2 (at moments of
+higher bandwidth, float32 1 row 8.4-9.0 -> 7.8-8.2). In cache, 8 rows run at 290-370 GFLOP/s
+against 115-178 before (`/tmp` scripts, not committed).
 """
 import numpy as np
 from llvmlite import ir
