@@ -171,3 +171,20 @@ def test_bench_ops_blocks_zero_only_what_their_backward_accumulates(monkeypatch)
     monkeypatch.setattr(bench_ops.MLPBlock, "WRITTEN_FIRST", ("w_fc", "w_proj", "b_fc"))  # b_fc accumulates
     with pytest.raises(SystemExit, match="db_fc differs from torch by nan"):
         bench_ops.MLPBlock(ops, torch, 5, np.random.default_rng(0)).check("mlp")
+
+
+def test_bench_train_memory_settings_one_side_at_a_time():
+    """--recompute block, --loss-chunk N and --sequential: handgrad's model built with
+    train.recompute and train.loss_chunk, the PyTorch side (transformers + PEFT) with gradient
+    checkpointing, the sides run one after another; the losses still agree (the same computation),
+    and the row says how it ran."""
+    out = _bench("--preset", "llama-char", "--lora", "4", "--steps", "2", "--recompute", "block",
+                 "--loss-chunk", "100", "--sequential", "--json")
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)["rows"]
+    assert row["config"]["recompute"] == "block" and row["config"]["loss_chunk"] == 100 and row["sequential"]
+    assert set(row["sides"]) == {"handgrad", "pytorch", "handgrad-full"}
+    assert all(s["peak_rss_mib"] > 0 and len(s) > 0 for s in row["sides"].values())
+    assert row["loss_max_rel_diff"] <= bench_train.LOSS_RTOL
+    assert ("memory: handgrad train.recompute block, pytorch gradient checkpointing; handgrad train.loss_chunk 100 "
+            "(pytorch: whole logits); sides run one after another (--sequential)") in bench_train.format_row(row)

@@ -57,7 +57,7 @@ def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--preset", default=None,
                         help="train: shape(s) to time, comma-separated, from tiny, shakespeare-char, mid, gpt2-124m, "
-                             "llama-char, llama-mid, smollm2-135m, qwen2.5-0.5b (default tiny,mid,gpt2-124m; with --device gpu "
+                             "llama-char, llama-mid, smollm2-135m, qwen2.5-0.5b, llama3.2-1b (default tiny,mid,gpt2-124m; with --device gpu "
                              "gpt2-124m,smollm2-135m); learn: the run preset (default shakespeare-char); products: as "
                              "train (default mid,gpt2-124m,smollm2-135m); decode: one shape, random weights (default "
                              "smollm2-135m)")
@@ -74,6 +74,15 @@ def add_arguments(parser):
                              "PyTorch + PEFT's and handgrad's own full step; learn: the LoRA learning check (Llama "
                              "presets, default llama-char): pretrain on shakespeare, then fine-tune rank-R adapters on "
                              "the Python standard library beside PyTorch + PEFT")
+    parser.add_argument("--recompute", default=None, choices=["none", "block"],
+                        help="train: handgrad's train.recompute (block: each block's forward run again in the "
+                             "backward) and, on the PyTorch side (Llama shapes), transformers' gradient checkpointing")
+    parser.add_argument("--loss-chunk", type=_positive_int, default=None, metavar="N",
+                        help="train: handgrad's train.loss_chunk, the logits formed N rows at a time (PyTorch has no "
+                             "such loss)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="train: run the sides one after another, each stopped before the next starts (shapes "
+                             "whose sides do not fit in memory together), not in alternating chunks")
     parser.add_argument("--profile", action="store_true",
                         help="train: add handgrad's per-op time breakdown (forward, backward, optimizer); decode: "
                              "one decode step's time by op, the BLAS calls' GB/s and the time per op call outside "

@@ -18,7 +18,11 @@ sgemm peak, starts both workers, warms both up, then alternates chunks of timed 
 (only one works at a time), and finally compares the two loss sequences step by step: a benchmark
 whose two sides do not compute the same thing exits non-zero before it reports a time.
 
-Workers speak JSON lines over their stdin/stdout; nothing is pickled.
+Workers (bench/train_worker.py) speak JSON lines over their stdin/stdout; nothing is pickled.
+
+For the big shapes (issue 39's table): --recompute block (handgrad's train.recompute block; on
+the PyTorch side transformers' gradient checkpointing), --loss-chunk N (handgrad's train.loss_chunk;
+PyTorch has none), and --sequential, the sides one at a time where they do not fit in memory together.
 """
 import json
 import os
@@ -29,17 +33,13 @@ from dataclasses import asdict
 
 import numpy as np
 
-from ..backends.cpu import attention, blas
-from ..config import LORA_TARGETS, LlamaConfig, LoRAConfig, load_run_config
+from ..config import LORA_TARGETS, load_run_config
 from ..machine import BackgroundLoad, environment, sgemm_peak
 from ..models import get_family
-from ..models.family import flat_layout, flat_views
 from ..models.lora import lora_flops_per_token, split_spec
-from ..training.optim import AdamW
-from ..training.step import accumulate_gradients
 from .common import SETTLE_S
-from .profile import _head_kernel_flop, _Profiler
 from .train_report import format_footer, format_row
+from .train_worker import BF16_SIDES, COMPILE_SIDE, LORA_SIDES, SIDES, _lora
 
 
 # name -> the run preset whose model and optimizer settings are used, and the benchmark's shape
@@ -52,16 +52,11 @@ SHAPES = {
     "llama-mid": dict(preset="llama-mid", vocab_size=8192, batch_size=8, T=256),
     "smollm2-135m": dict(preset="smollm2-135m", vocab_size=49152, batch_size=4, T=256),
     "qwen2.5-0.5b": dict(preset="qwen2.5-0.5b", vocab_size=151936, batch_size=4, T=1024),
+    "llama3.2-1b": dict(preset="llama3.2-1b", vocab_size=128256, batch_size=1, T=2048),
 }
 
 
 DEFAULT_SHAPES = ("tiny", "mid", "gpt2-124m")  # the shapes issue 4 reports
-SIDES = ("handgrad", "pytorch")
-LORA_SIDES = ("handgrad", "pytorch", "handgrad-full")  # --lora: LoRA, PyTorch + PEFT, handgrad's own full step
-BF16_SIDES = ("handgrad", "pytorch", "handgrad-fp32")  # --dtype bfloat16: bf16, autocast bf16, handgrad float32
-COMPILE_SIDE = "pytorch-compile"  # --compile: the PyTorch side again under torch.compile (Inductor)
-WORKERS = LORA_SIDES + BF16_SIDES[2:] + (COMPILE_SIDE,)
-N_BATCHES = 16  # distinct random batches, cycled
 WARMUP_STEPS = 3
 BUDGET_S = 12.0  # with --steps unset: timed seconds per side
 MIN_STEPS, MAX_STEPS, CHUNKS = 5, 200, 4
@@ -76,216 +71,6 @@ LOSS_CHECK_STEPS, LOSS_RTOL = 5, 1e-4
 LOSS_RTOL_BF16 = 1e-2
 
 
-# ---------------------------------------------------------------- the worker (one per side)
-def _memory():
-    """Resident set now and its high-water mark, in MiB (Linux /proc; else None)."""
-    out = {"rss_mib": None, "hwm_mib": None}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
-                    out["rss_mib" if key == "VmRSS" else "hwm_mib"] = int(value.split()[0]) / 1024
-    except OSError:
-        pass
-    return out
-
-
-def _lora(spec):
-    """The spec's LoRAConfig, or None (full fine-tuning)."""
-    lo = spec.get("lora")
-    return None if lo is None else LoRAConfig(rank=lo["rank"], alpha=lo["alpha"], targets=tuple(lo["targets"]))
-
-
-class _HandgradWorker:
-    def __init__(self, config, t, flat, lora=None, seed=0, dtype="float32"):
-        self.accumulate = accumulate_gradients  # what the trainer runs per step
-        self.model = _model_family(config).model(config, seed=seed, lora=lora, dtype=dtype)
-        if lora is None:
-            self.model.params[:] = flat
-            self.model.weights_changed()
-        else:  # the base from flat, the adapters as the model initialised them (initial_adapters of seed)
-            layout, _ = flat_layout(self.model.param_spec(config))
-            self.model.load_state_dict(flat_views(flat, layout), names=list(layout))
-        self.opt = AdamW(self.model, lr=t["lr"], betas=(t["beta1"], t["beta2"]), weight_decay=t["weight_decay"])
-        self.grad_clip = t["grad_clip"]
-
-    def prepare(self, x, y):
-        return x, y
-
-    def step(self, batch):
-        loss, _, grad_scale = self.accumulate(self.model, self.opt, [batch], self.grad_clip)
-        self.opt.step(grad_scale=grad_scale)
-        return loss
-
-    def profile(self, batches):
-        """Run the steps with every op timed; seconds per step by op name, plus the step's total,
-        and the matmul floor (see _matmul_floor)."""
-        ops, gemm = self.model.ops, blas.gemm
-        prof = self.model.ops = _Profiler(ops)
-        blas.gemm = prof.timed_gemm(gemm)
-        t0 = time.perf_counter()
-        try:
-            for b in batches:
-                self.step(b)
-        finally:
-            self.model.ops, blas.gemm = ops, gemm
-        n = len(batches)
-        return {"step_s": (time.perf_counter() - t0) / n,
-                "ops": {k: {"s": v / n, "calls": prof.calls[k] / n, "blas_s": prof.blas_seconds[k] / n}
-                        for k, v in prof.seconds.items()},
-                "matmuls": self._matmul_floor(batches[0])}
-
-    def _matmul_floor(self, batch, repeats=3):
-        """Record every matrix product of one step, then replay just those back to back, same
-        operands and layouts, and time them: the least time any step that does these products
-        on this BLAS can take. The products are the blas.gemm calls (the linears' and lm_head's,
-        and attention's on numpy's BLAS) and, on MKL, attention's per-head kernels replayed with
-        the softmax off. flop counts what those calls compute: blas.gemm's products as shaped
-        (attention's over the full T x T on numpy's BLAS), the per-head kernels' block-causal
-        products as they run (_head_kernel_flop). It is the floor's own throughput, not the
-        model's FLOP count (flops_per_token, causal attention as half). It overwrites the step's
-        activation and gradient buffers, so it runs last (the worker exits after it)."""
-        calls, heads, gemm, run_heads = [], [], blas.gemm, attention.run_heads
-
-        def recording(a, b, c, beta=0.0):
-            calls.append((a, b, c, beta))
-            return gemm(a, b, c, beta)
-
-        def recording_heads(kernel, *args):
-            heads.append((kernel, args))
-            return run_heads(kernel, *args)
-
-        blas.gemm, attention.run_heads = recording, recording_heads
-        try:
-            self.step(batch)
-        finally:
-            blas.gemm, attention.run_heads = gemm, run_heads
-        flop = sum(2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * int(np.prod(c.shape[:-2])) for a, b, c, _ in calls)
-        for kernel, args in heads:
-            B, T, C3 = args[3].shape  # qkv, in both kernels' arguments; args[-2] is the block
-            flop += _head_kernel_flop(kernel is attention._forward_heads, B, T, C3 // 3, args[-2])
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for a, b, c, beta in calls:
-                gemm(a, b, c, beta)
-            for kernel, args in heads:
-                run_heads(kernel, *args[:-1], False)
-            times.append(time.perf_counter() - t0)
-        return {"calls": len(calls) + len(heads), "attention_calls": len(heads), "flop": flop,
-                "s": float(np.median(times))}
-
-
-def _model_family(config):
-    """The model family of an architecture config."""
-    return get_family("llama" if isinstance(config, LlamaConfig) else "gpt2")
-
-
-class _TorchWorker:
-    """PyTorch eager as its users run it: GPT-2 with addmm and scaled_dot_product_attention
-    (torch_ref.TorchGPT, fast=True); the Llama family as transformers' own LlamaForCausalLM with its
-    SDPA attention (grouped heads, no repeat); fused AdamW. dtype bfloat16: the forward (and so its
-    backward) under torch.autocast("cpu", dtype=torch.bfloat16). compile: the model (its forward and,
-    through AOTAutograd, its backward) under torch.compile, Inductor's generated C++ and fused
-    element-wise kernels; the optimizer stays the fused AdamW."""
-
-    def __init__(self, config, t, flat, lora=None, seed=0, dtype="float32", compile=False):
-        from ..torch_ref import TorchGPT, TorchLlama, torch
-        self.torch = torch
-        self.autocast = dtype == "bfloat16"
-        layout, _ = flat_layout(_model_family(config).param_spec(config))
-        state = flat_views(flat, layout)
-        if isinstance(config, LlamaConfig):
-            self.model = TorchLlama(config, torch.float32, attn_implementation="sdpa").load_numpy(state)
-        else:
-            self.model = TorchGPT(config, torch.float32, fast=True).load_numpy(state)
-        self.grad_clip = t["grad_clip"]
-        if lora is not None:
-            self._peft(config, lora, seed, t)
-        else:
-            self.opt = self.model.adamw(lr=t["lr"], weight_decay=t["weight_decay"], betas=(t["beta1"], t["beta2"]),
-                                        fused=True)
-        if compile:
-            self.model = torch.compile(self.model)
-
-    def compile_now(self, batch):
-        """Seconds to compile: one forward and backward on batch (the gradients dropped, the weights
-        untouched, so the timed steps start where the other sides' do)."""
-        t0 = time.perf_counter()
-        with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.autocast):
-            _, loss = self.model(*batch)
-        loss.backward()
-        self.opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
-    def _peft(self, config, lora, seed, t):
-        """PEFT's LoRA on transformers' model, from handgrad's initial adapters; fused AdamW over the
-        adapters alone, decayed as handgrad's (every adapter is 2-D)."""
-        trained = self.model.with_peft(lora, seed)
-        self.opt = self.torch.optim.AdamW(trained, lr=t["lr"], betas=(t["beta1"], t["beta2"]),
-                                          weight_decay=t["weight_decay"], fused=True)
-
-    def prepare(self, x, y):
-        return self.torch.from_numpy(x).long(), self.torch.from_numpy(y).long()
-
-    def step(self, batch):
-        self.opt.zero_grad(set_to_none=True)
-        with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.autocast):
-            _, loss = self.model(*batch)
-        loss.backward()
-        if self.grad_clip > 0:
-            self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.opt.step()
-        return loss.item()
-
-
-def worker(side, spec):
-    """Build one side from spec, then answer commands read from stdin, one JSON object per line."""
-    if side.startswith("pytorch"):
-        from .. import torch_ref  # noqa: F401  (torch is loaded before the baseline is read)
-    before = _memory()
-    family = get_family(spec["arch"])
-    config = family.config(**spec["model"])
-    flat = family.init_params(config, spec["seed"])
-    rng = np.random.default_rng(spec["seed"])
-    B, T = spec["batch_size"], spec["T"]
-    tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
-    dtype = "float32" if side == "handgrad-fp32" else spec.get("dtype", "float32")
-    lora = None if side == "handgrad-full" else _lora(spec)
-    if side.startswith("pytorch"):
-        w = _TorchWorker(config, spec["train"], flat, lora=lora, seed=spec["seed"], dtype=dtype,
-                         compile=side == COMPILE_SIDE)
-    else:
-        w = _HandgradWorker(config, spec["train"], flat, lora=lora, seed=spec["seed"], dtype=dtype)
-    batches = [w.prepare(tok[:, :-1].astype(np.int32), tok[:, 1:].astype(np.int32)) for tok in tokens]
-    del flat
-    step_no = 0
-    compile_s = w.compile_now(batches[0]) if side == COMPILE_SIDE else None
-
-    def send(obj):
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
-    send({"ready": True, "baseline": before, "compile_s": compile_s})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["cmd"] == "run":
-            times, losses = [], []
-            for _ in range(cmd["n"]):
-                t0 = time.perf_counter()
-                losses.append(w.step(batches[step_no % N_BATCHES]))
-                times.append(time.perf_counter() - t0)
-                step_no += 1
-            send({"times": times, "losses": losses})
-        elif cmd["cmd"] == "profile":
-            send(w.profile([batches[(step_no + i) % N_BATCHES] for i in range(cmd["n"])]))
-        elif cmd["cmd"] == "exit":
-            send({"memory": _memory()})
-            return 0
-    return 1
-
-
 # ---------------------------------------------------------------- the parent
 class _Side:
     """A worker process for one side, and everything it has reported."""
@@ -293,7 +78,7 @@ class _Side:
     def __init__(self, name, spec):
         self.name = name
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "handgrad.bench.train", name, json.dumps(spec)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "handgrad.bench.train_worker", name, json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = self._read()
         self.baseline, self.compile_s = ready["baseline"], ready.get("compile_s")
@@ -324,14 +109,14 @@ class _Side:
         return memory
 
 
-def _spec(name, lora_rank=None, dtype="float32"):
+def _spec(name, lora_rank=None, dtype="float32", recompute="none", loss_chunk=0):
     shape = SHAPES[name]
     rc = load_run_config(shape["preset"])
     t = rc.train
     spec = {"arch": rc.model.arch, "model": asdict(rc.gpt_config(shape["vocab_size"])),
             "batch_size": shape["batch_size"], "T": shape["T"], "seed": t.seed,
             "train": {"lr": t.lr, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
-                      "grad_clip": t.grad_clip}, "dtype": dtype}
+                      "grad_clip": t.grad_clip}, "dtype": dtype, "recompute": recompute, "loss_chunk": loss_chunk}
     if lora_rank:  # every linear of every block, PEFT's usual alpha = 2 r
         if rc.model.arch != "llama":
             raise SystemExit(f"bench train --lora: {name} is a GPT-2 shape; the LoRA rows compare against PEFT on "
@@ -356,25 +141,31 @@ def _check_losses(name, a, b, rtol=LOSS_RTOL):
     return float(rel.max())
 
 
-def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=False):
-    """Warm up, then alternate timed chunks of the sides; one result dict. lora_rank: the LoRA row
-    (handgrad's LoRA, PyTorch + PEFT's, handgrad's full step beside them). dtype bfloat16: handgrad's
-    bf16 step, PyTorch's autocast bf16 step, handgrad's float32 step (with lora_rank: each with the
-    adapters, PyTorch's through PEFT). compile: one more side, PyTorch's under torch.compile, its
-    compile time apart from its steps and its losses checked against eager PyTorch's."""
-    spec = _spec(name, lora_rank, dtype)
-    bf16 = dtype == "bfloat16"
-    family = get_family(spec["arch"])
-    config = family.config(**spec["model"])
-    tokens_per_step = spec["batch_size"] * spec["T"]
-    # bf16 with --lora: the three bf16 sides, each with the adapters (PEFT's under autocast)
-    names = (BF16_SIDES if bf16 else LORA_SIDES if lora_rank else SIDES) + ((COMPILE_SIDE,) if compile else ())
+def _budget_steps(per_step):
+    """Timed steps per side with --steps unset: as many as fit in BUDGET_S, within [MIN_STEPS, MAX_STEPS]."""
+    return int(min(MAX_STEPS, max(MIN_STEPS, BUDGET_S / max(per_step, 1e-9))))
+
+
+def _close(sides):
+    """Stop each side's worker; {side name: its memory report} for those that answered."""
+    memory = {}
+    for s in sides:
+        try:
+            memory[s.name] = s.close()
+        except (SystemExit, BrokenPipeError, OSError):
+            s.proc.kill()
+    return memory
+
+
+def _together(names, spec, steps, profile):
+    """Every side's worker at once, warmed up, then timed in chunks taken in turn (the default).
+    Returns (sides, memory, profile, background cores, steps)."""
     sides = [_Side(s, spec) for s in names]
+    prof = None
     try:
         warm = {s.name: s.run(WARMUP_STEPS, keep=False) for s in sides}
         if steps is None:
-            per_step = max(min(warm[s.name][1:]) for s in sides)
-            steps = int(min(MAX_STEPS, max(MIN_STEPS, BUDGET_S / max(per_step, 1e-9))))
+            steps = _budget_steps(max(min(w[1:]) for w in warm.values()))
         chunk = -(-steps // CHUNKS)
         with BackgroundLoad(pids=[s.proc.pid for s in sides]) as load:
             done = 0
@@ -384,26 +175,65 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
                     time.sleep(SETTLE_S)  # let the other side's BLAS threads stop spinning
                     s.run(n)
                 done += n
-        hg, pt = sides[:2]
-        err = _check_losses(name, hg.losses, pt.losses, LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
-        if compile:  # the compiled model must compute what eager does
-            _check_losses(f"{name} (torch.compile against eager)", sides[-1].losses, pt.losses,
-                          LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
-        prof = hg.ask(cmd="profile", n=min(steps, 10)) if profile else None
+        if profile:
+            prof = sides[0].ask(cmd="profile", n=min(steps, 10))
     finally:
-        memory = {}
-        for s in sides:
-            try:
-                memory[s.name] = s.close()
-            except (SystemExit, BrokenPipeError, OSError):
-                s.proc.kill()
+        memory = _close(sides)
+    return sides, memory, prof, load.cores, steps
+
+
+def _in_turn(names, spec, steps, profile):
+    """One side's worker at a time (--sequential: shapes whose sides do not fit in memory together),
+    each warmed up, timed and stopped before the next starts; with --steps unset the first side's
+    warm-up sets the steps. Returns what _together does."""
+    sides, memory, prof, cores = [], {}, None, 0.0
+    for name in names:
+        s = _Side(name, spec)
+        sides.append(s)
+        try:
+            warm = s.run(WARMUP_STEPS, keep=False)
+            if steps is None:
+                steps = _budget_steps(min(warm[1:]))
+            with BackgroundLoad(pids=[s.proc.pid]) as load:
+                s.run(steps)
+            cores = max(cores, load.cores)
+            if profile and len(sides) == 1:
+                prof = s.ask(cmd="profile", n=min(steps, 10))
+        finally:
+            memory.update(_close([s]))
+    return sides, memory, prof, cores, steps
+
+
+def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=False, recompute="none", loss_chunk=0,
+                sequential=False):
+    """Warm up, then alternate timed chunks of the sides; one result dict. lora_rank: the LoRA row
+    (handgrad's LoRA, PyTorch + PEFT's, handgrad's full step beside them). dtype bfloat16: handgrad's
+    bf16 step, PyTorch's autocast bf16 step, handgrad's float32 step (with lora_rank: each with the
+    adapters, PyTorch's through PEFT). compile: one more side, PyTorch's under torch.compile, its
+    compile time apart from its steps and its losses checked against eager's. recompute "block":
+    handgrad's train.recompute block, transformers' gradient checkpointing on the PyTorch side;
+    loss_chunk: handgrad's train.loss_chunk (PyTorch has none). sequential: the sides one at a time
+    (_in_turn), not side by side."""
+    spec = _spec(name, lora_rank, dtype, recompute, loss_chunk)
+    bf16 = dtype == "bfloat16"
+    family = get_family(spec["arch"])
+    config = family.config(**spec["model"])
+    tokens_per_step = spec["batch_size"] * spec["T"]
+    # bf16 with --lora: the three bf16 sides, each with the adapters (PEFT's under autocast)
+    names = (BF16_SIDES if bf16 else LORA_SIDES if lora_rank else SIDES) + ((COMPILE_SIDE,) if compile else ())
+    sides, memory, prof, cores, steps = (_in_turn if sequential else _together)(names, spec, steps, profile)
+    hg, pt = sides[:2]
+    err = _check_losses(name, hg.losses, pt.losses, LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
+    if compile:  # the compiled model must compute what eager does
+        _check_losses(f"{name} (torch.compile against eager)", sides[-1].losses, pt.losses,
+                      LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
     full_flops = family.flops_per_token(config, spec["T"])
     # a LoRA step needs less: the frozen matrices' weight gradients are never formed
     flops = lora_flops_per_token(family, config, _lora(spec), spec["T"]) if lora_rank else full_flops
     result = {"name": name, "config": spec, "tokens_per_step": tokens_per_step, "flops_per_token": flops,
               "steps": steps, "loss_max_rel_diff": err, "loss_check_steps": LOSS_CHECK_STEPS,
               "first_loss": [hg.losses[0], pt.losses[0]],
-              "background_cores": load.cores, "sides": {}}
+              "background_cores": cores, "sequential": sequential, "sides": {}}
     for s in sides:
         step_s = float(np.median(s.times))
         m = memory.get(s.name, {})
@@ -457,7 +287,8 @@ def main(args):
     rows = []
     for name in names:
         r = bench_shape(name, args.steps, args.profile, getattr(args, "lora", None), dtype,
-                        getattr(args, "compile", False))
+                        getattr(args, "compile", False), getattr(args, "recompute", None) or "none",
+                        getattr(args, "loss_chunk", None) or 0, getattr(args, "sequential", False))
         for side_name, side in r["sides"].items():
             bf16_side = peak16 is not None and side_name != "handgrad-fp32"
             side["mfu"] = side["gflops"] / (peak16 if bf16_side else peak)["median_gflops"]
@@ -473,11 +304,3 @@ def main(args):
     else:
         print(format_footer(result))
     return 0
-
-
-if __name__ == "__main__":  # a worker: python -m handgrad.bench.train SIDE SPEC_JSON
-    if len(sys.argv) != 3 or sys.argv[1] not in WORKERS:
-        raise SystemExit(f"usage: python -m handgrad.bench.train {{{'|'.join(WORKERS)}}} SPEC_JSON (started by bench "
-                         f"train)")
-    sys.exit(worker(sys.argv[1], json.loads(sys.argv[2])))
-
