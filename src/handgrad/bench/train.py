@@ -82,6 +82,7 @@ class _Side:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = self._read()
         self.baseline, self.compile_s = ready["baseline"], ready.get("compile_s")
+        self.built, self.peak_reset = ready.get("built", {}), ready.get("peak_reset", False)
         self.times, self.losses = [], []
 
     def _read(self):
@@ -241,6 +242,7 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
             "step_ms": step_s * 1e3, "tok_s": tokens_per_step / step_s,
             "gflops": (full_flops if s.name == "handgrad-full" else flops) * tokens_per_step / step_s / 1e9,
             "peak_rss_mib": m.get("hwm_mib"), "baseline_rss_mib": s.baseline.get("rss_mib"),
+            "build_peak_rss_mib": s.built.get("hwm_mib"), "peak_over_steps_only": s.peak_reset,
         }
     h, p = result["sides"]["handgrad"], result["sides"]["pytorch"]
     result["ratio_tok_s"] = h["tok_s"] / p["tok_s"]

@@ -72,8 +72,9 @@ def format_footer(result):
            f"{result['bf16_peak']['median_gflops']:.1f} GFLOP/s" if "bf16_peak" in result else ""),
         "GFLOP/s and MFU count the FLOPs the model needs, as `handgrad train` does (flops_per_token: "
         "6 x the matrix parameters + 6·L·C·(T+1) for attention's causal half)",
-        "tok/s from the median step; peak RSS = the worker process's high-water mark (VmHWM), "
-        "(imports) = its resident set after imports, before the model",
+        "tok/s from the median step; peak RSS = the worker process's high-water mark (VmHWM) over its steps "
+        "(reset once its model is built, where Linux allows), (imports) = its resident set after imports, before "
+        "the model",
         f"total {result['seconds']:.0f} s",
     ])
 
