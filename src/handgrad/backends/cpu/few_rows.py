@@ -14,7 +14,11 @@ rows of a a pass, a bulk prefetch of the weight row two on past 4 rows), interle
 two runs (five at one row): 8 rows 19.1-19.6 -> 11.2-13.7 ms float32 and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4
 -> 14.1 and 7.4-7.9 -> 5.1-6.7; 1 row 11.1-11.5 -> 11.1-11.5 and 4.4-5.1 -> 3.7-4.2 (at moments of
 higher bandwidth, float32 1 row 8.4-9.0 -> 7.8-8.2). In cache, 8 rows run at 290-370 GFLOP/s
-against 115-178 before (`/tmp` scripts, not committed).
+against 115-178 before (`/tmp` scripts, not committed). Then the last M % TILE_M rows went to a
+tile of their own height (they had been rows repeated on a 4-row tile) and the next tile's lines
+are prefetched in address order (they had been TILE_N strided streams): float32 2 rows 9.3-9.6 ->
+8.3-8.5 ms and 4 rows 10.1-10.4 -> 9.4-9.5 at a high-bandwidth moment (1 row: 7.6 ms), 13.9-14.0 ->
+13.2-13.3 and 14.6-14.7 -> 13.1-13.2 at a low one; 8 rows and bf16 within 4% either way.
 """
 import numpy as np
 from llvmlite import ir
@@ -80,7 +84,8 @@ def _lane_sum(builder, v):
 def _tiles(rows_a, rows_w, chains):
     """An intrinsic tile(a, wt, c, m0, n0, ahead): c[m, n] = a[m] . wt[n] for rows_a rows of a from
     m0 and rows_w rows of wt from n0, indices past the last row repeating it (the same value stored
-    twice); the weight rows `ahead` rows on are prefetched line by line in the same loop. Rows
+    twice); the rows_w weight rows `ahead` rows on are prefetched line by line in the same loop,
+    in address order (one stream; a prefetch past the last row is a hint that reads nothing). Rows
     contiguous, float32 or bf16 (uint16), c float32. Written in LLVM IR so the rows_a x rows_w
     accumulators stay in registers (Numba's loops gave LLVM's vectoriser one accumulator a row, and
     it spilled past four): each LANES-wide chunk of K loads rows_a + rows_w vectors for
@@ -111,7 +116,9 @@ def _tiles(rows_a, rows_w, chains):
 
             ms, ns = rows(args[3], rows_a, M), rows(args[4], rows_w, N)
             pa, pw = starts(arrays[0], aty, ms), starts(arrays[1], wty, ns)
-            soon = starts(arrays[1], wty, rows(builder.add(args[4], args[5]), rows_w, N))
+            # the next tile's rows_w weight rows are one contiguous stretch from its first row: prefetched
+            # in order, rows_w lines (float32) a chunk, so the hardware sees one stream, not rows_w
+            soon = starts(arrays[1], wty, rows(builder.add(args[4], args[5]), 1, N))[0]
             abf, wbf = aty.dtype == types.uint16, wty.dtype == types.uint16
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3),
                                                  f"llvm.fma.v{LANES}f32")
@@ -121,8 +128,9 @@ def _tiles(rows_a, rows_w, chains):
 
             def chunk(k, grid):  # grid[i][j] += a[m_i, k:k + LANES] * wt[n_j, k:k + LANES]
                 wv = [_vector_at(builder, p, k, wbf) for p in pw]
-                for p in soon:
-                    _prefetch(builder, builder.gep(p, [k]))
+                for j in range(rows_w):
+                    at = builder.add(builder.mul(k, ir.Constant(_I64, rows_w)), ir.Constant(_I64, j * LANES))
+                    _prefetch(builder, builder.gep(soon, [at]))
                 for p, row in zip(pa, grid):
                     av = _vector_at(builder, p, k, abf)
                     for w, slot in zip(wv, row):
@@ -159,14 +167,17 @@ def _tiles(rows_a, rows_w, chains):
 
 
 _tile = _tiles(TILE_M, TILE_N, 1)
+_tile1, _tile2, _tile3 = (_tiles(r, TILE_N, 1) for r in (1, 2, 3))  # the last M % TILE_M rows
 _row = _tiles(1, 1, ROW_CHAINS)
 
 
 @kernel
 def small_m_nt(a, wt, c):
-    """c (M, N) = a (M, K) @ wt (N, K)^T: tiles of TILE_M rows of a by TILE_N rows of wt (_tile;
-    rows past M repeat row M - 1, so every row of a batch goes through the same code); one row
-    alone takes _row, the same sums up to float32 rounding (its accumulators are chained).
+    """c (M, N) = a (M, K) @ wt (N, K)^T: tiles of TILE_M rows of a by TILE_N rows of wt (_tile),
+    the last M % TILE_M rows on a tile of their height (_tile1 to _tile3), so no row is worked
+    twice and each row's sums are the same bits in any batch of 2 or more (weight rows past N
+    repeat row N - 1). One row alone takes _row, the same sums up to float32 rounding (its
+    accumulators are chained).
     Parallel over blocks of wt's rows; each tile prefetches the weight rows after its own as it
     works (the module docstring)."""
     M, K = a.shape
@@ -178,8 +189,15 @@ def small_m_nt(a, wt, c):
                 _row(a, wt, c, 0, n, ROW_AHEAD)
             continue
         for n in range(j * NT_BLOCK, top, TILE_N):
-            for m in range(0, M, TILE_M):
+            for m in range(0, M - TILE_M + 1, TILE_M):
                 _tile(a, wt, c, m, n, PREFETCH_AHEAD)
+            m, left = M - M % TILE_M, M % TILE_M
+            if left == 1:
+                _tile1(a, wt, c, m, n, PREFETCH_AHEAD)
+            elif left == 2:
+                _tile2(a, wt, c, m, n, PREFETCH_AHEAD)
+            elif left == 3:
+                _tile3(a, wt, c, m, n, PREFETCH_AHEAD)
 
 
 _OPERANDS = (np.float32, np.uint16)
