@@ -335,7 +335,6 @@ def test_a_workspace_name_keeps_a_few_shapes(monkeypatch):
     its caller holds it is never handed to anyone else."""
     from handgrad.backends.cpu import common
     monkeypatch.setattr(common, "_workspace", {})
-    monkeypatch.setattr(common, "_shapes_by_name", {})
     first = common.workspace("t", (3, 5))
     assert common.workspace("t", (3, 5)) is first
     held = [common.workspace("t", (n, 5)) for n in range(4, 4 + 3 * common.WORKSPACE_SHAPES)]

@@ -132,7 +132,6 @@ def _aligned(alloc, shape, dtype):
 # one (BoolQ's first 300 rows: 501 buffers, 198 MiB; the full-size eval's process passed 6 GB).
 # A name's oldest shape goes when it would hold more (a caller still using it keeps its own reference).
 WORKSPACE_SHAPES = 8
-_shapes_by_name = {}
 
 
 def workspace(name, shape, dtype=np.float32):
@@ -140,12 +139,11 @@ def workspace(name, shape, dtype=np.float32):
     key = (name, tuple(shape), np.dtype(dtype))
     buf = _workspace.get(key)
     if buf is None:
-        keys = _shapes_by_name.setdefault(name, [])
-        while len(keys) >= WORKSPACE_SHAPES:
-            _workspace.pop(keys.pop(0), None)
+        mine = [k for k in _workspace if k[0] == name]  # a dict keeps insertion order: oldest first
+        for old in mine[:max(0, len(mine) - WORKSPACE_SHAPES + 1)]:
+            del _workspace[old]
         buf = aligned_empty(shape, dtype)
         _workspace[key] = buf
-        keys.append(key)
     return buf
 
 
