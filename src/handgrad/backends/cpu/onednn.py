@@ -25,6 +25,7 @@ at best). `products_path()` is what the products use in this process: bf16_path(
 installed, else None (widened too, with `bf16_note()`'s line to say so).
 """
 import ctypes
+import functools
 import os
 
 import numpy as np
@@ -213,16 +214,12 @@ def load():
     return _library
 
 
-_SGEMM = []
-
-
+@functools.cache
 def sgemm_address():
     """The address of oneDNN's dnnl_sgemm (row-major, BLAS-like), for Numba kernels that call it on
     their own threads (blas.in_kernel, every attention call: found once); None where oneDNN is not
     installed."""
-    if not _SGEMM:
-        _SGEMM.append(ctypes.cast(load().lib.dnnl_sgemm, ctypes.c_void_p).value if library_path() else None)
-    return _SGEMM[0]
+    return ctypes.cast(load().lib.dnnl_sgemm, ctypes.c_void_p).value if library_path() else None
 
 
 def version():
