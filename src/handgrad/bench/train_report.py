@@ -27,11 +27,11 @@ def format_row(r):
         lines.append(f"  bf16: pytorch = torch.autocast('cpu', bfloat16); handgrad bf16 / handgrad float32: tok/s "
                      f"{b['speedup_vs_fp32']:.2f}x, peak RSS {b.get('peak_rss_vs_fp32', float('nan')):.2f}x; first {r['loss_check_steps']} losses off handgrad float32's by "
                      f"{off['handgrad']:.1e} (handgrad bf16), {off['pytorch']:.1e} (pytorch autocast)")
-    if c.get("recompute", "none") != "none" or c.get("loss_chunk") or r.get("sequential"):
-        how = [f"handgrad train.recompute {c['recompute']}, pytorch gradient checkpointing"
-               if c.get("recompute", "none") != "none" else "",
-               f"handgrad train.loss_chunk {c['loss_chunk']} (pytorch: whole logits)" if c.get("loss_chunk") else "",
-               "sides run one after another (--sequential)" if r.get("sequential") else ""]
+    how = [f"handgrad train.recompute {c['recompute']}, pytorch gradient checkpointing"
+           if c.get("recompute", "none") != "none" else "",
+           f"handgrad train.loss_chunk {c['loss_chunk']} (pytorch: whole logits)" if c.get("loss_chunk") else "",
+           "sides run one after another (--sequential)" if r.get("sequential") else ""]
+    if any(how):
         lines.append("  memory: " + "; ".join(h for h in how if h))
     if "ratio_tok_s_compile" in r:
         c = r["sides"]["pytorch-compile"]
