@@ -90,6 +90,11 @@ def test_matmul_floor_counts_the_per_head_kernels_products_as_they_run():
 def test_bench_train_unknown_preset():
     bad = _bench("--preset", "huge")
     assert bad.returncode != 0 and "unknown preset 'huge'" in bad.stderr
+    # recompute on a GPT-2 shape: refused in one line before any worker starts (no side to checkpoint)
+    bad = _bench("--preset", "tiny", "--recompute", "block", "--steps", "2")
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [
+        "bench train --recompute block: tiny is a GPT-2 shape; the PyTorch side's gradient checkpointing is "
+        "transformers' Llama's (llama-char, llama-mid, smollm2-135m, ...)"]
 
 
 def test_check_losses_refuses_a_mismatch():

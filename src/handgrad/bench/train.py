@@ -118,6 +118,9 @@ def _spec(name, lora_rank=None, dtype="float32", recompute="none", loss_chunk=0)
             "batch_size": shape["batch_size"], "T": shape["T"], "seed": t.seed,
             "train": {"lr": t.lr, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
                       "grad_clip": t.grad_clip}, "dtype": dtype, "recompute": recompute, "loss_chunk": loss_chunk}
+    if recompute == "block" and rc.model.arch != "llama":
+        raise SystemExit(f"bench train --recompute block: {name} is a GPT-2 shape; the PyTorch side's gradient "
+                         f"checkpointing is transformers' Llama's (llama-char, llama-mid, smollm2-135m, ...)")
     if lora_rank:  # every linear of every block, PEFT's usual alpha = 2 r
         if rc.model.arch != "llama":
             raise SystemExit(f"bench train --lora: {name} is a GPT-2 shape; the LoRA rows compare against PEFT on "

@@ -161,10 +161,7 @@ class _TorchWorker:
             self.model = TorchLlama(config, torch.float32, attn_implementation="sdpa").load_numpy(state)
         else:
             self.model = TorchGPT(config, torch.float32, fast=True).load_numpy(state)
-        if checkpointing:  # transformers' own: each decoder layer's forward run again in the backward
-            if not isinstance(config, LlamaConfig):
-                raise SystemExit("bench train --recompute block: the PyTorch side checkpoints transformers' Llama; "
-                                 "GPT-2 shapes have no such side")
+        if checkpointing:  # transformers' own (Llama shapes: _spec refuses the others): each layer run again
             self.model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.grad_clip = t["grad_clip"]
         if lora is not None:
@@ -258,7 +255,7 @@ def worker(side, spec):
 
 if __name__ == "__main__":  # a worker: python -m handgrad.bench.train_worker SIDE SPEC_JSON
     if len(sys.argv) != 3 or sys.argv[1] not in WORKERS:
-        raise SystemExit(f"usage: python -m handgrad.bench.train_worker {{{'|'.join(WORKERS)}}} SPEC_JSON (started by bench "
-                         f"train)")
+        raise SystemExit(f"usage: python -m handgrad.bench.train_worker {{{'|'.join(WORKERS)}}} SPEC_JSON "
+                         f"(started by bench train)")
     sys.exit(worker(sys.argv[1], json.loads(sys.argv[2])))
 
