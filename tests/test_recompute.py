@@ -57,14 +57,19 @@ def test_the_same_gradients_on_the_gpu_backend():
 
 
 def test_it_holds_one_block_and_the_block_outputs():
+    """The MLP's and qkv's buffers for one block; every block's output and attention results (Llama's
+    _block_recompute does not run the attention, o_proj or down_proj again)."""
     config = load_run_config("smollm2-135m").gpt_config(49152)
     family = get_family("llama")
     full, less = (estimate(family, config, 4, 256, recompute=r)["activations"] for r in ("none", "block"))
-    assert less < full / 3
-    model = Llama(LlamaConfig(block_size=16, vocab_size=67, n_layer=4, n_head=2, n_kv_head=1, n_embd=32,
-                              ffn_hidden=48), recompute="block")
-    a = model._activations(2, 16)
-    assert a.qkv.shape[0] == 1 and a.res3.shape[0] == 4 and a.slot(3) == 0
+    assert less < full / 2
+    config = LlamaConfig(block_size=16, vocab_size=67, n_layer=4, n_head=2, n_kv_head=1, n_embd=32, ffn_hidden=48)
+    for dtype in ("float32", "bfloat16"):
+        a = Llama(config, recompute="block", dtype=dtype)._activations(2, 16)
+        assert a.qkv.shape[0] == a.gu.shape[0] == a.h.shape[0] == a.rstd1.shape[0] == 1 and a.slot(3) == 0
+        assert a.res3.shape[0] == a.res2.shape[0] == a.att.shape[0] == 4
+        kept = a.atty if dtype == "float32" else a.atty16  # o_proj's input
+        assert kept.shape[0] == 4 and a.atty.shape[0] == (4 if dtype == "float32" else 1)
 
 
 def test_bad_value_is_named():

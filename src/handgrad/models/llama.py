@@ -85,8 +85,12 @@ class Activations:
 
     def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32, logit_rows=None, recompute=False):
         """products: np.uint16 where the matrix products take bf16 operands (the cpu's mixed
-        precision), as in models/gpt2.py's Activations. recompute: a block's buffers held for one
-        block at a time (train.recompute block: family.py's slot()); the block outputs res3 for all."""
+        precision), as in models/gpt2.py's Activations. recompute: the MLP's and qkv's buffers held
+        for one block at a time (train.recompute block: family.py's slot()); every block's output
+        res3, and the attention half's results (its logsumexps, its output as o_proj's input, res2),
+        kept for all: the backward forms qkv and the MLP's buffers again (Llama._block_recompute).
+        The float32 attention output is held per block only where it is o_proj's input (float32
+        products); with bf16 products o_proj and its adapters read the narrowed copy atty16."""
         C, NL, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
         L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
         self.recompute = recompute
@@ -101,10 +105,10 @@ class Activations:
         self.encoded = e(B, T, C)          # residual stream entering block 0
         self.rstd1, self.rstd2 = f32(L, B, T), f32(L, B, T)
         self.qkv = e(L, B, T, QKV)         # q, k (the cpu's attention rotates them in place), v
-        self.att = f32(L, *ops.gqa_attention_state_shape(B, NH, T))  # one logsumexp per score row
-        self.atty = e(L, B, T, NH * config.head_dim)  # attention output before o_proj
-        self.atty16 = x16(L, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input
-        self.res2 = e(L, B, T, C)          # residual after attention
+        self.att = f32(NL, *ops.gqa_attention_state_shape(B, NH, T))  # one logsumexp per score row
+        self.atty = e(1 if bf16 else NL, B, T, NH * config.head_dim)  # attention output before o_proj
+        self.atty16 = x16(NL, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input
+        self.res2 = e(NL, B, T, C)         # residual after attention
         self.gu = e(L, B, T, 2 * H)        # gate | up
         self.h = x16(L, B, T, H) if bf16 else e(L, B, T, H)  # silu(gate) * up
         self.res3 = e(NL, B, T, C)         # residual after the MLP: every block's, the next one's input
@@ -122,6 +126,13 @@ class Activations:
     def slot(self, l):
         """Where block l's inner buffers are: its own, or under recompute the one set all share."""
         return 0 if self.recompute else l
+
+    def o_input(self, l):
+        """(block l's attention output, its bf16 copy o_proj reads or None): atty[l], or with bf16
+        products atty's one slot (the forward's only) and atty16[l]."""
+        if self.atty16 is None:
+            return self.atty[l], None
+        return self.atty[0], self.atty16[l]
 
     @staticmethod
     def scratch_bytes(ops, config, B, T):
@@ -215,29 +226,55 @@ class Llama(FlatModel):
         self.head_forward(a, a.normf, w[self.lm_head].T)
 
     def _block_forward(self, a, l, x):
-        """Block l from its input x (B, T, C) to a.res3[l], its buffers in slot a.slot(l) (the
-        backward runs it again under train.recompute block: the same kernels on the same inputs,
-        dropout's masks from the same seeds, so the same bits)."""
-        ops, p, fp, w, fw, c = self.ops, self.p, self.fp, self.p16, self.fw, self.config  # w, fw: the products'
-        NH, NKV, s = c.n_head, c.n_kv_head, a.slot(l)
-        h = f"model.layers.{l}."
-        ops.rmsnorm_linear_forward(a.qkv[s], a.rstd1[s], x, p[h + "input_layernorm.weight"], fw.qkv[l].T,
-                                   fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
-                                   adapters=self.lora_adapters(a, l, "qkv"))
+        """Block l from its input x (B, T, C) to a.res3[l], its inner buffers in slot a.slot(l)
+        (the backward forms those again under train.recompute block: _block_recompute)."""
+        ops, w, c = self.ops, self.p16, self.config  # w: the products' weights
+        s, h = a.slot(l), f"model.layers.{l}."
+        self._qkv_forward(a, l, x)
+        y, y16 = a.o_input(l)
         # RoPE inside the op (the gpu rotates q and k as its kernels load them; the cpu in place in qkv)
-        ops.gqa_attention_forward(a.atty[s], a.att[s], a.qkv[s], NH, NKV, rope=(self.cos, self.sin),
+        ops.gqa_attention_forward(y, a.att[l], a.qkv[s], c.n_head, c.n_kv_head, rope=(self.cos, self.sin),
                                   **self.attention_dropout(l))
-        ops.linear_forward(a.proj, self.narrowed(a.atty[s], a.atty16, s), w[h + "self_attn.o_proj.weight"].T)
-        self.lora_linear(a.proj, a.atty[s], a, l, "o")
+        o_in = self.narrowed(y, y16)
+        ops.linear_forward(a.proj, o_in, w[h + "self_attn.o_proj.weight"].T)
+        self.lora_linear(a.proj, o_in, a, l, "o")
         self.drop(a.proj, l, self.SITE_ATTN_OUT)
-        ops.residual_forward(a.res2[s], x, a.proj)
-        ops.rmsnorm_linear_forward(a.gu[s], a.rstd2[s], a.res2[s], p[h + "post_attention_layernorm.weight"],
-                                   fw.gu[l].T, None, c.norm_eps, adapters=self.lora_adapters(a, l, "gu"))
-        ops.swiglu_forward(a.h[s], a.gu[s])
+        ops.residual_forward(a.res2[l], x, a.proj)
+        self._mlp_forward(a, l)
         ops.linear_forward(a.proj, a.h[s], w[h + "mlp.down_proj.weight"].T)
         self.lora_linear(a.proj, a.h[s], a, l, "down")
         self.drop(a.proj, l, self.SITE_MLP_OUT)
-        ops.residual_forward(a.res3[l], a.res2[s], a.proj)
+        ops.residual_forward(a.res3[l], a.res2[l], a.proj)
+
+    def _qkv_forward(self, a, l, x):
+        """qkv[slot] (q, k before RoPE) and rstd1 from block l's input x."""
+        p, fp, fw, c, s = self.p, self.fp, self.fw, self.config, a.slot(l)
+        self.ops.rmsnorm_linear_forward(a.qkv[s], a.rstd1[s], x, p[f"model.layers.{l}.input_layernorm.weight"],
+                                        fw.qkv[l].T, fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
+                                        adapters=self.lora_adapters(a, l, "qkv"))
+
+    def _mlp_forward(self, a, l):
+        """gu[slot], rstd2 and h = swiglu(gu) from block l's res2."""
+        s = a.slot(l)
+        self.ops.rmsnorm_linear_forward(a.gu[s], a.rstd2[s], a.res2[l],
+                                        self.p[f"model.layers.{l}.post_attention_layernorm.weight"],
+                                        self.fw.gu[l].T, None, self.config.norm_eps,
+                                        adapters=self.lora_adapters(a, l, "gu"))
+        self.ops.swiglu_forward(a.h[s], a.gu[s])
+
+    def _block_recompute(self, a, l, x):
+        """Under train.recompute block, what block l's backward reads and the forward did not keep,
+        formed again from the block's input x by the forward's own kernels (the same bits, dropout's
+        and the adapters' masks from the same seeds): qkv with q and k as the attention leaves them
+        (gqa_attention_prepare: RoPE applied in place on the cpu), rstd1, then gu, rstd2 and h from
+        the kept res2. The attention, o_proj, down_proj and the residual adds are not run again: what
+        the backward needs of them (att's logsumexps, o_proj's input, res2) is kept for every block,
+        and their outputs feed nothing the backward reads. In products, a LoRA step's second forward
+        is qkv and gate|up only: 0.65 of a block's (qwen2.5-0.5b), without attention's scores."""
+        c = self.config
+        self._qkv_forward(a, l, x)
+        self.ops.gqa_attention_prepare(a.qkv[a.slot(l)], c.n_head, c.n_kv_head, rope=(self.cos, self.sin))
+        self._mlp_forward(a, l)
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss
@@ -265,8 +302,8 @@ class Llama(FlatModel):
             h = f"model.layers.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
             s = a.slot(l)
-            if a.recompute:  # only the block inputs were kept: run the block again
-                self._block_forward(a, l, x)
+            if a.recompute:  # qkv's and the MLP's buffers were not kept: form them again
+                self._block_recompute(a, l, x)
             # MLP: res3 = res2 + drop(down(swiglu(gate|up(rmsnorm(res2))))); dres holds d res3
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
             ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dproj, a.h[s],
@@ -274,16 +311,18 @@ class Llama(FlatModel):
             self.lora_linear_grad(a.dh, dproj, a.h[s], a, l, "down")
             ops.swiglu_backward(a.dgu, a.dh, a.gu[s])
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), _t(fg.gu[l]), None,
-                                        a.dgu, a.res2[s], p[h + "post_attention_layernorm.weight"], a.rstd2[s],
+                                        a.dgu, a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[s],
                                         fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
             # attention: res2 = x + drop(o(attn(rope(qkv(rmsnorm(x)))))); dres now holds d res2
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
-            ops.linear_backward(a.datty, self.grad_t(h + "self_attn.o_proj.weight"), None, dproj,
-                                a.atty[s] if a.atty16 is None else a.atty16[s], w[h + "self_attn.o_proj.weight"].T,
-                                acc)
-            self.lora_linear_grad(a.datty, dproj, a.atty[s], a, l, "o")
-            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[s], NH, NKV, out=a.atty[s],
-                                       rope=(self.cos, self.sin), **self.attention_dropout(l))  # dq, dk before RoPE
+            y, y16 = a.o_input(l)
+            o_in = y if y16 is None else y16
+            ops.linear_backward(a.datty, self.grad_t(h + "self_attn.o_proj.weight"), None, dproj, o_in,
+                                w[h + "self_attn.o_proj.weight"].T, acc)
+            self.lora_linear_grad(a.datty, dproj, o_in, a, l, "o")
+            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[l], NH, NKV,  # dq, dk before RoPE
+                                       out=y if y16 is None else None,  # (bf16 products: not kept; the cpu's op
+                                       rope=(self.cos, self.sin), **self.attention_dropout(l))  # does not read it)
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), _t(fg.qkv[l]),
                                         fg.qkv_bias[l] if c.qkv_bias else None, self.narrowed(a.dqkv, a.dqkv16), x,
                                         p[h + "input_layernorm.weight"], a.rstd1[s], fw.qkv[l].T, acc,

@@ -252,9 +252,7 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=
     _expect("att", att, gqa_attention_state_shape(B, n_head, T), qkv.dtype)
     scale, G = qkv.dtype.type(1.0 / math.sqrt(hs)), n_head // n_kv_head
     drop = dropout_args(dropout_p, seed, qkv.dtype)  # checks p; bound 0 when off
-    if rope is not None:  # after every check: a refused call leaves qkv as it was
-        qk = qkv[:, :, :(n_head + n_kv_head) * hs]
-        rope_forward(qk, qk, *rope, n_head + n_kv_head)
+    gqa_attention_prepare(qkv, n_head, n_kv_head, rope)  # after every check: a refused call leaves qkv as it was
     keep = keep_scratch(B * n_head, T, qkv.dtype)
     mkl = _per_head_mkl(qkv, (out, att))
     if mkl is not None:
@@ -329,6 +327,16 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
         blas.gemm(p.transpose(0, 1, 3, 2), dy[:, :, j], dv, 0.0 if j == 0 else 1.0)
         blas.gemm(dp, k, dq[:, :, j])
         blas.gemm(dp.transpose(0, 1, 3, 2), q[:, :, j], dk, 0.0 if j == 0 else 1.0)
+
+
+def gqa_attention_prepare(qkv, n_head, n_kv_head, rope=None):
+    """qkv as gqa_attention_forward(..., rope=rope) leaves it, without attending: q and k rotated
+    in place (rope_forward, the forward's own pass). For a backward whose forward output is kept
+    (train.recompute): qkv formed again is then what gqa_attention_backward takes."""
+    hs = _head_size(qkv, n_head, n_kv_head)
+    if rope is not None:
+        qk = qkv[:, :, :(n_head + n_kv_head) * hs]
+        rope_forward(qk, qk, *rope, n_head + n_kv_head)
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)

@@ -108,7 +108,8 @@ def _fused_args(qkv, hs, dropout_p, seed, rope):
 
 
 def _check(qkv, n_head, n_kv_head, att, **tensors):
-    """Shapes, dtypes and layout shared by the forward and the backward; returns (B, T, hs)."""
+    """Shapes, dtypes and layout shared by the forward and the backward (att None: not checked);
+    returns (B, T, hs)."""
     if qkv.dim() != 3 or n_kv_head < 1 or n_head % n_kv_head or qkv.shape[2] % (n_head + 2 * n_kv_head):
         raise ValueError(f"qkv must be (B, T, (n_head + 2*n_kv_head)*hs) with n_head a multiple of n_kv_head, got "
                          f"{tuple(qkv.shape)}, n_head {n_head}, n_kv_head {n_kv_head}")
@@ -123,7 +124,8 @@ def _check(qkv, n_head, n_kv_head, att, **tensors):
         if tuple(x.shape) != shape or x.dtype != qkv.dtype or x.stride(-1) != 1:
             raise ValueError(f"{name} must be {shape} in {qkv.dtype} with unit stride in its last dim, "
                              f"got {tuple(x.shape)} {x.dtype} strides {x.stride()}")
-    if tuple(att.shape) != (B, n_head, T) or att.dtype != torch.float32 or not att.is_contiguous():
+    if att is not None and (tuple(att.shape) != (B, n_head, T) or att.dtype != torch.float32
+                            or not att.is_contiguous()):
         raise ValueError(f"att must be the contiguous float32 logsumexp buffer {(B, n_head, T)} "
                          f"(gqa_attention_state_shape), got {tuple(att.shape)} {att.dtype}")
     return B, T, hs
@@ -324,6 +326,12 @@ def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T
                         stride_tab, BLOCK_N, HS)
     else:
         tl.store(dbase + (NH + g) * HS + dkv_off, (dk * scale).to(out_ty), mask=col_ok[:, None])
+
+
+def gqa_attention_prepare(qkv, n_head, n_kv_head, rope=None):
+    """qkv as gqa_attention_forward(..., rope=rope) leaves it, without attending: unchanged (the
+    kernels rotate q and k as they load them). The cpu op's counterpart rotates them in place."""
+    _check(qkv, n_head, n_kv_head, None)
 
 
 def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dropout_p=0.0, seed=0, rope=None):
