@@ -112,7 +112,8 @@ class FlatModel(Head):
         loss_chunk: the loss forms the logits of at most this many rows (of B*T) at a time, never
         the whole (B, T, V) (head_forward); 0: all rows at once.
         recompute: "none", or "block": the forward keeps each block's output and one block's inner
-        buffers, which the backward refills by running the block's forward again (bit for bit)."""
+        buffers, which the backward refills by running the block's forward again (bit for bit; a
+        Llama keeps its blocks' attention results too and runs only their qkv and MLP inputs again)."""
         if not isinstance(config, self.CONFIG):
             raise ValueError(f"config must be a handgrad {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in ("float32", "bfloat16"):

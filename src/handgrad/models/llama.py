@@ -320,9 +320,9 @@ class Llama(FlatModel):
             ops.linear_backward(a.datty, self.grad_t(h + "self_attn.o_proj.weight"), None, dproj, o_in,
                                 w[h + "self_attn.o_proj.weight"].T, acc)
             self.lora_linear_grad(a.datty, dproj, o_in, a, l, "o")
-            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[l], NH, NKV,  # dq, dk before RoPE
-                                       out=y if y16 is None else None,  # (bf16 products: not kept; the cpu's op
-                                       rope=(self.cos, self.sin), **self.attention_dropout(l))  # does not read it)
+            # dq, dk before RoPE; out: the forward's output where it is kept (the cpu's op does not read it)
+            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[l], NH, NKV, out=y if y16 is None else None,
+                                       rope=(self.cos, self.sin), **self.attention_dropout(l))
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), _t(fg.qkv[l]),
                                         fg.qkv_bias[l] if c.qkv_bias else None, self.narrowed(a.dqkv, a.dqkv16), x,
                                         p[h + "input_layernorm.weight"], a.rstd1[s], fw.qkv[l].T, acc,
