@@ -65,6 +65,33 @@ def test_chunks_give_the_whole_paths_loss_and_gradients(family, backend, lora):
         np.testing.assert_allclose(c_logits, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
 
 
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_training_forward_forms_the_heads_gradient_with_the_same_bits(family, backend, dtype, lora):
+    """forward(grad=True) with the lm_head frozen (LoRA) folds each chunk's gradient into d x while
+    its logits exist; the backward then forms no logits. The loss and every gradient are the bits of
+    the path that forms them again in the backward, a zero_grad between forward and backward changes
+    nothing, and with a trained lm_head (full) the backward does it all as before."""
+    if backend == "gpu":
+        pytest.importorskip("gpu_helpers")
+    cls = get_family(family).model
+    cfg = LoRAConfig(rank=4, alpha=8.0, targets=tuple(cls.LORA_MODULES)) if lora else None
+    idx, targets = _batch(CONFIGS[family].vocab_size)
+    out = []
+    for grad in (False, True):
+        model = cls(CONFIGS[family], backend=backend, seed=1, dtype=dtype, lora=cfg, loss_chunk=5)
+        for _ in range(2):  # the second step reuses the buffers
+            loss = model.forward(idx, targets, grad=grad)
+            model.zero_grad()
+            model.backward()
+        assert model._acts.head_dx == (grad and lora)
+        out.append((loss, np.array(model.ops.to_numpy(model.grad))))
+    assert out[0][0] == out[1][0]
+    np.testing.assert_array_equal(out[0][1], out[1][1])
+
+
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_chunks_on_the_gpu_in_bf16_round_as_the_whole_path(family):
     pytest.importorskip("gpu_helpers")

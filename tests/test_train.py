@@ -198,13 +198,13 @@ def _poison_once(monkeypatch, at_call):
     real = GPT.forward
     calls = {"n": 0}
 
-    def forward(self, idx, targets=None):
-        out = real(self, idx, targets)
+    def forward(self, idx, targets=None, grad=False):
+        out = real(self, idx, targets, grad=grad)
         if targets is not None:
             calls["n"] += 1
             if calls["n"] == at_call:
                 self.p["h.0.mlp.c_fc.bias"][0] = np.nan  # NaN flows into the loss and the gradients
-                out = real(self, idx, targets)
+                out = real(self, idx, targets, grad=grad)
         return out
     monkeypatch.setattr(GPT, "forward", forward)
 

@@ -69,7 +69,7 @@ class CausalLM(Protocol):
     g: dict                  # name -> view of flat_grad
     grad_buckets: list       # (start, end) gradient ranges in the order backward() completes them
 
-    def forward(self, idx, targets=None): ...           # mean loss (with targets) or logits (B, T, V)
+    def forward(self, idx, targets=None, *, grad=False): ...  # mean loss (with targets) or logits (B, T, V)
     def forward_loss(self, idx, targets): ...           # the loss as the backend's scalar (no host sync)
     def backward(self, grads_ready=None): ...           # gradients of the last forward's loss into flat_grad
     def zero_grad(self): ...
@@ -453,21 +453,23 @@ class FlatModel(Head):
             return torch.bfloat16
         return np.float32
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, *, grad=False):
         """idx (B, T) integer token ids. With targets (B, T) (-1 = ignore) returns the mean loss as
-        a float and keeps what backward() needs; without, returns logits (B, T, V) (a copy)."""
+        a float and keeps what backward() needs; without, returns logits (B, T, V) (a copy).
+        grad=True: a backward() follows (a training step's forward), so the chunked loss may form
+        the hidden state's gradient now (head_loss); the gradients are the same bits either way."""
         if targets is not None:
-            return float(self.forward_loss(idx, targets))  # the gpu's loss is a device scalar: this waits
+            return float(self.forward_loss(idx, targets, grad=grad))  # the gpu's loss is a device scalar: this waits
         a = self.stage(idx)
         self._narrow_weights()
         self._layers_forward(a)
         self._ready_for_backward = False
         return self.head_logits(a)
 
-    def forward_loss(self, idx, targets):
-        """forward(idx, targets) without reading the loss: the backend's scalar (a float on the cpu,
-        a 0-dim device tensor on the gpu, so the host does not wait for the GPU)."""
-        return self.forward_staged(self.stage(idx, targets))
+    def forward_loss(self, idx, targets, *, grad=False):
+        """forward(idx, targets, grad=grad) without reading the loss: the backend's scalar (a float on
+        the cpu, a 0-dim device tensor on the gpu, so the host does not wait for the GPU)."""
+        return self.forward_staged(self.stage(idx, targets), grad=grad)
 
     def stage(self, idx, targets=None, into=None):
         """Check idx and targets and copy them into the activations of their shape (or `into`, which
@@ -485,13 +487,13 @@ class FlatModel(Head):
             self.ops.upload_tokens(a.targets, targets)
         return a
 
-    def forward_staged(self, a):
+    def forward_staged(self, a, *, grad=False):
         """The forward over the tokens and targets stage() put into a; returns the mean loss as the
-        backend's scalar and keeps what backward() needs. Touches only device memory (no host
-        transfer, no allocation after the first call), so a CUDA graph can capture it."""
+        backend's scalar and keeps what backward() needs (grad: as forward's). Touches only device
+        memory (no host transfer, no allocation after the first call), so a CUDA graph can capture it."""
         self._narrow_weights()
         self._layers_forward(a)
-        loss = self.head_loss(a)
+        loss = self.head_loss(a, grad)
         self._acts = a
         self._ready_for_backward = True
         return loss

@@ -123,6 +123,8 @@ class Activations:
         lshape = (B, T, V) if logit_rows is None else (1, logit_rows, V)
         self.logits = e(*lshape)
         self.dlogits16 = x16(*lshape) if bf16 else self.logits  # dlogits narrowed (or the logits, in place)
+        self.whole_logits = logit_rows is None
+        self.dhead = None if logit_rows is None else e(B, T, C)  # the chunked loss's d x (head.py); ddlnf
         self.losses = f32(B, T)
         self.lse = ops.empty((B, T), ops.LSE_DTYPE)  # cpu float64: see crossentropy_forward
         self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add
@@ -146,7 +148,7 @@ class Activations:
         bf16 = np.dtype(self.products) == np.uint16
         x16 = lambda *shape: ops.empty(shape, self.products) if bf16 else None
         self.dres = e(B, T, C)             # gradient of the residual stream, carried down the blocks
-        self.dlnf = e(B, T, C)
+        self.dlnf = e(B, T, C) if self.whole_logits else self.dhead
         self.datty = e(B, T, C)
         self.dqkv = e(B, T, 3 * C)
         self.dfch = e(B, T, 4 * C)
@@ -196,7 +198,7 @@ class GPT(FlatModel):
             self._block_forward(a, l, x)
             x = a.res3[l]
         ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p["ln_f.weight"], p["ln_f.bias"])
-        self.head_forward(a, a.lnf, w["wte.weight"].T)
+        self.head_forward(a, a.lnf, w["wte.weight"].T, self.grad_t("wte.weight"))
 
     def _block_forward(self, a, l, x):
         """Block l from its input x (B, T, C) to a.res3[l], its buffers in slot a.slot(l) (the
@@ -245,7 +247,7 @@ class GPT(FlatModel):
             a.alloc_grads(ops, self.config, self._act_dtype())
         L = self.config.n_layer
 
-        self.head_backward(a, a.dlnf, self.grad_t("wte.weight"), acc)
+        self.head_backward(a, a.dlnf, acc)
         a.dres[...] = 0
         ops.layernorm_backward(a.dres, g.get("ln_f.weight"), g.get("ln_f.bias"), a.dlnf, a.res3[L - 1],
                                p["ln_f.weight"], a.lnf_mean, a.lnf_rstd)

@@ -3,12 +3,13 @@ a chunk of rows at a time (`loss_chunk`, train.loss_chunk).
 
 Whole, the (B, T, V) logits are formed, the loss read from them, and the backward overwrites them
 in place with dlogits. With loss_chunk the logits never exist for the whole batch: the forward forms
-them loss_chunk rows at a time, keeps each row's loss and log-sum-exp and drops the logits; the
-backward forms each chunk's logits again and folds its gradient into the lm_head's and the
-hidden state's (Liger-Kernel's fused linear cross-entropy does the same, computing the gradient in
-the forward instead; here the forward leaves the gradients alone, so a forward without a backward,
-an evaluation, costs nothing more and zero_grad may come between them). Memory for the head is
-loss_chunk x V instead of B T V, for one more product of the lm_head's forward size.
+them loss_chunk rows at a time, keeps each row's loss and log-sum-exp and drops the logits. Where the
+forward is a training step's (forward(..., grad=True)) and the lm_head is frozen (LoRA), it also
+folds each chunk's gradient into the hidden state's while the chunk's logits exist, as
+Liger-Kernel's fused linear cross-entropy does: the head costs what the whole path costs. Otherwise
+(an evaluation; a trained lm_head, whose gradient a zero_grad between forward and backward must not
+lose) the backward forms each chunk's logits again, one more product of the lm_head's forward size.
+Memory for the head is loss_chunk x V instead of B T V, and the hidden state's gradient (B, T, C).
 
 Head is mixed into models/family.py's FlatModel: the families call head_forward and head_backward
 where the whole path's linear and cross-entropy were; FlatModel.forward and forward_staged call
@@ -23,23 +24,30 @@ def row_range(x, r0, r1):
 
 
 class Head:
-    def head_forward(self, a, x, W):
+    def head_forward(self, a, x, W, dW):
         """The logits x (B, T, C) @ W (C, V) into a.logits; with loss_chunk, nothing yet: head_loss
-        and head_backward form them loss_chunk rows at a time (head_chunks)."""
-        a.head = (x, W)
+        and head_backward form them loss_chunk rows at a time (head_chunks). dW: W's gradient (its
+        transposed view), None where W is frozen."""
+        a.head, a.head_dx = (x, W, dW), False
         if not a.chunked:
             self.ops.linear_forward(a.logits, x, W)
 
-    def head_loss(self, a):
+    def head_loss(self, a, grad=False):
         """The mean loss over the non-ignored targets, as the backend's scalar; keeps each row's loss
-        and log-sum-exp (and with chunks, dloss = 1/n for the backward)."""
+        and log-sum-exp (and with chunks, dloss = 1/n for the backward). grad (a backward follows),
+        chunked and W frozen: the hidden state's gradient too, into a.dhead (head_backward's)."""
         if not a.chunked:
             return self.ops.crossentropy_forward(a.losses, a.lse, a.logits, a.targets)
-        x, W = a.head
+        x, W, dW = a.head
+        a.head_dx = grad and dW is None
+        if a.head_dx:  # dloss = 1/n depends on the targets alone: known before any loss
+            a.dloss = self.ops.crossentropy_mean(a.losses, a.targets)[1]
         for r0, r1, logits in self.head_chunks(a):
             self.ops.linear_forward(logits, row_range(x, r0, r1), W)
             self.ops.crossentropy_forward(row_range(a.losses, r0, r1), row_range(a.lse, r0, r1), logits,
                                           row_range(a.targets, r0, r1))
+            if a.head_dx:
+                self._chunk_backward(a, r0, r1, logits, a.dhead, None, False)
         loss, a.dloss = self.ops.crossentropy_mean(a.losses, a.targets)
         return loss
 
@@ -48,33 +56,40 @@ class Head:
         if not a.chunked:
             return self.ops.to_numpy(a.logits).copy()
         out = np.empty((a.B * a.T, self.config.vocab_size), np.float32)
-        x, W = a.head
+        x, W, _ = a.head
         for r0, r1, logits in self.head_chunks(a):
             self.ops.linear_forward(logits, row_range(x, r0, r1), W)
             out[r0:r1] = self.ops.to_numpy(logits)[0]
         return out.reshape(a.B, a.T, -1)
 
-    def head_backward(self, a, dx, dW, acc):
-        """d loss / d x into dx (B, T, C), and d loss / d W added to dW (written when not acc; None:
-        frozen), from the loss head_loss formed.
+    def head_backward(self, a, dx, acc):
+        """d loss / d x into dx (B, T, C), and d loss / d W added to head_forward's dW (written when
+        not acc; None: frozen), from the loss head_loss formed.
 
         Whole: dlogits = (softmax(z) - onehot(y)) / n in place of the logits, then dx = dlogits @ W^T,
         dW (+)= x^T @ dlogits. Chunked, over the row ranges R of head_chunks: the rows are
         independent given lse (saved by the forward) and dloss = 1/n over every row (not a chunk's),
         so z_R = x_R @ W is formed again, dlogits_R = (exp(z_R - lse_R) - onehot(y_R)) * dloss,
-        dx_R = dlogits_R @ W^T, and dW += x_R^T @ dlogits_R sums over R to x^T @ dlogits."""
-        x, W = a.head
+        dx_R = dlogits_R @ W^T, and dW += x_R^T @ dlogits_R sums over R to x^T @ dlogits. Where
+        head_loss formed dx already (the same kernels on the same z_R: the same bits), it is copied
+        (or is dx itself: the families' dhead is their dx buffer)."""
+        x, W, dW = a.head
         if not a.chunked:
             self.ops.crossentropy_backward(a.dlogits16, a.logits, a.lse, a.targets)  # in place in float32
             self.ops.linear_backward(dx, dW, None, a.dlogits16, x, W, acc)
-            return
-        for r0, r1, logits in self.head_chunks(a):
-            xr = row_range(x, r0, r1)
-            self.ops.linear_forward(logits, xr, W)
-            d16 = logits if a.dlogits16 is a.logits else a.dlogits16[:, :r1 - r0]
-            self.ops.crossentropy_backward(d16, logits, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1),
-                                           a.dloss)
-            self.ops.linear_backward(row_range(dx, r0, r1), dW, None, d16, xr, W, acc or r0 > 0)
+        elif a.head_dx:
+            if dx is not a.dhead:
+                dx[...] = a.dhead
+        else:
+            for r0, r1, logits in self.head_chunks(a):
+                self.ops.linear_forward(logits, row_range(x, r0, r1), W)
+                self._chunk_backward(a, r0, r1, logits, dx, dW, acc or r0 > 0)
+
+    def _chunk_backward(self, a, r0, r1, logits, dx, dW, acc):
+        """Rows r0:r1 of dx, and their part of dW, from the chunk's logits z_R (overwritten)."""
+        d16 = logits if a.dlogits16 is a.logits else a.dlogits16[:, :r1 - r0]
+        self.ops.crossentropy_backward(d16, logits, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1), a.dloss)
+        self.ops.linear_backward(row_range(dx, r0, r1), dW, None, d16, row_range(a.head[0], r0, r1), a.head[1], acc)
 
     @staticmethod
     def head_chunks(a):

@@ -118,6 +118,8 @@ class Activations:
         lshape = (B, T, V) if logit_rows is None else (1, logit_rows, V)
         self.logits = e(*lshape)
         self.dlogits16 = x16(*lshape) if bf16 else self.logits  # dlogits narrowed (or the logits, in place)
+        self.whole_logits = logit_rows is None
+        self.dhead = None if logit_rows is None else e(B, T, C)  # the chunked loss's d x (head.py); ddnormf
         self.losses = f32(B, T)
         self.lse = ops.empty((B, T), ops.LSE_DTYPE)
         self.proj = e(B, T, C)             # scratch: o_proj and down_proj outputs before the residual add
@@ -150,7 +152,7 @@ class Activations:
         bf16 = np.dtype(self.products) == np.uint16
         x16 = lambda *shape: ops.empty(shape, self.products) if bf16 else None
         self.dres = e(B, T, C)
-        self.dnormf = e(B, T, C)
+        self.dnormf = e(B, T, C) if self.whole_logits else self.dhead
         self.datty = e(B, T, config.n_head * config.head_dim)
         self.dqkv = e(B, T, QKV)
         self.dres16, self.dqkv16 = x16(B, T, C), x16(B, T, QKV)  # narrowed for the products' backward
@@ -223,7 +225,7 @@ class Llama(FlatModel):
             self._block_forward(a, l, x)
             x = a.res3[l]
         ops.rmsnorm_forward(a.normf, a.rstdf, x, p["model.norm.weight"], c.norm_eps)
-        self.head_forward(a, a.normf, w[self.lm_head].T)
+        self.head_forward(a, a.normf, w[self.lm_head].T, self.grad_t(self.lm_head))
 
     def _block_forward(self, a, l, x):
         """Block l from its input x (B, T, C) to a.res3[l], its inner buffers in slot a.slot(l)
@@ -293,7 +295,7 @@ class Llama(FlatModel):
         if a.grads is None:
             a.alloc_grads(ops, c, self._act_dtype())
         L = c.n_layer
-        self.head_backward(a, a.dnormf, self.grad_t(self.lm_head), acc)
+        self.head_backward(a, a.dnormf, acc)
         a.dres[...] = 0
         ops.rmsnorm_backward(a.dres, g.get("model.norm.weight"), a.dnormf, a.res3[L - 1], p["model.norm.weight"],
                              a.rstdf)

@@ -30,7 +30,7 @@ def accumulate_gradients(model, opt, batches, grad_clip, dp=None, zero_stage=0, 
         if dropout_key is not None:
             model.set_training(True, step=dropout_key[1], micro_step=i, seed=dropout_key[0])
         try:
-            loss += model.forward(x, y) / len(batches)
+            loss += model.forward(x, y, grad=True) / len(batches)
             model.backward(grads_ready=hook if i == len(batches) - 1 else None)
         finally:
             model.set_training(False)
