@@ -61,9 +61,9 @@ KEYS = {
         "loss_chunk": ("Rows (of batch_size x block_size) whose logits the loss forms at once: the head's memory is "
                        "loss_chunk x vocab_size instead of the whole batch's, for one more head product", "all rows"),
         "recompute": ("Activations kept for the backward: none keeps every block's; block keeps each block's input "
-                      "(and on Llama-family models the attention's results) and forms the rest again in the backward "
-                      "(the same gradients, bit for bit, for one more forward of the blocks: on Llama-family models "
-                      "of their qkv and MLP input products only)", "none"),
+                      "(and on Llama models the attention's results) and forms the rest again in the backward (the same "
+                      "gradients, bit for bit, for one more forward of the blocks: on Llama models of their qkv and "
+                      "MLP input products only)", "none"),
         "sample_interval": "Steps between text samples printed during training; 0: no samples",
         "sample_tokens": "Tokens per sample",
         "checkpoint_interval": "Steps between checkpoints; the last step and a Ctrl-C always save one; 0: those alone",
