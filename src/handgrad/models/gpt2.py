@@ -124,7 +124,7 @@ class Activations:
         self.logits = e(*lshape)
         self.dlogits16 = x16(*lshape) if bf16 else self.logits  # dlogits narrowed (or the logits, in place)
         self.whole_logits = logit_rows is None
-        self.dhead = None if logit_rows is None else e(B, T, C)  # the chunked loss's d x (head.py); ddlnf
+        self.dhead = None if logit_rows is None else e(B, T, C)  # the chunked loss's d x (head.py), and dlnf
         self.losses = f32(B, T)
         self.lse = ops.empty((B, T), ops.LSE_DTYPE)  # cpu float64: see crossentropy_forward
         self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add

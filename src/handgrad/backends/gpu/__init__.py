@@ -14,8 +14,7 @@ from .dropout import dropout_backward, dropout_forward, dropout_seed
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward
 from .gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward,
-                            gqa_attention_prepare,
-                            gqa_attention_state_shape)
+                            gqa_attention_prepare, gqa_attention_state_shape)
 from .layernorm import layernorm_backward, layernorm_forward
 from .layernorm_linear import layernorm_linear_backward, layernorm_linear_forward
 from .linear import linear_backward, linear_forward
