@@ -378,7 +378,6 @@ class FlatModel(Head):
             a = self._acts = self.ACTIVATIONS(self.ops, self.config, B, T, self._act_dtype(),
                                               products=np.uint16 if self.bf16_products else np.float32,
                                               logit_rows=rows, recompute=self.recompute == "block")
-            a.chunked = rows is not None
             a.lora_xs = None if self.lora is None else self.ops.empty(  # each adapter's s x A, per block
                 (self.config.n_layer, max(map(len, self.lora_blocks)), B, T, self.lora.rank), self._act_dtype())
             a.dbranch = None  # a dropped branch's gradient (model.dropout), made at its first use

@@ -23,6 +23,20 @@ def row_range(x, r0, r1):
     return x.reshape(1, -1, *x.shape[2:])[:, r0:r1]
 
 
+def head_buffers(a, ops, B, T, C, V, dtype, products, logit_rows):
+    """The head's buffers on a family's Activations a: the logits (B, T, V), or (1, logit_rows, V)
+    with the chunked loss, overwritten in place by dlogits in the backward (with bf16 products
+    dlogits16, their narrowed copy); with chunks, dhead (B, T, C), the d x a training forward may
+    form (head_loss), which the family takes as its d x buffer; each row's loss and log-sum-exp."""
+    a.chunked = logit_rows is not None
+    lshape = (1, logit_rows, V) if a.chunked else (B, T, V)
+    a.logits = ops.empty(lshape, dtype)
+    a.dlogits16 = ops.empty(lshape, products) if np.dtype(products) == np.uint16 else a.logits
+    a.dhead = ops.empty((B, T, C), dtype) if a.chunked else None
+    a.losses = ops.empty((B, T), np.float32)
+    a.lse = ops.empty((B, T), ops.LSE_DTYPE)  # cpu float64: see crossentropy_forward
+
+
 class Head:
     def head_forward(self, a, x, W, dW):
         """The logits x (B, T, C) @ W (C, V) into a.logits; with loss_chunk, nothing yet: head_loss

@@ -21,6 +21,7 @@ import numpy as np
 from ..config import LlamaConfig
 from .decode import KVCache
 from .family import Family, FlatModel, initialise
+from .head import head_buffers
 
 
 def param_spec(config):
@@ -114,14 +115,7 @@ class Activations:
         self.res3 = e(NL, B, T, C)         # residual after the MLP: every block's, the next one's input
         self.normf = x16(B, T, C) if bf16 else e(B, T, C)
         self.rstdf = f32(B, T)
-        # overwritten in place by dlogits in the backward; logit_rows (the chunked loss): (1, rows, V)
-        lshape = (B, T, V) if logit_rows is None else (1, logit_rows, V)
-        self.logits = e(*lshape)
-        self.dlogits16 = x16(*lshape) if bf16 else self.logits  # dlogits narrowed (or the logits, in place)
-        self.whole_logits = logit_rows is None
-        self.dhead = None if logit_rows is None else e(B, T, C)  # the chunked loss's d x (head.py), and dnormf
-        self.losses = f32(B, T)
-        self.lse = ops.empty((B, T), ops.LSE_DTYPE)
+        head_buffers(self, ops, B, T, C, V, dtype, products, logit_rows)  # logits, losses (head.py)
         self.proj = e(B, T, C)             # scratch: o_proj and down_proj outputs before the residual add
         self.grads = None
 
@@ -152,7 +146,7 @@ class Activations:
         bf16 = np.dtype(self.products) == np.uint16
         x16 = lambda *shape: ops.empty(shape, self.products) if bf16 else None
         self.dres = e(B, T, C)
-        self.dnormf = e(B, T, C) if self.whole_logits else self.dhead
+        self.dnormf = self.dhead if self.chunked else e(B, T, C)  # the chunked loss forms it (head.py)
         self.datty = e(B, T, config.n_head * config.head_dim)
         self.dqkv = e(B, T, QKV)
         self.dres16, self.dqkv16 = x16(B, T, C), x16(B, T, QKV)  # narrowed for the products' backward
