@@ -135,20 +135,29 @@ def test_gelu_then_linear():
 
 
 def test_swiglu_then_linear():
-    """Llama's MLP tail: silu(gate) * up narrowed as written, into down_proj's bf16 product; the
-    backward's dgu written narrowed by swiglu_backward (what the next product takes)."""
+    """Llama's MLP tail: gate|up kept narrowed (as the model keeps it: Activations.gu16), silu(gate)
+    * up from it, narrowed as written, into down_proj's bf16 product; the backward's dgu written
+    narrowed by swiglu_backward (what the next product takes) from the same bf16 gate|up. Reading
+    bf16 gives the bits the float32 kernels give on its widened values."""
     H = 88
     gu, w, dout = randn(B, T, 2 * H, scale=2.0), randn(C, H, scale=0.1), randn(B, T, C)
-    h16 = np.empty((B, T, H), np.uint16)
-    ops.swiglu_forward(h16, gu)
+    gu16, wide = bf16(gu), ops.onednn.from_bf16(bf16(gu))
+    h16, h16_wide = np.empty((B, T, H), np.uint16), np.empty((B, T, H), np.uint16)
+    ops.swiglu_forward(h16, gu16)
+    ops.swiglu_forward(h16_wide, wide)
+    assert np.array_equal(h16, h16_wide)
     out = np.empty((B, T, C), np.float32)
     ops.linear_forward(out, h16, bf16(w).T)
     dh, dw = np.empty((B, T, H), np.float32), np.zeros_like(w)
     ops.linear_backward(dh, dw.T, None, bf16(dout), h16, bf16(w).T)
-    dgu16 = np.empty(gu.shape, np.uint16)
-    ops.swiglu_backward(dgu16, dh, gu)
+    dgu16, dgu16_wide = np.empty(gu.shape, np.uint16), np.empty(gu.shape, np.uint16)
+    ops.swiglu_backward(dgu16, dh, gu16)
+    ops.swiglu_backward(dgu16_wide, dh, wide)
+    assert np.array_equal(dgu16, dgu16_wide)
     hg = {"out": out, "dgu": ops.onednn.from_bf16(dgu16), "dw": dw}
-    fn = lambda gu, w: F.linear(F.silu(gu[..., :H]) * gu[..., H:], w)
+    def fn(gu, w):  # gate|up as gate_proj's and up_proj's products leave it: bf16 under autocast
+        gu = gu.to(torch.bfloat16) if torch.is_autocast_enabled("cpu") else gu
+        return F.linear(F.silu(gu[..., :H]) * gu[..., H:], w)
     check(*three_ways(fn, dict(gu=gu, w=w), dout, hg), "swiglu + linear")
 
 
@@ -331,3 +340,13 @@ def test_memory_count_holds_the_bf16_copy_and_narrow_product_inputs():
     assert b16["parameters"] == f32["parameters"] + 2 * n
     assert b16["gradients"] == f32["gradients"] and b16["AdamW moments"] == f32["AdamW moments"]
     assert b16["activations"] != f32["activations"]
+
+
+def test_llama_keeps_gate_up_narrowed_and_h_one_slot():
+    """bf16 products: every block's gate|up kept as bf16 (what swiglu reads, forward and backward),
+    its float32 product output and swiglu's output h one slot each (h formed again in the
+    backward). The memory count takes these shapes from the same class (training/memory.py)."""
+    cls, config = MODELS["llama"]
+    a, f = cls(config, dtype="bfloat16")._activations(4, 16), cls(config)._activations(4, 16)
+    assert a.gu16.dtype == np.uint16 and a.gu16.shape[0] == config.n_layer and a.gu.shape[0] == a.h.shape[0] == 1
+    assert f.gu16 is None and f.gu.shape[0] == f.h.shape[0] == config.n_layer

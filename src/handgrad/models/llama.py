@@ -91,7 +91,9 @@ class Activations:
         res3, and the attention half's results (its logsumexps, its output as o_proj's input, res2),
         kept for all: the backward forms qkv and the MLP's buffers again (Llama._block_recompute).
         The float32 attention output is held per block only where it is o_proj's input (float32
-        products); with bf16 products o_proj and its adapters read the narrowed copy atty16."""
+        products); with bf16 products o_proj and its adapters read the narrowed copy atty16. So with
+        gate|up: bf16 products keep it narrowed (gu16, as torch's autocast keeps it), swiglu reads
+        that copy both ways, and its output h, one slot, is formed again in the backward."""
         C, NL, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
         L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
         self.recompute = recompute
@@ -110,8 +112,9 @@ class Activations:
         self.atty = e(1 if bf16 else NL, B, T, NH * config.head_dim)  # attention output before o_proj
         self.atty16 = x16(NL, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input
         self.res2 = e(NL, B, T, C)         # residual after attention
-        self.gu = e(L, B, T, 2 * H)        # gate | up
-        self.h = x16(L, B, T, H) if bf16 else e(L, B, T, H)  # silu(gate) * up
+        self.gu = e(1 if bf16 else L, B, T, 2 * H)  # gate | up, as its product writes it
+        self.gu16 = x16(L, B, T, 2 * H) if bf16 else None  # ... narrowed: what swiglu reads, forward and backward
+        self.h = x16(1, B, T, H) if bf16 else e(L, B, T, H)  # silu(gate) * up (bf16: formed again in the backward)
         self.res3 = e(NL, B, T, C)         # residual after the MLP: every block's, the next one's input
         self.normf = x16(B, T, C) if bf16 else e(B, T, C)
         self.rstdf = f32(B, T)
@@ -129,6 +132,18 @@ class Activations:
         if self.atty16 is None:
             return self.atty[l], None
         return self.atty[0], self.atty16[l]
+
+    def gate_up(self, l):
+        """(block l's gate|up as its product writes it, as swiglu reads it): gu[slot] twice, or with
+        bf16 products gu's one slot and gu16[slot]."""
+        s = self.slot(l)
+        if self.gu16 is None:
+            return (self.gu[s],) * 2
+        return self.gu[0], self.gu16[s]
+
+    def hidden(self, l):
+        """block l's swiglu output: h[slot], or with bf16 products h's one slot."""
+        return self.h[0] if self.gu16 is not None else self.h[self.slot(l)]
 
     @staticmethod
     def scratch_bytes(ops, config, B, T):
@@ -237,8 +252,8 @@ class Llama(FlatModel):
         self.drop(a.proj, l, self.SITE_ATTN_OUT)
         ops.residual_forward(a.res2[l], x, a.proj)
         self._mlp_forward(a, l)
-        ops.linear_forward(a.proj, a.h[s], w[h + "mlp.down_proj.weight"].T)
-        self.lora_linear(a.proj, a.h[s], a, l, "down")
+        ops.linear_forward(a.proj, a.hidden(l), w[h + "mlp.down_proj.weight"].T)
+        self.lora_linear(a.proj, a.hidden(l), a, l, "down")
         self.drop(a.proj, l, self.SITE_MLP_OUT)
         ops.residual_forward(a.res3[l], a.res2[l], a.proj)
 
@@ -250,13 +265,15 @@ class Llama(FlatModel):
                                         adapters=self.lora_adapters(a, l, "qkv"))
 
     def _mlp_forward(self, a, l):
-        """gu[slot], rstd2 and h = swiglu(gu) from block l's res2."""
-        s = a.slot(l)
-        self.ops.rmsnorm_linear_forward(a.gu[s], a.rstd2[s], a.res2[l],
+        """gu (and gu16), rstd2 and h = swiglu(gu) from block l's res2."""
+        gu, g_in = a.gate_up(l)
+        self.ops.rmsnorm_linear_forward(gu, a.rstd2[a.slot(l)], a.res2[l],
                                         self.p[f"model.layers.{l}.post_attention_layernorm.weight"],
                                         self.fw.gu[l].T, None, self.config.norm_eps,
                                         adapters=self.lora_adapters(a, l, "gu"))
-        self.ops.swiglu_forward(a.h[s], a.gu[s])
+        if a.gu16 is not None:  # bf16 products: gate|up kept narrowed
+            self.ops.to_bf16(gu, g_in)
+        self.ops.swiglu_forward(a.hidden(l), g_in)
 
     def _block_recompute(self, a, l, x):
         """Under train.recompute block, what block l's backward reads and the forward did not keep,
@@ -298,14 +315,17 @@ class Llama(FlatModel):
             h = f"model.layers.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
             s = a.slot(l)
+            gu, hl = a.gate_up(l)[1], a.hidden(l)
             if a.recompute:  # qkv's and the MLP's buffers were not kept: form them again
                 self._block_recompute(a, l, x)
+            elif a.gu16 is not None:  # h was not kept: form it again from the kept gate|up
+                ops.swiglu_forward(hl, gu)
             # MLP: res3 = res2 + drop(down(swiglu(gate|up(rmsnorm(res2))))); dres holds d res3
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
-            ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dproj, a.h[s],
+            ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dproj, hl,
                                 w[h + "mlp.down_proj.weight"].T, acc)
-            self.lora_linear_grad(a.dh, dproj, a.h[s], a, l, "down")
-            ops.swiglu_backward(a.dgu, a.dh, a.gu[s])
+            self.lora_linear_grad(a.dh, dproj, hl, a, l, "down")
+            ops.swiglu_backward(a.dgu, a.dh, gu)
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), _t(fg.gu[l]), None,
                                         a.dgu, a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[s],
                                         fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))

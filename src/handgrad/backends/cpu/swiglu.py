@@ -12,7 +12,7 @@ exact np.exp, which the float64 tests against torch rely on.
 import numpy as np
 from numba import prange
 
-from .bf16 import store_as
+from .bf16 import load_as, store_as
 from .common import HEAVY, kernel, rows, serial_kernel
 from .mathfn import exp32
 
@@ -41,8 +41,8 @@ def _swiglu_forward_kernel32(out, gu):
     for i in prange(N):
         gr, ur, yr = gu[i, 0], gu[i, 1], out[i]
         for h in range(H):
-            g = gr[h]
-            yr[h] = store_as(yr, g * sigmoid32(g) * ur[h])
+            g = load_as(gr, gr[h])
+            yr[h] = store_as(yr, g * sigmoid32(g) * load_as(ur, ur[h]))
 
 
 @kernel(min_parallel=HEAVY)
@@ -66,8 +66,9 @@ def _halves(gu, out):
 
 def swiglu_forward(out, gu):
     """out (B, T, H) = silu(gu[..., :H]) * gu[..., H:], gu (B, T, 2H). Overwrites out, which may be
-    bf16 (uint16 bit patterns: the next product's input) for a float32 gu, narrowed as written."""
-    fn = _swiglu_forward_kernel32 if gu.dtype == np.float32 else _swiglu_forward_kernel
+    bf16 (uint16 bit patterns: the next product's input) for a float32 gu, narrowed as written; gu
+    may be bf16 too (the cpu's bf16 products keep gate|up so), widened as read."""
+    fn = _swiglu_forward_kernel if gu.dtype == np.float64 else _swiglu_forward_kernel32
     fn(rows(out), _halves(gu, out))
 
 
@@ -81,12 +82,12 @@ def _swiglu_backward_kernel32(dgu, dout, gu):
         gr, ur, dr = gu[i, 0], gu[i, 1], dout[i]
         dgr, dur = dgu[i, 0], dgu[i, 1]
         for h in range(H):
-            g = gr[h]
+            g = load_as(gr, gr[h])
             dur[h] = store_as(dur, dr[h] * g * sigmoid32(g))
         for h in range(H):
-            g = gr[h]
+            g = load_as(gr, gr[h])
             s = sigmoid32(g)
-            dgr[h] = store_as(dgr, dr[h] * ur[h] * s * (ONE32 + g * (ONE32 - s)))
+            dgr[h] = store_as(dgr, dr[h] * load_as(ur, ur[h]) * s * (ONE32 + g * (ONE32 - s)))
 
 
 @kernel(min_parallel=HEAVY)
@@ -110,9 +111,10 @@ def swiglu_backward(dgu, dout, gu):
       dg = dout * u * s (1 + g (1 - s)),   du = dout * silu(g) = dout * g s
     written to dgu (B, T, 2H) in gu's layout (dg in the first H columns, du in the last H).
     Overwrites dgu (the gradient of a linear's output, never the residual stream); dgu may be
-    bf16 (uint16 bit patterns: the input of a bf16 product's backward) for float32 gu and dout.
+    bf16 (uint16 bit patterns: the input of a bf16 product's backward) for float32 dout and a
+    float32 or bf16 gu (widened as read).
     """
-    fn = _swiglu_backward_kernel32 if gu.dtype == np.float32 else _swiglu_backward_kernel
+    fn = _swiglu_backward_kernel if gu.dtype == np.float64 else _swiglu_backward_kernel32
     if dgu.shape != gu.shape:
         raise ValueError(f"swiglu: dgu {dgu.shape} must have gu's shape {gu.shape}")
     fn(_halves(dgu, dout), rows(dout), _halves(gu, dout))
