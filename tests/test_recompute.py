@@ -35,11 +35,11 @@ def _gradients(cls, config, recompute, backend="cpu", **kwargs):
 
 
 @pytest.mark.parametrize("arch", MODELS)
-@pytest.mark.parametrize("kind", ["plain", "dropout", "lora", "bf16 lora"])
+@pytest.mark.parametrize("kind", ["plain", "dropout", "lora", "bf16", "bf16 lora"])
 def test_the_same_gradients_bit_for_bit(arch, kind):
     cls, config = MODELS[arch]
     lora = LoRAConfig(rank=4, alpha=8, dropout=0.1, targets=tuple(get_family(arch).model.LORA_MODULES))
-    kwargs = {"plain": {}, "dropout": {"dropout": 0.1}, "lora": {"lora": lora},
+    kwargs = {"plain": {}, "dropout": {"dropout": 0.1}, "lora": {"lora": lora}, "bf16": {"dtype": "bfloat16"},
               "bf16 lora": {"lora": lora, "dtype": "bfloat16"}}[kind]
     (loss0, g0), (loss1, g1) = (_gradients(cls, config, r, **kwargs) for r in ("none", "block"))
     assert loss0 == loss1

@@ -112,7 +112,10 @@ class Activations:
         self.atty = e(1 if bf16 else NL, B, T, NH * config.head_dim)  # attention output before o_proj
         self.atty16 = x16(NL, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input
         self.res2 = e(NL, B, T, C)         # residual after attention
-        self.gu = e(1 if bf16 else L, B, T, 2 * H)  # gate | up, as its product writes it
+        # gate | up, as its product writes it. With bf16 products it lives only from its product to its
+        # narrowing, never beside the MLP's backward buffers dh and dgu, so it takes their bytes (alloc_grads)
+        self._mlp_bytes = ops.empty((B * T * 8 * H,), np.uint8) if bf16 else None
+        self.gu = _view(self._mlp_bytes, np.float32, (1, B, T, 2 * H)) if bf16 else e(L, B, T, 2 * H)
         self.gu16 = x16(L, B, T, 2 * H) if bf16 else None  # ... narrowed: what swiglu reads, forward and backward
         self.h = x16(1, B, T, H) if bf16 else e(L, B, T, H)  # silu(gate) * up (bf16: formed again in the backward)
         self.res3 = e(NL, B, T, C)         # residual after the MLP: every block's, the next one's input
@@ -165,8 +168,11 @@ class Activations:
         self.datty = e(B, T, config.n_head * config.head_dim)
         self.dqkv = e(B, T, QKV)
         self.dres16, self.dqkv16 = x16(B, T, C), x16(B, T, QKV)  # narrowed for the products' backward
-        self.dgu = x16(B, T, 2 * H) if bf16 else e(B, T, 2 * H)  # swiglu's backward writes it
-        self.dh = e(B, T, H)
+        if bf16:  # gu's float32 scratch's bytes (__init__): dh, then dgu narrowed by swiglu's backward
+            self.dh = _view(self._mlp_bytes, np.float32, (B, T, H))
+            self.dgu = _view(self._mlp_bytes, np.uint16, (B, T, 2 * H), offset=4 * B * T * H)
+        else:
+            self.dh, self.dgu = e(B, T, H), e(B, T, 2 * H)  # dgu: swiglu's backward writes it
         self.grads = True
 
 
@@ -348,6 +354,15 @@ class Llama(FlatModel):
             ops.encoder_backward(g["model.embed_tokens.weight"], None,
                                  self.drop_grad(a, a.dres, -1, self.SITE_EMBED), a.idx)
         ready(*next(buckets))
+
+
+def _view(raw, dtype, shape, offset=0):
+    """shape's elements of dtype from byte `offset` of the byte buffer raw (None where raw is: a
+    memory count's allocator, training/memory.py)."""
+    if raw is None:
+        return None
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return raw[offset:offset + n].view(dtype).reshape(shape)
 
 
 def _t(x):
