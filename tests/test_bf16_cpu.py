@@ -345,13 +345,13 @@ def test_memory_count_holds_the_bf16_copy_and_narrow_product_inputs():
 def test_llama_keeps_gate_up_narrowed_and_h_one_slot():
     """bf16 products: every block's gate|up kept as bf16 (what swiglu reads, forward and backward),
     its float32 product output and swiglu's output h one slot each (h formed again in the
-    backward), in the bytes of the MLP's backward buffers dh and dgu, which are never alive beside
+    backward, as in float32), the float32 output in the bytes of the MLP's backward buffers dh and dgu, which are never alive beside
     it (a clash would break test_recompute's bit-for-bit bf16 rows). The memory count takes these
     shapes from the same class (training/memory.py)."""
     cls, config = MODELS["llama"]
     a, f = cls(config, dtype="bfloat16")._activations(4, 16), cls(config)._activations(4, 16)
     assert a.gu16.dtype == np.uint16 and a.gu16.shape[0] == config.n_layer and a.gu.shape[0] == a.h.shape[0] == 1
-    assert f.gu16 is None and f.gu.shape[0] == f.h.shape[0] == config.n_layer
+    assert f.gu16 is None and f.gu.shape[0] == config.n_layer and f.h.shape[0] == 1
     a.alloc_grads(ops, config)
     assert a.dh.dtype == np.float32 and a.dgu.dtype == np.uint16 and a.dgu.shape == a.gu.shape[1:]
     assert np.shares_memory(a.gu, a.dh) and np.shares_memory(a.gu, a.dgu) and not np.shares_memory(a.dh, a.dgu)

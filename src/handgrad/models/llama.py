@@ -92,8 +92,9 @@ class Activations:
         kept for all: the backward forms qkv and the MLP's buffers again (Llama._block_recompute).
         The float32 attention output is held per block only where it is o_proj's input (float32
         products); with bf16 products o_proj and its adapters read the narrowed copy atty16. So with
-        gate|up: bf16 products keep it narrowed (gu16, as torch's autocast keeps it), swiglu reads
-        that copy both ways, and its output h, one slot, is formed again in the backward."""
+        gate|up: bf16 products keep it narrowed (gu16, as torch's autocast keeps it) and swiglu reads
+        that copy both ways. swiglu's output h is one slot in every mode: the backward forms it again
+        from the kept gate|up (the same kernel on the same input: the same bits)."""
         C, NL, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
         L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
         self.recompute = recompute
@@ -117,7 +118,7 @@ class Activations:
         self._mlp_bytes = ops.empty((B * T * 8 * H,), np.uint8) if bf16 else None
         self.gu = _view(self._mlp_bytes, np.float32, (1, B, T, 2 * H)) if bf16 else e(L, B, T, 2 * H)
         self.gu16 = x16(L, B, T, 2 * H) if bf16 else None  # ... narrowed: what swiglu reads, forward and backward
-        self.h = x16(1, B, T, H) if bf16 else e(L, B, T, H)  # silu(gate) * up (bf16: formed again in the backward)
+        self.h = (x16 if bf16 else e)(1, B, T, H)  # silu(gate) * up: one slot, formed again in the backward
         self.res3 = e(NL, B, T, C)         # residual after the MLP: every block's, the next one's input
         self.normf = x16(B, T, C) if bf16 else e(B, T, C)
         self.rstdf = f32(B, T)
@@ -143,10 +144,6 @@ class Activations:
         if self.gu16 is None:
             return (self.gu[s],) * 2
         return self.gu[0], self.gu16[s]
-
-    def hidden(self, l):
-        """block l's swiglu output: h[slot], or with bf16 products h's one slot."""
-        return self.h[0] if self.gu16 is not None else self.h[self.slot(l)]
 
     @staticmethod
     def scratch_bytes(ops, config, B, T):
@@ -258,8 +255,8 @@ class Llama(FlatModel):
         self.drop(a.proj, l, self.SITE_ATTN_OUT)
         ops.residual_forward(a.res2[l], x, a.proj)
         self._mlp_forward(a, l)
-        ops.linear_forward(a.proj, a.hidden(l), w[h + "mlp.down_proj.weight"].T)
-        self.lora_linear(a.proj, a.hidden(l), a, l, "down")
+        ops.linear_forward(a.proj, a.h[0], w[h + "mlp.down_proj.weight"].T)
+        self.lora_linear(a.proj, a.h[0], a, l, "down")
         self.drop(a.proj, l, self.SITE_MLP_OUT)
         ops.residual_forward(a.res3[l], a.res2[l], a.proj)
 
@@ -279,7 +276,7 @@ class Llama(FlatModel):
                                         adapters=self.lora_adapters(a, l, "gu"))
         if a.gu16 is not None:  # bf16 products: gate|up kept narrowed
             self.ops.to_bf16(gu, g_in)
-        self.ops.swiglu_forward(a.hidden(l), g_in)
+        self.ops.swiglu_forward(a.h[0], g_in)
 
     def _block_recompute(self, a, l, x):
         """Under train.recompute block, what block l's backward reads and the forward did not keep,
@@ -321,10 +318,10 @@ class Llama(FlatModel):
             h = f"model.layers.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
             s = a.slot(l)
-            gu, hl = a.gate_up(l)[1], a.hidden(l)
+            gu, hl = a.gate_up(l)[1], a.h[0]
             if a.recompute:  # qkv's and the MLP's buffers were not kept: form them again
                 self._block_recompute(a, l, x)
-            elif a.gu16 is not None:  # h was not kept: form it again from the kept gate|up
+            else:  # h is one slot: form it again from the kept gate|up
                 ops.swiglu_forward(hl, gu)
             # MLP: res3 = res2 + drop(down(swiglu(gate|up(rmsnorm(res2))))); dres holds d res3
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
