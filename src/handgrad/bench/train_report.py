@@ -67,9 +67,12 @@ def format_footer(result):
         f"({e['numpy_blas']}), numba {e['numba']}, "
         f"torch {e['torch']} ({e['torch_threads']} threads)",
         f"sgemm peak ({float32_products(e)} float32 {p0['n']}^3): {p0['median_gflops']:.1f} GFLOP/s at start, "
-        f"{p1['median_gflops']:.1f} at end; MFU = GFLOP/s / the start peak"
-        + (f"; bf16 sides: / the bf16 matmul peak ({_bf16_how(result['bf16_peak'])} {result['bf16_peak']['n']}^3), "
-           f"{result['bf16_peak']['median_gflops']:.1f} GFLOP/s" if "bf16_peak" in result else ""),
+        f"{p1['median_gflops']:.1f} at end"
+        + (f"; bf16 matmul peak ({_bf16_how(result['bf16_peak'])} {result['bf16_peak']['n']}^3): "
+           f"{result['bf16_peak']['median_gflops']:.1f} at start, {result['bf16_peak_end']['median_gflops']:.1f} at end"
+           if "bf16_peak" in result else "")
+        + "; MFU = GFLOP/s / the largest peak measured, at start or after a row"
+        + (" (bf16 sides: the bf16 peak)" if "bf16_peak" in result else ""),
         "GFLOP/s and MFU count the FLOPs the model needs, as `handgrad train` does (flops_per_token: "
         "6 x the matrix parameters + 6·L·C·(T+1) for attention's causal half)",
         "tok/s from the median step; peak RSS = the worker process's high-water mark (VmHWM) over its steps "

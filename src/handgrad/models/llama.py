@@ -91,9 +91,9 @@ class Activations:
         res3, and the attention half's results (its logsumexps, its output as o_proj's input, res2),
         kept for all: the backward forms qkv and the MLP's buffers again (Llama._block_recompute).
         The float32 attention output is held per block only where it is o_proj's input (float32
-        products); with bf16 products o_proj and its adapters read the narrowed copy atty16. So with
-        gate|up: bf16 products keep it narrowed (gu16, as torch's autocast keeps it) and swiglu reads
-        that copy both ways. swiglu's output h is one slot in every mode: the backward forms it again
+        products); with bf16 products o_proj and its adapters read the narrowed copy atty16. Gate|up
+        likewise: bf16 products keep it narrowed (gu16, as torch's autocast leaves it), and swiglu
+        reads that copy both ways. swiglu's output h is one slot in every mode: the backward forms it again
         from the kept gate|up (the same kernel on the same input: the same bits)."""
         C, NL, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
         L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
