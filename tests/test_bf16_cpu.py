@@ -345,9 +345,9 @@ def test_memory_count_holds_the_bf16_copy_and_narrow_product_inputs():
 def test_llama_keeps_gate_up_narrowed_and_h_one_slot():
     """bf16 products: every block's gate|up kept as bf16 (what swiglu reads, forward and backward),
     its float32 product output and swiglu's output h one slot each (h formed again in the
-    backward, as in float32), the float32 output in the bytes of the MLP's backward buffers dh and dgu, which are never alive beside
-    it (a clash would break test_recompute's bit-for-bit bf16 rows). The memory count takes these
-    shapes from the same class (training/memory.py)."""
+    backward, as in float32). The float32 output lies in the bytes of the MLP's backward buffers
+    dh and dgu, which are never alive beside it (a clash would break test_recompute's bit-for-bit
+    bf16 rows). The memory count takes these shapes from the same class (training/memory.py)."""
     cls, config = MODELS["llama"]
     a, f = cls(config, dtype="bfloat16")._activations(4, 16), cls(config)._activations(4, 16)
     assert a.gu16.dtype == np.uint16 and a.gu16.shape[0] == config.n_layer and a.gu.shape[0] == a.h.shape[0] == 1
