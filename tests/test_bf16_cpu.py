@@ -356,3 +356,13 @@ def test_llama_keeps_gate_up_narrowed_and_h_one_slot():
     assert a.dh.dtype == np.float32 and a.dgu.dtype == np.uint16 and a.dgu.shape == a.gu.shape[1:]
     assert np.shares_memory(a.gu, a.dh) and np.shares_memory(a.gu, a.dgu) and not np.shares_memory(a.dh, a.dgu)
     assert a.gu.nbytes == a.dh.nbytes + a.dgu.nbytes
+
+
+def test_gpt2_keeps_one_slot_of_gelu_and_attention_outputs():
+    """GPT-2: gelu's output one slot in every mode (the backward forms it again from the kept
+    pre-activation; test_model.py's gradients against PyTorch would catch a bias added twice), and
+    with bf16 products the float32 attention output one slot, c_proj and its adapters reading atty16."""
+    cls, config = MODELS["gpt2"]
+    a, f = cls(config, dtype="bfloat16")._activations(4, 16), cls(config)._activations(4, 16)
+    assert a.fch_gelu.shape[0] == f.fch_gelu.shape[0] == 1 and a.fch.shape[0] == f.fch.shape[0] == config.n_layer
+    assert a.atty.shape[0] == 1 and a.atty16.shape[0] == f.atty.shape[0] == config.n_layer and f.atty16 is None

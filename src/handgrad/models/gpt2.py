@@ -96,7 +96,11 @@ class Activations:
         precision): the buffers that only feed products are then bf16, and narrowed copies of the
         others are kept (`*16`; None, or the float32 buffer itself, with float32 products).
         recompute: a block's buffers held for one block at a time (train.recompute block: family.py's
-        slot()); the block outputs res3 for all."""
+        slot()); the block outputs res3 for all. With bf16 products c_proj and its adapters read the
+        narrowed attention output atty16, so the float32 one is one slot (the cpu's attention backward
+        does not read it). GELU's output fch_gelu is one slot in every mode: the
+        backward forms it again from the kept pre-activation fch (the same kernel on the same input:
+        the same bits)."""
         C, NL, NH, V = config.n_embd, config.n_layer, config.n_head, config.vocab_size
         L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
         self.recompute = recompute
@@ -111,12 +115,12 @@ class Activations:
         self.ln1_mean, self.ln1_rstd = f32(L, B, T), f32(L, B, T)
         self.qkv = e(L, B, T, 3 * C)
         self.att = f32(L, *ops.attention_state_shape(B, NH, T))  # cpu: probabilities; gpu: logsumexp
-        self.atty = e(L, B, T, C)          # attention output before c_proj
-        self.atty16 = x16(L, B, T, C) if bf16 else None  # ... narrowed: c_proj's input
+        self.atty = e(1 if bf16 else L, B, T, C)  # attention output before c_proj (bf16: the forward's only)
+        self.atty16 = x16(L, B, T, C) if bf16 else None  # ... narrowed: c_proj's and its adapters' input
         self.res2 = e(L, B, T, C)          # residual after attention
         self.ln2_mean, self.ln2_rstd = f32(L, B, T), f32(L, B, T)
         self.fch = e(L, B, T, 4 * C)       # c_fc output + bias (GELU input)
-        self.fch_gelu = x16(L, B, T, 4 * C) if bf16 else e(L, B, T, 4 * C)
+        self.fch_gelu = (x16 if bf16 else e)(1, B, T, 4 * C)  # gelu(fch): one slot, formed again in the backward
         self.res3 = e(NL, B, T, C)         # residual after the MLP: every block's, the next one's input
         self.lnf = x16(B, T, C) if bf16 else e(B, T, C)
         self.lnf_mean, self.lnf_rstd = f32(B, T), f32(B, T)
@@ -204,18 +208,19 @@ class GPT(FlatModel):
                                      p[h + "ln_1.weight"], p[h + "ln_1.bias"],
                                      w[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"],
                                      adapters=self.lora_adapters(a, l, "c_attn"))
-        ops.attention_forward(a.atty[s], a.att[s], a.qkv[s], NH, **self.attention_dropout(l))
-        ops.linear_forward(a.proj, self.narrowed(a.atty[s], a.atty16, s), w[h + "attn.c_proj.weight"],
-                           p[h + "attn.c_proj.bias"])
-        self.lora_linear(a.proj, a.atty[s], a, l, "c_proj")
+        y = a.atty[0 if a.atty16 is not None else s]
+        ops.attention_forward(y, a.att[s], a.qkv[s], NH, **self.attention_dropout(l))
+        c_in = self.narrowed(y, a.atty16, s)
+        ops.linear_forward(a.proj, c_in, w[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
+        self.lora_linear(a.proj, c_in, a, l, "c_proj")
         self.drop(a.proj, l, self.SITE_ATTN_OUT)
         ops.residual_forward(a.res2[s], x, a.proj)
         ops.layernorm_linear_forward(a.fch[s], a.ln2_mean[s], a.ln2_rstd[s], a.res2[s],
                                      p[h + "ln_2.weight"], p[h + "ln_2.bias"],
                                      w[h + "mlp.c_fc.weight"], None, adapters=self.lora_adapters(a, l, "c_fc"))
-        ops.gelu_forward(a.fch_gelu[s], a.fch[s], p[h + "mlp.c_fc.bias"])
-        ops.linear_forward(a.proj, a.fch_gelu[s], w[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
-        self.lora_linear(a.proj, a.fch_gelu[s], a, l, "mlp.c_proj")
+        ops.gelu_forward(a.fch_gelu[0], a.fch[s], p[h + "mlp.c_fc.bias"])  # fch becomes c_fc's output + bias
+        ops.linear_forward(a.proj, a.fch_gelu[0], w[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
+        self.lora_linear(a.proj, a.fch_gelu[0], a, l, "mlp.c_proj")
         self.drop(a.proj, l, self.SITE_MLP_OUT)
         ops.residual_forward(a.res3[l], a.res2[s], a.proj)
 
@@ -252,11 +257,13 @@ class GPT(FlatModel):
             s = a.slot(l)
             if a.recompute:  # only the block inputs were kept: run the block again
                 self._block_forward(a, l, x)
+            else:  # gelu's output is one slot: form it again from the kept pre-activation (bias added)
+                ops.gelu_forward(a.fch_gelu[0], a.fch[s])
             # MLP: res3 = res2 + drop(c_proj(gelu(c_fc(ln_2(res2))))); dres holds d res3
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
             ops.linear_backward(a.dfch, g.get(h + "mlp.c_proj.weight"), g.get(h + "mlp.c_proj.bias"), dproj,
-                                a.fch_gelu[s], w[h + "mlp.c_proj.weight"], acc)
-            self.lora_linear_grad(a.dfch, dproj, a.fch_gelu[s], a, l, "mlp.c_proj")
+                                a.fch_gelu[0], w[h + "mlp.c_proj.weight"], acc)
+            self.lora_linear_grad(a.dfch, dproj, a.fch_gelu[0], a, l, "mlp.c_proj")
             ops.gelu_backward(a.dfch16, g.get(h + "mlp.c_fc.bias"), a.dfch, a.fch[s])
             ops.layernorm_linear_backward(a.dres, g.get(h + "ln_2.weight"), g.get(h + "ln_2.bias"),
                                           g.get(h + "mlp.c_fc.weight"), None, a.dfch16, a.res2[s],
@@ -265,10 +272,12 @@ class GPT(FlatModel):
                                           adapters=self.lora_adapters(a, l, "c_fc"))
             # attention: res2 = x + drop(c_proj(attn(c_attn(ln_1(x))))); dres now holds d res2
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
+            c_in = a.atty[s] if a.atty16 is None else a.atty16[s]
             ops.linear_backward(a.datty, g.get(h + "attn.c_proj.weight"), g.get(h + "attn.c_proj.bias"), dproj,
-                                a.atty[s] if a.atty16 is None else a.atty16[s], w[h + "attn.c_proj.weight"], acc)
-            self.lora_linear_grad(a.datty, dproj, a.atty[s], a, l, "c_proj")
-            ops.attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[s], NH, out=a.atty[s],
+                                c_in, w[h + "attn.c_proj.weight"], acc)
+            self.lora_linear_grad(a.datty, dproj, c_in, a, l, "c_proj")
+            # out: the forward's output where it is kept (the gpu's flash backward reads it; the cpu's does not)
+            ops.attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[s], NH, out=c_in if a.atty16 is None else None,
                                    **self.attention_dropout(l))
             ops.layernorm_linear_backward(a.dres, g.get(h + "ln_1.weight"), g.get(h + "ln_1.bias"),
                                           g.get(h + "attn.c_attn.weight"), g.get(h + "attn.c_attn.bias"),
