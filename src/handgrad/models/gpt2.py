@@ -10,6 +10,7 @@ from ..config import GPTConfig
 from .decode import KVCache
 from .family import Family, FlatModel, initialise
 from .head import head_buffers
+from .params import kept_copy
 
 
 def param_spec(config):
@@ -98,9 +99,8 @@ class Activations:
         recompute: a block's buffers held for one block at a time (train.recompute block: family.py's
         slot()); the block outputs res3 for all. With bf16 products c_proj and its adapters read the
         narrowed attention output atty16, so the float32 one is one slot (the cpu's attention backward
-        does not read it). GELU's output fch_gelu is one slot in every mode: the
-        backward forms it again from the kept pre-activation fch (the same kernel on the same input:
-        the same bits)."""
+        does not read it). GELU's output fch_gelu is one slot in every mode: the backward forms it
+        again from the kept pre-activation fch (the same kernel on the same input: the same bits)."""
         C, NL, NH, V = config.n_embd, config.n_layer, config.n_head, config.vocab_size
         L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
         self.recompute = recompute
@@ -127,6 +127,11 @@ class Activations:
         head_buffers(self, ops, B, T, C, V, dtype, products, logit_rows)  # logits, losses (head.py)
         self.proj = e(B, T, C)             # scratch: c_proj outputs before the residual add
         self.grads = None                  # gradient buffers, allocated on the first backward
+
+    def o_input(self, s):
+        """(slot s's attention output, its bf16 copy c_proj reads or None): atty[s], or with bf16
+        products atty's one slot (the forward's only) and atty16[s]."""
+        return kept_copy(self.atty, self.atty16, s)
 
     def slot(self, l):
         """Where block l's inner buffers are: its own, or under recompute the one set all share."""
@@ -208,9 +213,9 @@ class GPT(FlatModel):
                                      p[h + "ln_1.weight"], p[h + "ln_1.bias"],
                                      w[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"],
                                      adapters=self.lora_adapters(a, l, "c_attn"))
-        y = a.atty[0 if a.atty16 is not None else s]
+        y, y16 = a.o_input(s)
         ops.attention_forward(y, a.att[s], a.qkv[s], NH, **self.attention_dropout(l))
-        c_in = self.narrowed(y, a.atty16, s)
+        c_in = self.narrowed(y, y16)
         ops.linear_forward(a.proj, c_in, w[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
         self.lora_linear(a.proj, c_in, a, l, "c_proj")
         self.drop(a.proj, l, self.SITE_ATTN_OUT)
@@ -272,12 +277,13 @@ class GPT(FlatModel):
                                           adapters=self.lora_adapters(a, l, "c_fc"))
             # attention: res2 = x + drop(c_proj(attn(c_attn(ln_1(x))))); dres now holds d res2
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
-            c_in = a.atty[s] if a.atty16 is None else a.atty16[s]
+            y, y16 = a.o_input(s)
+            c_in = y if y16 is None else y16
             ops.linear_backward(a.datty, g.get(h + "attn.c_proj.weight"), g.get(h + "attn.c_proj.bias"), dproj,
                                 c_in, w[h + "attn.c_proj.weight"], acc)
             self.lora_linear_grad(a.datty, dproj, c_in, a, l, "c_proj")
             # out: the forward's output where it is kept (the gpu's flash backward reads it; the cpu's does not)
-            ops.attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[s], NH, out=c_in if a.atty16 is None else None,
+            ops.attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[s], NH, out=y if y16 is None else None,
                                    **self.attention_dropout(l))
             ops.layernorm_linear_backward(a.dres, g.get(h + "ln_1.weight"), g.get(h + "ln_1.bias"),
                                           g.get(h + "attn.c_attn.weight"), g.get(h + "attn.c_attn.bias"),

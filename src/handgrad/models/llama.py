@@ -22,6 +22,7 @@ from ..config import LlamaConfig
 from .decode import KVCache
 from .family import Family, FlatModel, initialise
 from .head import head_buffers
+from .params import kept_copy
 
 
 def param_spec(config):
@@ -133,17 +134,13 @@ class Activations:
     def o_input(self, l):
         """(block l's attention output, its bf16 copy o_proj reads or None): atty[l], or with bf16
         products atty's one slot (the forward's only) and atty16[l]."""
-        if self.atty16 is None:
-            return self.atty[l], None
-        return self.atty[0], self.atty16[l]
+        return kept_copy(self.atty, self.atty16, l)
 
     def gate_up(self, l):
         """(block l's gate|up as its product writes it, as swiglu reads it): gu[slot] twice, or with
         bf16 products gu's one slot and gu16[slot]."""
-        s = self.slot(l)
-        if self.gu16 is None:
-            return (self.gu[s],) * 2
-        return self.gu[0], self.gu16[s]
+        gu, gu16 = kept_copy(self.gu, self.gu16, self.slot(l))
+        return gu, gu if gu16 is None else gu16
 
     @staticmethod
     def scratch_bytes(ops, config, B, T):

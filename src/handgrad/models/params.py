@@ -5,7 +5,8 @@
 family's initial weights tensor by tensor from one numpy Generator, a chunk at a time: a chunked
 draw gives the same numbers as one draw of the whole tensor, so a tensor held as bf16 (a frozen
 LoRA base, models/lora.py) is filled and a digest of the weights hashed without ever holding a
-float32 copy of the largest tensor.
+float32 copy of the largest tensor. `kept_copy` picks the views of an activation buffer that bf16
+products keep narrowed.
 """
 import numpy as np
 
@@ -66,3 +67,10 @@ def initialise(spec, seed, rule, into=None, digest=None):
             else:
                 flat[i:i + part.size] = part
     return host
+
+
+def kept_copy(full, narrow, i):
+    """(block i's output as the forward writes it, the bf16 copy kept of it or None), for a family's
+    Activations buffer that bf16 products keep narrowed: full[i] where none is kept (narrow None);
+    otherwise full's one slot (the forward's only) and narrow[i]."""
+    return (full[i], None) if narrow is None else (full[0], narrow[i])
