@@ -287,7 +287,7 @@ def main(args):
     t_start = time.perf_counter()
     dtype = getattr(args, "dtype", None) or "float32"
     # bf16 sides' MFU: against the bf16 product's peak (oneDNN), which a float32 peak would put above 100%
-    peaks = {d: [sgemm_peak(dtype=d)] for d in ("float32", "bfloat16") if d == "float32" or dtype == "bfloat16"}
+    peaks = {d: [sgemm_peak(dtype=d)] for d in dict.fromkeys(("float32", dtype))}  # float32's, then bf16's
     rows = []
     for name in names:
         r = bench_shape(name, args.steps, args.profile, getattr(args, "lora", None), dtype,
