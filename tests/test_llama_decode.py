@@ -91,16 +91,20 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_parallel_copies_give_the_same_bits(monkeypatch, dtype):
-    """Every kernel's parallel copy (products, attention), forced at these tiny sizes, against the
-    serial ones the sizes pick: one result."""
-    from handgrad.backends.cpu import llama_decode
+def test_one_thread_and_a_team_give_the_same_bits(dtype):
+    """The step's one parallel region (backends/cpu/team.py) on one thread, where the lone member
+    does every part, against two members splitting the products and the heads: one result."""
+    import numba
     model = _model("llama")
     idx = np.random.default_rng(3).integers(0, model.config.vocab_size, (3, 11))
-    serial = _steps(model, True, dtype, 3, idx)
-    monkeypatch.setattr(llama_decode, "MIN_PARALLEL", 1)
-    monkeypatch.setattr(llama_decode, "HEAVY", 1)
-    for got, want in zip(_steps(model, True, dtype, 3, idx), serial):
+    team = _steps(model, True, dtype, 3, idx)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        alone = _steps(model, True, dtype, 3, idx)
+    finally:
+        numba.set_num_threads(threads)
+    for got, want in zip(alone, team):
         np.testing.assert_array_equal(got, want)
 
 

@@ -27,6 +27,7 @@ from . import blas
 from .blas import NO_TRANS, TRANS, gemm_at, gemm_beta_at, restore_threads, single_threaded
 from .common import HEAVY, decode_rows, kernel, serial_kernel, workspace
 from .dropout import MASK32, _SHIFT32, _split, philox4x32, threshold
+from .decode_attend import _decode_kernel
 from .mathfn import dot64, exp32, max32, sum64
 
 # Query rows per block of the causal products. Measured on `mid`'s attention (B 8, NH 8, T 256,
@@ -430,46 +431,6 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, se
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)
-@kernel(min_parallel=HEAVY)
-def _decode_kernel(out, qkv, k_cache, v_cache, scores, acc, pos, rows, NH, scale):
-    """Row b's query (at pos[b] of cache row rows[b]) over the cache; NH query heads on NKV kv heads (GPT-2:
-    NKV = NH). Parallel over (b, kv head); loops along contiguous head rows, float64 sums (acc[bg])."""
-    B = out.shape[0]
-    _, NKV, _, hs = k_cache.shape
-    G = NH // NKV
-    for bg in prange(B * NKV):
-        b = bg // NKV
-        g = bg - b * NKV
-        r, p = rows[b], pos[b]  # its cache row and position
-        k0 = (NH + g) * hs
-        v0 = (NH + NKV + g) * hs
-        for i in range(hs):  # append this position's key and value
-            k_cache[r, g, p, i] = qkv[b, k0 + i]
-            v_cache[r, g, p, i] = qkv[b, v0 + i]
-        a = acc[bg]
-        for h in range(g * G, (g + 1) * G):
-            q = qkv[b, h * hs:(h + 1) * hs]
-            mx = -np.inf
-            for s in range(p + 1):  # scores of the one query against keys [0, p]
-                dot = dot64(q, k_cache[r, g, s], hs) * scale
-                scores[bg, s] = dot
-                mx = max(mx, dot)
-            total = 0.0
-            for s in range(p + 1):
-                e = np.exp(scores[bg, s] - mx)
-                scores[bg, s] = e
-                total += e
-            a[:] = 0.0
-            for s in range(p + 1):  # P V, one value row at a time
-                w = scores[bg, s]
-                vs = v_cache[r, g, s]
-                for i in range(hs):
-                    a[i] += w * vs[i]
-            inv = 1.0 / total
-            for i in range(hs):
-                out[b, h * hs + i] = a[i] * inv
-
-
 def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, rows=None):
     """One decoding step: the token at position `pos` attends over the cached keys and values.
 

@@ -8,7 +8,7 @@ held in registers (AVX-512: 16 lanes, 4 x 4; else 8 lanes, 4 x 2, as many accumu
 registers hold beside the loads), and in the same loop the next tile's weight lines prefetched, so
 the fetch from memory overlaps the arithmetic (8 rows do 8 multiply-adds a weight element: done
 after the fetch, the two times add). One row alone is one row by one weight row, over ROW_CHAINS
-accumulators in turn, prefetching ROW_AHEAD rows on. Measured on the 2-core AMD EPYC Zen 5,
+accumulators in turn, prefetching the weight rows about AHEAD_BYTES on (row_ahead). Measured on the 2-core AMD EPYC Zen 5,
 SmolLM2-135M's 121 decode products, against the loop of Numba dot products this replaced (four
 rows of a a pass, a bulk prefetch of the weight row two on past 4 rows), interleaved, best of 15,
 two runs (five at one row): 8 rows 19.1-19.6 -> 11.2-13.7 ms float32 and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4
@@ -23,7 +23,7 @@ are prefetched in address order (they had been TILE_N strided streams): float32 
 import numpy as np
 from llvmlite import ir
 from llvmlite.binding import get_host_cpu_features
-from numba import prange, types
+from numba import njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
@@ -35,7 +35,13 @@ _AVX512 = "+avx512f" in (config.CPU_FEATURES or get_host_cpu_features().flatten(
 LANES = 16 if _AVX512 else 8  # floats in one vector register: _tile's vectors
 TILE_M, TILE_N = (4, 4) if _AVX512 else (4, 2)  # rows of a and of wt whose products _tile keeps in registers
 PREFETCH_AHEAD = TILE_N  # weight rows: the next tile's
-ROW_CHAINS, ROW_AHEAD = 4, 4  # one row alone: accumulators in turn, and weight rows prefetched ahead
+ROW_CHAINS = 4  # one row alone: accumulators in turn
+# ... and how far ahead it prefetches, float32 weights and bf16: measured on the 2-core Zen 5 over
+# SmolLM2-135M's 121 decode products, at the guest's high-bandwidth moments (triad 80-86 GB/s), one
+# row: float32 74-76 GB/s at the 4 rows (9 KB at K 576, 24 KB at 1536) this replaced, 77-79 at 3-5
+# KB, 75-78 at 7 KB, 74-76 at 10 KB; bf16 77-80 at 4 rows, 80-83 at 4 KB, 83-86 at 5 KB, 85-88 at
+# 7 KB (`/tmp` scripts, interleaved; at a low-bandwidth moment all within 5%).
+AHEAD_BYTES_F32, AHEAD_BYTES_BF16 = 4096, 7168
 
 
 _F32, _I64 = ir.FloatType(), ir.IntType(64)
@@ -114,11 +120,12 @@ def _tiles(rows_a, rows_w, chains):
             def starts(arr, ty, which):
                 return [cgutils.get_item_pointer(context, builder, ty, arr, [r, zero], wraparound=False) for r in which]
 
-            ms, ns = rows(args[3], rows_a, M), rows(args[4], rows_w, N)
+            m0, n0, ahead = (context.cast(builder, v, t, types.int64) for v, t in zip(args[3:], signature.args[3:]))
+            ms, ns = rows(m0, rows_a, M), rows(n0, rows_w, N)
             pa, pw = starts(arrays[0], aty, ms), starts(arrays[1], wty, ns)
             # the next tile's rows_w weight rows are one contiguous stretch from its first row: prefetched
             # in order, rows_w lines (float32) a chunk, so the hardware sees one stream, not rows_w
-            soon = starts(arrays[1], wty, rows(builder.add(args[4], args[5]), 1, N))[0]
+            soon = starts(arrays[1], wty, rows(builder.add(n0, ahead), 1, N))[0]
             abf, wbf = aty.dtype == types.uint16, wty.dtype == types.uint16
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3),
                                                  f"llvm.fma.v{LANES}f32")
@@ -166,38 +173,76 @@ def _tiles(rows_a, rows_w, chains):
     return tile
 
 
+@intrinsic
+def warm(typingctx, arr, first, count):
+    """Ask for the cache lines of rows [first, first + count) of the C-contiguous 2-D arr (cut at its
+    last row), to be read soon: one prefetch a line, nothing waited for. A team member calls it for
+    the rows it reads next (its share of the next product, a layer's cached keys) before it waits."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 2):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        rows_, cols = cgutils.unpack_tuple(builder, ary.shape, 2)
+        lo, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[1:], signature.args[1:]))
+        hi = builder.select(builder.icmp_signed("<", builder.add(lo, n), rows_), builder.add(lo, n), rows_)
+        with builder.if_then(builder.icmp_signed("<", lo, hi)):
+            start = builder.bitcast(cgutils.get_item_pointer(context, builder, aty, ary, [lo, ir.Constant(_I64, 0)],
+                                                             wraparound=False), ir.IntType(8).as_pointer())
+            size = ir.Constant(_I64, context.get_abi_sizeof(context.get_data_type(aty.dtype)))
+            nbytes = builder.mul(builder.mul(builder.sub(hi, lo), cols), size)
+            with cgutils.for_range_slice(builder, ir.Constant(_I64, 0), nbytes, ir.Constant(_I64, 64)) as (i, _):
+                _prefetch(builder, builder.gep(start, [i]))
+        return context.get_dummy_value()
+
+    return types.void(arr, first, count), codegen
+
+
 _tile = _tiles(TILE_M, TILE_N, 1)
 _tile1, _tile2, _tile3 = (_tiles(r, TILE_N, 1) for r in (1, 2, 3))  # the last M % TILE_M rows
 _row = _tiles(1, 1, ROW_CHAINS)
 
 
+@njit(cache=True, error_model="numpy")
+def row_ahead(wt):
+    """Weight rows one row alone prefetches ahead: the fewest that span AHEAD_BYTES (at least one)."""
+    target = AHEAD_BYTES_BF16 if wt.itemsize == 2 else AHEAD_BYTES_F32
+    return max(1, -(-target // (wt.shape[1] * wt.itemsize)))
+
+
+@njit(cache=True, error_model="numpy")
+def nt_rows(a, wt, c, lo, hi):
+    """c[:, lo:hi] = a @ wt[lo:hi]^T, serially: tiles of TILE_M rows of a by TILE_N rows of wt (_tile),
+    the last M % TILE_M rows on a tile of their height (_tile1 to _tile3), so no row is worked twice
+    and each row's sums are the same bits in any batch of 2 or more (weight rows past N repeat row
+    N - 1; lo a multiple of TILE_N, and hi too unless it is N, so no tile reaches past hi but at N).
+    One row alone takes _row, the same sums up to float32 rounding (its accumulators are chained).
+    Each tile prefetches the weight rows after its own as it works (the module docstring)."""
+    M = a.shape[0]
+    if M == 1:
+        ahead = row_ahead(wt)
+        for n in range(lo, hi):
+            _row(a, wt, c, 0, n, ahead)
+        return
+    for n in range(lo, hi, TILE_N):
+        for m in range(0, M - TILE_M + 1, TILE_M):
+            _tile(a, wt, c, m, n, PREFETCH_AHEAD)
+        m, left = M - M % TILE_M, M % TILE_M
+        if left == 1:
+            _tile1(a, wt, c, m, n, PREFETCH_AHEAD)
+        elif left == 2:
+            _tile2(a, wt, c, m, n, PREFETCH_AHEAD)
+        elif left == 3:
+            _tile3(a, wt, c, m, n, PREFETCH_AHEAD)
+
+
 @kernel
 def small_m_nt(a, wt, c):
-    """c (M, N) = a (M, K) @ wt (N, K)^T: tiles of TILE_M rows of a by TILE_N rows of wt (_tile),
-    the last M % TILE_M rows on a tile of their height (_tile1 to _tile3), so no row is worked
-    twice and each row's sums are the same bits in any batch of 2 or more (weight rows past N
-    repeat row N - 1). One row alone takes _row, the same sums up to float32 rounding (its
-    accumulators are chained).
-    Parallel over blocks of wt's rows; each tile prefetches the weight rows after its own as it
-    works (the module docstring)."""
-    M, K = a.shape
+    """c (M, N) = a (M, K) @ wt (N, K)^T by nt_rows, in parallel over blocks of NT_BLOCK rows of wt."""
     N = wt.shape[0]
     for j in prange((N + NT_BLOCK - 1) // NT_BLOCK):
-        top = min(N, (j + 1) * NT_BLOCK)
-        if M == 1:
-            for n in range(j * NT_BLOCK, top):
-                _row(a, wt, c, 0, n, ROW_AHEAD)
-            continue
-        for n in range(j * NT_BLOCK, top, TILE_N):
-            for m in range(0, M - TILE_M + 1, TILE_M):
-                _tile(a, wt, c, m, n, PREFETCH_AHEAD)
-            m, left = M - M % TILE_M, M % TILE_M
-            if left == 1:
-                _tile1(a, wt, c, m, n, PREFETCH_AHEAD)
-            elif left == 2:
-                _tile2(a, wt, c, m, n, PREFETCH_AHEAD)
-            elif left == 3:
-                _tile3(a, wt, c, m, n, PREFETCH_AHEAD)
+        nt_rows(a, wt, c, j * NT_BLOCK, min(N, (j + 1) * NT_BLOCK))
 
 
 _OPERANDS = (np.float32, np.uint16)

@@ -42,11 +42,12 @@ import numpy as np
 from numba import njit, prange
 
 from . import blas
-from .attention import (CAUSAL_BLOCK, _decode_kernel, _exp, _gemm_add_at, _row_max, apply_keep, dropout_args,
+from .attention import (CAUSAL_BLOCK, _exp, _gemm_add_at, _row_max, apply_keep, dropout_args,
                         dropout_heads_kernel, keep_row, keep_scratch, softmax_backward_row)
 from .blas import NO_TRANS, TRANS, gemm_at, restore_threads, single_threaded
 from .rope import rope_backward, rope_forward
 from .common import HEAVY, decode_rows, kernel, serial_kernel, workspace
+from .decode_attend import _decode_kernel
 from .mathfn import sum64
 
 

@@ -7,9 +7,20 @@ memory bandwidth's (bench decode) plus whatever the work between the products co
 argument checks and Numba's dispatch: 20-50 us a call beside 1-13 us of arithmetic (SmolLM2-135M on
 the 2-core EPYC: attention's op 53 us against its kernel's 13, RoPE's 14 against 1.6), 7-8 ms of a
 36 ms step. Here the whole step is one Numba function that calls the same kernels the ops call, in
-the same order, on the same buffers: the products (few_rows.small_m_nt), rmsnorm, RoPE, the decode
-attention, SwiGLU, the residual adds. Its results are the op path's bit for bit (tests/
-test_llama_decode.py), since every kernel's parallel and serial copies compute the same sums.
+the same order, on the same buffers: the products (few_rows.nt_rows), rmsnorm, RoPE, the decode
+attention (decode_attend.attend_head), SwiGLU, the residual adds. Its results are the op path's bit
+for bit (tests/test_llama_decode.py): every product element and every head is computed by the same
+code whichever thread runs it.
+
+The step is one parallel region (team.py): the threads stay in it from the first block to the last
+and meet at barriers, rather than opening a region for each of the 120 products as the op calls
+do. Each member multiplies its share of every weight's rows and attends with its share of the
+query heads; member 0 does the small serial work between (norms, RoPE, the cache's appends,
+residual adds, SwiGLU) while the others wait; before each wait a member prefetches the first rows
+of its next share and the cached keys and values its heads read next. Measured on the 2-core Zen
+5, SmolLM2-135M-Instruct, greedy, 63 steps after a 16-token prompt, against the region-a-product
+step this replaced, interleaved in one process (docs/PERFORMANCE.md, "One parallel region for a
+decode step"): see there for the figures.
 
 Per block l, for rows b (each its own position pos[b] and cache row rows[b]):
     xn = rmsnorm(x; norm1[l]);  qkv = xn @ Wqkv[l] (+ bqkv[l]);  RoPE on qkv's q and k heads at pos[b]
@@ -22,77 +33,147 @@ import math
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from .few_rows import small_m_nt
-from .attention import _decode_kernel
-from .common import HEAVY, MIN_PARALLEL, decode_rows, threshold_divisor, workspace
+from .common import decode_rows, workspace
+from .decode_attend import append_kv, attend_head
+from .few_rows import TILE_N, nt_rows, row_ahead, warm
 from .linear import _add_bias_kernel
 from .onednn import _narrow, _widen
 from .residual import _residual_forward_kernel
 from .rmsnorm import _rmsnorm_forward_kernel
 from .rope import _rope_forward_kernel
 from .swiglu import _swiglu_forward_kernel32
+from .team import LEAVE, SYNC_SLOTS, TEAM, barrier, part, team_start
 
 LAYER_PARTS = ("norm1", "wqkv", "bqkv", "wo", "norm2", "wgu", "wdown")
 
-# the kernels' compiled copies, as globals a Numba function can call (a @kernel object is Python's)
+# the kernels' serial copies, as globals a Numba function can call (a @kernel object is Python's)
 _rmsnorm, _rope, _add_bias = _rmsnorm_forward_kernel.serial, _rope_forward_kernel.serial, _add_bias_kernel.serial
 _residual, _swiglu, _narrow_rows = _residual_forward_kernel.serial, _swiglu_forward_kernel32.serial, _narrow.serial
-_attend, _attend_parallel = _decode_kernel.serial, _decode_kernel.parallel
-_few_rows, _few_rows_parallel = small_m_nt.serial, small_m_nt.parallel
 
 
 @njit(cache=True, error_model="numpy")
-def _product(out, inp, wt, narrow, wide, bf16, par_min):
-    """out (M, N) = inp (M, K) @ wt (N, K)^T by the few-row kernel; bf16 weights: inp rounded to
-    bf16 (narrow) and widened (wide) first. Parallel where blas.gemm's call would be."""
+def _operand(inp, wide, bf16):
+    """What a product multiplies: inp, or with bf16 weights its bf16-rounded copy, widened (_narrowed)."""
     M, K = inp.shape
-    a = inp
-    if bf16:
-        nb, wb = narrow[:M * K].reshape(M, K), wide[:M * K].reshape(M, K)
-        _narrow_rows(inp, nb)
-        _widen(nb, wb)
-        a = wb
-    if wt.size >= par_min:
-        _few_rows_parallel(a, wt, out)
-    else:
-        _few_rows(a, wt, out)
+    return wide[:M * K].reshape(M, K) if bf16 else inp
 
 
 @njit(cache=True, error_model="numpy")
-def _blocks_kernel(x, xn, qkv, atty, proj, gu, h, rstd, narrow, wide, scores, acc,
+def _narrowed(inp, narrow, wide, bf16):
+    """With bf16 weights: inp rounded to bf16 (narrow) and widened exactly (wide), as blas.gemm
+    does for a bf16 operand. One member runs it, before the barrier ahead of the product."""
+    if bf16:
+        M, K = inp.shape
+        nb = narrow[:M * K].reshape(M, K)
+        _narrow_rows(inp, nb)
+        _widen(nb, wide[:M * K].reshape(M, K))
+
+
+@njit(cache=True, error_model="numpy")
+def _product(out, inp, wt, wide, bf16, me, team, nxt):
+    """Member me's share of out (M, N) = operand (M, K) @ wt (N, K)^T (whole tiles of weight rows),
+    then its share of the next product's weight nxt asked for (its first row_ahead rows: what
+    the product's own loop keeps prefetched ahead, begun while the member waits)."""
+    lo, hi = part(wt.shape[0], me, team, TILE_N)
+    nt_rows(_operand(inp, wide, bf16), wt, out, lo, hi)
+    warm(nxt, part(nxt.shape[0], me, team, TILE_N)[0], row_ahead(nxt))
+
+
+@njit(cache=True, error_model="numpy")
+def _warm_cache(k_cache, v_cache, rows, pos, lo, hi, NH, G):
+    """Ask for the cached keys and values that query heads [lo, hi) (of B x NH, row-major) read:
+    positions [0, pos[b]) of each kv head once (a member's heads are consecutive)."""
+    last = -1
+    for bh in range(lo, hi):
+        b = bh // NH
+        bg = b * NH + (bh - b * NH) // G
+        if bg != last:
+            g = (bh - b * NH) // G
+            warm(k_cache[rows[b], g], 0, pos[b])
+            warm(v_cache[rows[b], g], 0, pos[b])
+            last = bg
+
+
+@njit(cache=True, error_model="numpy")
+def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, wide, scores, acc,
                    norm1, wqkv, bqkv, wo, norm2, wgu, wdown, has_bias, bf16,
-                   k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps, par_min, heavy_min):
+                   k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps):
+    """Member me of `team` through every block: the products split by weight rows, the attention by
+    (row, query head), the rest (norms, RoPE, residual adds, SwiGLU, the cache's appends) on
+    member 0 while the others wait at the barrier after it. Before each wait a member asks for the
+    memory it reads next (_product, _warm_cache)."""
     B, C = x.shape
     L, _, _, _, hs = k_cache.shape
     H = h.shape[1]
     rot = (NH + NKV) * hs
     scale = 1.0 / math.sqrt(hs)
-    qkv3 = qkv.reshape(B, 1, qkv.shape[1])
-    qk = qkv3[:, :, :rot]
+    qk = qkv.reshape(B, 1, qkv.shape[1])[:, :, :rot]
     gu3 = gu.reshape(B, 2, H)
     xf, pf = x.reshape(B * C), proj.reshape(B * C)
-    attend = 0
-    for b in range(B):
-        attend += (pos[b] + 1) * NKV * hs
+    G = NH // NKV
+    heads = part(B * NH, me, team, 1)  # this member's query heads (row-major over B x NH)
     for l in range(L):
-        _rmsnorm(xn, rstd, x, norm1[l], eps)
-        _product(qkv, xn, wqkv[l], narrow, wide, bf16, par_min)
-        if has_bias:
-            _add_bias(qkv, bqkv[l])
-        _rope(qk, qk, cos, sin, NH + NKV, pos)
-        if B * NKV > 1 and attend >= heavy_min:
-            _attend_parallel(atty, qkv, k_cache[l], v_cache[l], scores, acc, pos, rows, NH, scale)
-        else:
-            _attend(atty, qkv, k_cache[l], v_cache[l], scores, acc, pos, rows, NH, scale)
-        _product(proj, atty, wo[l], narrow, wide, bf16, par_min)
-        _residual(xf, xf, pf)
-        _rmsnorm(xn, rstd, x, norm2[l], eps)
-        _product(gu, xn, wgu[l], narrow, wide, bf16, par_min)
-        _swiglu(h, gu3)
-        _product(proj, h, wdown[l], narrow, wide, bf16, par_min)
-        _residual(xf, xf, pf)
+        if me == 0:
+            _rmsnorm(xn, rstd, x, norm1[l], eps)
+            _narrowed(xn, narrow, wide, bf16)
+        barrier(sync, team)
+        _product(qkv, xn, wqkv[l], wide, bf16, me, team, wo[l])
+        _warm_cache(k_cache[l], v_cache[l], rows, pos, heads[0], heads[1], NH, G)
+        barrier(sync, team)
+        if me == 0:
+            if has_bias:
+                _add_bias(qkv, bqkv[l])
+            _rope(qk, qk, cos, sin, NH + NKV, pos)
+            for b in range(B):
+                for g in range(NKV):
+                    append_kv(qkv, k_cache[l], v_cache[l], b, g, rows[b], pos[b], NH, NKV)
+        barrier(sync, team)
+        for bh in range(heads[0], heads[1]):
+            b = bh // NH
+            hd = bh - b * NH
+            attend_head(atty, qkv, k_cache[l], v_cache[l], scores[me], acc[me], b, hd, hd // G, rows[b], pos[b],
+                        scale)
+        barrier(sync, team)
+        if me == 0:
+            _narrowed(atty, narrow, wide, bf16)
+        if bf16:
+            barrier(sync, team)
+        _product(proj, atty, wo[l], wide, bf16, me, team, wgu[l])
+        barrier(sync, team)
+        if me == 0:
+            _residual(xf, xf, pf)
+            _rmsnorm(xn, rstd, x, norm2[l], eps)
+            _narrowed(xn, narrow, wide, bf16)
+        barrier(sync, team)
+        _product(gu, xn, wgu[l], wide, bf16, me, team, wdown[l])
+        barrier(sync, team)
+        if me == 0:
+            _swiglu(h, gu3)
+            _narrowed(h, narrow, wide, bf16)
+        barrier(sync, team)
+        _product(proj, h, wdown[l], wide, bf16, me, team, wqkv[min(l + 1, L - 1)])
+        barrier(sync, team)
+        if me == 0:
+            _residual(xf, xf, pf)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _blocks_kernel(T, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, wide, scores, acc,
+                   norm1, wqkv, bqkv, wo, norm2, wgu, wdown, has_bias, bf16,
+                   k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps):
+    """One parallel region for the whole step: each of its T iterations (T: Numba's threads, so one
+    each) a member of the team (team.py)."""
+    for t in prange(T):
+        role = team_start(sync, T)
+        if role != LEAVE:
+            me, team = np.int64(0), np.int64(1)  # SOLO: this member does every member's part
+            if role == TEAM:
+                me, team = np.int64(t), T
+            _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, wide, scores, acc,
+                           norm1, wqkv, bqkv, wo, norm2, wgu, wdown, has_bias, bf16,
+                           k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps)
 
 
 def llama_decode_forward(x, layers, k_cache, v_cache, pos, rows, cos, sin, n_head, n_kv_head, eps):
@@ -134,12 +215,12 @@ def llama_decode_forward(x, layers, k_cache, v_cache, pos, rows, cos, sin, n_hea
     K = max(C, NHhs, H2 // 2)
     narrow, wide = workspace("llama_decode_narrow", (B * K,), np.uint16), workspace("llama_decode_wide", (B * K,), f32)
     rstd = workspace("llama_decode_rstd", (B,), f32)
-    scores = workspace("gqa_decode_scores", (B * NKV, Tmax), np.float64)
-    acc = workspace("gqa_decode_acc", (B * NKV, hs), np.float64)
+    T = numba.get_num_threads()  # (also starts the threading layer, which the parallel kernel needs)
+    scores = workspace("llama_decode_scores", (T, Tmax), np.float64)  # a row per member
+    acc = workspace("llama_decode_acc", (T, hs), np.float64)
+    sync = workspace("llama_decode_sync", (SYNC_SLOTS,), np.int64)
+    sync[:] = 0
     has_bias = bqkv is not None
     bias = bqkv if has_bias else (np.zeros(W, f32),) * L
-    div = threshold_divisor()
-    numba.get_num_threads()  # starts the threading layer, which a parallel kernel called from Numba code needs
-    _blocks_kernel(xr, *bufs, rstd, narrow, wide, scores, acc, norm1, wt[0], bias, wt[1], norm2, wt[2], wt[3],
-                   has_bias, bf16, k_cache, v_cache, pos, rows, cos, sin, n_head, NKV, float(eps),
-                   -(-MIN_PARALLEL // div), -(-HEAVY // div))
+    _blocks_kernel(T, sync, xr, *bufs, rstd, narrow, wide, scores, acc, norm1, wt[0], bias, wt[1], norm2, wt[2], wt[3],
+                   has_bias, bf16, k_cache, v_cache, pos, rows, cos, sin, n_head, NKV, float(eps))

@@ -1,0 +1,143 @@
+"""A team of threads inside one parallel region, meeting at barriers: for work that is a long chain
+of short parallel steps (a decode step's 120 products, each 5-60 us), where opening a parallel
+region per step costs a fork and a join each time and every step's memory stream starts cold.
+
+Numba's prange has no barrier and no atomics, so both are here: a few atomic operations on an int64
+array (`sync`, SYNC_SLOTS long, zeroed before each region) written in LLVM IR through Numba
+intrinsics, and on them
+
+* `team_start(sync, T)`: called once by each of the region's T iterations (`for t in prange(T)`,
+  T = numba.get_num_threads()). Numba hands each thread one iteration, so the T normally run at
+  once and form a team (TEAM). Should one iteration be made to wait for another that runs only
+  after it on the same thread (a parallel region run serially), waiting would never end: so the
+  first to arrive waits at most SPIN_LIMIT polls, then claims the region for itself alone (SOLO:
+  it does every thread's part) and the others, arriving, leave (LEAVE). The choice is one
+  compare-and-swap, so exactly one of TEAM and SOLO is taken.
+* `barrier(sync, team)`: no member passes until all `team` have arrived (a counter and a
+  generation: the last to arrive resets the counter, then advances the generation the others
+  poll). Its atomics are sequentially consistent, so what a member wrote before it is seen by
+  every member after it.
+"""
+import platform
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+COUNT, GEN, MODE, ARRIVED = 0, 8, 16, 24  # sync's slots, a cache line (8 int64) apart
+SYNC_SLOTS = 32
+TEAM, SOLO, LEAVE = 1, 2, 3
+SPIN_LIMIT = 1 << 26  # polls before the first arrival goes on alone (~0.1-1 s)
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def _slot(context, builder, sig, args):
+    """A pointer to the int64 sync[args[1]]."""
+    arr = context.make_array(sig.args[0])(context, builder, args[0])
+    i = context.cast(builder, args[1], sig.args[1], types.intp)
+    return cgutils.get_item_pointer(context, builder, sig.args[0], arr, [i], wraparound=False)
+
+
+def _int64s(arr):
+    return isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
+
+
+@intrinsic
+def atomic_add(typingctx, arr, i, v):
+    """arr[i] += v atomically; returns the value before."""
+    if not _int64s(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        val = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("add", _slot(context, builder, sig, args), val, "seq_cst")
+    return types.int64(arr, i, v), codegen
+
+
+@intrinsic
+def atomic_load(typingctx, arr, i):
+    """arr[i], read atomically."""
+    if not _int64s(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_slot(context, builder, sig, args), "seq_cst", 8)
+    return types.int64(arr, i), codegen
+
+
+@intrinsic
+def atomic_store(typingctx, arr, i, v):
+    """arr[i] = v atomically."""
+    if not _int64s(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        val = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.store_atomic(val, _slot(context, builder, sig, args), "seq_cst", 8)
+        return context.get_dummy_value()
+    return types.void(arr, i, v), codegen
+
+
+@intrinsic
+def atomic_cas(typingctx, arr, i, expected, v):
+    """arr[i] = v if arr[i] == expected, atomically; returns the value arr[i] held."""
+    if not _int64s(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        exp, val = (context.cast(builder, a, t, types.int64) for a, t in zip(args[2:], sig.args[2:]))
+        pair = builder.cmpxchg(_slot(context, builder, sig, args), exp, val, "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 0)
+    return types.int64(arr, i, expected, v), codegen
+
+
+@intrinsic
+def spin_pause(typingctx):
+    """The x86 `pause` hint inside a polling loop (nothing elsewhere)."""
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@njit(cache=True)
+def team_start(sync, T, limit=SPIN_LIMIT):
+    """This iteration's part in a region of T: TEAM, SOLO or LEAVE (the module docstring); the
+    first to arrive polls at most `limit` times for the rest."""
+    if T == 1:
+        return SOLO
+    if atomic_add(sync, ARRIVED, 1) == T - 1:  # the last to arrive: every iteration is running
+        return TEAM if atomic_cas(sync, MODE, 0, TEAM) == 0 else LEAVE
+    for _ in range(limit):
+        mode = atomic_load(sync, MODE)
+        if mode != 0:
+            return TEAM if mode == TEAM else LEAVE
+        spin_pause()
+    mode = atomic_cas(sync, MODE, 0, SOLO)
+    return SOLO if mode == 0 else (TEAM if mode == TEAM else LEAVE)
+
+
+@njit(cache=True)
+def barrier(sync, team):
+    """Wait until all `team` members have called it (returns at once for a team of one)."""
+    if team == 1:
+        return
+    gen = atomic_load(sync, GEN)
+    if atomic_add(sync, COUNT, 1) == team - 1:
+        atomic_store(sync, COUNT, 0)
+        atomic_add(sync, GEN, 1)
+    else:
+        while atomic_load(sync, GEN) == gen:
+            spin_pause()
+
+
+@njit(cache=True)
+def part(n, me, team, step):
+    """[lo, hi): member me's share of range(n) among `team` members, each a whole number of `step`s
+    (the last may end short, at n), so no step is split between two members."""
+    per = -(-n // (team * step)) * step
+    return min(n, me * per), min(n, (me + 1) * per)
