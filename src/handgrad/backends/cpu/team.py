@@ -32,64 +32,43 @@ SPIN_LIMIT = 1 << 26  # polls before the first arrival goes on alone (~0.1-1 s)
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 
 
-def _slot(context, builder, sig, args):
-    """A pointer to the int64 sync[args[1]]."""
-    arr = context.make_array(sig.args[0])(context, builder, args[0])
-    i = context.cast(builder, args[1], sig.args[1], types.intp)
-    return cgutils.get_item_pointer(context, builder, sig.args[0], arr, [i], wraparound=False)
-
-
-def _int64s(arr):
-    return isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
-
-
-@intrinsic
-def atomic_add(typingctx, arr, i, v):
-    """arr[i] += v atomically; returns the value before."""
-    if not _int64s(arr):
+def _typed(ret, emit, arr, *rest):
+    """The typing and the code of an atomic operation on the int64 arr[i] (rest: i, then its
+    operands): emit(builder, pointer, *operands as int64) gives its result (None: void)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
         return None
 
     def codegen(context, builder, sig, args):
-        val = context.cast(builder, args[2], sig.args[2], types.int64)
-        return builder.atomic_rmw("add", _slot(context, builder, sig, args), val, "seq_cst")
-    return types.int64(arr, i, v), codegen
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        i = context.cast(builder, args[1], sig.args[1], types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [i], wraparound=False)
+        out = emit(builder, ptr, *(context.cast(builder, a, t, types.int64) for a, t in zip(args[2:], sig.args[2:])))
+        return context.get_dummy_value() if out is None else out
+    return ret(arr, *rest), codegen
 
 
-@intrinsic
-def atomic_load(typingctx, arr, i):
-    """arr[i], read atomically."""
-    if not _int64s(arr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.load_atomic(_slot(context, builder, sig, args), "seq_cst", 8)
-    return types.int64(arr, i), codegen
-
-
-@intrinsic
-def atomic_store(typingctx, arr, i, v):
-    """arr[i] = v atomically."""
-    if not _int64s(arr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        val = context.cast(builder, args[2], sig.args[2], types.int64)
-        builder.store_atomic(val, _slot(context, builder, sig, args), "seq_cst", 8)
-        return context.get_dummy_value()
-    return types.void(arr, i, v), codegen
+def _atomic(ret, operands, emit, doc):
+    """An intrinsic op(arr, i, *operands), `operands` 0, 1 or 2 of them (an intrinsic's arguments
+    are named: no *args)."""
+    if operands == 0:
+        def op(typingctx, arr, i):
+            return _typed(ret, emit, arr, i)
+    elif operands == 1:
+        def op(typingctx, arr, i, v):
+            return _typed(ret, emit, arr, i, v)
+    else:
+        def op(typingctx, arr, i, expected, v):
+            return _typed(ret, emit, arr, i, expected, v)
+    op.__doc__ = doc
+    return intrinsic(op)
 
 
-@intrinsic
-def atomic_cas(typingctx, arr, i, expected, v):
-    """arr[i] = v if arr[i] == expected, atomically; returns the value arr[i] held."""
-    if not _int64s(arr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        exp, val = (context.cast(builder, a, t, types.int64) for a, t in zip(args[2:], sig.args[2:]))
-        pair = builder.cmpxchg(_slot(context, builder, sig, args), exp, val, "seq_cst", "seq_cst")
-        return builder.extract_value(pair, 0)
-    return types.int64(arr, i, expected, v), codegen
+atomic_add = _atomic(types.int64, 1, lambda b, p, v: b.atomic_rmw("add", p, v, "seq_cst"),
+                     "arr[i] += v atomically; returns the value before.")
+atomic_load = _atomic(types.int64, 0, lambda b, p: b.load_atomic(p, "seq_cst", 8), "arr[i], read atomically.")
+atomic_store = _atomic(types.void, 1, lambda b, p, v: b.store_atomic(v, p, "seq_cst", 8), "arr[i] = v atomically.")
+atomic_cas = _atomic(types.int64, 2, lambda b, p, e, v: b.extract_value(b.cmpxchg(p, e, v, "seq_cst", "seq_cst"), 0),
+                     "arr[i] = v if arr[i] == expected, atomically; returns the value arr[i] held.")
 
 
 @intrinsic
