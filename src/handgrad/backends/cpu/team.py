@@ -28,7 +28,7 @@ from numba.extending import intrinsic
 COUNT, GEN, MODE, ARRIVED = 0, 8, 16, 24  # sync's slots, a cache line (8 int64) apart
 SYNC_SLOTS = 32
 TEAM, SOLO, LEAVE = 1, 2, 3
-SPIN_LIMIT = 1 << 26  # polls before the first arrival goes on alone (~0.1-1 s)
+SPIN_LIMIT = 1 << 26  # polls before the first arrival goes on alone (1.6 s on the 2-core Zen 5)
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 
 
