@@ -8,8 +8,8 @@ held in registers (AVX-512: 16 lanes, 4 x 4; else 8 lanes, 4 x 2, as many accumu
 registers hold beside the loads), and in the same loop the next tile's weight lines prefetched, so
 the fetch from memory overlaps the arithmetic (8 rows do 8 multiply-adds a weight element: done
 after the fetch, the two times add). One row alone is one row by one weight row, over ROW_CHAINS
-accumulators in turn, prefetching the weight rows about AHEAD_BYTES on (row_ahead). Measured on the 2-core AMD EPYC Zen 5,
-SmolLM2-135M's 121 decode products, against the loop of Numba dot products this replaced (four
+accumulators in turn, prefetching the weight rows about AHEAD_BYTES on (row_ahead). Measured on the
+2-core AMD EPYC Zen 5, SmolLM2-135M's 121 decode products, against the loop of Numba dot products this replaced (four
 rows of a a pass, a bulk prefetch of the weight row two on past 4 rows), interleaved, best of 15,
 two runs (five at one row): 8 rows 19.1-19.6 -> 11.2-13.7 ms float32 and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4
 -> 14.1 and 7.4-7.9 -> 5.1-6.7; 1 row 11.1-11.5 -> 11.1-11.5 and 4.4-5.1 -> 3.7-4.2 (at moments of
