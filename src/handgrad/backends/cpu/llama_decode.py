@@ -33,7 +33,8 @@ import math
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from .common import decode_rows, workspace
 from .decode_attend import append_kv, attend_head
@@ -51,6 +52,29 @@ LAYER_PARTS = ("norm1", "wqkv", "bqkv", "wo", "norm2", "wgu", "wdown")
 # the kernels' serial copies, as globals a Numba function can call (a @kernel object is Python's)
 _rmsnorm, _rope, _add_bias = _rmsnorm_forward_kernel.serial, _rope_forward_kernel.serial, _add_bias_kernel.serial
 _residual, _swiglu, _narrow_rows = _residual_forward_kernel.serial, _swiglu_forward_kernel32.serial, _narrow.serial
+
+
+@intrinsic
+def _at(typingctx, address, like):
+    """The int64 address as a pointer to the element type of the array `like`."""
+    if not isinstance(like, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+    return types.CPointer(like.dtype)(address, like), codegen
+
+
+@njit(cache=True, error_model="numpy")
+def _layer(table, l, wlike, vlike, C, W, NHhs, H2):
+    """Layer l's (norm1, wqkv, bqkv, wo, norm2, wgu, wdown), LAYER_PARTS' order, as arrays over the
+    addresses in table[l] (llama_decode_forward's: its arrays, kept alive by the caller); the
+    matrices of wlike's dtype, (N, K) as _product takes them, the vectors float32 (vlike's)."""
+    t = table[l]
+    return (numba.carray(_at(t[0], vlike), C), numba.carray(_at(t[1], wlike), (W, C)),
+            numba.carray(_at(t[2], vlike), W), numba.carray(_at(t[3], wlike), (C, NHhs)),
+            numba.carray(_at(t[4], vlike), C), numba.carray(_at(t[5], wlike), (H2, C)),
+            numba.carray(_at(t[6], wlike), (C, H2 // 2)))
 
 
 @njit(cache=True, error_model="numpy")
@@ -98,8 +122,7 @@ def _warm_cache(k_cache, v_cache, rows, pos, lo, hi, NH, G):
 
 @njit(cache=True, error_model="numpy")
 def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, wide, scores, acc,
-                   norm1, wqkv, bqkv, wo, norm2, wgu, wdown, has_bias, bf16,
-                   k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps):
+                   table, wlike, vlike, has_bias, bf16, k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps):
     """Member me of `team` through every block: the products split by weight rows, the attention by
     (row, query head), the rest (norms, RoPE, residual adds, SwiGLU, the cache's appends) on
     member 0 while the others wait at the barrier after it. Before each wait a member asks for the
@@ -114,17 +137,20 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
     xf, pf = x.reshape(B * C), proj.reshape(B * C)
     G = NH // NKV
     heads = part(B * NH, me, team, 1)  # this member's query heads (row-major over B x NH)
+    W, NHhs, H2 = qkv.shape[1], atty.shape[1], gu.shape[1]
     for l in range(L):
+        norm1, wqkv, bqkv, wo, norm2, wgu, wdown = _layer(table, l, wlike, vlike, C, W, NHhs, H2)
+        wqkv_next = _layer(table, min(l + 1, L - 1), wlike, vlike, C, W, NHhs, H2)[1]
         if me == 0:
-            _rmsnorm(xn, rstd, x, norm1[l], eps)
+            _rmsnorm(xn, rstd, x, norm1, eps)
             _narrowed(xn, narrow, wide, bf16)
         barrier(sync, team)
-        _product(qkv, xn, wqkv[l], wide, bf16, me, team, wo[l])
+        _product(qkv, xn, wqkv, wide, bf16, me, team, wo)
         _warm_cache(k_cache[l], v_cache[l], rows, pos, heads[0], heads[1], NH, G)
         barrier(sync, team)
         if me == 0:
             if has_bias:
-                _add_bias(qkv, bqkv[l])
+                _add_bias(qkv, bqkv)
             _rope(qk, qk, cos, sin, NH + NKV, pos)
             for b in range(B):
                 for g in range(NKV):
@@ -140,20 +166,20 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
             _narrowed(atty, narrow, wide, bf16)
         if bf16:
             barrier(sync, team)
-        _product(proj, atty, wo[l], wide, bf16, me, team, wgu[l])
+        _product(proj, atty, wo, wide, bf16, me, team, wgu)
         barrier(sync, team)
         if me == 0:
             _residual(xf, xf, pf)
-            _rmsnorm(xn, rstd, x, norm2[l], eps)
+            _rmsnorm(xn, rstd, x, norm2, eps)
             _narrowed(xn, narrow, wide, bf16)
         barrier(sync, team)
-        _product(gu, xn, wgu[l], wide, bf16, me, team, wdown[l])
+        _product(gu, xn, wgu, wide, bf16, me, team, wdown)
         barrier(sync, team)
         if me == 0:
             _swiglu(h, gu3)
             _narrowed(h, narrow, wide, bf16)
         barrier(sync, team)
-        _product(proj, h, wdown[l], wide, bf16, me, team, wqkv[min(l + 1, L - 1)])
+        _product(proj, h, wdown, wide, bf16, me, team, wqkv_next)
         barrier(sync, team)
         if me == 0:
             _residual(xf, xf, pf)
@@ -161,10 +187,11 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _blocks_kernel(T, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, wide, scores, acc,
-                   norm1, wqkv, bqkv, wo, norm2, wgu, wdown, has_bias, bf16,
-                   k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps):
+                   table, wlike, vlike, has_bias, bf16, k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps):
     """One parallel region for the whole step: each of its T iterations (T: Numba's threads, so one
-    each) a member of the team (team.py)."""
+    each) a member of the team (team.py). The layers' arrays come as addresses (table, rebuilt
+    by _layer): passed as tuples of L arrays into a parallel region, Numba took minutes to compile
+    it at 30 layers (112-186 s against 8 at 3 layers, the 2-core Zen 5)."""
     for t in prange(T):
         role = team_start(sync, T)
         if role != LEAVE:
@@ -172,8 +199,7 @@ def _blocks_kernel(T, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, wide, s
             if role == TEAM:
                 me, team = np.int64(t), T
             _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, wide, scores, acc,
-                           norm1, wqkv, bqkv, wo, norm2, wgu, wdown, has_bias, bf16,
-                           k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps)
+                           table, wlike, vlike, has_bias, bf16, k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps)
 
 
 def llama_decode_forward(x, layers, k_cache, v_cache, pos, rows, cos, sin, n_head, n_kv_head, eps):
@@ -222,5 +248,9 @@ def llama_decode_forward(x, layers, k_cache, v_cache, pos, rows, cos, sin, n_hea
     sync[:] = 0
     has_bias = bqkv is not None
     bias = bqkv if has_bias else (np.zeros(W, f32),) * L
-    _blocks_kernel(T, sync, xr, *bufs, rstd, narrow, wide, scores, acc, norm1, wt[0], bias, wt[1], norm2, wt[2], wt[3],
+    vectors = [tuple(np.ascontiguousarray(v, f32) for v in vs) for vs in (norm1, bias, norm2)]
+    per_layer = list(zip(vectors[0], wt[0], vectors[1], wt[1], vectors[2], wt[2], wt[3]))  # LAYER_PARTS' order
+    table = np.array([[a.ctypes.data for a in arrays] for arrays in per_layer], np.int64).reshape(L, 7)
+    _blocks_kernel(T, sync, xr, *bufs, rstd, narrow, wide, scores, acc, table, wt[0][0][:0], np.empty(0, f32),
                    has_bias, bf16, k_cache, v_cache, pos, rows, cos, sin, n_head, NKV, float(eps))
+    del vectors, per_layer  # the arrays table points into, alive until the kernel returned
