@@ -19,7 +19,7 @@ from gpu_helpers import DEVICE, REAL_GPU
 from handgrad import GPT, GPTConfig
 from handgrad.interop.checkpoint import list_checkpoints
 from handgrad.backends.gpu import adamw as gpu_adamw
-from handgrad.config import ConfigError, load_run_config
+from handgrad.config import ConfigError, LoRAConfig, load_run_config
 from handgrad.training.device_loop import DeviceLoop
 from handgrad.training.optim import AdamW
 from handgrad.training.trainer import Trainer
@@ -130,6 +130,37 @@ def test_device_loop_equals_the_host_step_and_reads_nothing(accum, monkeypatch):
     assert torch.equal(dev.flat_params, host.flat_params), "weights differ from the host path's"
     assert torch.equal(dev_opt.v, host_opt.v)
     assert loop.read() == ([], False)
+
+
+def test_device_loop_forms_a_frozen_chunked_heads_logits_once(monkeypatch):
+    """With LoRA (the lm_head frozen) and a chunked loss, a training forward folds each chunk's
+    gradient into the hidden state's while the chunk's logits exist (models/head.py), so the backward
+    does not form them again. The device loop's step does so too, as the host step does: the same
+    number of head products, and the same weights."""
+    t = _train_section()
+    V, chunk = TINY.vocab_size, 5  # 2 * 8 rows in chunks of 5, the last short
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=tuple(GPT.LORA_MODULES))
+    host, dev = (GPT(TINY, backend="gpu", seed=3, lora=lora, loss_chunk=chunk) for _ in range(2))
+    host_opt, dev_opt = (AdamW(m, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+                         for m in (host, dev))
+    loop = DeviceLoop(dev, dev_opt, t, start_step=0)
+    heads = []  # the products that form logits (out: (1, rows, V)), by which path formed them
+    real = host.ops.linear_forward
+
+    def counted(out, *args, **kw):
+        if out.shape[-1] == V:
+            heads.append(path)
+        return real(out, *args, **kw)
+    monkeypatch.setattr(host.ops, "linear_forward", counted)
+    batches = _batches(0, 1)
+    path = "host"
+    accumulate_gradients(host, host_opt, batches, t.grad_clip)
+    host_opt.step(lr=lr_at(0, t))
+    path = "device"
+    loop.step(batches)
+    loop.read()
+    assert heads.count("host") == heads.count("device") == 4  # ceil(16 / 5) chunks, each once
+    assert torch.equal(dev.flat_params, host.flat_params), "weights differ from the host path's"
 
 
 class _StandInGraph:

@@ -111,7 +111,10 @@ class DeviceLoop:
             model.zero_grad()
         # dropout's masks, keyed as on the cpu (training/step.py): the run's seed, this step, micro-batch i
         model.set_training(True, step=self.step_count, micro_step=i, seed=self.t.seed)
-        loss = model.forward_staged(a)
+        # grad=True, as the host step's forward (training/step.py): a backward follows at once, after
+        # the zero_grad above, so a chunked head with a frozen lm_head (LoRA) folds each chunk's
+        # gradient into the hidden state's while its logits exist, and never forms them again
+        loss = model.forward_staged(a, grad=True)
         model.backward()
         model.set_training(False)
         n = self.t.grad_accum_steps  # the mean over micro-batches, in float64 as on the host
