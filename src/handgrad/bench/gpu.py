@@ -212,6 +212,37 @@ class CrossEntropy(_Row):
         self.ops.crossentropy_backward(self.dlogits, self.logits, self.lse, self.targets)
 
 
+
+class LMHead(_Row):
+    """The tied lm_head's three products: logits = x @ wte^T, dx = dlogits @ wte, dwte += dlogits^T x.
+    At GPT-2's V = 50,257 every one of them has a row of V bf16 elements, 100,514 bytes, which is not
+    a multiple of 16: cuBLAS's tensor-core kernels want 16-byte-aligned rows. torch.compile pads
+    such products (Inductor's pad_mm) and eager torch does not, as handgrad does not: this row says
+    what that costs (nanoGPT and llm.c pad the vocabulary to 50,304 instead)."""
+
+    def __init__(self, ops, torch, s, dtype):
+        B, T, C, V = s["B"], s["T"], s["C"], s["V"]
+        self.name = f"lm_head N={B * T} C={C} V={V}"
+        g = torch.Generator(device="cpu").manual_seed(10)
+        dev = ops.device()
+        self.x = torch.randn((B, T, C), generator=g).to(dev, dtype)
+        self.wte = (0.02 * torch.randn((V, C), generator=g)).to(dev)  # a float32 parameter
+        self.dy = torch.randn((B, T, V), generator=g).to(dev, dtype)
+        self.out, self.dx = torch.empty_like(self.dy), torch.empty_like(self.x)
+        self.dwte = torch.zeros_like(self.wte)
+        self.ops = ops
+        self.hg_out, self.hg_grads, self.grad_names = self.out, [self.dx, self.dwte], ["x", "wte"]
+        self.leaves = [t.clone().requires_grad_(True) for t in (self.x, self.wte)]
+        # as autocast runs it: the float32 weight cast to the activations' dtype, one product
+        self.torch_fn = lambda x, w: torch.nn.functional.linear(x, w.to(x.dtype))
+
+    def hg_forward(self):
+        self.ops.linear_forward(self.out, self.x, self.wte.t())
+
+    def hg_backward(self):  # accumulates (+=) into dwte: zeroed before the check, not per timed call
+        self.ops.linear_backward(self.dx, self.dwte.t(), None, self.dy, self.x, self.wte.t())
+
+
 # ---------------------------------------------------------------- the Llama family's ops
 class RMSNorm(_Row):
     def __init__(self, ops, torch, s, dtype):
@@ -417,7 +448,7 @@ def bench_adamw(ops, torch, shape, repeat):
              "ratio": {f"torch ({kind})": t_torch / t_hg}}]
 
 
-ROWS = (LayerNorm, Gelu, Attention, CrossEntropy)
+ROWS = (LayerNorm, Gelu, Attention, CrossEntropy, LMHead)
 LLAMA_ROWS = (RMSNorm, Rope, GQAttention, RopeGQAttention, SwiGLU)
 
 
