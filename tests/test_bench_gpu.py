@@ -11,6 +11,7 @@ import pytest
 from gpu_helpers import REAL_GPU
 
 import handgrad.bench.gpu as bench_gpu
+import handgrad.bench.gpu_rows as gpu_rows
 
 
 def _bench(*args, env=None):
@@ -68,7 +69,7 @@ def test_a_row_that_disagrees_with_torch_stops_the_bench(monkeypatch):
     from handgrad.backends import get_backend
     ops = get_backend("gpu")
 
-    class Broken(bench_gpu.LayerNorm):
+    class Broken(gpu_rows.LayerNorm):
         def hg_forward(self):
             super().hg_forward()
             self.out.mul_(1.01)
