@@ -162,20 +162,19 @@ def test_swiglu_then_linear():
 
 
 def test_lm_head_and_crossentropy():
-    """The tied lm_head's product and the loss: dlogits narrowed by crossentropy_backward, one
-    ignored target; V not a multiple of 64."""
+    """The tied lm_head's product and the loss, as the model runs them: the logits bf16 (as autocast's
+    lm_head gives them), their gradient written over them, one ignored target; V not a multiple of 64."""
     V = 203
     x, wte = randn(B, T, C), randn(V, C, scale=0.3)
     targets = rng.integers(0, V, (B, T)).astype(np.int32)
     targets[0, 3] = -1
-    logits = np.empty((B, T, V), np.float32)
+    logits = np.empty((B, T, V), np.uint16)
     ops.linear_forward(logits, bf16(x), bf16(wte).T)
     losses, lse = np.empty((B, T), np.float32), np.empty((B, T), np.float64)
     loss = ops.crossentropy_forward(losses, lse, logits, targets)
-    dl16 = np.empty((B, T, V), np.uint16)
-    ops.crossentropy_backward(dl16, logits, lse, targets)
+    ops.crossentropy_backward(logits, logits, lse, targets)
     dx, dwte = np.empty_like(x), np.zeros_like(wte)
-    ops.linear_backward(dx, dwte.T, None, dl16, bf16(x), bf16(wte).T)
+    ops.linear_backward(dx, dwte.T, None, logits, bf16(x), bf16(wte).T)
     hg = {"out": losses.reshape(-1), "dx": dx, "dwte": dwte}  # per-row losses: 25 samples of the error, not 1
     assert loss == pytest.approx(losses.reshape(-1)[targets.reshape(-1) != -1].mean(), rel=1e-6)
     n = int((targets != -1).sum())
@@ -183,6 +182,27 @@ def test_lm_head_and_crossentropy():
     fn = lambda x, wte, t: F.cross_entropy(F.linear(x, wte).reshape(-1, V).float(), t.reshape(-1), ignore_index=-1,
                                            reduction="none")
     check(*three_ways(fn, dict(x=x, wte=wte, t=targets.astype(np.int64)), dmean, hg), "lm_head + crossentropy")
+
+
+@pytest.mark.parametrize("N,V", [(1, 37), (70, 203), (3, 5000)])
+def test_crossentropy_of_bf16_logits_is_the_float32_kernels_on_their_values(N, V, monkeypatch):
+    """bf16 logits go through the float32 kernels a block of rows at a time (made small here, so rows
+    are cut): the losses and log-sum-exps of their widened values bit for bit, and the gradient
+    those give narrowed, written over the logits in place."""
+    from handgrad.backends.cpu import crossentropy
+    monkeypatch.setattr(crossentropy, "bf16_block_rows", lambda: 32)
+    z16 = bf16(randn(1, N, V, scale=2.0))
+    targets = rng.integers(0, V, (1, N)).astype(np.int32)
+    targets[0, 0] = -1
+    wide = ops.onednn.from_bf16(z16)
+    got, want = [(np.empty((1, N), np.float32), np.empty((1, N), np.float64)) for _ in range(2)]
+    assert ops.crossentropy_forward(*got, z16, targets) == ops.crossentropy_forward(*want, wide, targets)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    d16 = np.empty_like(z16)
+    ops.crossentropy_backward(d16, wide, want[1], targets, 0.25)
+    ops.crossentropy_backward(z16, z16, got[1], targets, 0.25)
+    np.testing.assert_array_equal(z16, d16)
 
 
 # ---------------------------------------------------------------- the whole model
@@ -340,6 +360,11 @@ def test_memory_count_holds_the_bf16_copy_and_narrow_product_inputs():
     assert b16["parameters"] == f32["parameters"] + 2 * n
     assert b16["gradients"] == f32["gradients"] and b16["AdamW moments"] == f32["AdamW moments"]
     assert b16["activations"] != f32["activations"]
+    # the logits are bf16, as autocast's lm_head gives them (the count follows the model's own buffers)
+    model = GPT(config, dtype="bfloat16")
+    idx = rng.integers(0, config.vocab_size, (4, 16))
+    model.forward(idx, idx)
+    assert model._acts.logits.dtype == np.uint16 and model._acts.logits.shape == (4, 16, config.vocab_size)
 
 
 def test_llama_keeps_gate_up_narrowed_and_h_one_slot():

@@ -137,6 +137,25 @@ def test_blocks_stay_wide_and_tiles_bounded():
                     assert (not wa or bm >= min(M, 256)) and (not wb or bn >= min(N, 256)) and bk >= min(K, 256)
 
 
+@pytest.mark.parametrize("M,K,N", [(3, 40, 29), (300, 257, 301), (9, 16, 5000)])
+def test_a_bf16_c_is_the_widened_float32_sums_rounded(M, K, N, monkeypatch):
+    """c in bf16 (the lm_head's logits in bf16 training) without hardware bf16: the float32 sums in
+    blocks of rows of at most OUT_TILE elements (made small here, so rows are cut), each narrowed:
+    the float64 product of the bf16 operands to float32 rounding of sum |a||b|, then bf16's (half an
+    ulp: at most 2^-8 of it). Not the bits of the whole float32 c narrowed: the BLAS may sum a block of
+    rows in another order (9 of 90,300 elements differed at 300 x 257 x 301, by up to 2 ulps where
+    the sum cancels)."""
+    monkeypatch.setattr(blas, "OUT_TILE", 2048)
+    a, _ = _operand((M, K), False, False)
+    b, b64 = _operand((K, N), True, True)
+    a64 = from_bf16(to_bf16(a)).astype(np.float64)
+    c16 = blas.gemm(a, b, np.empty((M, N), np.uint16))
+    ref = a64 @ b64
+    err = np.abs(from_bf16(c16) - ref)
+    assert (err <= 1e-5 * (np.abs(a64) @ np.abs(b64)) + 2.0**-8 * np.abs(ref) * (1 + 1e-5)).all()
+    assert common.workspace("gemm_bf16_out", (1, 1)).size <= max(2048, N)
+
+
 def test_k_zero_and_bad_shapes():
     a, b = np.zeros((20, 0), np.uint16), np.zeros((0, 30), np.uint16)
     c = np.ones((20, 30), np.float32)

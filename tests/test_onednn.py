@@ -74,6 +74,27 @@ def test_gemm_matches_float64_products_of_the_same_operands(bf16, M, K, N, ta, t
 
 @needs_onednn
 @needs_bf16
+@pytest.mark.parametrize("M,K,N", [(1, 64, 203), (37, 50, 29), (300, 257, 4099)])
+def test_a_bf16_c_is_the_float32_sums_rounded(M, K, N):
+    """c in bf16 (the lm_head's logits in bf16 training): oneDNN's float32 sums rounded to bf16 as
+    they are stored, the bits of its float32 c narrowed; through blas.gemm too (a float32 a narrowed
+    first), and a bf16 c is never added to."""
+    from handgrad.backends.cpu import blas
+    rng = np.random.default_rng(M)
+    a = rng.standard_normal((M, K), dtype=np.float32)
+    b = onednn.to_bf16(rng.standard_normal((N, K), dtype=np.float32)).T  # a transposed weight, as the head's
+    c32 = onednn.gemm(onednn.to_bf16(a), b, np.empty((M, N), np.float32))
+    c16 = onednn.gemm(onednn.to_bf16(a), b, np.empty((M, N), np.uint16))
+    np.testing.assert_array_equal(c16, onednn.to_bf16(c32))
+    np.testing.assert_array_equal(blas.gemm(a, b, np.empty((M, N), np.uint16)), c16)
+    with pytest.raises(ValueError, match="beta 0"):
+        blas.gemm(a, b, c16, 1.0)
+    with pytest.raises(ValueError, match="bf16 from bf16 operands"):
+        onednn.gemm(a, np.ascontiguousarray(onednn.from_bf16(b)), c16)
+
+
+@needs_onednn
+@needs_bf16
 def test_primitives_are_made_once_per_shape_and_reused():
     rng = np.random.default_rng(0)
     a, b = onednn.to_bf16(rng.standard_normal((8, 16), dtype=np.float32)), onednn.to_bf16(

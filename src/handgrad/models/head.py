@@ -25,16 +25,25 @@ def row_range(x, r0, r1):
 
 def head_buffers(a, ops, B, T, C, V, dtype, products, logit_rows):
     """The head's buffers on a family's Activations a: the logits (B, T, V), or (1, logit_rows, V)
-    with the chunked loss, overwritten in place by dlogits in the backward (with bf16 products
-    dlogits16, their narrowed copy); with chunks, dhead (B, T, C), the d x a training forward may
-    form (head_loss), which the family takes as its d x buffer; each row's loss and log-sum-exp."""
+    with the chunked loss, overwritten in place by dlogits in the backward; with chunks, dhead
+    (B, T, C), the d x a training forward may form (head_loss), which the family takes as its d x
+    buffer; each row's loss and log-sum-exp. With bf16 products (the cpu's train.dtype bfloat16)
+    the logits are bf16, as torch autocast's lm_head gives them (transformers then widens them for
+    the loss, as the cross-entropy kernels do), and so is their gradient, the lm_head's backward
+    products' input: half the bytes of float32 logits, which were kept beside a bf16 copy of dlogits."""
     a.chunked = logit_rows is not None
     lshape = (1, logit_rows, V) if a.chunked else (B, T, V)
-    a.logits = ops.empty(lshape, dtype)
-    a.dlogits16 = ops.empty(lshape, products) if np.dtype(products) == np.uint16 else a.logits
+    a.logits = ops.empty(lshape, products if np.dtype(products) == np.uint16 else dtype)
     a.dhead = ops.empty((B, T, C), dtype) if a.chunked else None
     a.losses = ops.empty((B, T), np.float32)
     a.lse = ops.empty((B, T), ops.LSE_DTYPE)  # cpu float64: see crossentropy_forward
+
+
+def _float32(logits):
+    """Logits as float32 NumPy: bf16 ones (uint16 bit patterns) widened, exactly."""
+    if logits.dtype != np.uint16:
+        return logits
+    return (logits.astype(np.uint32) << 16).view(np.float32)
 
 
 class Head:
@@ -68,12 +77,12 @@ class Head:
     def head_logits(self, a):
         """The logits (B, T, V) as a new float32 NumPy array (forward without targets)."""
         if not a.chunked:
-            return self.ops.to_numpy(a.logits).copy()
+            return _float32(self.ops.to_numpy(a.logits)).copy()
         out = np.empty((a.B * a.T, self.config.vocab_size), np.float32)
         x, W, _ = a.head
         for r0, r1, logits in self.head_chunks(a):
             self.ops.linear_forward(logits, row_range(x, r0, r1), W)
-            out[r0:r1] = self.ops.to_numpy(logits)[0]
+            out[r0:r1] = _float32(self.ops.to_numpy(logits)[0])
         return out.reshape(a.B, a.T, -1)
 
     def head_backward(self, a, dx, acc):
@@ -89,8 +98,8 @@ class Head:
         (or is dx itself: the families' dhead is their dx buffer)."""
         x, W, dW = a.head
         if not a.chunked:
-            self.ops.crossentropy_backward(a.dlogits16, a.logits, a.lse, a.targets)  # in place in float32
-            self.ops.linear_backward(dx, dW, None, a.dlogits16, x, W, acc)
+            self.ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # in place
+            self.ops.linear_backward(dx, dW, None, a.logits, x, W, acc)
         elif a.head_dx:
             if dx is not a.dhead:
                 dx[...] = a.dhead
@@ -100,10 +109,11 @@ class Head:
                 self._chunk_backward(a, r0, r1, logits, dx, dW, acc or r0 > 0)
 
     def _chunk_backward(self, a, r0, r1, logits, dx, dW, acc):
-        """Rows r0:r1 of dx, and their part of dW, from the chunk's logits z_R (overwritten)."""
-        d16 = logits if a.dlogits16 is a.logits else a.dlogits16[:, :r1 - r0]
-        self.ops.crossentropy_backward(d16, logits, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1), a.dloss)
-        self.ops.linear_backward(row_range(dx, r0, r1), dW, None, d16, row_range(a.head[0], r0, r1), a.head[1], acc)
+        """Rows r0:r1 of dx, and their part of dW, from the chunk's logits z_R (overwritten by
+        their gradient)."""
+        self.ops.crossentropy_backward(logits, logits, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1), a.dloss)
+        self.ops.linear_backward(row_range(dx, r0, r1), dW, None, logits, row_range(a.head[0], r0, r1), a.head[1],
+                                 acc)
 
     @staticmethod
     def head_chunks(a):

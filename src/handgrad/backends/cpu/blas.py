@@ -419,9 +419,39 @@ def widen_scratch_bytes():
     return 2 * 4 * WIDEN_TILE
 
 
+# A bf16 c's float32 sums are formed in row blocks of at most this many elements where oneDNN does
+# not write bf16 itself (_gemm_to_bf16): 4 MiB of scratch
+OUT_TILE = 1 << 20
+
+
+def _gemm_to_bf16(a, b, c):
+    """c (bf16, uint16) = a @ b as bf16 products with float32 sums, each rounded to bf16 as it is
+    stored: oneDNN writes bf16 directly where it multiplies bf16; otherwise (few rows, or widened
+    products) the float32 sums go through OUT_TILE elements of scratch, a block of rows at a time,
+    and are narrowed from there (within a bf16 ulp of the whole product narrowed: the BLAS may sum
+    a block of rows in another order)."""
+    M, N = c.shape
+    if a.dtype != np.uint16:
+        a = onednn.to_bf16(a, workspace("gemm_bf16_a", a.shape, np.uint16))
+    if b.dtype == np.uint16 and _hardware_bf16() and not _few_rows(a, b, c, 0.0):
+        return onednn.gemm(a, b, c)
+    step = max(1, OUT_TILE // max(N, 1))
+    tile = workspace("gemm_bf16_out", (min(M, step), N), np.float32)
+    for r0 in range(0, M, step):
+        r1 = min(M, r0 + step)
+        _bf16_gemm(a[r0:r1], b, tile[:r1 - r0], 0.0)
+        onednn._narrow(tile[:r1 - r0], c[r0:r1])
+    return c
+
+
 def gemm(a, b, c, beta=0.0):
     """c = a @ b + beta * c, in place (c is never reallocated); see the module docstring.
-    bf16 operands (uint16 bit patterns, 2-D) go to oneDNN (onednn.gemm), c float32."""
+    bf16 operands (uint16 bit patterns, 2-D) go to oneDNN (onednn.gemm), c float32; a bf16 c
+    (uint16, beta 0: the lm_head's logits in bf16 training) makes the products bf16's too."""
+    if c.dtype == np.uint16:
+        if beta:
+            raise ValueError("blas.gemm: a bf16 c is written, not added to (beta 0)")
+        return _gemm_to_bf16(a, b, c)
     if np.uint16 in (a.dtype, b.dtype):
         return _bf16_gemm(a, b, c, beta)
     if _few_rows(a, b, c, beta):

@@ -1,13 +1,19 @@
 """Fused softmax + cross-entropy over the vocabulary, mean over the targets that are not -1.
 
 The backward writes dlogits over the logits buffer in place, so only one (B*T, V) buffer exists.
+The logits may be bf16 (uint16 bit patterns: the lm_head's output under train.dtype bfloat16, as
+torch autocast's bf16 lm_head gives them before transformers' .float()): then each block of rows is
+widened (exact) into float32 scratch and goes through the float32 kernels, and the backward narrows
+the gradient back over the bf16 logits, in place.
 """
+import numba
 import numpy as np
 from numba import prange
 
 from .bf16 import narrow_into
 from .common import HEAVY, ROWS_PER_BLOCK, backward_rows, kernel, n_blocks, rows, workspace
 from .mathfn import exp32, max32, sum64
+from .widen import _widen_block
 
 IGNORE_INDEX = -1
 
@@ -67,13 +73,37 @@ def crossentropy_forward(losses, lse, logits, targets):
         raise ValueError(f"lse must be a float64 array, got {lse.dtype}")
     t = targets.reshape(-1)
     logits2 = rows(logits)
-    if logits2.dtype == np.float32:
+    if logits2.dtype == np.uint16:
+        for r0, r1, wide in _widened_blocks(logits2):
+            crossentropy_forward(losses.reshape(-1)[r0:r1], lse.reshape(-1)[r0:r1], wide, t[r0:r1])
+    elif logits2.dtype == np.float32:
         scratch = workspace("crossentropy_exp", (n_blocks(logits2.shape[0]), CHUNK), np.float32)
         _crossentropy_forward_kernel32(losses.reshape(-1), lse.reshape(-1), logits2, t, scratch)
     else:
         _crossentropy_forward_kernel(losses.reshape(-1), lse.reshape(-1), logits2, t)
     count = int(np.count_nonzero(t != IGNORE_INDEX))
     return float(losses.sum(dtype=np.float64) / count) if count else 0.0
+
+
+def bf16_block_rows():
+    """Rows of bf16 logits widened at a time: a row block (ROWS_PER_BLOCK) for each thread."""
+    return ROWS_PER_BLOCK * max(1, numba.get_num_threads())
+
+
+def bf16_scratch_bytes(V):
+    """The float32 scratch bf16 logits of V columns are widened into (training/memory.py counts it)."""
+    return 4 * bf16_block_rows() * V
+
+
+def _widened_blocks(z16):
+    """(r0, r1, the float32 rows r0:r1 of the bf16 (N, V) z16, widened into scratch) in turn."""
+    N, V = z16.shape
+    step = bf16_block_rows()
+    wide = workspace("crossentropy_bf16_rows", (min(N, step), V), np.float32)
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        _widen_block(z16[r0:r1], wide[:r1 - r0])
+        yield r0, r1, wide[:r1 - r0]
 
 
 def crossentropy_mean(losses, targets):
@@ -136,12 +166,21 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
     Overwrites dlogits, which may be the logits buffer itself (in place, the fast path).
     dlogits may be bf16 (uint16 bit patterns: the input of the lm_head's bf16 backward products)
     for float32 logits: then the logits are overwritten with the float32 dlogits too (in place),
-    each row narrowed into dlogits as it is finished. dloss defaults to 1/n.
+    each row narrowed into dlogits as it is finished. bf16 logits are widened a block of rows at
+    a time into float32 scratch, and their gradient narrowed into dlogits (bf16), which may be the
+    logits themselves. dloss defaults to 1/n.
     """
     t = targets.reshape(-1)
     if dloss is None:
         count = int(np.count_nonzero(t != IGNORE_INDEX))
         dloss = 1.0 / count if count else 0.0
+    if logits.dtype == np.uint16:
+        if dlogits.dtype != np.uint16:
+            raise ValueError("crossentropy_backward: the gradient of bf16 logits is bf16")
+        d2, lse2 = rows(dlogits), lse.reshape(-1)
+        for r0, r1, wide in _widened_blocks(rows(logits)):
+            _crossentropy_backward_kernel32(wide, lse2[r0:r1], t[r0:r1], np.float32(dloss), d2[r0:r1], True)
+        return
     zd, narrow = backward_rows(dlogits, logits)
     if zd.dtype == np.float32:
         _crossentropy_backward_kernel32(zd, lse.reshape(-1), t, np.float32(dloss), rows(dlogits), narrow)

@@ -170,14 +170,15 @@ class _Library:
 
     def matmul(self, key):
         """The cached primitive for key = (a shape, a strides, b shape, b strides, c shape, c strides,
-        operand dtype, beta), created on first use: (primitive, its memory objects, its args array)."""
+        operand dtype, c's dtype, beta), created on first use: (primitive, its memory objects, its
+        args array)."""
         prim = self.primitives.get(key)
         if prim is not None:
             return prim
-        ashape, astr, bshape, bstr, cshape, cstr, dtype, beta = key
+        ashape, astr, bshape, bstr, cshape, cstr, dtype, ctype, beta = key
         lib = self.lib
         descs = (self.memory_desc(ashape, astr, dtype), self.memory_desc(bshape, bstr, dtype),
-                 self.memory_desc(cshape, cstr, _F32))
+                 self.memory_desc(cshape, cstr, ctype))
         attr = _vp()
         self.check(lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "primitive attributes")
         if beta:
@@ -241,15 +242,19 @@ def _strides(x):
 
 def gemm(a, b, c, beta=0.0):
     """c (M, N) = a (M, K) @ b (K, N) + beta * c, float32 accumulation. a and b: both bf16 (uint16)
-    or both float32, any strides with a unit one; c: float32 with unit stride along its rows."""
+    or both float32, any strides with a unit one; c: float32 with unit stride along its rows, or
+    with bf16 operands and beta 0 bf16 (uint16), the float32 sums rounded to bf16 as they are
+    stored (as torch autocast's bf16 products give their outputs)."""
     if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
         raise ValueError("onednn.gemm: 2-D operands only")
     (M, K), (K2, N) = a.shape, b.shape
     if K2 != K or c.shape != (M, N):
         raise ValueError(f"onednn.gemm: shapes {a.shape} @ {b.shape} -> {c.shape}")
     dtype = _dtype_of(a)
-    if _dtype_of(b) != dtype or c.dtype != np.float32 or c.strides[1] != 4:
-        raise ValueError("onednn.gemm: a and b of one dtype, c float32 with contiguous rows")
+    ctype = _BF16 if c.dtype == np.uint16 and dtype == _BF16 and not beta else _F32
+    if _dtype_of(b) != dtype or c.dtype != (np.uint16 if ctype == _BF16 else np.float32) or c.strides[1] != c.itemsize:
+        raise ValueError("onednn.gemm: a and b of one dtype, c float32 (or bf16 from bf16 operands, beta 0) with "
+                         "contiguous rows")
     if M == 0 or N == 0:
         return c
     if K == 0:
@@ -257,7 +262,7 @@ def gemm(a, b, c, beta=0.0):
         return c
     lib = load()
     primitive, memories, args = lib.matmul((a.shape, _strides(a), b.shape, _strides(b), c.shape, _strides(c), dtype,
-                                            float(beta)))
+                                            ctype, float(beta)))
     for mem, x in zip(memories, (a, b, c)):
         lib.lib.dnnl_memory_set_data_handle(mem, x.ctypes.data)
     lib.check(lib.lib.dnnl_primitive_execute(primitive, lib.stream, 3, args), "matmul")
