@@ -239,11 +239,11 @@ def _poison(monkeypatch, at_call):
     real = GPT.forward_staged
     calls = {"n": 0}
 
-    def forward_staged(self, a):
+    def forward_staged(self, a, **kw):
         calls["n"] += 1
         if calls["n"] == at_call:
             self.p["h.0.mlp.c_fc.bias"][0] = float("nan")
-        return real(self, a)
+        return real(self, a, **kw)
     monkeypatch.setattr(GPT, "forward_staged", forward_staged)
 
 
