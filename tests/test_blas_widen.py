@@ -145,7 +145,8 @@ def test_a_bf16_c_is_the_widened_float32_sums_rounded(M, K, N, monkeypatch):
     ulp: at most 2^-8 of it). Not the bits of the whole float32 c narrowed: the BLAS may sum a block of
     rows in another order (9 of 90,300 elements differed at 300 x 257 x 301, by up to 2 ulps where
     the sum cancels)."""
-    monkeypatch.setattr(blas, "OUT_TILE", 2048)
+    monkeypatch.setattr(widen, "OUT_TILE", 2048)
+    monkeypatch.setattr(widen, "OUT_ROWS", 1)
     a, _ = _operand((M, K), False, False)
     b, b64 = _operand((K, N), True, True)
     a64 = from_bf16(to_bf16(a)).astype(np.float64)

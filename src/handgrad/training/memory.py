@@ -90,7 +90,7 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     if products is np.uint16:  # bf16 logits: each block of rows widened for the cross-entropy
         scratch += ops.crossentropy.bf16_scratch_bytes(config.vocab_size)
     if products is np.uint16 and not ops.products_path():  # widened products: their float32 tiles
-        scratch += ops.blas.widen_scratch_bytes() + 4 * ops.blas.OUT_TILE  # and the bf16 logits' sums
+        scratch += ops.blas.widen_scratch_bytes() + ops.blas.widen.bf16_out_scratch_bytes(config.vocab_size)
     bf16_copy = 2 * padded if products is np.uint16 else 0  # the products' bf16 copy of the weights
     parts = {"parameters": 4 * padded + frozen + bf16_copy, "gradients": 4 * padded,
              "AdamW moments": 8 * (padded // world_size if zero_stage == 1 else padded),

@@ -397,8 +397,7 @@ def _bf16_gemm(a, b, c, beta):
     so the products are bf16's), float32 accumulation. Few rows: few_rows.small_m_nt; otherwise oneDNN
     where the CPU multiplies bf16, else the bf16 operands widened to float32 (exact) tile by tile
     for the float32 BLAS (widen.widened_gemm: bf16 training and prefill on a CPU without hardware bf16)."""
-    if a.dtype != np.uint16:
-        a = onednn.to_bf16(a, workspace("gemm_bf16_a", a.shape, np.uint16))
+    a = _bf16_operand(a)
     if _few_rows(a, b, c, beta):  # a's few rows widened once (exact), so only the weight is per element
         wide = workspace("gemm_bf16_rows", a.shape, np.float32)
         onednn._widen(a, wide)
@@ -419,29 +418,19 @@ def widen_scratch_bytes():
     return 2 * 4 * WIDEN_TILE
 
 
-# A bf16 c's float32 sums are formed in row blocks of at most this many elements where oneDNN does
-# not write bf16 itself (_gemm_to_bf16): 4 MiB of scratch
-OUT_TILE = 1 << 20
+def _bf16_operand(a):
+    """a, or a float32 a rounded to bf16 (into a workspace), so the products are bf16's."""
+    return a if a.dtype == np.uint16 else onednn.to_bf16(a, workspace("gemm_bf16_a", a.shape, np.uint16))
 
 
 def _gemm_to_bf16(a, b, c):
     """c (bf16, uint16) = a @ b as bf16 products with float32 sums, each rounded to bf16 as it is
-    stored: oneDNN writes bf16 directly where it multiplies bf16; otherwise (few rows, or widened
-    products) the float32 sums go through OUT_TILE elements of scratch, a block of rows at a time,
-    and are narrowed from there (within a bf16 ulp of the whole product narrowed: the BLAS may sum
-    a block of rows in another order)."""
-    M, N = c.shape
-    if a.dtype != np.uint16:
-        a = onednn.to_bf16(a, workspace("gemm_bf16_a", a.shape, np.uint16))
-    if b.dtype == np.uint16 and _hardware_bf16() and not _few_rows(a, b, c, 0.0):
+    stored: oneDNN writes bf16 directly where it multiplies bf16; otherwise the widened products'
+    float32 sums are narrowed a block of rows at a time (widen.narrowed_gemm)."""
+    a = _bf16_operand(a)
+    if b.dtype == np.uint16 and _hardware_bf16():
         return onednn.gemm(a, b, c)
-    step = max(1, OUT_TILE // max(N, 1))
-    tile = workspace("gemm_bf16_out", (min(M, step), N), np.float32)
-    for r0 in range(0, M, step):
-        r1 = min(M, r0 + step)
-        _bf16_gemm(a[r0:r1], b, tile[:r1 - r0], 0.0)
-        onednn._narrow(tile[:r1 - r0], c[r0:r1])
-    return c
+    return widen.narrowed_gemm(a, b, c, _bf16_gemm)
 
 
 def gemm(a, b, c, beta=0.0):
