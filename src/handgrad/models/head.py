@@ -39,13 +39,6 @@ def head_buffers(a, ops, B, T, C, V, dtype, products, logit_rows):
     a.lse = ops.empty((B, T), ops.LSE_DTYPE)  # cpu float64: see crossentropy_forward
 
 
-def _float32(logits):
-    """Logits as float32 NumPy: bf16 ones (uint16 bit patterns) widened, exactly."""
-    if logits.dtype != np.uint16:
-        return logits
-    return (logits.astype(np.uint32) << 16).view(np.float32)
-
-
 class Head:
     def head_forward(self, a, x, W, dW):
         """The logits x (B, T, C) @ W (C, V) into a.logits; with loss_chunk, nothing yet: head_loss
@@ -77,13 +70,21 @@ class Head:
     def head_logits(self, a):
         """The logits (B, T, V) as a new float32 NumPy array (forward without targets)."""
         if not a.chunked:
-            return _float32(self.ops.to_numpy(a.logits)).copy()
+            return self._float32(a.logits, copy=True)
         out = np.empty((a.B * a.T, self.config.vocab_size), np.float32)
         x, W, _ = a.head
         for r0, r1, logits in self.head_chunks(a):
             self.ops.linear_forward(logits, row_range(x, r0, r1), W)
-            out[r0:r1] = _float32(self.ops.to_numpy(logits)[0])
+            out[r0:r1] = self._float32(logits)[0]
         return out.reshape(a.B, a.T, -1)
+
+    def _float32(self, logits, copy=False):
+        """The logits as float32 NumPy: bf16 ones (uint16: the cpu's bf16 training) widened into a new
+        array (onednn.from_bf16), float32 ones as they are, or copied."""
+        z = self.ops.to_numpy(logits)
+        if z.dtype == np.uint16:
+            return self.ops.onednn.from_bf16(z)
+        return z.copy() if copy else z
 
     def head_backward(self, a, dx, acc):
         """d loss / d x into dx (B, T, C), and d loss / d W added to head_forward's dW (written when

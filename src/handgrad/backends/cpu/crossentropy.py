@@ -71,18 +71,23 @@ def crossentropy_forward(losses, lse, logits, targets):
     """
     if lse.dtype != np.float64:
         raise ValueError(f"lse must be a float64 array, got {lse.dtype}")
-    t = targets.reshape(-1)
+    t, lf, ef = targets.reshape(-1), losses.reshape(-1), lse.reshape(-1)
     logits2 = rows(logits)
     if logits2.dtype == np.uint16:
         for r0, r1, wide in _widened_blocks(logits2):
-            crossentropy_forward(losses.reshape(-1)[r0:r1], lse.reshape(-1)[r0:r1], wide, t[r0:r1])
+            _forward32(lf[r0:r1], ef[r0:r1], wide, t[r0:r1])
     elif logits2.dtype == np.float32:
-        scratch = workspace("crossentropy_exp", (n_blocks(logits2.shape[0]), CHUNK), np.float32)
-        _crossentropy_forward_kernel32(losses.reshape(-1), lse.reshape(-1), logits2, t, scratch)
+        _forward32(lf, ef, logits2, t)
     else:
-        _crossentropy_forward_kernel(losses.reshape(-1), lse.reshape(-1), logits2, t)
+        _crossentropy_forward_kernel(lf, ef, logits2, t)
     count = int(np.count_nonzero(t != IGNORE_INDEX))
     return float(losses.sum(dtype=np.float64) / count) if count else 0.0
+
+
+def _forward32(losses, lse, logits, targets):
+    """The float32 kernel over (N, V) float32 logits, with its exp scratch."""
+    scratch = workspace("crossentropy_exp", (n_blocks(logits.shape[0]), CHUNK), np.float32)
+    _crossentropy_forward_kernel32(losses, lse, logits, targets, scratch)
 
 
 def bf16_block_rows():
