@@ -383,6 +383,23 @@ def test_llama_keeps_gate_up_narrowed_and_h_one_slot():
     assert a.gu.nbytes == a.dh.nbytes + a.dgu.nbytes
 
 
+def test_llama_keeps_qkv_narrowed_and_attends_over_its_bf16_values():
+    """bf16 products: every block's q, k (after RoPE), v kept as bf16 (qkv16, as autocast's q, k, v
+    are bf16), the float32 qkv one slot; the attention reads the kept values widened in the forward
+    as in the backward (test_recompute's bf16 rows hold the two ways to the same bits)."""
+    cls, config = MODELS["llama"]
+    model = cls(config, dtype="bfloat16", seed=1)
+    idx = rng.integers(0, config.vocab_size, (2, 9)).astype(np.int32)
+    model.forward(idx, idx)
+    a, f = model._acts, cls(config)._activations(2, 9)
+    assert a.qkv.shape[0] == 1 and a.qkv16.dtype == np.uint16 and a.qkv16.shape[0] == config.n_layer
+    assert f.qkv16 is None and f.qkv.shape[0] == config.n_layer
+    last = a.qkv16[config.n_layer - 1]
+    assert np.array_equal(a.qkv[0], ops.from_bf16(last)) and np.array_equal(ops.to_bf16(a.qkv[0]), last)
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        ops.from_bf16(last, out=np.empty(last.shape, np.float64))
+
+
 def test_gpt2_keeps_one_slot_of_gelu_and_attention_outputs():
     """GPT-2: gelu's output one slot in every mode (the backward forms it again from the kept
     pre-activation; test_model.py's gradients against PyTorch would catch a bias added twice), and

@@ -22,7 +22,7 @@ from ..config import LlamaConfig
 from .decode import KVCache
 from .family import Family, FlatModel, initialise
 from .head import head_buffers
-from .params import kept_copy
+from .params import byte_view, kept_copy
 
 
 def param_spec(config):
@@ -109,7 +109,11 @@ class Activations:
         self.targets = ops.empty((B, T), np.int32)
         self.encoded = e(B, T, C)          # residual stream entering block 0
         self.rstd1, self.rstd2 = f32(L, B, T), f32(L, B, T)
-        self.qkv = e(L, B, T, QKV)         # q, k (the cpu's attention rotates them in place), v
+        # q, k (the cpu's attention rotates them in place), v. With bf16 products qkv is one slot and
+        # each block keeps it narrowed after RoPE (qkv16, as autocast's q, k, v are bf16), which the
+        # attention then reads, widened, both ways (Llama._attention_input)
+        self.qkv = e(1 if bf16 else L, B, T, QKV)
+        self.qkv16 = x16(L, B, T, QKV) if bf16 else None
         self.att = f32(NL, *ops.gqa_attention_state_shape(B, NH, T))  # one logsumexp per score row
         self.atty = e(1 if bf16 else NL, B, T, NH * config.head_dim)  # attention output before o_proj
         self.atty16 = x16(NL, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input
@@ -117,7 +121,7 @@ class Activations:
         # gate | up, as its product writes it. With bf16 products it lives only from its product to its
         # narrowing, never beside the MLP's backward buffers dh and dgu, so it takes their bytes (alloc_grads)
         self._mlp_bytes = ops.empty((B * T * 8 * H,), np.uint8) if bf16 else None
-        self.gu = _view(self._mlp_bytes, np.float32, (1, B, T, 2 * H)) if bf16 else e(L, B, T, 2 * H)
+        self.gu = byte_view(self._mlp_bytes, np.float32, (1, B, T, 2 * H)) if bf16 else e(L, B, T, 2 * H)
         self.gu16 = x16(L, B, T, 2 * H) if bf16 else None  # ... narrowed: what swiglu reads, forward and backward
         self.h = (x16 if bf16 else e)(1, B, T, H)  # silu(gate) * up: one slot, formed again in the backward
         self.res3 = e(NL, B, T, C)         # residual after the MLP: every block's, the next one's input
@@ -130,6 +134,11 @@ class Activations:
     def slot(self, l):
         """Where block l's inner buffers are: its own, or under recompute the one set all share."""
         return 0 if self.recompute else l
+
+    def attention_qkv(self, l):
+        """(block l's qkv as the attention reads it, its kept bf16 copy or None): qkv[slot], or with
+        bf16 products qkv's one slot and qkv16[slot]."""
+        return (self.qkv[self.slot(l)], None) if self.qkv16 is None else (self.qkv[0], self.qkv16[self.slot(l)])
 
     def o_input(self, l):
         """(block l's attention output, its bf16 copy o_proj reads or None): atty[l], or with bf16
@@ -163,8 +172,8 @@ class Activations:
         self.dqkv = e(B, T, QKV)
         self.dres16, self.dqkv16 = x16(B, T, C), x16(B, T, QKV)  # narrowed for the products' backward
         if bf16:  # gu's float32 scratch's bytes (__init__): dh, then dgu narrowed by swiglu's backward
-            self.dh = _view(self._mlp_bytes, np.float32, (B, T, H))
-            self.dgu = _view(self._mlp_bytes, np.uint16, (B, T, 2 * H), offset=4 * B * T * H)
+            self.dh = byte_view(self._mlp_bytes, np.float32, (B, T, H))
+            self.dgu = byte_view(self._mlp_bytes, np.uint16, (B, T, 2 * H), offset=4 * B * T * H)
         else:
             self.dh, self.dgu = e(B, T, H), e(B, T, 2 * H)  # dgu: swiglu's backward writes it
         self.grads = True
@@ -242,10 +251,9 @@ class Llama(FlatModel):
         ops, w, c = self.ops, self.p16, self.config  # w: the products' weights
         s, h = a.slot(l), f"model.layers.{l}."
         self._qkv_forward(a, l, x)
+        qkv, rope = self._attention_input(a, l)
         y, y16 = a.o_input(l)
-        # RoPE inside the op (the gpu rotates q and k as its kernels load them; the cpu in place in qkv)
-        ops.gqa_attention_forward(y, a.att[l], a.qkv[s], c.n_head, c.n_kv_head, rope=(self.cos, self.sin),
-                                  **self.attention_dropout(l))
+        ops.gqa_attention_forward(y, a.att[l], qkv, c.n_head, c.n_kv_head, rope=rope, **self.attention_dropout(l))
         o_in = self.narrowed(y, y16)
         ops.linear_forward(a.proj, o_in, w[h + "self_attn.o_proj.weight"].T)
         self.lora_linear(a.proj, o_in, a, l, "o")
@@ -260,9 +268,23 @@ class Llama(FlatModel):
     def _qkv_forward(self, a, l, x):
         """qkv[slot] (q, k before RoPE) and rstd1 from block l's input x."""
         p, fp, fw, c, s = self.p, self.fp, self.fw, self.config, a.slot(l)
-        self.ops.rmsnorm_linear_forward(a.qkv[s], a.rstd1[s], x, p[f"model.layers.{l}.input_layernorm.weight"],
+        self.ops.rmsnorm_linear_forward(a.attention_qkv(l)[0], a.rstd1[s], x, p[f"model.layers.{l}.input_layernorm.weight"],
                                         fw.qkv[l].T, fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
                                         adapters=self.lora_adapters(a, l, "qkv"))
+
+    def _attention_input(self, a, l):
+        """(qkv as block l's attention forward takes it, the rope it applies): the fresh qkv and RoPE
+        inside the op (the gpu rotates q and k as its kernels load them, the cpu in place in qkv); with
+        bf16 products, qkv rotated here (gqa_attention_prepare) and rounded to bf16 in place through
+        its kept copy qkv16, and no rope: the backward widens that copy, so both ways see the same q, k, v."""
+        qkv, qkv16 = a.attention_qkv(l)
+        rope, c = (self.cos, self.sin), self.config
+        if qkv16 is None:
+            return qkv, rope
+        self.ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope)
+        self.ops.to_bf16(qkv, qkv16)
+        self.ops.from_bf16(qkv16, out=qkv)
+        return qkv, None
 
     def _mlp_forward(self, a, l):
         """gu (and gu16), rstd2 and h = swiglu(gu) from block l's res2."""
@@ -286,7 +308,8 @@ class Llama(FlatModel):
         is qkv and gate|up only: 0.65 of a block's (qwen2.5-0.5b), without attention's scores."""
         c = self.config
         self._qkv_forward(a, l, x)
-        self.ops.gqa_attention_prepare(a.qkv[a.slot(l)], c.n_head, c.n_kv_head, rope=(self.cos, self.sin))
+        qkv, rope = self._attention_input(a, l)
+        self.ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope)  # (rope None: rotated already)
         self._mlp_forward(a, l)
 
     def backward(self, grads_ready=None):
@@ -316,10 +339,13 @@ class Llama(FlatModel):
             x = a.res3[l - 1] if l > 0 else a.encoded
             s = a.slot(l)
             gu, hl = a.gate_up(l)[1], a.h[0]
+            qkv, qkv16 = a.attention_qkv(l)
             if a.recompute:  # qkv's and the MLP's buffers were not kept: form them again
                 self._block_recompute(a, l, x)
-            else:  # h is one slot: form it again from the kept gate|up
+            else:  # h is one slot: form it again from the kept gate|up (and qkv from its bf16 copy)
                 ops.swiglu_forward(hl, gu)
+                if qkv16 is not None:
+                    ops.from_bf16(qkv16, out=qkv)
             # MLP: res3 = res2 + drop(down(swiglu(gate|up(rmsnorm(res2))))); dres holds d res3
             dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
             ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dproj, hl,
@@ -337,7 +363,7 @@ class Llama(FlatModel):
                                 w[h + "self_attn.o_proj.weight"].T, acc)
             self.lora_linear_grad(a.datty, dproj, o_in, a, l, "o")
             # dq, dk before RoPE; out: the forward's output where it is kept (the cpu's op does not read it)
-            ops.gqa_attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[l], NH, NKV, out=y if y16 is None else None,
+            ops.gqa_attention_backward(a.dqkv, a.datty, qkv, a.att[l], NH, NKV, out=y if y16 is None else None,
                                        rope=(self.cos, self.sin), **self.attention_dropout(l))
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), _t(fg.qkv[l]),
                                         fg.qkv_bias[l] if c.qkv_bias else None, self.narrowed(a.dqkv, a.dqkv16), x,
@@ -348,15 +374,6 @@ class Llama(FlatModel):
             ops.encoder_backward(g["model.embed_tokens.weight"], None,
                                  self.drop_grad(a, a.dres, -1, self.SITE_EMBED), a.idx)
         ready(*next(buckets))
-
-
-def _view(raw, dtype, shape, offset=0):
-    """shape's elements of dtype from byte `offset` of the byte buffer raw (None where raw is: a
-    memory count's allocator, training/memory.py)."""
-    if raw is None:
-        return None
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    return raw[offset:offset + n].view(dtype).reshape(shape)
 
 
 def _t(x):

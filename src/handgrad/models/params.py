@@ -74,3 +74,12 @@ def kept_copy(full, narrow, i):
     Activations buffer that bf16 products keep narrowed: full[i] where none is kept (narrow None);
     otherwise full's one slot (the forward's only) and narrow[i]."""
     return (full[i], None) if narrow is None else (full[0], narrow[i])
+
+
+def byte_view(raw, dtype, shape, offset=0):
+    """shape's elements of dtype from byte `offset` of the byte buffer raw (None where raw is: a
+    memory count's allocator, training/memory.py), for Activations buffers that share bytes."""
+    if raw is None:
+        return None
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return raw[offset:offset + n].view(dtype).reshape(shape)

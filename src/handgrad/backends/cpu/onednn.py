@@ -297,9 +297,13 @@ def _widen(h, out):
         of[i] = widen16(hf[i])
 
 
-def from_bf16(h):
-    """bf16 bit patterns (uint16) as float32 (exact)."""
+def from_bf16(h, out=None):
+    """bf16 bit patterns (uint16) as float32 (exact), into out (float32, C-contiguous, h's shape) if given."""
     h = np.ascontiguousarray(h, dtype=np.uint16)
-    out = np.empty(h.shape, np.float32)
+    if out is None:
+        out = np.empty(h.shape, np.float32)
+    elif out.shape != h.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"from_bf16: out must be C-contiguous float32 of shape {h.shape}, got {out.dtype} "
+                         f"{out.shape}")
     _widen(h, out)
     return out
