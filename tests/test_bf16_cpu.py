@@ -398,6 +398,11 @@ def test_llama_keeps_qkv_narrowed_and_attends_over_its_bf16_values():
     assert np.array_equal(a.qkv[0], ops.from_bf16(last)) and np.array_equal(ops.to_bf16(a.qkv[0]), last)
     with pytest.raises(ValueError, match="C-contiguous float32"):
         ops.from_bf16(last, out=np.empty(last.shape, np.float64))
+    x = rng.standard_normal((3, 37), dtype=np.float32)
+    x[0, :3] = np.nan, np.inf, -0.0
+    assert np.array_equal(ops.round_bf16(x.copy()), ops.from_bf16(ops.to_bf16(x)), equal_nan=True)
+    recomputed = cls(config, dtype="bfloat16", seed=1, recompute="block")._activations(2, 9)
+    assert recomputed.qkv16 is None and recomputed.qkv.shape[0] == 1  # rounded in place, formed again
 
 
 def test_gpt2_keeps_one_slot_of_gelu_and_attention_outputs():

@@ -109,11 +109,11 @@ class Activations:
         self.targets = ops.empty((B, T), np.int32)
         self.encoded = e(B, T, C)          # residual stream entering block 0
         self.rstd1, self.rstd2 = f32(L, B, T), f32(L, B, T)
-        # q, k (the cpu's attention rotates them in place), v. With bf16 products qkv is one slot and
-        # each block keeps it narrowed after RoPE (qkv16, as autocast's q, k, v are bf16), which the
-        # attention then reads, widened, both ways (Llama._attention_input)
+        # q, k (the cpu's attention rotates them in place), v. With bf16 products the attention reads
+        # them rounded to bf16 after RoPE, as autocast's q, k, v are bf16 (Llama._attention_input):
+        # qkv is one slot, and without recompute each block keeps its own narrowed (qkv16)
         self.qkv = e(1 if bf16 else L, B, T, QKV)
-        self.qkv16 = x16(L, B, T, QKV) if bf16 else None
+        self.qkv16 = x16(NL, B, T, QKV) if bf16 and not recompute else None
         self.att = f32(NL, *ops.gqa_attention_state_shape(B, NH, T))  # one logsumexp per score row
         self.atty = e(1 if bf16 else NL, B, T, NH * config.head_dim)  # attention output before o_proj
         self.atty16 = x16(NL, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input
@@ -137,8 +137,8 @@ class Activations:
 
     def attention_qkv(self, l):
         """(block l's qkv as the attention reads it, its kept bf16 copy or None): qkv[slot], or with
-        bf16 products qkv's one slot and qkv16[slot]."""
-        return (self.qkv[self.slot(l)], None) if self.qkv16 is None else (self.qkv[0], self.qkv16[self.slot(l)])
+        bf16 products qkv's one slot and qkv16[l] (None under recompute)."""
+        return (self.qkv[self.slot(l)], None) if self.qkv16 is None else (self.qkv[0], self.qkv16[l])
 
     def o_input(self, l):
         """(block l's attention output, its bf16 copy o_proj reads or None): atty[l], or with bf16
@@ -275,15 +275,18 @@ class Llama(FlatModel):
     def _attention_input(self, a, l):
         """(qkv as block l's attention forward takes it, the rope it applies): the fresh qkv and RoPE
         inside the op (the gpu rotates q and k as its kernels load them, the cpu in place in qkv); with
-        bf16 products, qkv rotated here (gqa_attention_prepare) and rounded to bf16 in place through
-        its kept copy qkv16, and no rope: the backward widens that copy, so both ways see the same q, k, v."""
-        qkv, qkv16 = a.attention_qkv(l)
-        rope, c = (self.cos, self.sin), self.config
-        if qkv16 is None:
+        bf16 products, qkv rotated here (gqa_attention_prepare) and rounded to bf16 in place, through
+        its kept copy qkv16 (which the backward widens) or under recompute alone (formed again then),
+        and no rope: the forward and the backward see the same q, k, v."""
+        (qkv, qkv16), rope, c, ops = a.attention_qkv(l), (self.cos, self.sin), self.config, self.ops
+        if np.dtype(a.products) != np.uint16:
             return qkv, rope
-        self.ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope)
-        self.ops.to_bf16(qkv, qkv16)
-        self.ops.from_bf16(qkv16, out=qkv)
+        ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope)
+        if qkv16 is None:
+            ops.round_bf16(qkv)
+        else:
+            ops.to_bf16(qkv, qkv16)
+            ops.from_bf16(qkv16, out=qkv)
         return qkv, None
 
     def _mlp_forward(self, a, l):

@@ -280,6 +280,22 @@ def _narrow(x, out):
         of[i] = narrow32(xf[i])
 
 
+@kernel
+def _round(x):
+    n = x.size
+    xf = x.reshape(n)
+    for i in prange(n):
+        xf[i] = widen16(narrow32(xf[i]))
+
+
+def round_bf16(x):
+    """float32 x (C-contiguous) rounded to bf16's values in place: from_bf16(to_bf16(x)) without a copy."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError(f"round_bf16: x must be C-contiguous float32, got {x.dtype}")
+    _round(x)
+    return x
+
+
 def to_bf16(x, out=None):
     """float32 x (C-contiguous) as bf16 bit patterns (uint16, the same shape), into out if given."""
     x = np.ascontiguousarray(x, dtype=np.float32)
