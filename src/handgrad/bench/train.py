@@ -246,6 +246,7 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
             "gflops": (full_flops if s.name == "handgrad-full" else flops) * tokens_per_step / step_s / 1e9,
             "peak_rss_mib": m.get("hwm_mib"), "baseline_rss_mib": s.baseline.get("rss_mib"),
             "build_peak_rss_mib": s.built.get("hwm_mib"), "peak_over_steps_only": s.peak_reset,
+            "numba_compiles": m.get("numba_compiles"),
         }
     h, p = result["sides"]["handgrad"], result["sides"]["pytorch"]
     result["ratio_tok_s"] = h["tok_s"] / p["tok_s"]

@@ -14,6 +14,10 @@ def format_row(r):
         mfu = f"{100 * s['mfu']:.1f}%" if "mfu" in s else "?"
         lines.append(f"  {name:<15} {s['tok_s']:>9.1f} {s['step_ms']:>9.1f} {s['gflops']:>8.1f} {mfu:>6} "
                      f"{_mib(s['peak_rss_mib']):>10} {_mib(s['baseline_rss_mib']):>10}")
+    cold = [f"{name} ({s['numba_compiles']})" for name, s in r["sides"].items() if s.get("numba_compiles")]
+    if cold:  # train_worker._count_compiles
+        lines.append(f"  Numba compiled kernels during the steps of {', '.join(cold)}: a cold cache, whose compiler's "
+                     f"memory is in that peak RSS; run again for the steady state")
     mem = f"{r['ratio_peak_rss']:.2f}x" if "ratio_peak_rss" in r else "?"
     if "lora" in r:
         lo = r["lora"]
