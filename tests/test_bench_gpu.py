@@ -28,7 +28,8 @@ def test_bench_ops_gpu_json(dtype):
     assert result["backend"] == "gpu" and result["dtype"] == dtype and result["interpreter"] == (not REAL_GPU)
     rows = result["rows"]
     names = [(r["name"].split()[0], r["phase"]) for r in rows]
-    assert names == [(op, ph) for op in ("layernorm", "gelu+bias", "attention", "crossentropy", "lm_head", "rmsnorm", "rope",
+    assert names == [(op, ph) for op in ("layernorm", "gelu+bias", "attention", "crossentropy", "lm_head", "lm_head-padded",
+                                         "rmsnorm", "rope",
                                          "gqa-attention", "rope+gqa-attention", "swiglu")
                      for ph in ("fwd", "bwd")] + [("adamw", "step")]
     for r in rows[:-1]:
