@@ -401,6 +401,9 @@ def test_llama_keeps_qkv_narrowed_and_attends_over_its_bf16_values():
     x = rng.standard_normal((3, 37), dtype=np.float32)
     x[0, :3] = np.nan, np.inf, -0.0
     assert np.array_equal(ops.round_bf16(x.copy()), ops.from_bf16(ops.to_bf16(x)), equal_nan=True)
+    kept = np.empty(x.shape, np.uint16)
+    assert np.array_equal(ops.round_bf16(x.copy(), out=kept), ops.from_bf16(ops.to_bf16(x)), equal_nan=True)
+    assert np.array_equal(kept, ops.to_bf16(x))
     recomputed = cls(config, dtype="bfloat16", seed=1, recompute="block")._activations(2, 9)
     assert recomputed.qkv16 is None and recomputed.qkv.shape[0] == 1  # rounded in place, formed again
 

@@ -282,11 +282,7 @@ class Llama(FlatModel):
         if np.dtype(a.products) != np.uint16:
             return qkv, rope
         ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope)
-        if qkv16 is None:
-            ops.round_bf16(qkv)
-        else:
-            ops.to_bf16(qkv, qkv16)
-            ops.from_bf16(qkv16, out=qkv)
+        ops.round_bf16(qkv, out=qkv16)
         return qkv, None
 
     def _mlp_forward(self, a, l):

@@ -281,18 +281,25 @@ def _narrow(x, out):
 
 
 @kernel
-def _round(x):
+def _round(x, out, keep):
+    """x = bf16's value of x, in place, and with keep its bf16 bits into out (flat, x's size)."""
     n = x.size
     xf = x.reshape(n)
     for i in prange(n):
-        xf[i] = widen16(narrow32(xf[i]))
+        h = narrow32(xf[i])
+        if keep:
+            out[i] = h
+        xf[i] = widen16(h)
 
 
-def round_bf16(x):
-    """float32 x (C-contiguous) rounded to bf16's values in place: from_bf16(to_bf16(x)) without a copy."""
+def round_bf16(x, out=None):
+    """float32 x (C-contiguous) rounded to bf16's values in place (x = from_bf16(to_bf16(x)), one pass,
+    no copy), and their bf16 bits stored into out (uint16, x's shape) if given."""
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         raise ValueError(f"round_bf16: x must be C-contiguous float32, got {x.dtype}")
-    _round(x)
+    if out is not None and (out.shape != x.shape or out.dtype != np.uint16 or not out.flags.c_contiguous):
+        raise ValueError(f"round_bf16: out must be C-contiguous uint16 of shape {x.shape}")
+    _round(x, np.empty(0, np.uint16) if out is None else out.reshape(-1), out is not None)
     return x
 
 
@@ -313,6 +320,14 @@ def _widen(h, out):
         of[i] = widen16(hf[i])
 
 
+@kernel
+def _widen_all(h, out):
+    n = h.size
+    hf, of = h.reshape(n), out.reshape(n)
+    for i in prange(n):
+        of[i] = widen16(hf[i])
+
+
 def from_bf16(h, out=None):
     """bf16 bit patterns (uint16) as float32 (exact), into out (float32, C-contiguous, h's shape) if given."""
     h = np.ascontiguousarray(h, dtype=np.uint16)
@@ -321,5 +336,5 @@ def from_bf16(h, out=None):
     elif out.shape != h.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"from_bf16: out must be C-contiguous float32 of shape {h.shape}, got {out.dtype} "
                          f"{out.shape}")
-    _widen(h, out)
+    _widen_all(h, out)
     return out
