@@ -51,7 +51,8 @@ LAYER_PARTS = ("norm1", "wqkv", "bqkv", "wo", "norm2", "wgu", "wdown")
 
 # the kernels' serial copies, as globals a Numba function can call (a @kernel object is Python's)
 _rmsnorm, _rope, _add_bias = _rmsnorm_forward_kernel.serial, _rope_forward_kernel.serial, _add_bias_kernel.serial
-_residual, _swiglu, _narrow_rows = _residual_forward_kernel.serial, _swiglu_forward_kernel32.serial, _narrow.serial
+_residual, _swiglu = _residual_forward_kernel.serial, _swiglu_forward_kernel32.serial
+_narrow_rows, _widen_rows = _narrow.serial, _widen.serial
 
 
 @intrinsic
@@ -103,7 +104,7 @@ def _narrowed(inp, narrow, wide, bf16):
         M, K = inp.shape
         nb = narrow[:M * K].reshape(M, K)
         _narrow_rows(inp, nb)
-        _widen(nb, wide[:M * K].reshape(M, K))
+        _widen_rows(nb, wide[:M * K].reshape(M, K))
 
 
 @njit(cache=True, error_model="numpy")

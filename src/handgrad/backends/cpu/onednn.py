@@ -29,7 +29,7 @@ import functools
 import os
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from .common import kernel, wheel_library
 from .bf16 import narrow32, widen16
@@ -312,16 +312,9 @@ def to_bf16(x, out=None):
     return out
 
 
-@njit(cache=True)
-def _widen(h, out):
-    n = h.size
-    hf, of = h.reshape(n), out.reshape(n)
-    for i in range(n):
-        of[i] = widen16(hf[i])
-
-
 @kernel
-def _widen_all(h, out):
+def _widen(h, out):
+    """out = the float32 values of the bf16 bits h (exact)."""
     n = h.size
     hf, of = h.reshape(n), out.reshape(n)
     for i in prange(n):
@@ -336,5 +329,5 @@ def from_bf16(h, out=None):
     elif out.shape != h.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"from_bf16: out must be C-contiguous float32 of shape {h.shape}, got {out.dtype} "
                          f"{out.shape}")
-    _widen_all(h, out)
+    _widen(h, out)
     return out
