@@ -249,7 +249,7 @@ class Llama(FlatModel):
         """Block l from its input x (B, T, C) to a.res3[l], its inner buffers in slot a.slot(l)
         (the backward forms those again under train.recompute block: _block_recompute)."""
         ops, w, c = self.ops, self.p16, self.config  # w: the products' weights
-        s, h = a.slot(l), f"model.layers.{l}."
+        h = f"model.layers.{l}."
         self._qkv_forward(a, l, x)
         qkv, rope = self._attention_input(a, l)
         y, y16 = a.o_input(l)
@@ -268,7 +268,8 @@ class Llama(FlatModel):
     def _qkv_forward(self, a, l, x):
         """qkv[slot] (q, k before RoPE) and rstd1 from block l's input x."""
         p, fp, fw, c, s = self.p, self.fp, self.fw, self.config, a.slot(l)
-        self.ops.rmsnorm_linear_forward(a.attention_qkv(l)[0], a.rstd1[s], x, p[f"model.layers.{l}.input_layernorm.weight"],
+        norm = p[f"model.layers.{l}.input_layernorm.weight"]
+        self.ops.rmsnorm_linear_forward(a.attention_qkv(l)[0], a.rstd1[s], x, norm,
                                         fw.qkv[l].T, fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
                                         adapters=self.lora_adapters(a, l, "qkv"))
 
