@@ -285,7 +285,7 @@ class FlatModel(Head):
     def weight(self, name):
         """A float32 NumPy copy of tensor `name` (a bf16 frozen base's widened, exactly)."""
         x = self.ops.to_numpy(self.p[name])
-        return get_backend("cpu").onednn.from_bf16(x) if x.dtype == np.uint16 else x.copy()
+        return get_backend("cpu").from_bf16(x) if x.dtype == np.uint16 else x.copy()
 
     def grads(self):
         """Copies of the gradients, under the same names and layouts as state_dict()."""

@@ -80,10 +80,10 @@ class Head:
 
     def _float32(self, logits, copy=False):
         """The logits as float32 NumPy: bf16 ones (uint16: the cpu's bf16 training) widened into a new
-        array (onednn.from_bf16), float32 ones as they are, or copied."""
+        array (the backend's from_bf16), float32 ones as they are, or copied."""
         z = self.ops.to_numpy(logits)
         if z.dtype == np.uint16:
-            return self.ops.onednn.from_bf16(z)
+            return self.ops.from_bf16(z)
         return z.copy() if copy else z
 
     def head_backward(self, a, dx, acc):
