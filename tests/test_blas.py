@@ -416,6 +416,29 @@ def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
     assert not few_rows.takes(big, w.T, np.empty((few_rows.SMALL_M + 1, N), np.float32), 0.0)
 
 
+def test_a_lone_row_prefetches_float32_weights_only_where_row_prefetch_f32_says():
+    """One row alone (few_rows._row) prefetches bf16 weight rows always and float32 ones only where
+    ROW_PREFETCH_F32 (AVX-512 CPUs; on the AVX2 Zen 3 the hardware's prefetcher alone was faster);
+    the tiles of 2 rows and more prefetch in both dtypes. Read off the compiled code."""
+    import numba
+
+    @numba.njit
+    def lone(a, wt, c):
+        few_rows._row(a, wt, c, 0, 0, 2)
+
+    @numba.njit
+    def tile(a, wt, c):
+        few_rows._tile(a, wt, c, 0, 0, few_rows.PREFETCH_AHEAD)
+
+    c = np.zeros((4, 8), np.float32)
+    for dtype, lone_expected in ((np.float32, few_rows.ROW_PREFETCH_F32), (np.uint16, True)):
+        a, wt = np.ones((4, 64), np.float32), np.ones((8, 64), dtype)
+        for fn, expected in ((lone, lone_expected), (tile, True)):
+            fn(a, wt, c)
+            llvm = fn.inspect_llvm(fn.signatures[-1])
+            assert ("@llvm.prefetch" in llvm) == expected, (fn.__name__, dtype)
+
+
 @pytest.mark.parametrize("rows_bf16", [False, True])
 @pytest.mark.parametrize("M", [1, 4, 5, 8, 13])
 @pytest.mark.parametrize("K, N", [(15, 9), (16, 31), (577, 70)])

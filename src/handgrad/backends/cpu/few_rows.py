@@ -8,7 +8,8 @@ held in registers (AVX-512: 16 lanes, 4 x 4; else 8 lanes, 4 x 2, as many accumu
 registers hold beside the loads), and in the same loop the next tile's weight lines prefetched, so
 the fetch from memory overlaps the arithmetic (8 rows do 8 multiply-adds a weight element: done
 after the fetch, the two times add). One row alone is one row by one weight row, over ROW_CHAINS
-accumulators in turn, prefetching the weight rows about AHEAD_BYTES on (row_ahead). Measured on the
+accumulators in turn, prefetching the weight rows about AHEAD_BYTES on (row_ahead; float32 rows
+only where ROW_PREFETCH_F32, that is on AVX-512 CPUs). Measured on the
 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 decode products, against the loop of Numba dot products this replaced (four
 rows of a a pass, a bulk prefetch of the weight row two on past 4 rows), interleaved, best of 15,
 two runs (five at one row): 8 rows 19.1-19.6 -> 11.2-13.7 ms float32 and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4
@@ -42,6 +43,13 @@ ROW_CHAINS = 4  # one row alone: accumulators in turn
 # KB, 75-78 at 7 KB, 74-76 at 10 KB; bf16 77-80 at 4 rows, 80-83 at 4 KB, 83-86 at 5 KB, 85-88 at
 # 7 KB (`/tmp` scripts, interleaved; at a low-bandwidth moment all within 5%).
 AHEAD_BYTES_F32, AHEAD_BYTES_BF16 = 4096, 7168
+# ... but on the 2-core AMD EPYC Zen 3 (AVX2, no AVX-512) a lone float32 row runs faster with no
+# prefetch instructions at all, the hardware's prefetcher alone: the decode step 0.75-0.80 -> 0.80-0.85
+# of a plain parallel read of the same bytes (three interleaved pairs of processes), SmolLM2's 120
+# block products in one team 0.84 -> 0.88-0.94; bf16 rows gained from prefetching there too (0.84 ->
+# 1.0 of the plain read). So float32's prefetch is kept where it was measured to help (AVX-512: the
+# Zen 5) and dropped elsewhere (docs/PERFORMANCE.md, "A lone float32 row without prefetch").
+ROW_PREFETCH_F32 = _AVX512
 
 
 _F32, _I64 = ir.FloatType(), ir.IntType(64)
@@ -87,7 +95,7 @@ def _lane_sum(builder, v):
     return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
 
-def _tiles(rows_a, rows_w, chains):
+def _tiles(rows_a, rows_w, chains, prefetch_f32=True):
     """An intrinsic tile(a, wt, c, m0, n0, ahead): c[m, n] = a[m] . wt[n] for rows_a rows of a from
     m0 and rows_w rows of wt from n0, indices past the last row repeating it (the same value stored
     twice); the rows_w weight rows `ahead` rows on are prefetched line by line in the same loop,
@@ -98,7 +106,9 @@ def _tiles(rows_a, rows_w, chains):
     rows_a * rows_w fused multiply-adds. With chains > 1 (one row by one), consecutive chunks go to
     `chains` accumulators in turn, so the adds' latency overlaps, and are added as a tree. Each
     accumulator's lanes are summed as a tree, then K's last K % LANES terms added in order: a
-    product's order depends only on K and chains, so a row's sums are the same bits in any batch."""
+    product's order depends only on K and chains, so a row's sums are the same bits in any batch.
+    prefetch_f32 False: float32 weight rows are left to the hardware's prefetcher (no prefetch
+    instructions; bf16 rows are still prefetched): ROW_PREFETCH_F32."""
     span = LANES * chains
 
     @intrinsic
@@ -127,6 +137,7 @@ def _tiles(rows_a, rows_w, chains):
             # in order, rows_w lines (float32) a chunk, so the hardware sees one stream, not rows_w
             soon = starts(arrays[1], wty, rows(builder.add(n0, ahead), 1, N))[0]
             abf, wbf = aty.dtype == types.uint16, wty.dtype == types.uint16
+            ahead_rows = rows_w if wbf or prefetch_f32 else 0  # the next rows' prefetches per chunk
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3),
                                                  f"llvm.fma.v{LANES}f32")
             fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
@@ -135,7 +146,7 @@ def _tiles(rows_a, rows_w, chains):
 
             def chunk(k, grid):  # grid[i][j] += a[m_i, k:k + LANES] * wt[n_j, k:k + LANES]
                 wv = [_vector_at(builder, p, k, wbf) for p in pw]
-                for j in range(rows_w):
+                for j in range(ahead_rows):
                     at = builder.add(builder.mul(k, ir.Constant(_I64, rows_w)), ir.Constant(_I64, j * LANES))
                     _prefetch(builder, builder.gep(soon, [at]))
                 for p, row in zip(pa, grid):
@@ -201,7 +212,7 @@ def warm(typingctx, arr, first, count):
 
 _tile = _tiles(TILE_M, TILE_N, 1)
 _tile1, _tile2, _tile3 = (_tiles(r, TILE_N, 1) for r in (1, 2, 3))  # the last M % TILE_M rows
-_row = _tiles(1, 1, ROW_CHAINS)
+_row = _tiles(1, 1, ROW_CHAINS, ROW_PREFETCH_F32)
 
 
 @njit(cache=True, error_model="numpy")
