@@ -44,10 +44,10 @@ ROW_CHAINS = 4  # one row alone: accumulators in turn
 # 7 KB (`/tmp` scripts, interleaved; at a low-bandwidth moment all within 5%).
 AHEAD_BYTES_F32, AHEAD_BYTES_BF16 = 4096, 7168
 # ... but on the 2-core AMD EPYC Zen 3 (AVX2, no AVX-512) a lone float32 row runs faster with no
-# prefetch instructions at all, the hardware's prefetcher alone: the decode step 0.75-0.80 -> 0.80-0.85
+# prefetch instructions at all, the hardware's prefetcher alone: the decode step 0.80-0.82 -> 0.85-0.88
 # of a plain parallel read of the same bytes (three interleaved pairs of processes), SmolLM2's 120
-# block products in one team 0.84 -> 0.88-0.94; bf16 rows gained from prefetching there too (0.84 ->
-# 1.0 of the plain read). So float32's prefetch is kept where it was measured to help (AVX-512: the
+# block products in one team 0.80-0.85 -> 0.88-0.94; bf16 rows gained from prefetching there too
+# (0.84 -> 0.98-1.03 of the plain read). So float32's prefetch is kept where it was measured to help (AVX-512: the
 # Zen 5) and dropped elsewhere (docs/PERFORMANCE.md, "A lone float32 row without prefetch").
 ROW_PREFETCH_F32 = _AVX512
 
