@@ -20,7 +20,20 @@ def _cuda_available():
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's test command): one pytest-xdist worker per core this process may run
+    on, at most 4. Each worker holds its own torch, Numba and models (one serial run's process was
+    1.4 GB resident two thirds of the way through), and tests start training and bench processes of
+    their own beside it, so a many-core laptop gets 4, not one per core. The tests are single-threaded
+    for most of their time: the serial suite kept one of this project's two cores busy (load average
+    1.0); two workers (`-n auto --dist loadfile`) 17 min 46 s against 28-29 min serially (AMD EPYC
+    Zen 3, 2 cores, 2026-11-28)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 # Deterministic property tests: the same examples on every run and machine (CI included).
 # HYPOTHESIS_PROFILE=explore switches to random search with 10x the examples (test_property.py
