@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from handgrad.backends import cpu
+from handgrad.backends.cpu import llama_decode
 from handgrad.config import LlamaConfig
 from handgrad.models.llama import Llama
 
@@ -78,16 +79,25 @@ def test_bad_arguments_are_named():
     cache = model.KV_CACHE(model, 1, 12)
     cache.prefill(np.array([[1, 2, 3]]))
     s = cache._bufs(1)
-    cache.step(np.array([4]))  # builds the weight views
+    cache.step(np.array([4]))  # builds the weight views, laid out once (llama_decode_layers)
+    laid_out = cache._layers
+    cache.step(np.array([5]))
+    assert cache._layers is laid_out and isinstance(laid_out, llama_decode.DecodeLayers)
+    layers = laid_out.layers
     c = model.config
     args = (cache.k, cache.v, 4, None, model.cos, model.sin, c.n_head, c.n_kv_head, c.norm_eps)
-    bad = dict(cache._layers, wo=cache._layers["wo"][:-1])
+    bad = dict(layers, wo=layers["wo"][:-1])
     with pytest.raises(ValueError, match="wo must be 3 transposed contiguous"):
         cpu.llama_decode_forward(s.x, bad, *args)
+    with pytest.raises(ValueError, match="norm2 must hold 3 vectors"):
+        cpu.llama_decode_forward(s.x, dict(layers, norm2=layers["norm2"][:-1]), *args)
     with pytest.raises(ValueError, match="do not fit 5 heads"):
-        cpu.llama_decode_forward(s.x, cache._layers, *args[:6], 5, c.n_kv_head, c.norm_eps)
+        cpu.llama_decode_forward(s.x, laid_out, *args[:6], 5, c.n_kv_head, c.norm_eps)
     with pytest.raises(ValueError, match="pos must be in"):
-        cpu.llama_decode_forward(s.x, cache._layers, cache.k, cache.v, 12, *args[3:])
+        cpu.llama_decode_forward(s.x, laid_out, cache.k, cache.v, 12, *args[3:])
+    with pytest.raises(ValueError, match="do not fit"):  # another model's caches (4 layers)
+        cpu.llama_decode_forward(s.x, laid_out, np.concatenate([cache.k, cache.k[:1]]),
+                                 np.concatenate([cache.v, cache.v[:1]]), *args[2:])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -449,13 +449,14 @@ class LlamaKVCache(KVCache):
         if not self.fused:
             return super()._decode_blocks(s, pos, rows)
         c = self.model.config
-        if self._layers is None:  # the weights' views, made once per cache
+        if self._layers is None:  # the weights' views, made (and laid out by the backend) once per cache
             p, fp, names = self.p, self.fp, [f"model.layers.{l}." for l in range(self.L)]
-            self._layers = {"norm1": [p[h + "input_layernorm.weight"] for h in names],
-                            "wqkv": [w.T for w in fp.qkv], "bqkv": list(fp.qkv_bias) if c.qkv_bias else None,
-                            "wo": [p[h + "self_attn.o_proj.weight"].T for h in names],
-                            "norm2": [p[h + "post_attention_layernorm.weight"] for h in names],
-                            "wgu": [w.T for w in fp.gu], "wdown": [p[h + "mlp.down_proj.weight"].T for h in names]}
+            self._layers = self.ops.llama_decode_layers({
+                "norm1": [p[h + "input_layernorm.weight"] for h in names],
+                "wqkv": [w.T for w in fp.qkv], "bqkv": list(fp.qkv_bias) if c.qkv_bias else None,
+                "wo": [p[h + "self_attn.o_proj.weight"].T for h in names],
+                "norm2": [p[h + "post_attention_layernorm.weight"] for h in names],
+                "wgu": [w.T for w in fp.gu], "wdown": [p[h + "mlp.down_proj.weight"].T for h in names]})
         self.ops.llama_decode_forward(s.x, self._layers, self.k, self.v, pos, rows, self.model.cos, self.model.sin,
                                       c.n_head, c.n_kv_head, c.norm_eps)
 

@@ -18,7 +18,7 @@ from .gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .layernorm_linear import layernorm_linear_backward, layernorm_linear_forward
 from .linear import linear_backward, linear_forward
-from .llama_decode import llama_decode_forward
+from .llama_decode import llama_decode_forward, llama_decode_layers
 from .lora import lora_backward, lora_forward, lora_linear_backward, lora_linear_forward
 from .residual import residual_backward, residual_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward

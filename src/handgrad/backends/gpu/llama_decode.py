@@ -17,6 +17,12 @@ from .common import workspace
 LAYER_PARTS = ("norm1", "wqkv", "bqkv", "wo", "norm2", "wgu", "wdown")
 
 
+def llama_decode_layers(layers):
+    """layers as llama_decode_forward takes them, unchanged: the cpu op lays its weights out once
+    here (their addresses in one table); this one launches the ops on the tensors as they are."""
+    return layers
+
+
 def llama_decode_forward(x, layers, k_cache, v_cache, pos, rows, cos, sin, n_head, n_kv_head, eps):
     """x (B, C) (or (B, 1, C)) through every block in place, row b's token at position pos[b] (an
     int: every row's) of cache row rows[b] (None: row b); layers as the cpu op's (a dict of
