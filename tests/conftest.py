@@ -31,8 +31,8 @@ def pytest_xdist_auto_num_workers(config):
     1.4 GB resident two thirds of the way through), and tests start training and bench processes of
     their own beside it, so a many-core laptop gets 4, not one per core. The tests are single-threaded
     for most of their time: the serial suite kept one of this project's two cores busy (load average
-    1.0); two workers (`-n auto --dist loadfile`) 17 min 46 s against 28-29 min serially (AMD EPYC
-    Zen 3, 2 cores, 2026-11-28)."""
+    1.0); two workers (`-n auto --dist loadfile`) ran it in 19 min 53 s on a fresh clone (17 min 46 s
+    with Numba's cache warm) against 28-29 min serially (AMD EPYC Zen 3, 2 cores, 2026-11-28)."""
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 # Deterministic property tests: the same examples on every run and machine (CI included).
