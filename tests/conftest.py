@@ -33,7 +33,8 @@ def pytest_xdist_auto_num_workers(config):
     for most of their time: the serial suite kept one of this project's two cores busy (load average
     1.0); two workers (`-n auto --dist loadfile`) ran it in 19 min 53 s on a fresh clone (17 min 46 s
     with Numba's cache warm) against 28-29 min serially (AMD EPYC Zen 3, 2 cores, 2026-11-28)."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (not on macOS)
+    return max(1, min(4, cores or 1))
 
 # Deterministic property tests: the same examples on every run and machine (CI included).
 # HYPOTHESIS_PROFILE=explore switches to random search with 10x the examples (test_property.py
