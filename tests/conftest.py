@@ -28,11 +28,12 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (the README's test command): one pytest-xdist worker per core this process may run
     on, at most 4. Each worker holds its own torch, Numba and models (one serial run's process was
-    1.4 GB resident two thirds of the way through), and tests start training and bench processes of
+    1.4 GB resident halfway through), and tests start training and bench processes of
     their own beside it, so a many-core laptop gets 4, not one per core. The tests are single-threaded
     for most of their time: the serial suite kept one of this project's two cores busy (load average
-    1.0); two workers (`-n auto --dist loadfile`) ran it in 19 min 53 s on a fresh clone (17 min 46 s
-    with Numba's cache warm) against 28-29 min serially (AMD EPYC Zen 3, 2 cores, 2026-11-28)."""
+    1.0); two workers (`-n auto --dist loadfile`) ran it in 16-20 min on a fresh clone (three runs;
+    17 min 46 s with Numba's cache warm) against 28-29 min serially (AMD EPYC Zen 3, 2 cores,
+    2026-11-28)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (not on macOS)
     return max(1, min(4, cores or 1))
 
