@@ -151,8 +151,8 @@ def test_test_extra_resolves_from_plain_pypi():
     with tempfile.TemporaryDirectory(prefix="handgrad-resolve-") as tmp:
         report = Path(tmp) / "report.json"
         env = dict(os.environ, TMPDIR=tmp)  # pip's downloads land here and go with it
-        # not --quiet: on a conflict, pip says which requirements collide only at its default verbosity
         pip, fast = _resolver_pip(tmp, env)
+        # not --quiet: on a conflict, pip says which requirements collide only at its default verbosity
         cmd = [*pip, "install", *(["--use-feature=fast-deps"] if fast else []), "--isolated", "--dry-run",
                "--ignore-installed", "--disable-pip-version-check", "--progress-bar", "off", "--report",
                str(report), "-e", ".[test]"]
