@@ -35,7 +35,7 @@ def pytest_xdist_auto_num_workers(config):
     17 min 46 s with Numba's cache warm) against 28-29 min serially (AMD EPYC Zen 3, 2 cores,
     2026-11-28)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (not on macOS)
-    return max(1, min(4, cores or 1))
+    return min(4, cores or 1)
 
 # Deterministic property tests: the same examples on every run and machine (CI included).
 # HYPOTHESIS_PROFILE=explore switches to random search with 10x the examples (test_property.py
