@@ -31,7 +31,7 @@ def pytest_xdist_auto_num_workers(config):
     1.4 GB resident halfway through), and tests start training and bench processes of
     their own beside it, so a many-core laptop gets 4, not one per core. The tests are single-threaded
     for most of their time: the serial suite kept one of this project's two cores busy (load average
-    1.0); two workers (`-n auto --dist loadfile`) ran it in 16-20 min on a fresh clone (six runs;
+    1.0); two workers (`-n auto --dist loadfile`) ran it in 16-20 min on a fresh clone (eight runs;
     17 min 46 s with Numba's cache warm) against 28-29 min serially (AMD EPYC Zen 3, 2 cores,
     2026-11-28)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (not on macOS)
