@@ -416,24 +416,52 @@ def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
     assert not few_rows.takes(big, w.T, np.empty((few_rows.SMALL_M + 1, N), np.float32), 0.0)
 
 
-def test_a_lone_row_prefetches_float32_weights_only_where_row_prefetch_f32_says():
-    """One row alone (few_rows._row) prefetches bf16 weight rows always and float32 ones only where
-    ROW_PREFETCH_F32 (AVX-512 CPUs; on the AVX2 Zen 3 the hardware's prefetcher alone was faster);
-    the tiles of 2 rows and more prefetch in both dtypes. Read off the compiled code."""
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+@pytest.mark.parametrize("K, N", [(1, 3), (37, 70), (576, 131)])
+def test_one_row_is_the_same_bits_however_its_weight_rows_are_split(K, N, dtype):
+    """One row alone reads ROW_STREAMS weight rows at once, each from its own stretch of the rows it
+    is given, and the rows left over one at a time: a row's result must not depend on which took it,
+    so any split of the rows among threads (the decode step's members, small_m_nt's threads) gives
+    the same bits. Every range [lo, hi) of rows against the rows taken one at a time."""
+    rng = np.random.default_rng(K + N)
+    a = rng.standard_normal((1, K), dtype=np.float32)
+    w = rng.standard_normal((N, K), dtype=np.float32)
+    w = onednn.to_bf16(w) if dtype == np.uint16 else w
+    alone = np.full((1, N), np.nan, np.float32)
+    for n in range(N):
+        few_rows.nt_rows(a, w, alone, n, n + 1)
+    for lo, hi in [(0, N), (0, N // 2), (N // 3, N), (1, N - 1)]:
+        c = np.full((1, N), np.nan, np.float32)
+        few_rows.nt_rows(a, w, c, lo, hi)
+        np.testing.assert_array_equal(c[:, lo:hi], alone[:, lo:hi])
+    c = np.full((1, N), np.nan, np.float32)
+    few_rows.small_m_nt(a, w, c)
+    np.testing.assert_array_equal(c, alone)
+
+
+def test_one_row_prefetches_only_where_row_prefetch_says():
+    """One row alone (few_rows._row, and _rows_far: its ROW_STREAMS weight rows at once) prefetches
+    its weight rows, float32 or bf16, only where ROW_PREFETCH (AVX-512 CPUs; on the AVX2 Zen 3 the
+    hardware's prefetcher alone was faster); the tiles of 2 rows and more prefetch in both dtypes.
+    Read off the compiled code."""
     import numba
 
     @numba.njit
     def lone(a, wt, c):
-        few_rows._row(a, wt, c, 0, 0, 2)
+        few_rows._row(a, wt, c, 0, 0, 2, 1)
+
+    @numba.njit
+    def far(a, wt, c):
+        few_rows._rows_far(a, wt, c, 0, 0, 2, 2)
 
     @numba.njit
     def tile(a, wt, c):
-        few_rows._tile(a, wt, c, 0, 0, few_rows.PREFETCH_AHEAD)
+        few_rows._tile(a, wt, c, 0, 0, few_rows.PREFETCH_AHEAD, 1)
 
     c = np.zeros((4, 8), np.float32)
-    for dtype, lone_expected in ((np.float32, few_rows.ROW_PREFETCH_F32), (np.uint16, True)):
+    for dtype in (np.float32, np.uint16):
         a, wt = np.ones((4, 64), np.float32), np.ones((8, 64), dtype)
-        for fn, expected in ((lone, lone_expected), (tile, True)):
+        for fn, expected in ((lone, few_rows.ROW_PREFETCH), (far, few_rows.ROW_PREFETCH), (tile, True)):
             fn(a, wt, c)
             llvm = fn.inspect_llvm(fn.signatures[-1])
             assert ("@llvm.prefetch" in llvm) == expected, (fn.__name__, dtype)

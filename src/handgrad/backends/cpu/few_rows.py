@@ -7,9 +7,12 @@ work is a tile's (_tiles, in LLVM IR): TILE_M rows of a by TILE_N weight rows, t
 held in registers (AVX-512: 16 lanes, 4 x 4; else 8 lanes, 4 x 2, as many accumulators as 16 ymm
 registers hold beside the loads), and in the same loop the next tile's weight lines prefetched, so
 the fetch from memory overlaps the arithmetic (8 rows do 8 multiply-adds a weight element: done
-after the fetch, the two times add). One row alone is one row by one weight row, over ROW_CHAINS
-accumulators in turn, prefetching the weight rows about AHEAD_BYTES on (row_ahead; float32 rows
-only where ROW_PREFETCH_F32, that is on AVX-512 CPUs). Measured on the
+after the fetch, the two times add). One row alone reads ROW_STREAMS weight rows at once, each from
+its own stretch of the rows it is given (_rows_far: rows n, n + gap, n + 2 gap, ...; the one input
+vector loaded once for all of them), each over ROW_CHAINS accumulators in turn; the rows left over
+go one at a time (_row), summed in the same order, so a row's result does not depend on which of
+the two took it. On AVX-512 CPUs the weight rows about AHEAD_BYTES on are prefetched as it goes
+(row_ahead); elsewhere the hardware's prefetcher alone (ROW_PREFETCH). Measured on the
 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 decode products, against the loop of Numba dot products this replaced (four
 rows of a a pass, a bulk prefetch of the weight row two on past 4 rows), interleaved, best of 15,
 two runs (five at one row): 8 rows 19.1-19.6 -> 11.2-13.7 ms float32 and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4
@@ -20,36 +23,47 @@ tile of their own height (they had been rows repeated on a 4-row tile) and the n
 are prefetched in address order (they had been TILE_N strided streams): float32 2 rows 9.3-9.6 ->
 8.3-8.5 ms and 4 rows 10.1-10.4 -> 9.4-9.5 at a high-bandwidth moment (1 row: 7.6 ms), 13.9-14.0 ->
 13.2-13.3 and 14.6-14.7 -> 13.1-13.2 at a low one; 8 rows and bf16 within 4% either way.
+
+Why several streams for one row (AMD EPYC Zen 3, AVX2, 2026-11-28; docs/PERFORMANCE.md, "One row
+alone as four streams"): on the lm_head's 49,152 x 576 float32 matrix, each of the 2 threads
+taking half, a plain sum of the bytes read at 1.00 (the yardstick), one dot product a row at
+0.89-0.92 of it, and a row sum without the input vector at 0.94-1.00: the input's load beside each
+weight load cost the difference (one load a weight vector when the factor sits in a register:
+0.99). Two weight rows at once sharing the input's loads, rows n and n + 1: 0.71; rows n and
+n + half the share apart: 1.05-1.09; four such streams 1.18. A thread reading several long
+sequential streams draws more from memory than one.
 """
 import numpy as np
 from llvmlite import ir
 from llvmlite.binding import get_host_cpu_features
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from .common import kernel
+from .team import part
 
 SMALL_M = 16  # rows at most for the few-rows kernel below
-NT_BLOCK = 32  # weight rows per parallel task (a multiple of TILE_N)
 _AVX512 = "+avx512f" in (config.CPU_FEATURES or get_host_cpu_features().flatten())
 LANES = 16 if _AVX512 else 8  # floats in one vector register: _tile's vectors
 TILE_M, TILE_N = (4, 4) if _AVX512 else (4, 2)  # rows of a and of wt whose products _tile keeps in registers
 PREFETCH_AHEAD = TILE_N  # weight rows: the next tile's
-ROW_CHAINS = 4  # one row alone: accumulators in turn
-# ... and how far ahead it prefetches, float32 weights and bf16: measured on the 2-core Zen 5 over
+ROW_STREAMS = 4  # one row alone: weight rows read at once, each from its own stretch of the rows
+ROW_CHAINS = 2  # ... each over this many accumulators in turn
+# How far ahead one row prefetches, float32 weights and bf16: measured on the 2-core Zen 5 over
 # SmolLM2-135M's 121 decode products, at the guest's high-bandwidth moments (triad 80-86 GB/s), one
-# row: float32 74-76 GB/s at the 4 rows (9 KB at K 576, 24 KB at 1536) this replaced, 77-79 at 3-5
-# KB, 75-78 at 7 KB, 74-76 at 10 KB; bf16 77-80 at 4 rows, 80-83 at 4 KB, 83-86 at 5 KB, 85-88 at
-# 7 KB (`/tmp` scripts, interleaved; at a low-bandwidth moment all within 5%).
+# row (one stream, before ROW_STREAMS): float32 74-76 GB/s at the 4 rows (9 KB at K 576, 24 KB at
+# 1536) this replaced, 77-79 at 3-5 KB, 75-78 at 7 KB, 74-76 at 10 KB; bf16 77-80 at 4 rows, 80-83 at
+# 4 KB, 83-86 at 5 KB, 85-88 at 7 KB (`/tmp` scripts, interleaved; at a low-bandwidth moment all
+# within 5%).
 AHEAD_BYTES_F32, AHEAD_BYTES_BF16 = 4096, 7168
-# ... but on the 2-core AMD EPYC Zen 3 (AVX2, no AVX-512) a lone float32 row runs faster with no
-# prefetch instructions at all, the hardware's prefetcher alone: the decode step 0.80-0.82 -> 0.85-0.88
-# of a plain parallel read of the same bytes (three interleaved pairs of processes), SmolLM2's 120
-# block products in one team 0.80-0.85 -> 0.88-0.94; bf16 rows gained from prefetching there too
-# (0.84 -> 0.98-1.03 of the plain read). So float32's prefetch is kept where it was measured to help (AVX-512: the
-# Zen 5) and dropped elsewhere (docs/PERFORMANCE.md, "A lone float32 row without prefetch").
-ROW_PREFETCH_F32 = _AVX512
+# ... but on the 2-core AMD EPYC Zen 3 (AVX2, no AVX-512) one row runs faster with no prefetch
+# instructions at all, the hardware's prefetcher alone: float32 on one stream, the decode step
+# 0.80-0.82 -> 0.85-0.88 of a plain parallel read (docs/PERFORMANCE.md, "A lone float32 row without
+# prefetch"); on ROW_STREAMS streams, bf16 rows at 1.12 of the read without against 0.96 at 7 KB ahead
+# and 1.00-1.01 at 1-2 rows. So one row prefetches where that was measured to help (AVX-512: the Zen
+# 5, on one stream; not measured there on four) and not elsewhere.
+ROW_PREFETCH = _AVX512
 
 
 _F32, _I64 = ir.FloatType(), ir.IntType(64)
@@ -95,8 +109,8 @@ def _lane_sum(builder, v):
     return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
 
-def _tiles(rows_a, rows_w, chains, prefetch_f32=True):
-    """An intrinsic tile(a, wt, c, m0, n0, ahead): c[m, n] = a[m] . wt[n] for rows_a rows of a from
+def _tiles(rows_a, rows_w, chains, prefetch=True, far=False):
+    """An intrinsic tile(a, wt, c, m0, n0, ahead, gap): c[m, n] = a[m] . wt[n] for rows_a rows of a from
     m0 and rows_w rows of wt from n0, indices past the last row repeating it (the same value stored
     twice); the rows_w weight rows `ahead` rows on are prefetched line by line in the same loop,
     in address order (one stream; a prefetch past the last row is a hint that reads nothing). Rows
@@ -107,12 +121,13 @@ def _tiles(rows_a, rows_w, chains, prefetch_f32=True):
     `chains` accumulators in turn, so the adds' latency overlaps, and are added as a tree. Each
     accumulator's lanes are summed as a tree, then K's last K % LANES terms added in order: a
     product's order depends only on K and chains, so a row's sums are the same bits in any batch.
-    prefetch_f32 False: float32 weight rows are left to the hardware's prefetcher (no prefetch
-    instructions; bf16 rows are still prefetched): ROW_PREFETCH_F32."""
+    far: the weight rows are n0, n0 + gap, ..., n0 + (rows_w - 1) gap (else n0 to n0 + rows_w - 1; gap
+    is then not used), each prefetched `ahead` rows on in its own stretch. prefetch False: the weight
+    rows are left to the hardware's prefetcher (no prefetch instructions): ROW_PREFETCH."""
     span = LANES * chains
 
     @intrinsic
-    def tile(typingctx, a, wt, c, m0, n0, ahead):
+    def tile(typingctx, a, wt, c, m0, n0, ahead, gap):
         if not all(isinstance(x, types.Array) and x.ndim == 2 for x in (a, wt, c)):
             return None
 
@@ -122,22 +137,24 @@ def _tiles(rows_a, rows_w, chains, prefetch_f32=True):
             (M, K), N = cgutils.unpack_tuple(builder, arrays[0].shape, 2), builder.extract_value(arrays[1].shape, 0)
             zero, one = ir.Constant(_I64, 0), ir.Constant(_I64, 1)
 
-            def rows(first, count, total):
+            def rows(first, count, total, step=one):
                 last = builder.sub(total, one)
-                at = [builder.add(first, ir.Constant(_I64, i)) for i in range(count)]
+                at = [builder.add(first, builder.mul(step, ir.Constant(_I64, i))) for i in range(count)]
                 return [builder.select(builder.icmp_signed("<", i, last), i, last) for i in at]
 
             def starts(arr, ty, which):
                 return [cgutils.get_item_pointer(context, builder, ty, arr, [r, zero], wraparound=False) for r in which]
 
-            m0, n0, ahead = (context.cast(builder, v, t, types.int64) for v, t in zip(args[3:], signature.args[3:]))
-            ms, ns = rows(m0, rows_a, M), rows(n0, rows_w, N)
+            m0, n0, ahead, gap = (context.cast(builder, v, t, types.int64) for v, t in zip(args[3:], signature.args[3:]))
+            ms, ns = rows(m0, rows_a, M), rows(n0, rows_w, N, gap if far else one)
             pa, pw = starts(arrays[0], aty, ms), starts(arrays[1], wty, ns)
-            # the next tile's rows_w weight rows are one contiguous stretch from its first row: prefetched
-            # in order, rows_w lines (float32) a chunk, so the hardware sees one stream, not rows_w
-            soon = starts(arrays[1], wty, rows(builder.add(n0, ahead), 1, N))[0]
+            if far:  # each stream's row `ahead` rows on, prefetched alongside the row being read
+                soon = starts(arrays[1], wty, rows(builder.add(n0, ahead), rows_w, N, gap))
+            else:  # the next tile's rows_w weight rows are one contiguous stretch from its first row: prefetched
+                # in order, rows_w lines (float32) a chunk, so the hardware sees one stream, not rows_w
+                soon = starts(arrays[1], wty, rows(builder.add(n0, ahead), 1, N))[0]
             abf, wbf = aty.dtype == types.uint16, wty.dtype == types.uint16
-            ahead_rows = rows_w if wbf or prefetch_f32 else 0  # the next rows' prefetches per chunk
+            ahead_rows = rows_w if prefetch else 0  # the next rows' prefetches per chunk
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3),
                                                  f"llvm.fma.v{LANES}f32")
             fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
@@ -147,8 +164,11 @@ def _tiles(rows_a, rows_w, chains, prefetch_f32=True):
             def chunk(k, grid):  # grid[i][j] += a[m_i, k:k + LANES] * wt[n_j, k:k + LANES]
                 wv = [_vector_at(builder, p, k, wbf) for p in pw]
                 for j in range(ahead_rows):
-                    at = builder.add(builder.mul(k, ir.Constant(_I64, rows_w)), ir.Constant(_I64, j * LANES))
-                    _prefetch(builder, builder.gep(soon, [at]))
+                    if far:
+                        _prefetch(builder, builder.gep(soon[j], [k]))
+                    else:
+                        at = builder.add(builder.mul(k, ir.Constant(_I64, rows_w)), ir.Constant(_I64, j * LANES))
+                        _prefetch(builder, builder.gep(soon, [at]))
                 for p, row in zip(pa, grid):
                     av = _vector_at(builder, p, k, abf)
                     for w, slot in zip(wv, row):
@@ -179,7 +199,7 @@ def _tiles(rows_a, rows_w, chains, prefetch_f32=True):
                                                                                wraparound=False))
             return context.get_dummy_value()
 
-        return types.void(a, wt, c, m0, n0, ahead), codegen
+        return types.void(a, wt, c, m0, n0, ahead, gap), codegen
 
     return tile
 
@@ -212,7 +232,8 @@ def warm(typingctx, arr, first, count):
 
 _tile = _tiles(TILE_M, TILE_N, 1)
 _tile1, _tile2, _tile3 = (_tiles(r, TILE_N, 1) for r in (1, 2, 3))  # the last M % TILE_M rows
-_row = _tiles(1, 1, ROW_CHAINS, ROW_PREFETCH_F32)
+_row = _tiles(1, 1, ROW_CHAINS, ROW_PREFETCH)
+_rows_far = _tiles(1, ROW_STREAMS, ROW_CHAINS, ROW_PREFETCH, far=True)
 
 
 @njit(cache=True, error_model="numpy")
@@ -228,32 +249,44 @@ def nt_rows(a, wt, c, lo, hi):
     the last M % TILE_M rows on a tile of their height (_tile1 to _tile3), so no row is worked twice
     and each row's sums are the same bits in any batch of 2 or more (weight rows past N repeat row
     N - 1; lo a multiple of TILE_N, and hi too unless it is N, so no tile reaches past hi but at N).
-    One row alone takes _row, the same sums up to float32 rounding (its accumulators are chained).
-    Each tile prefetches the weight rows after its own as it works (the module docstring)."""
+    One row alone takes ROW_STREAMS weight rows at once (_rows_far, its streams each a quarter of
+    [lo, hi)), the rows left over one at a time (_row): the same sums either way, within float32
+    rounding of a batch's (its accumulators are chained). Each tile prefetches the weight rows after
+    its own as it works (the module docstring)."""
     M = a.shape[0]
     if M == 1:
         ahead = row_ahead(wt)
-        for n in range(lo, hi):
-            _row(a, wt, c, 0, n, ahead)
+        gap = (hi - lo) // ROW_STREAMS
+        for n in range(lo, lo + gap):
+            _rows_far(a, wt, c, 0, n, ahead, gap)
+        for n in range(lo + ROW_STREAMS * gap, hi):
+            _row(a, wt, c, 0, n, ahead, 1)
         return
     for n in range(lo, hi, TILE_N):
         for m in range(0, M - TILE_M + 1, TILE_M):
-            _tile(a, wt, c, m, n, PREFETCH_AHEAD)
+            _tile(a, wt, c, m, n, PREFETCH_AHEAD, 1)
         m, left = M - M % TILE_M, M % TILE_M
         if left == 1:
-            _tile1(a, wt, c, m, n, PREFETCH_AHEAD)
+            _tile1(a, wt, c, m, n, PREFETCH_AHEAD, 1)
         elif left == 2:
-            _tile2(a, wt, c, m, n, PREFETCH_AHEAD)
+            _tile2(a, wt, c, m, n, PREFETCH_AHEAD, 1)
         elif left == 3:
-            _tile3(a, wt, c, m, n, PREFETCH_AHEAD)
+            _tile3(a, wt, c, m, n, PREFETCH_AHEAD, 1)
 
 
 @kernel
-def small_m_nt(a, wt, c):
-    """c (M, N) = a (M, K) @ wt (N, K)^T by nt_rows, in parallel over blocks of NT_BLOCK rows of wt."""
+def _small_m_nt(a, wt, c, T):
+    """small_m_nt on T threads."""
     N = wt.shape[0]
-    for j in prange((N + NT_BLOCK - 1) // NT_BLOCK):
-        nt_rows(a, wt, c, j * NT_BLOCK, min(N, (j + 1) * NT_BLOCK))
+    for t in prange(T):
+        lo, hi = part(N, t, T, TILE_N)
+        nt_rows(a, wt, c, lo, hi)
+
+
+def small_m_nt(a, wt, c):
+    """c (M, N) = a (M, K) @ wt (N, K)^T by nt_rows, in parallel: one share of wt's rows a thread
+    (team.part, whole tiles), so that one row's ROW_STREAMS streams run the share's length."""
+    _small_m_nt(a, wt, c, get_num_threads())
 
 
 _OPERANDS = (np.float32, np.uint16)
