@@ -442,7 +442,8 @@ def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, rows=None)
     Sequences at different positions (`handgrad serve`'s batched step): pos may hold one position
     per row, and rows the cache row of each of qkv's B rows (the cache then (R, NH, Tmax, hs), any
     R); query row b then reads and writes cache row rows[b] at pos[b] (common.decode_rows).
-    Inference only: nothing is saved for a backward. Parallel over (b, head); float64 accumulators.
+    Inference only: nothing is saved for a backward. Parallel over (b, head); float32 as the prefill's
+    float32 attention (decode_attend).
     """
     R, NH, Tmax, hs = k_cache.shape
     if NH != n_head or v_cache.shape != k_cache.shape:
@@ -455,7 +456,7 @@ def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, rows=None)
     pos, rows = decode_rows(B, R, Tmax, pos, rows)
     if not (out.flags.c_contiguous and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("out, k_cache and v_cache must be C-contiguous (they are written in place)")
-    scores = workspace("attention_decode_scores", (B * NH, Tmax), np.float64)
-    acc = workspace("attention_decode_acc", (B * NH, hs), np.float64)
+    scores = workspace("attention_decode_scores", (B * NH, Tmax), np.float32)
+    acc = workspace("attention_decode_acc", (B * NH, hs), np.float32)
     _decode_kernel(out.reshape(B, NH * hs), qkv.reshape(B, 3 * NH * hs), k_cache, v_cache, scores, acc, pos, rows,
                    NH, 1.0 / math.sqrt(hs))

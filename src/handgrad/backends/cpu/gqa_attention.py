@@ -351,7 +351,8 @@ def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_h
     which is row pos of gqa_attention_forward on the whole sequence. Overwrites out (B, 1, NH*hs)
     (or (B, NH*hs), contiguous) and slot pos of both caches. Inference only: nothing is saved.
     Sequences at different positions: pos may hold one position per row and rows the cache row of
-    each query row, as in attention_decode_forward. Parallel over (b, kv head); float64 accumulators.
+    each query row, as in attention_decode_forward. Parallel over (b, kv head); float32 as the
+    prefill's float32 attention (decode_attend).
     """
     R, NKV, Tmax, hs = k_cache.shape
     B = qkv.size // max(1, (n_head + 2 * NKV) * hs)
@@ -364,7 +365,7 @@ def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_h
     pos, rows = decode_rows(B, R, Tmax, pos, rows)
     if not (out.flags.c_contiguous and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("out, k_cache and v_cache must be C-contiguous (they are written in place)")
-    scores = workspace("gqa_decode_scores", (B * NKV, Tmax), np.float64)
-    acc = workspace("gqa_decode_acc", (B * NKV, hs), np.float64)
+    scores = workspace("gqa_decode_scores", (B * NKV, Tmax), np.float32)
+    acc = workspace("gqa_decode_acc", (B * NKV, hs), np.float32)
     _decode_kernel(out.reshape(B, n_head * hs), qkv.reshape(B, (n_head + 2 * NKV) * hs), k_cache, v_cache,
                    scores, acc, pos, rows, n_head, 1.0 / math.sqrt(hs))

@@ -290,8 +290,8 @@ def llama_decode_forward(x, layers, k_cache, v_cache, pos, rows, cos, sin, n_hea
     narrow, wide = workspace("llama_decode_narrow", (B * K,), np.uint16), workspace("llama_decode_wide", (B * K,), f32)
     rstd = workspace("llama_decode_rstd", (B,), f32)
     T = numba.get_num_threads()  # (also starts the threading layer, which the parallel kernel needs)
-    scores = workspace("llama_decode_scores", (T, Tmax), np.float64)  # a row per member
-    acc = workspace("llama_decode_acc", (T, hs), np.float64)
+    scores = workspace("llama_decode_scores", (T, Tmax), np.float32)  # a row per member
+    acc = workspace("llama_decode_acc", (T, hs), np.float32)
     sync = workspace("llama_decode_sync", (SYNC_SLOTS,), np.int64)
     sync[:] = 0
     _blocks_kernel(T, sync, xr, *bufs, rstd, narrow, wide, scores, acc, lay.table, lay.wlike, lay.vlike,
