@@ -422,7 +422,7 @@ def test_one_row_is_the_same_bits_however_its_weight_rows_are_split(K, N, dtype)
     """One row alone reads ROW_STREAMS weight rows at once, each from its own stretch of the rows it
     is given, and the rows left over one at a time: a row's result must not depend on which took it,
     so any split of the rows among threads (the decode step's members, small_m_nt's threads) gives
-    the same bits. Every range [lo, hi) of rows against the rows taken one at a time."""
+    the same bits. Several ranges [lo, hi) of rows against the rows taken one at a time."""
     rng = np.random.default_rng(K + N)
     a = rng.standard_normal((1, K), dtype=np.float32)
     w = rng.standard_normal((N, K), dtype=np.float32)

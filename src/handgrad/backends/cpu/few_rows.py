@@ -27,9 +27,9 @@ are prefetched in address order (they had been TILE_N strided streams): float32 
 Why several streams for one row (AMD EPYC Zen 3, AVX2, 2026-11-28; docs/PERFORMANCE.md, "One row
 alone as four streams"): on the lm_head's 49,152 x 576 float32 matrix, each of the 2 threads
 taking half, a plain sum of the bytes read at 1.00 (the yardstick), one dot product a row at
-0.89-0.92 of it, and a row sum without the input vector at 0.94-1.00: the input's load beside each
+0.89-0.96 of it, and a row sum without the input vector at 0.94-1.00: the input's load beside each
 weight load cost the difference (one load a weight vector when the factor sits in a register:
-0.99). Two weight rows at once sharing the input's loads, rows n and n + 1: 0.71; rows n and
+0.99). Two weight rows at once sharing the input's loads, rows n and n + 1: 0.71-0.77; rows n and
 n + half the share apart: 1.05-1.09; four such streams 1.18. A thread reading several long
 sequential streams draws more from memory than one.
 """

@@ -15,8 +15,9 @@ code whichever thread runs it.
 The step is one parallel region (team.py): the threads stay in it from the first block to the last
 and meet at barriers, rather than opening a region for each of the 120 products as the op calls
 do. Each member multiplies its share of every weight's rows (at batch 1 as few_rows' ROW_STREAMS
-streams, each a stretch of the share) and attends with its share of the query heads; member 0 does the small serial work between (norms, RoPE, the cache's appends,
-residual adds, SwiGLU) while the others wait; before each wait a member prefetches the first rows
+streams, each a stretch of the share) and attends with its share of the query heads; member 0 does
+the small serial work between (norms, RoPE, the cache's appends, residual adds, SwiGLU) while the
+others wait; before each wait a member prefetches the first rows
 of its next share and the cached keys and values its heads read next. Measured on the 2-core Zen
 5, SmolLM2-135M-Instruct, greedy, 63 steps after a 16-token prompt, against the region-a-product
 step this replaced, interleaved in one process (docs/PERFORMANCE.md, "One parallel region for a
