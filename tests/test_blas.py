@@ -396,7 +396,8 @@ def test_training_bits_do_not_depend_on_the_pool(tmp_path, arch):
 def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
     """Decoding's products (<= SMALL_M rows times a transposed contiguous weight) run on
     few_rows.small_m_nt: the product within float32 rounding, each row the same bits in any batch of 2 or
-    more (serve's batched step), and alone within float32 rounding."""
+    more (serve's batched step; past TILE_M rows on the wide tiles, a pair on the narrow ones: the same
+    bits whatever the tiles' width), and alone within float32 rounding."""
     rng = np.random.default_rng(M * 1000 + K)
     a = rng.standard_normal((M, K), dtype=np.float32)
     w = rng.standard_normal((N, K), dtype=np.float32)
@@ -456,7 +457,7 @@ def test_one_row_prefetches_only_where_row_prefetch_says():
 
     @numba.njit
     def tile(a, wt, c):
-        few_rows._tile(a, wt, c, 0, 0, few_rows.PREFETCH_AHEAD, 1)
+        few_rows._tile(a, wt, c, 0, 0, few_rows.TILE_N, 1)
 
     c = np.zeros((4, 8), np.float32)
     for dtype in (np.float32, np.uint16):

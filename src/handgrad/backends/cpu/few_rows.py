@@ -33,6 +33,8 @@ weight load cost the difference (one load a weight vector when the factor sits i
 n + half the share apart: 1.05-1.09; four such streams 1.18. A thread reading several long
 sequential streams draws more from memory than one.
 """
+from math import gcd
+
 import numpy as np
 from llvmlite import ir
 from llvmlite.binding import get_host_cpu_features
@@ -47,7 +49,13 @@ SMALL_M = 16  # rows at most for the few-rows kernel below
 _AVX512 = "+avx512f" in (config.CPU_FEATURES or get_host_cpu_features().flatten())
 LANES = 16 if _AVX512 else 8  # floats in one vector register: _tile's vectors
 TILE_M, TILE_N = (4, 4) if _AVX512 else (4, 2)  # rows of a and of wt whose products _tile keeps in registers
-PREFETCH_AHEAD = TILE_N  # weight rows: the next tile's
+# ... and the wide tile's weight rows (_wide, TILE_M x WIDE_N), for more than TILE_M rows of a or bf16
+# weights: on AVX2 4 x 3, 12 accumulators, so the multiply-adds' latency has room that 4 x 2's 8
+# lack (AMD EPYC Zen 3, 2026-11-28: in cache, 2 threads, 8 rows, 56 -> 62 GFLOP/s a thread; the
+# decode step float32 at 8 and 16 rows 1.03-1.12x and 1.07-1.21x, bf16 1.00-1.29x at 4-16 rows; float32
+# at 4 rows 0.84-0.99x, so it keeps 4 x 2: docs/PERFORMANCE.md, "Wider tiles for several rows")
+WIDE_N = TILE_N if _AVX512 else 3
+SHARE_N = TILE_N * WIDE_N // gcd(TILE_N, WIDE_N)  # a thread's share of weight rows: whole tiles of both widths
 ROW_STREAMS = 4  # one row alone: weight rows read at once, each from its own stretch of the rows
 ROW_CHAINS = 2  # ... each over this many accumulators in turn
 # How far ahead one row prefetches, float32 weights and bf16: measured on the 2-core Zen 5 over
@@ -230,8 +238,9 @@ def warm(typingctx, arr, first, count):
     return types.void(arr, first, count), codegen
 
 
-_tile = _tiles(TILE_M, TILE_N, 1)
+_tile, _wide = _tiles(TILE_M, TILE_N, 1), _tiles(TILE_M, WIDE_N, 1)
 _tile1, _tile2, _tile3 = (_tiles(r, TILE_N, 1) for r in (1, 2, 3))  # the last M % TILE_M rows
+_wide1, _wide2, _wide3 = (_tiles(r, WIDE_N, 1) for r in (1, 2, 3))
 _row = _tiles(1, 1, ROW_CHAINS, ROW_PREFETCH)
 _rows_far = _tiles(1, ROW_STREAMS, ROW_CHAINS, ROW_PREFETCH, far=True)
 
@@ -244,15 +253,34 @@ def row_ahead(wt):
 
 
 @njit(cache=True, error_model="numpy")
+def _last_rows(a, wt, c, m, n, left, wide):
+    """The last `left` (1 to 3) rows of a, from m, by the weight rows of one tile from n."""
+    if wide:
+        if left == 1:
+            _wide1(a, wt, c, m, n, WIDE_N, 1)
+        elif left == 2:
+            _wide2(a, wt, c, m, n, WIDE_N, 1)
+        else:
+            _wide3(a, wt, c, m, n, WIDE_N, 1)
+    elif left == 1:
+        _tile1(a, wt, c, m, n, TILE_N, 1)
+    elif left == 2:
+        _tile2(a, wt, c, m, n, TILE_N, 1)
+    else:
+        _tile3(a, wt, c, m, n, TILE_N, 1)
+
+
+@njit(cache=True, error_model="numpy")
 def nt_rows(a, wt, c, lo, hi):
     """c[:, lo:hi] = a @ wt[lo:hi]^T, serially: tiles of TILE_M rows of a by TILE_N rows of wt (_tile),
-    the last M % TILE_M rows on a tile of their height (_tile1 to _tile3), so no row is worked twice
-    and each row's sums are the same bits in any batch of 2 or more (weight rows past N repeat row
-    N - 1; lo a multiple of TILE_N, and hi too unless it is N, so no tile reaches past hi but at N).
-    One row alone takes ROW_STREAMS weight rows at once (_rows_far, its streams each a quarter of
-    [lo, hi)), the rows left over one at a time (_row): the same sums either way, within float32
-    rounding of a batch's (its accumulators are chained). Each tile prefetches the weight rows after
-    its own as it works (the module docstring)."""
+    or by WIDE_N (_wide) when a has more than TILE_M rows or wt is bf16, the last M % TILE_M rows on a
+    tile of their height (_tile1 to _tile3, _wide1 to _wide3), so no row is worked twice and each
+    row's sums are the same bits in any batch of 2 or more, whatever the tiles' width (weight rows past
+    N repeat row N - 1; lo a multiple of SHARE_N, and hi too unless it is N, so no tile reaches past hi
+    but at N). One row alone takes ROW_STREAMS weight rows at once (_rows_far, its streams each a
+    quarter of [lo, hi)), the rows left over one at a time (_row): the same sums either way, within
+    float32 rounding of a batch's (its accumulators are chained). Each tile prefetches the weight rows
+    after its own (its width's) as it works (the module docstring)."""
     M = a.shape[0]
     if M == 1:
         ahead = row_ahead(wt)
@@ -262,16 +290,17 @@ def nt_rows(a, wt, c, lo, hi):
         for n in range(lo + ROW_STREAMS * gap, hi):
             _row(a, wt, c, 0, n, ahead, 1)
         return
-    for n in range(lo, hi, TILE_N):
-        for m in range(0, M - TILE_M + 1, TILE_M):
-            _tile(a, wt, c, m, n, PREFETCH_AHEAD, 1)
-        m, left = M - M % TILE_M, M % TILE_M
-        if left == 1:
-            _tile1(a, wt, c, m, n, PREFETCH_AHEAD, 1)
-        elif left == 2:
-            _tile2(a, wt, c, m, n, PREFETCH_AHEAD, 1)
-        elif left == 3:
-            _tile3(a, wt, c, m, n, PREFETCH_AHEAD, 1)
+    wide = M > TILE_M or wt.itemsize == 2
+    step = WIDE_N if wide else TILE_N
+    left = M % TILE_M
+    for n in range(lo, hi, step):
+        for m in range(0, M - left, TILE_M):
+            if wide:
+                _wide(a, wt, c, m, n, WIDE_N, 1)
+            else:
+                _tile(a, wt, c, m, n, TILE_N, 1)
+        if left:
+            _last_rows(a, wt, c, M - left, n, left, wide)
 
 
 @kernel
@@ -279,7 +308,7 @@ def _small_m_nt(a, wt, c, T):
     """small_m_nt on T threads."""
     N = wt.shape[0]
     for t in prange(T):
-        lo, hi = part(N, t, T, TILE_N)
+        lo, hi = part(N, t, T, SHARE_N)
         nt_rows(a, wt, c, lo, hi)
 
 

@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from .common import decode_rows, workspace
 from .decode_attend import append_kv, attend_head
-from .few_rows import TILE_N, nt_rows, row_ahead, warm
+from .few_rows import SHARE_N, nt_rows, row_ahead, warm
 from .linear import _add_bias_kernel
 from .onednn import _narrow, _widen
 from .residual import _residual_forward_kernel
@@ -113,9 +113,9 @@ def _product(out, inp, wt, wide, bf16, me, team, nxt):
     """Member me's share of out (M, N) = operand (M, K) @ wt (N, K)^T (whole tiles of weight rows),
     then its share of the next product's weight nxt asked for (its first row_ahead rows: what
     the product's own loop keeps prefetched ahead, begun while the member waits)."""
-    lo, hi = part(wt.shape[0], me, team, TILE_N)
+    lo, hi = part(wt.shape[0], me, team, SHARE_N)
     nt_rows(_operand(inp, wide, bf16), wt, out, lo, hi)
-    warm(nxt, part(nxt.shape[0], me, team, TILE_N)[0], row_ahead(nxt))
+    warm(nxt, part(nxt.shape[0], me, team, SHARE_N)[0], row_ahead(nxt))
 
 
 @njit(cache=True, error_model="numpy")
