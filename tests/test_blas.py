@@ -443,7 +443,8 @@ def test_one_row_is_the_same_bits_however_its_weight_rows_are_split(K, N, dtype)
 def test_one_row_prefetches_only_where_row_prefetch_says():
     """One row alone (few_rows._row, and _rows_far: its ROW_STREAMS weight rows at once) prefetches
     its weight rows, float32 or bf16, only where ROW_PREFETCH (AVX-512 CPUs; on the AVX2 Zen 3 the
-    hardware's prefetcher alone was faster); the tiles of 2 rows and more prefetch in both dtypes.
+    hardware's prefetcher alone was faster); the tiles of 2 rows and more prefetch in both dtypes, the
+    far ones (float32 past TILE_M rows) too.
     Read off the compiled code."""
     import numba
 
@@ -459,10 +460,15 @@ def test_one_row_prefetches_only_where_row_prefetch_says():
     def tile(a, wt, c):
         few_rows._tile(a, wt, c, 0, 0, few_rows.TILE_N, 1)
 
+    @numba.njit
+    def wide_far(a, wt, c):
+        few_rows._far(a, wt, c, 0, 0, few_rows.FAR_AHEAD, 2)
+
     c = np.zeros((4, 8), np.float32)
     for dtype in (np.float32, np.uint16):
         a, wt = np.ones((4, 64), np.float32), np.ones((8, 64), dtype)
-        for fn, expected in ((lone, few_rows.ROW_PREFETCH), (far, few_rows.ROW_PREFETCH), (tile, True)):
+        for fn, expected in ((lone, few_rows.ROW_PREFETCH), (far, few_rows.ROW_PREFETCH), (tile, True),
+                             (wide_far, True)):
             fn(a, wt, c)
             llvm = fn.inspect_llvm(fn.signatures[-1])
             assert ("@llvm.prefetch" in llvm) == expected, (fn.__name__, dtype)

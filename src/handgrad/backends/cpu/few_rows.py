@@ -56,6 +56,13 @@ TILE_M, TILE_N = (4, 4) if _AVX512 else (4, 2)  # rows of a and of wt whose prod
 # at 4 rows 0.84-0.99x, so it keeps 4 x 2: docs/PERFORMANCE.md, "Wider tiles for several rows")
 WIDE_N = TILE_N if _AVX512 else 3
 SHARE_N = TILE_N * WIDE_N // gcd(TILE_N, WIDE_N)  # a thread's share of weight rows: whole tiles of both widths
+# float32 past TILE_M rows: the wide tile's WIDE_N weight rows far apart (_far: rows n, n + gap, n + 2
+# gap, as one row's streams), each stream prefetched FAR_AHEAD elements (2 KB) on. The Zen 3, 8 rows, a
+# 49,152-row matrix against the wide tiles in order: K 576 5.11 -> 4.43 ms (one row on: 2.3 KB) and
+# 5.83 -> 5.26 (2 KB; 1 KB 5.54, 4 KB 5.94, none 5.58); K 1536 16.2 -> 13.3-13.4 (1-2 KB; 6 KB 14.9,
+# none 14.0); in cache the arithmetic alone takes 4.03 at K 576. The decode step at 8 rows 1.105x
+# (0.96-1.30), at 16 1.05x. bf16 stays in order: far it was 0.94-0.95x at K 576 and 1.04-1.05x at 1536.
+FAR_AHEAD = 512
 ROW_STREAMS = 4  # one row alone: weight rows read at once, each from its own stretch of the rows
 ROW_CHAINS = 2  # ... each over this many accumulators in turn
 # How far ahead one row prefetches, float32 weights and bf16: measured on the 2-core Zen 5 over
@@ -121,7 +128,8 @@ def _tiles(rows_a, rows_w, chains, prefetch=True, far=False):
     """An intrinsic tile(a, wt, c, m0, n0, ahead, gap): c[m, n] = a[m] . wt[n] for rows_a rows of a from
     m0 and rows_w rows of wt from n0, indices past the last row repeating it (the same value stored
     twice); the rows_w weight rows `ahead` rows on are prefetched line by line in the same loop,
-    in address order (one stream; a prefetch past the last row is a hint that reads nothing). Rows
+    in address order (one stream; a prefetch past the last row is a hint that reads nothing; far
+    tiles: below). Rows
     contiguous, float32 or bf16 (uint16), c float32. Written in LLVM IR so the rows_a x rows_w
     accumulators stay in registers (Numba's loops gave LLVM's vectoriser one accumulator a row, and
     it spilled past four): each LANES-wide chunk of K loads rows_a + rows_w vectors for
@@ -130,8 +138,9 @@ def _tiles(rows_a, rows_w, chains, prefetch=True, far=False):
     accumulator's lanes are summed as a tree, then K's last K % LANES terms added in order: a
     product's order depends only on K and chains, so a row's sums are the same bits in any batch.
     far: the weight rows are n0, n0 + gap, ..., n0 + (rows_w - 1) gap (else n0 to n0 + rows_w - 1; gap
-    is then not used), each prefetched `ahead` rows on in its own stretch. prefetch False: the weight
-    rows are left to the hardware's prefetcher (no prefetch instructions): ROW_PREFETCH."""
+    is then not used), each a stream of its own, prefetched `ahead` elements on as it is read (the
+    rows being contiguous, into the rows after it). prefetch False: the weight rows are left to the
+    hardware's prefetcher (no prefetch instructions): ROW_PREFETCH."""
     span = LANES * chains
 
     @intrinsic
@@ -156,9 +165,7 @@ def _tiles(rows_a, rows_w, chains, prefetch=True, far=False):
             m0, n0, ahead, gap = (context.cast(builder, v, t, types.int64) for v, t in zip(args[3:], signature.args[3:]))
             ms, ns = rows(m0, rows_a, M), rows(n0, rows_w, N, gap if far else one)
             pa, pw = starts(arrays[0], aty, ms), starts(arrays[1], wty, ns)
-            if far:  # each stream's row `ahead` rows on, prefetched alongside the row being read
-                soon = starts(arrays[1], wty, rows(builder.add(n0, ahead), rows_w, N, gap))
-            else:  # the next tile's rows_w weight rows are one contiguous stretch from its first row: prefetched
+            if not far:  # the next tile's rows_w weight rows are one contiguous stretch from its first row: prefetched
                 # in order, rows_w lines (float32) a chunk, so the hardware sees one stream, not rows_w
                 soon = starts(arrays[1], wty, rows(builder.add(n0, ahead), 1, N))[0]
             abf, wbf = aty.dtype == types.uint16, wty.dtype == types.uint16
@@ -172,8 +179,8 @@ def _tiles(rows_a, rows_w, chains, prefetch=True, far=False):
             def chunk(k, grid):  # grid[i][j] += a[m_i, k:k + LANES] * wt[n_j, k:k + LANES]
                 wv = [_vector_at(builder, p, k, wbf) for p in pw]
                 for j in range(ahead_rows):
-                    if far:
-                        _prefetch(builder, builder.gep(soon[j], [k]))
+                    if far:  # `ahead` elements on in stream j
+                        _prefetch(builder, builder.gep(pw[j], [builder.add(k, ahead)]))
                     else:
                         at = builder.add(builder.mul(k, ir.Constant(_I64, rows_w)), ir.Constant(_I64, j * LANES))
                         _prefetch(builder, builder.gep(soon, [at]))
@@ -238,9 +245,10 @@ def warm(typingctx, arr, first, count):
     return types.void(arr, first, count), codegen
 
 
-_tile, _wide = _tiles(TILE_M, TILE_N, 1), _tiles(TILE_M, WIDE_N, 1)
-_tile1, _tile2, _tile3 = (_tiles(r, TILE_N, 1) for r in (1, 2, 3))  # the last M % TILE_M rows
-_wide1, _wide2, _wide3 = (_tiles(r, WIDE_N, 1) for r in (1, 2, 3))
+# the tiles by the rows of a they take (TILE_M, then 1 to 3: the last M % TILE_M) and their weight rows
+_tile, _tile1, _tile2, _tile3 = (_tiles(r, TILE_N, 1) for r in (TILE_M, 1, 2, 3))
+_wide, _wide1, _wide2, _wide3 = (_tiles(r, WIDE_N, 1) for r in (TILE_M, 1, 2, 3))
+_far, _far1, _far2, _far3 = (_tiles(r, WIDE_N, 1, far=True) for r in (TILE_M, 1, 2, 3))
 _row = _tiles(1, 1, ROW_CHAINS, ROW_PREFETCH)
 _rows_far = _tiles(1, ROW_STREAMS, ROW_CHAINS, ROW_PREFETCH, far=True)
 
@@ -253,54 +261,77 @@ def row_ahead(wt):
 
 
 @njit(cache=True, error_model="numpy")
-def _last_rows(a, wt, c, m, n, left, wide):
-    """The last `left` (1 to 3) rows of a, from m, by the weight rows of one tile from n."""
-    if wide:
-        if left == 1:
-            _wide1(a, wt, c, m, n, WIDE_N, 1)
-        elif left == 2:
-            _wide2(a, wt, c, m, n, WIDE_N, 1)
+def _across(a, wt, c, n, ahead, gap, kind):
+    """Every row of a by one tile's weight rows from n: tiles of TILE_M rows, then one of the last
+    M % TILE_M. kind: 0 the narrow tiles (TILE_N rows), 1 the wide (WIDE_N), 2 the wide far ones."""
+    M = a.shape[0]
+    left = M % TILE_M
+    for m in range(0, M - left, TILE_M):
+        if kind == 0:
+            _tile(a, wt, c, m, n, ahead, gap)
+        elif kind == 1:
+            _wide(a, wt, c, m, n, ahead, gap)
         else:
-            _wide3(a, wt, c, m, n, WIDE_N, 1)
-    elif left == 1:
-        _tile1(a, wt, c, m, n, TILE_N, 1)
+            _far(a, wt, c, m, n, ahead, gap)
+    m = M - left
+    if left == 1:
+        if kind == 0:
+            _tile1(a, wt, c, m, n, ahead, gap)
+        elif kind == 1:
+            _wide1(a, wt, c, m, n, ahead, gap)
+        else:
+            _far1(a, wt, c, m, n, ahead, gap)
     elif left == 2:
-        _tile2(a, wt, c, m, n, TILE_N, 1)
-    else:
-        _tile3(a, wt, c, m, n, TILE_N, 1)
+        if kind == 0:
+            _tile2(a, wt, c, m, n, ahead, gap)
+        elif kind == 1:
+            _wide2(a, wt, c, m, n, ahead, gap)
+        else:
+            _far2(a, wt, c, m, n, ahead, gap)
+    elif left == 3:
+        if kind == 0:
+            _tile3(a, wt, c, m, n, ahead, gap)
+        elif kind == 1:
+            _wide3(a, wt, c, m, n, ahead, gap)
+        else:
+            _far3(a, wt, c, m, n, ahead, gap)
 
 
 @njit(cache=True, error_model="numpy")
 def nt_rows(a, wt, c, lo, hi):
-    """c[:, lo:hi] = a @ wt[lo:hi]^T, serially: tiles of TILE_M rows of a by TILE_N rows of wt (_tile),
-    or by WIDE_N (_wide) when a has more than TILE_M rows or wt is bf16, the last M % TILE_M rows on a
-    tile of their height (_tile1 to _tile3, _wide1 to _wide3), so no row is worked twice and each
-    row's sums are the same bits in any batch of 2 or more, whatever the tiles' width (weight rows past
-    N repeat row N - 1; lo a multiple of SHARE_N, and hi too unless it is N, so no tile reaches past hi
-    but at N). One row alone takes ROW_STREAMS weight rows at once (_rows_far, its streams each a
-    quarter of [lo, hi)), the rows left over one at a time (_row): the same sums either way, within
-    float32 rounding of a batch's (its accumulators are chained). Each tile prefetches the weight rows
-    after its own (its width's) as it works (the module docstring)."""
+    """c[:, lo:hi] = a @ wt[lo:hi]^T, serially, each element a[m] . wt[n] in the same order whatever
+    the tile, so each row's sums are the same bits in any batch of 2 or more (weight rows past N
+    repeat row N - 1; lo a multiple of SHARE_N, and hi too unless it is N, so no tile reaches past hi
+    but at N). Rows of a go TILE_M to a tile, the last M % TILE_M on a tile of their height, so none
+    is worked twice; the weight rows:
+    - one row alone: ROW_STREAMS at once (_rows_far, its streams each a quarter of [lo, hi)), the
+      rows left over one at a time (_row): the same sums either way, within float32 rounding of a
+      batch's (its accumulators are chained);
+    - bf16 weights: WIDE_N at once, in order, each tile prefetching the next tile's as it works;
+    - float32, up to TILE_M rows: TILE_N at once, the same;
+    - float32, more rows: WIDE_N at once, each from its own third of [lo, hi) (far), prefetched
+      FAR_AHEAD elements on in each stream; the rows left over (at N) in order.
+    (The module docstring has the measurements.)"""
     M = a.shape[0]
     if M == 1:
         ahead = row_ahead(wt)
         gap = (hi - lo) // ROW_STREAMS
         for n in range(lo, lo + gap):
-            _rows_far(a, wt, c, 0, n, ahead, gap)
+            _rows_far(a, wt, c, 0, n, ahead * wt.shape[1], gap)
         for n in range(lo + ROW_STREAMS * gap, hi):
             _row(a, wt, c, 0, n, ahead, 1)
-        return
-    wide = M > TILE_M or wt.itemsize == 2
-    step = WIDE_N if wide else TILE_N
-    left = M % TILE_M
-    for n in range(lo, hi, step):
-        for m in range(0, M - left, TILE_M):
-            if wide:
-                _wide(a, wt, c, m, n, WIDE_N, 1)
-            else:
-                _tile(a, wt, c, m, n, TILE_N, 1)
-        if left:
-            _last_rows(a, wt, c, M - left, n, left, wide)
+    elif wt.itemsize == 2:
+        for n in range(lo, hi, WIDE_N):
+            _across(a, wt, c, n, WIDE_N, 1, 1)
+    elif M <= TILE_M:
+        for n in range(lo, hi, TILE_N):
+            _across(a, wt, c, n, TILE_N, 1, 0)
+    else:
+        gap = (hi - lo) // WIDE_N
+        for n in range(lo, lo + gap):
+            _across(a, wt, c, n, FAR_AHEAD, gap, 2)
+        for n in range(lo + WIDE_N * gap, hi, WIDE_N):
+            _across(a, wt, c, n, WIDE_N, 1, 1)
 
 
 @kernel
