@@ -391,10 +391,11 @@ def test_training_bits_do_not_depend_on_the_pool(tmp_path, arch):
     assert weights[0] == weights[1]
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 16, 77])
 @pytest.mark.parametrize("K, N", [(1, 1), (37, 70), (96, 33), (1536, 5)])
 def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
-    """Decoding's products (<= SMALL_M rows times a transposed contiguous weight) run on
+    """Decoding's products (<= SMALL_M rows times a transposed contiguous weight, or a short prompt's
+    SHORT_M whose rows fit in SHORT_BYTES) run on
     few_rows.small_m_nt: the product within float32 rounding, each row the same bits in any batch of 2 or
     more (serve's batched step; past TILE_M rows on the wide tiles, a pair on the narrow ones: the same
     bits whatever the tiles' width), and alone within float32 rounding."""
@@ -403,18 +404,24 @@ def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
     w = rng.standard_normal((N, K), dtype=np.float32)
     assert few_rows.takes(a, w.T, np.empty((M, N), np.float32), 0.0)
     c = blas.gemm(a, w.T, np.full((M, N), np.nan, np.float32))
-    np.testing.assert_allclose(c, a.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5 * np.sqrt(K))
-    for m in range(M):
+    ref = a.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    for m in range(M):  # alone: its accumulators chained, so another order, as close to float64's
         alone = blas.gemm(a[m:m + 1], w.T, np.empty((1, N), np.float32))
-        np.testing.assert_allclose(alone[0], c[m], rtol=1e-6, atol=1e-6 * np.sqrt(K))
+        np.testing.assert_allclose(alone[0], ref[m], rtol=1e-5, atol=1e-5 * np.sqrt(K))
         if M > 2:  # in any batch of 2 or more rows: the same bits
             pair = blas.gemm(a[[m, (m + 1) % M]], w.T, np.empty((2, N), np.float32))
             np.testing.assert_array_equal(pair[0], c[m])
     if K > 1 and N > 1:  # (K, N) contiguous: BLAS (a 1-wide matrix is both layouts)
         assert not few_rows.takes(a, np.ascontiguousarray(w.T), c, 0.0)
     assert not few_rows.takes(a, w.T, c, 1.0)  # accumulating: BLAS
-    big = np.empty((few_rows.SMALL_M + 1, K), np.float32)
-    assert not few_rows.takes(big, w.T, np.empty((few_rows.SMALL_M + 1, N), np.float32), 0.0)
+    for rows, width in ((few_rows.SHORT_M + 1, K), (few_rows.SMALL_M + 1, few_rows.SHORT_BYTES // 4)):
+        big = np.empty((rows, width), np.float32)  # past SHORT_M rows, or past SHORT_BYTES at 17: BLAS
+        wide = np.empty((N, width), np.float32)
+        assert not few_rows.takes(big, wide.T, np.empty((rows, N), np.float32), 0.0)
+    if few_rows.SHORT_M * K * 4 <= few_rows.SHORT_BYTES:  # a short prompt's rows
+        short = np.empty((few_rows.SHORT_M, K), np.float32)
+        assert few_rows.takes(short, w.T, np.empty((few_rows.SHORT_M, N), np.float32), 0.0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.uint16])
