@@ -5,12 +5,14 @@ llama_decode.py calls small_m_nt itself).
 
 The weight rows are read once for all of a's rows, float32 or bf16 (uint16, widened exactly). The
 work is a tile's (_tiles, in LLVM IR): TILE_M rows of a by TILE_N weight rows, their accumulators
-held in registers (AVX-512: 16 lanes, 4 x 4; else 8 lanes, 4 x 2, as many accumulators as 16 ymm
-registers hold beside the loads), and in the same loop the next tile's weight lines prefetched, so
-the fetch from memory overlaps the arithmetic (8 rows do 8 multiply-adds a weight element: done
-after the fetch, the two times add). One row alone reads ROW_STREAMS weight rows at once, each from
-its own stretch of the rows it is given (_rows_far: rows n, n + gap, n + 2 gap, ...; the one input
-vector loaded once for all of them), each over ROW_CHAINS accumulators in turn; the rows left over
+held in registers (AVX-512: 16 lanes, 4 x 4; else 8 lanes, 4 x 2, and 4 x WIDE_N = 3 past TILE_M
+rows or for bf16 weights, as many accumulators as 16 ymm registers hold beside the loads), and in
+the same loop the next tile's weight lines prefetched, so the fetch from memory overlaps the
+arithmetic (8 rows do 8 multiply-adds a weight element); float32 past TILE_M rows reads its
+tile's weight rows as far-apart streams instead (_far, FAR_AHEAD). One row alone reads
+ROW_STREAMS weight rows at once, each from its own stretch of the rows it is given (_rows_far:
+rows n, n + gap, n + 2 gap, ...; the one input vector loaded once for all of them), each over
+ROW_CHAINS accumulators in turn; the rows left over
 go one at a time (_row), summed in the same order, so a row's result does not depend on which of
 the two took it. On AVX-512 CPUs the weight rows about AHEAD_BYTES on are prefetched as it goes
 (row_ahead); elsewhere the hardware's prefetcher alone (ROW_PREFETCH). Measured on the
@@ -64,7 +66,7 @@ TILE_M, TILE_N = (4, 4) if _AVX512 else (4, 2)  # rows of a and of wt whose prod
 # decode step float32 at 8 and 16 rows 1.03-1.12x and 1.07-1.21x, bf16 1.00-1.29x at 4-16 rows; float32
 # at 4 rows 0.84-0.99x, so it keeps 4 x 2: docs/PERFORMANCE.md, "Wider tiles for several rows")
 WIDE_N = TILE_N if _AVX512 else 3
-SHARE_N = TILE_N * WIDE_N // gcd(TILE_N, WIDE_N)  # a thread's share of weight rows: whole tiles of both widths
+SHARE_N = TILE_N * WIDE_N // gcd(TILE_N, WIDE_N)  # a thread's share of weight rows: whole tiles of either width
 # float32 past TILE_M rows: the wide tile's WIDE_N weight rows far apart (_far: rows n, n + gap, n + 2
 # gap, as one row's streams), each stream prefetched FAR_AHEAD elements (2 KB) on. The Zen 3, 8 rows, a
 # 49,152-row matrix against the wide tiles in order: K 576 5.11 -> 4.43 ms (one row on: 2.3 KB) and
