@@ -17,8 +17,8 @@ and meet at barriers, rather than opening a region for each of the 120 products 
 do. Each member multiplies its share of every weight's rows (at batch 1 as few_rows' ROW_STREAMS
 streams, each a stretch of the share) and attends with its share of the query heads; member 0 does
 the small serial work between (norms, RoPE, the cache's appends, residual adds, SwiGLU) while the
-others wait; before each wait a member prefetches the first rows
-of its next share and the cached keys and values its heads read next. Measured on the 2-core Zen
+others wait; before each wait a member prefetches the first rows of its next share (with bf16
+weights at one row, of each of its streams) and the cached keys and values its heads read next. Measured on the 2-core Zen
 5, SmolLM2-135M-Instruct, greedy, 63 steps after a 16-token prompt, against the region-a-product
 step this replaced, interleaved in one process (docs/PERFORMANCE.md, "One parallel region for a
 decode step"): see there for the figures.
@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from .common import decode_rows, workspace
 from .decode_attend import append_kv, attend_head
-from .few_rows import SHARE_N, nt_rows, row_ahead, warm
+from .few_rows import ROW_STREAMS, SHARE_N, nt_rows, row_ahead, warm
 from .linear import _add_bias_kernel
 from .onednn import _narrow, _widen
 from .residual import _residual_forward_kernel
@@ -111,11 +111,17 @@ def _narrowed(inp, narrow, wide, bf16):
 @njit(cache=True, error_model="numpy")
 def _product(out, inp, wt, wide, bf16, me, team, nxt):
     """Member me's share of out (M, N) = operand (M, K) @ wt (N, K)^T (whole tiles of weight rows),
-    then its share of the next product's weight nxt asked for (its first row_ahead rows: what
-    the product's own loop keeps prefetched ahead, begun while the member waits)."""
+    then its share of the next product's weight nxt asked for, begun while the member waits: the
+    first row_ahead rows of its share, and with bf16 weights at one row those of each of the
+    ROW_STREAMS streams nt_rows reads the share as (the AMD EPYC Zen 3, 2026-11-28: the blocks kernel
+    1.20x and 1.24x, in-process A/B; float32 0.97-0.99x, so it warms the first stream alone)."""
     lo, hi = part(wt.shape[0], me, team, SHARE_N)
     nt_rows(_operand(inp, wide, bf16), wt, out, lo, hi)
-    warm(nxt, part(nxt.shape[0], me, team, SHARE_N)[0], row_ahead(nxt))
+    lo, hi = part(nxt.shape[0], me, team, SHARE_N)
+    streams = ROW_STREAMS if bf16 and inp.shape[0] == 1 else 1
+    gap = (hi - lo) // streams
+    for j in range(streams):
+        warm(nxt, lo + j * gap, row_ahead(nxt))
 
 
 @njit(cache=True, error_model="numpy")
