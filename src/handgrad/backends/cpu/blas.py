@@ -23,11 +23,12 @@ costs ~8 us through ctypes, MKL's ~1) and batched ones (attention's heads) stay 
 Few rows (decoding: one row per sequence, SMALL_M at most; a short prompt's prefill, few_rows'
 SHORT_M) times a weight passed as the transpose of a contiguous (N, K) matrix (every Llama linear
 and every tied lm_head) take neither: a Numba kernel (few_rows.small_m_nt) reads each weight row
-once for all the rows, which is what a decode step's speed is made of (memory bandwidth). Measured on the 2-core AMD EPYC (AVX2) with SmolLM2-135M's
-four weight shapes, 2 threads, one run: MKL's sgemm 14.3 ms at 1 row and 31.1 at 8, this kernel 6.9
-and 10.8 (docs/PERFORMANCE.md, "Decoding's few-row products"). Within a batch every row is computed by the same code
-(each element's sum in one order, whatever tile takes it), so a sequence's logits are the same bits in
-a batch of any size from 2 up; alone (one row, no padding to pay for) they agree to float32 rounding.
+once for all the rows, which is what a decode step's speed is made of (memory bandwidth). Measured
+on the 2-core AMD EPYC (AVX2) with SmolLM2-135M's four weight shapes, 2 threads, one run: MKL's
+sgemm 14.3 ms at 1 row and 31.1 at 8, this kernel 6.9 and 10.8 (docs/PERFORMANCE.md, "Decoding's
+few-row products"). Within a batch every row is computed by the same code (each element's sum in
+one order, whatever tile takes it), so a sequence's logits are the same bits in a batch of any size
+from 2 up; alone (one row, its accumulators chained) they agree to float32 rounding.
 
 `gemm(a, b, c, beta)` computes c = a @ b + beta * c over the last two axes, with leading batch
 axes (up to two: attention's (B, NH, T, hs) head views) broadcast between a, b and c. Operands may

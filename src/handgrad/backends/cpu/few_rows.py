@@ -62,9 +62,9 @@ LANES = 16 if _AVX512 else 8  # floats in one vector register: _tile's vectors
 TILE_M, TILE_N = (4, 4) if _AVX512 else (4, 2)  # rows of a and of wt whose products _tile keeps in registers
 # ... and the wide tile's weight rows (_wide, TILE_M x WIDE_N), for more than TILE_M rows of a or bf16
 # weights: on AVX2 4 x 3, 12 accumulators, so the multiply-adds' latency has room that 4 x 2's 8
-# lack (AMD EPYC Zen 3, 2026-11-28: in cache, 2 threads, 8 rows, 56 -> 62 GFLOP/s a thread; the
-# decode step float32 at 8 and 16 rows 1.03-1.12x and 1.07-1.21x, bf16 1.00-1.29x at 4-16 rows; float32
-# at 4 rows 0.84-0.99x, so it keeps 4 x 2: docs/PERFORMANCE.md, "Wider tiles for several rows")
+# lack (AMD EPYC Zen 3, 2026-11-28: in cache, both threads busy, 54-56 -> 58-64 GFLOP/s a thread; the
+# decode step float32 at 8 and 16 rows 1.03-1.12x and 1.07-1.21x, bf16's medians 1.01-1.14x at 4-16
+# rows; float32 at 4 rows 0.84-0.99x, so it keeps 4 x 2: docs/PERFORMANCE.md, "Several rows")
 WIDE_N = TILE_N if _AVX512 else 3
 SHARE_N = TILE_N * WIDE_N // gcd(TILE_N, WIDE_N)  # a thread's share of weight rows: whole tiles of either width
 # float32 past TILE_M rows: the wide tile's WIDE_N weight rows far apart (_far: rows n, n + gap, n + 2
@@ -140,8 +140,7 @@ def _tiles(rows_a, rows_w, chains, prefetch=True, far=False):
     m0 and rows_w rows of wt from n0, indices past the last row repeating it (the same value stored
     twice); the rows_w weight rows `ahead` rows on are prefetched line by line in the same loop,
     in address order (one stream; a prefetch past the last row is a hint that reads nothing; far
-    tiles: below). Rows
-    contiguous, float32 or bf16 (uint16), c float32. Written in LLVM IR so the rows_a x rows_w
+    tiles: below). Rows contiguous, float32 or bf16 (uint16), c float32. Written in LLVM IR so the rows_a x rows_w
     accumulators stay in registers (Numba's loops gave LLVM's vectoriser one accumulator a row, and
     it spilled past four): each LANES-wide chunk of K loads rows_a + rows_w vectors for
     rows_a * rows_w fused multiply-adds. With chains > 1 (one row by one), consecutive chunks go to

@@ -18,10 +18,10 @@ do. Each member multiplies its share of every weight's rows (at batch 1 as few_r
 streams, each a stretch of the share) and attends with its share of the query heads; member 0 does
 the small serial work between (norms, RoPE, the cache's appends, residual adds, SwiGLU) while the
 others wait; before each wait a member prefetches the first rows of its next share (with bf16
-weights at one row, of each of its streams) and the cached keys and values its heads read next. Measured on the 2-core Zen
-5, SmolLM2-135M-Instruct, greedy, 63 steps after a 16-token prompt, against the region-a-product
-step this replaced, interleaved in one process (docs/PERFORMANCE.md, "One parallel region for a
-decode step"): see there for the figures.
+weights at one row, of each of its streams) and the cached keys and values its heads read next.
+Measured on the 2-core Zen 5, SmolLM2-135M-Instruct, greedy, 63 steps after a 16-token prompt,
+against the region-a-product step this replaced, interleaved in one process (docs/PERFORMANCE.md,
+"One parallel region for a decode step"): see there for the figures.
 
 Per block l, for rows b (each its own position pos[b] and cache row rows[b]):
     xn = rmsnorm(x; norm1[l]);  qkv = xn @ Wqkv[l] (+ bqkv[l]);  RoPE on qkv's q and k heads at pos[b]
