@@ -48,6 +48,7 @@ from numba.extending import intrinsic
 from .common import kernel
 from .team import part
 
+_AVX512 = "+avx512f" in (config.CPU_FEATURES or get_host_cpu_features().flatten())
 SMALL_M = 16  # rows the few-rows kernel below takes at any width
 # ... and up to SHORT_M rows (a short prompt's prefill, serve's prompts prefilled together) while a, as
 # float32, fits in SHORT_BYTES: there the tiles keep a in the cache beside the weight rows they read
@@ -56,8 +57,8 @@ SMALL_M = 16  # rows the few-rows kernel below takes at any width
 # prompts of 16 tokens (groups of 80 and 48 rows) 1.31x, one prompt of 64 tokens 1.16x, of 128 1.02x;
 # at 256 (past SHORT_M) 0.87x with a limit of 1 MB. With the weights in cache MKL leads from 80 rows
 # (124 against 111 GFLOP/s), so the limit is set by the prefill, where weights come from memory.
-SHORT_M, SHORT_BYTES = 128, 512 * 1024
-_AVX512 = "+avx512f" in (config.CPU_FEATURES or get_host_cpu_features().flatten())
+# Measured on AVX2 only: AVX-512 CPUs (oneDNN's float32 products on the Zen 5) keep SMALL_M.
+SHORT_M, SHORT_BYTES = SMALL_M if _AVX512 else 128, 512 * 1024
 LANES = 16 if _AVX512 else 8  # floats in one vector register: _tile's vectors
 TILE_M, TILE_N = (4, 4) if _AVX512 else (4, 2)  # rows of a and of wt whose products _tile keeps in registers
 # ... and the wide tile's weight rows (_wide, TILE_M x WIDE_N), for more than TILE_M rows of a or bf16
@@ -73,7 +74,8 @@ SHARE_N = TILE_N * WIDE_N // gcd(TILE_N, WIDE_N)  # a thread's share of weight r
 # 5.83 -> 5.26 (2 KB; 1 KB 5.54, 4 KB 5.94, none 5.58); K 1536 16.2 -> 13.3-13.4 (1-2 KB; 6 KB 14.9,
 # none 14.0); in cache the arithmetic alone takes 4.03 at K 576. The decode step at 8 rows 1.105x
 # (0.96-1.30), at 16 1.05x. bf16 stays in order: far it was 0.94-0.95x at K 576 and 1.04-1.05x at 1536.
-FAR_AHEAD = 512
+# Measured on AVX2 only (FAR_ROWS): AVX-512 CPUs keep their 4 x 4 tiles in order.
+FAR_AHEAD, FAR_ROWS = 512, not _AVX512
 ROW_STREAMS = 4  # one row alone: weight rows read at once, each from its own stretch of the rows
 ROW_CHAINS = 2  # ... each over this many accumulators in turn
 # How far ahead one row prefetches, float32 weights and bf16: measured on the 2-core Zen 5 over
@@ -318,8 +320,8 @@ def nt_rows(a, wt, c, lo, hi):
       rows left over one at a time (_row): the same sums either way, within float32 rounding of a
       batch's (its accumulators are chained);
     - bf16 weights: WIDE_N at once, in order, each tile prefetching the next tile's as it works;
-    - float32, up to TILE_M rows: TILE_N at once, the same;
-    - float32, more rows: WIDE_N at once, each from its own third of [lo, hi) (far), prefetched
+    - float32, up to TILE_M rows (any rows on AVX-512): TILE_N at once, the same;
+    - float32, more rows (FAR_ROWS): WIDE_N at once, each from its own third of [lo, hi) (far), prefetched
       FAR_AHEAD elements on in each stream; the rows left over (at N) in order.
     (The module docstring has the measurements.)"""
     M = a.shape[0]
@@ -333,7 +335,7 @@ def nt_rows(a, wt, c, lo, hi):
     elif wt.itemsize == 2:
         for n in range(lo, hi, WIDE_N):
             _across(a, wt, c, n, WIDE_N, 1, 1)
-    elif M <= TILE_M:
+    elif M <= TILE_M or not FAR_ROWS:
         for n in range(lo, hi, TILE_N):
             _across(a, wt, c, n, TILE_N, 1, 0)
     else:
