@@ -273,6 +273,15 @@ def row_ahead(wt):
 
 
 @njit(cache=True, error_model="numpy")
+def warm_streams(wt, lo, hi, streams):
+    """Ask for the first row_ahead rows of each of `streams` equal stretches of wt's rows [lo, hi),
+    where nt_rows begins its streams over them (ROW_STREAMS at one row; 1: the rows from lo)."""
+    gap, ahead = (hi - lo) // streams, row_ahead(wt)
+    for j in range(streams):
+        warm(wt, lo + j * gap, ahead)
+
+
+@njit(cache=True, error_model="numpy")
 def _across(a, wt, c, n, ahead, gap, kind):
     """Every row of a by one tile's weight rows from n: tiles of TILE_M rows, then one of the last
     M % TILE_M. kind: 0 the narrow tiles (TILE_N rows), 1 the wide (WIDE_N), 2 the wide far ones."""

@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from .common import decode_rows, workspace
 from .decode_attend import append_kv, attend_head
-from .few_rows import ROW_STREAMS, SHARE_N, nt_rows, row_ahead, warm
+from .few_rows import ROW_STREAMS, SHARE_N, nt_rows, warm, warm_streams
 from .linear import _add_bias_kernel
 from .onednn import _narrow, _widen
 from .residual import _residual_forward_kernel
@@ -118,10 +118,7 @@ def _product(out, inp, wt, wide, bf16, me, team, nxt):
     lo, hi = part(wt.shape[0], me, team, SHARE_N)
     nt_rows(_operand(inp, wide, bf16), wt, out, lo, hi)
     lo, hi = part(nxt.shape[0], me, team, SHARE_N)
-    streams = ROW_STREAMS if bf16 and inp.shape[0] == 1 else 1
-    gap = (hi - lo) // streams
-    for j in range(streams):
-        warm(nxt, lo + j * gap, row_ahead(nxt))
+    warm_streams(nxt, lo, hi, ROW_STREAMS if bf16 and inp.shape[0] == 1 else 1)
 
 
 @njit(cache=True, error_model="numpy")
