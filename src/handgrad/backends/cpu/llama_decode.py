@@ -15,10 +15,13 @@ code whichever thread runs it.
 The step is one parallel region (team.py): the threads stay in it from the first block to the last
 and meet at barriers, rather than opening a region for each of the 120 products as the op calls
 do. Each member multiplies its share of every weight's rows (at batch 1 as few_rows' ROW_STREAMS
-streams, each a stretch of the share) and attends with its share of the query heads; member 0 does
-the small serial work between (norms, RoPE, the cache's appends, residual adds, SwiGLU) while the
-others wait; before each wait a member prefetches the first rows of its next share (with bf16
-weights at one row, of each of its streams) and the cached keys and values its heads read next.
+streams, each a stretch of the share) and attends with its share of the query heads; the small
+work between (norms, RoPE, the cache's appends, residual adds, SwiGLU) each member does for its
+share of the batch's rows (at one row member 0 does it while the others wait: 8 rows, the AMD EPYC
+Zen 3, 2026-11-28, the step 1.04x float32, 1.07x bf16, in-process A/B; it had been member 0's
+alone, 1.35 ms of a 29 ms float32 step); before each wait a member prefetches the first rows of its
+next share (with bf16 weights at one row, of each of its streams) and the cached keys and values
+its heads read next.
 Measured on the 2-core Zen 5, SmolLM2-135M-Instruct, greedy, 63 steps after a 16-token prompt,
 against the region-a-product step this replaced, interleaved in one process (docs/PERFORMANCE.md,
 "One parallel region for a decode step"): see there for the figures.
@@ -98,14 +101,15 @@ def _operand(inp, wide, bf16):
 
 
 @njit(cache=True, error_model="numpy")
-def _narrowed(inp, narrow, wide, bf16):
-    """With bf16 weights: inp rounded to bf16 (narrow) and widened exactly (wide), as blas.gemm
-    does for a bf16 operand. One member runs it, before the barrier ahead of the product."""
-    if bf16:
-        M, K = inp.shape
-        nb = narrow[:M * K].reshape(M, K)
-        _narrow_rows(inp, nb)
-        _widen_rows(nb, wide[:M * K].reshape(M, K))
+def _narrowed(inp, narrow, wide, bf16, r0, r1):
+    """With bf16 weights: rows [r0, r1) of inp rounded to bf16 (narrow) and widened exactly (wide),
+    as blas.gemm does for a bf16 operand. Each member its rows, before the barrier ahead of the
+    product."""
+    if bf16 and r0 < r1:
+        K = inp.shape[1]
+        nb = narrow[r0 * K:r1 * K].reshape(r1 - r0, K)
+        _narrow_rows(inp[r0:r1], nb)
+        _widen_rows(nb, wide[r0 * K:r1 * K].reshape(r1 - r0, K))
 
 
 @njit(cache=True, error_model="numpy")
@@ -139,9 +143,9 @@ def _warm_cache(k_cache, v_cache, rows, pos, lo, hi, NH, G):
 def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, wide, scores, acc,
                    table, wlike, vlike, has_bias, bf16, k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps):
     """Member me of `team` through every block: the products split by weight rows, the attention by
-    (row, query head), the rest (norms, RoPE, residual adds, SwiGLU, the cache's appends) on
-    member 0 while the others wait at the barrier after it. Before each wait a member asks for the
-    memory it reads next (_product, _warm_cache)."""
+    (row, query head), the rest (norms, RoPE, the cache's appends, residual adds, SwiGLU) by rows
+    of the batch (at one row all on member 0, while the others wait at the barrier after it).
+    Before each wait a member asks for the memory it reads next (_product, _warm_cache)."""
     B, C = x.shape
     L, _, _, _, hs = k_cache.shape
     H = h.shape[1]
@@ -149,27 +153,29 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
     scale = 1.0 / math.sqrt(hs)
     qk = qkv.reshape(B, 1, qkv.shape[1])[:, :, :rot]
     gu3 = gu.reshape(B, 2, H)
-    xf, pf = x.reshape(B * C), proj.reshape(B * C)
     G = NH // NKV
     heads = part(B * NH, me, team, 1)  # this member's query heads (row-major over B x NH)
+    r0, r1 = part(B, me, team, 1)  # ... and its rows for the work between the products
+    mine = r0 < r1
+    xm, pm = x[r0:r1].reshape((r1 - r0) * C), proj[r0:r1].reshape((r1 - r0) * C)
     W, NHhs, H2 = qkv.shape[1], atty.shape[1], gu.shape[1]
     here = _layer(table, 0, wlike, vlike, C, W, NHhs, H2)
     for l in range(L):
         norm1, wqkv, bqkv, wo, norm2, wgu, wdown = here
         here = _layer(table, min(l + 1, L - 1), wlike, vlike, C, W, NHhs, H2)  # the next layer's (its wqkv warmed)
         wqkv_next = here[1]
-        if me == 0:
-            _rmsnorm(xn, rstd, x, norm1, eps)
-            _narrowed(xn, narrow, wide, bf16)
+        if mine:
+            _rmsnorm(xn[r0:r1], rstd[r0:r1], x[r0:r1], norm1, eps)
+            _narrowed(xn, narrow, wide, bf16, r0, r1)
         barrier(sync, team)
         _product(qkv, xn, wqkv, wide, bf16, me, team, wo)
         _warm_cache(k_cache[l], v_cache[l], rows, pos, heads[0], heads[1], NH, G)
         barrier(sync, team)
-        if me == 0:
+        if mine:
             if has_bias:
-                _add_bias(qkv, bqkv)
-            _rope(qk, qk, cos, sin, NH + NKV, pos)
-            for b in range(B):
+                _add_bias(qkv[r0:r1], bqkv)
+            _rope(qk[r0:r1], qk[r0:r1], cos, sin, NH + NKV, pos[r0:r1])
+            for b in range(r0, r1):
                 for g in range(NKV):
                     append_kv(qkv, k_cache[l], v_cache[l], b, g, rows[b], pos[b], NH, NKV)
         barrier(sync, team)
@@ -179,27 +185,26 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
             attend_head(atty, qkv, k_cache[l], v_cache[l], scores[me], acc[me], b, hd, hd // G, rows[b], pos[b],
                         scale)
         barrier(sync, team)
-        if me == 0:
-            _narrowed(atty, narrow, wide, bf16)
+        _narrowed(atty, narrow, wide, bf16, r0, r1)
         if bf16:
             barrier(sync, team)
         _product(proj, atty, wo, wide, bf16, me, team, wgu)
         barrier(sync, team)
-        if me == 0:
-            _residual(xf, xf, pf)
-            _rmsnorm(xn, rstd, x, norm2, eps)
-            _narrowed(xn, narrow, wide, bf16)
+        if mine:
+            _residual(xm, xm, pm)
+            _rmsnorm(xn[r0:r1], rstd[r0:r1], x[r0:r1], norm2, eps)
+            _narrowed(xn, narrow, wide, bf16, r0, r1)
         barrier(sync, team)
         _product(gu, xn, wgu, wide, bf16, me, team, wdown)
         barrier(sync, team)
-        if me == 0:
-            _swiglu(h, gu3)
-            _narrowed(h, narrow, wide, bf16)
+        if mine:
+            _swiglu(h[r0:r1], gu3[r0:r1])
+            _narrowed(h, narrow, wide, bf16, r0, r1)
         barrier(sync, team)
         _product(proj, h, wdown, wide, bf16, me, team, wqkv_next)
         barrier(sync, team)
-        if me == 0:
-            _residual(xf, xf, pf)
+        if mine:
+            _residual(xm, xm, pm)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
