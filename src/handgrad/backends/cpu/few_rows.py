@@ -8,24 +8,24 @@ work is a tile's (_tiles, in LLVM IR): TILE_M rows of a by TILE_N weight rows, t
 held in registers (AVX-512: 16 lanes, 4 x 4; else 8 lanes, 4 x 2, and 4 x WIDE_N = 3 past TILE_M
 rows or for bf16 weights, as many accumulators as 16 ymm registers hold beside the loads), and in
 the same loop the next tile's weight lines prefetched, so the fetch from memory overlaps the
-arithmetic (8 rows do 8 multiply-adds a weight element); float32 past TILE_M rows reads its
-tile's weight rows as far-apart streams instead (_far, FAR_AHEAD). One row alone reads
-ROW_STREAMS weight rows at once, each from its own stretch of the rows it is given (_rows_far:
-rows n, n + gap, n + 2 gap, ...; the one input vector loaded once for all of them), each over
-ROW_CHAINS accumulators in turn; the rows left over
-go one at a time (_row), summed in the same order, so a row's result does not depend on which of
-the two took it. On AVX-512 CPUs the weight rows about AHEAD_BYTES on are prefetched as it goes
-(row_ahead); elsewhere the hardware's prefetcher alone (ROW_PREFETCH). Measured on the
-2-core AMD EPYC Zen 5, SmolLM2-135M's 121 decode products, against the loop of Numba dot products this replaced (four
-rows of a a pass, a bulk prefetch of the weight row two on past 4 rows), interleaved, best of 15,
-two runs (five at one row): 8 rows 19.1-19.6 -> 11.2-13.7 ms float32 and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4
--> 14.1 and 7.4-7.9 -> 5.1-6.7; 1 row 11.1-11.5 -> 11.1-11.5 and 4.4-5.1 -> 3.7-4.2 (at moments of
-higher bandwidth, float32 1 row 8.4-9.0 -> 7.8-8.2). In cache, 8 rows run at 290-370 GFLOP/s
-against 115-178 before (`/tmp` scripts, not committed). Then the last M % TILE_M rows went to a
-tile of their own height (they had been rows repeated on a 4-row tile) and the next tile's lines
-are prefetched in address order (they had been TILE_N strided streams): float32 2 rows 9.3-9.6 ->
-8.3-8.5 ms and 4 rows 10.1-10.4 -> 9.4-9.5 at a high-bandwidth moment (1 row: 7.6 ms), 13.9-14.0 ->
-13.2-13.3 and 14.6-14.7 -> 13.1-13.2 at a low one; 8 rows and bf16 within 4% either way.
+arithmetic (8 rows do 8 multiply-adds a weight element); float32 past TILE_M rows reads its tile's
+weight rows as far-apart streams instead (_far, FAR_AHEAD). One row alone reads ROW_STREAMS weight
+rows at once, each from its own stretch of the rows it is given (_rows_far: rows n, n + gap, n + 2
+gap, ...; the one input vector loaded once for all of them), each over ROW_CHAINS accumulators in
+turn; the rows left over go one at a time (_row), summed in the same order, so a row's result does
+not depend on which of the two took it. On AVX-512 CPUs the weight rows about AHEAD_BYTES on are
+prefetched as it goes (row_ahead); elsewhere the hardware's prefetcher alone (ROW_PREFETCH).
+Measured on the 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 decode products, against the loop of Numba
+dot products this replaced (four rows of a a pass, a bulk prefetch of the weight row two on past 4
+rows), interleaved, best of 15, two runs (five at one row): 8 rows 19.1-19.6 -> 11.2-13.7 ms float32
+and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4 -> 14.1 and 7.4-7.9 -> 5.1-6.7; 1 row 11.1-11.5 ->
+11.1-11.5 and 4.4-5.1 -> 3.7-4.2 (at moments of higher bandwidth, float32 1 row 8.4-9.0 -> 7.8-8.2).
+In cache, 8 rows run at 290-370 GFLOP/s against 115-178 before (`/tmp` scripts, not committed). Then
+the last M % TILE_M rows went to a tile of their own height (they had been rows repeated on a 4-row
+tile) and the next tile's lines are prefetched in address order (they had been TILE_N strided
+streams): float32 2 rows 9.3-9.6 -> 8.3-8.5 ms and 4 rows 10.1-10.4 -> 9.4-9.5 at a high-bandwidth
+moment (1 row: 7.6 ms), 13.9-14.0 -> 13.2-13.3 and 14.6-14.7 -> 13.1-13.2 at a low one; 8 rows and
+bf16 within 4% either way.
 
 Why several streams for one row (AMD EPYC Zen 3, AVX2, 2026-11-28; docs/PERFORMANCE.md, "One row
 alone as four streams"): on the lm_head's 49,152 x 576 float32 matrix, each of the 2 threads
@@ -138,21 +138,21 @@ def _lane_sum(builder, v):
 
 
 def _tiles(rows_a, rows_w, chains, prefetch=True, far=False):
-    """An intrinsic tile(a, wt, c, m0, n0, ahead, gap): c[m, n] = a[m] . wt[n] for rows_a rows of a from
-    m0 and rows_w rows of wt from n0, indices past the last row repeating it (the same value stored
-    twice); the rows_w weight rows `ahead` rows on are prefetched line by line in the same loop,
-    in address order (one stream; a prefetch past the last row is a hint that reads nothing; far
-    tiles: below). Rows contiguous, float32 or bf16 (uint16), c float32. Written in LLVM IR so the rows_a x rows_w
-    accumulators stay in registers (Numba's loops gave LLVM's vectoriser one accumulator a row, and
-    it spilled past four): each LANES-wide chunk of K loads rows_a + rows_w vectors for
-    rows_a * rows_w fused multiply-adds. With chains > 1 (one row by one), consecutive chunks go to
-    `chains` accumulators in turn, so the adds' latency overlaps, and are added as a tree. Each
-    accumulator's lanes are summed as a tree, then K's last K % LANES terms added in order: a
-    product's order depends only on K and chains, so a row's sums are the same bits in any batch.
-    far: the weight rows are n0, n0 + gap, ..., n0 + (rows_w - 1) gap (else n0 to n0 + rows_w - 1; gap
-    is then not used), each a stream of its own, prefetched `ahead` elements on as it is read (the
-    rows being contiguous, into the rows after it). prefetch False: the weight rows are left to the
-    hardware's prefetcher (no prefetch instructions): ROW_PREFETCH."""
+    """An intrinsic tile(a, wt, c, m0, n0, ahead, gap): c[m, n] = a[m] . wt[n] for rows_a rows of a
+    from m0 and rows_w rows of wt from n0, indices past the last row repeating it (the same value
+    stored twice); the rows_w weight rows `ahead` rows on are prefetched line by line in the same
+    loop, in address order (one stream; a prefetch past the last row is a hint that reads nothing;
+    far tiles: below). Rows contiguous, float32 or bf16 (uint16), c float32. Written in LLVM IR so
+    the rows_a x rows_w accumulators stay in registers (Numba's loops gave LLVM's vectoriser one
+    accumulator a row, and it spilled past four): each LANES-wide chunk of K loads rows_a + rows_w
+    vectors for rows_a * rows_w fused multiply-adds. With chains > 1 (one row by one), consecutive
+    chunks go to `chains` accumulators in turn, so the adds' latency overlaps, and are added as a
+    tree. Each accumulator's lanes are summed as a tree, then K's last K % LANES terms added in
+    order: a product's order depends only on K and chains, so a row's sums are the same bits in any
+    batch. far: the weight rows are n0, n0 + gap, ..., n0 + (rows_w - 1) gap (else n0 to n0 +
+    rows_w - 1; gap is then not used), each a stream of its own, prefetched `ahead` elements on as
+    it is read (the rows being contiguous, into the rows after it). prefetch False: the weight rows
+    are left to the hardware's prefetcher (no prefetch instructions): ROW_PREFETCH."""
     span = LANES * chains
 
     @intrinsic

@@ -13,16 +13,15 @@ for bit (tests/test_llama_decode.py): every product element and every head is co
 code whichever thread runs it.
 
 The step is one parallel region (team.py): the threads stay in it from the first block to the last
-and meet at barriers, rather than opening a region for each of the 120 products as the op calls
-do. Each member multiplies its share of every weight's rows (at batch 1 as few_rows' ROW_STREAMS
-streams, each a stretch of the share) and attends with its share of the query heads; the small
-work between (norms, RoPE, the cache's appends, residual adds, SwiGLU) each member does for its
-share of the batch's rows (at one row member 0 does it while the others wait: 8 rows, the AMD EPYC
-Zen 3, 2026-11-28, the step 1.04x float32, 1.07x bf16, in-process A/B; it had been member 0's
-alone, 1.35 ms of a 29 ms float32 step); before each wait a member prefetches the first rows of its
-next share (with bf16 weights at one row, of each of its streams) and the cached keys and values
-its heads read next.
-Measured on the 2-core Zen 5, SmolLM2-135M-Instruct, greedy, 63 steps after a 16-token prompt,
+and meet at barriers, rather than opening a region for each of the 120 products as the op calls do.
+Each member multiplies its share of every weight's rows (at batch 1 as few_rows' ROW_STREAMS
+streams, each a stretch of the share) and attends with its share of the query heads; the small work
+between (norms, RoPE, the cache's appends, residual adds, SwiGLU) each member does for its share of
+the batch's rows (at one row member 0 does it while the others wait: 8 rows, the AMD EPYC Zen 3,
+2026-11-28, the step 1.04x float32, 1.07x bf16, in-process A/B; it had been member 0's alone, 1.35
+ms of a 29 ms float32 step); before each wait a member prefetches the first rows of its next share
+(with bf16 weights at one row, of each of its streams) and the cached keys and values its heads read
+next. Measured on the 2-core Zen 5, SmolLM2-135M-Instruct, greedy, 63 steps after a 16-token prompt,
 against the region-a-product step this replaced, interleaved in one process (docs/PERFORMANCE.md,
 "One parallel region for a decode step"): see there for the figures.
 
@@ -157,7 +156,8 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
     heads = part(B * NH, me, team, 1)  # this member's query heads (row-major over B x NH)
     r0, r1 = part(B, me, team, 1)  # ... and its rows for the work between the products
     mine = r0 < r1
-    xm, pm = x[r0:r1].reshape((r1 - r0) * C), proj[r0:r1].reshape((r1 - r0) * C)
+    xr, xnr, rstdr = x[r0:r1], xn[r0:r1], rstd[r0:r1]  # its rows' views
+    xm, pm = xr.reshape((r1 - r0) * C), proj[r0:r1].reshape((r1 - r0) * C)
     W, NHhs, H2 = qkv.shape[1], atty.shape[1], gu.shape[1]
     here = _layer(table, 0, wlike, vlike, C, W, NHhs, H2)
     for l in range(L):
@@ -165,7 +165,7 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
         here = _layer(table, min(l + 1, L - 1), wlike, vlike, C, W, NHhs, H2)  # the next layer's (its wqkv warmed)
         wqkv_next = here[1]
         if mine:
-            _rmsnorm(xn[r0:r1], rstd[r0:r1], x[r0:r1], norm1, eps)
+            _rmsnorm(xnr, rstdr, xr, norm1, eps)
             _narrowed(xn, narrow, wide, bf16, r0, r1)
         barrier(sync, team)
         _product(qkv, xn, wqkv, wide, bf16, me, team, wo)
@@ -192,7 +192,7 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
         barrier(sync, team)
         if mine:
             _residual(xm, xm, pm)
-            _rmsnorm(xn[r0:r1], rstd[r0:r1], x[r0:r1], norm2, eps)
+            _rmsnorm(xnr, rstdr, xr, norm2, eps)
             _narrowed(xn, narrow, wide, bf16, r0, r1)
         barrier(sync, team)
         _product(gu, xn, wgu, wide, bf16, me, team, wdown)
