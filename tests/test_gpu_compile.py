@@ -44,6 +44,9 @@ def test_full_size_kernels_compile_for_sm90(tmp_path):
     for kernel in ("_gqa_forward_kernel", "_gqa_backward_dq_kernel", "_gqa_backward_dkdv_kernel"):
         for fused in ("'DROPOUT': True, 'HS': 64, 'ROPE': True", "'DROPOUT': False, 'HS': 64, 'ROPE': True"):
             assert any(kernel in line and fused in line for line in names.splitlines()), (kernel, fused)
+    # with the GPU's block sizes, not the wider ones the interpreter takes (adamw.BLOCK)
+    adamw = [line for line in names.splitlines() if "_adamw_kernel" in line or "_sumsq_kernel" in line]
+    assert adamw and all("'BLOCK': 1024," in line for line in adamw), adamw
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="this triton build has no NVIDIA backend with ptxas")
@@ -61,3 +64,4 @@ def test_the_dropout_kernel_compiles_for_sm90(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     compiled = [line for line in out.stdout.splitlines() if line.startswith("ok") and "_dropout_kernel" in line]
     assert len(compiled) >= 2, out.stdout  # float32 and bf16 outputs
+    assert all("'BLOCK': 256" in line for line in compiled), compiled  # the GPU's, not the interpreter's

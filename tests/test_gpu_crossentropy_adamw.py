@@ -160,6 +160,13 @@ def test_crossentropy_bf16(monkeypatch):
 SHAPES = [(96, 100), (100,), (24, 40), (40,), (7,)]  # (96, 100) spans two chunks of CHUNK = 8192
 
 
+@pytest.fixture(autouse=True)
+def device_block(monkeypatch):
+    """The GPU's BLOCK here, so each program's loop over its chunk runs several steps (the interpreter
+    takes a chunk in one step elsewhere: adamw.BLOCK)."""
+    monkeypatch.setattr(gpu_adamw, "BLOCK", gpu_adamw.DEVICE_BLOCK)
+
+
 def layout(shapes):
     """[(start, end, decay)] of each tensor in the flat buffer; decay on 2-D tensors only."""
     segments, off = [], 0

@@ -11,6 +11,7 @@ from gpu_helpers import DEVICE, assert_close, on_device, randn
 import handgrad.torch as H
 from handgrad.backends import get_backend
 from handgrad.backends.cpu import dropout as cpu_dropout
+from handgrad.backends.gpu import dropout as gpu_dropout
 from handgrad.torch import common
 from handgrad.verify import check_dropout, check_lora_linear
 
@@ -19,9 +20,14 @@ HIGH_SEED = (1 << 63) + 12345  # a seed whose high bit is set: passed to Triton 
 
 
 # ---------------------------------------------------------------- dropout
+@pytest.mark.parametrize("block", ["device", "here"])
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 1023, 1025, 4099])
 @pytest.mark.parametrize("seed", [cpu_dropout.dropout_seed(1337, 7, 1, 2, 0), HIGH_SEED])
-def test_dropout_masks_equal_the_cpu_backends_bit_for_bit(n, seed):
+def test_dropout_masks_equal_the_cpu_backends_bit_for_bit(n, seed, block, monkeypatch):
+    """With the GPU's programs (n past 4 DEVICE_BLOCK over several) and with this run's (the
+    interpreter's are wider): the masks do not depend on the width."""
+    if block == "device":
+        monkeypatch.setattr(gpu_dropout, "BLOCK", gpu_dropout.DEVICE_BLOCK)
     x = np.linspace(0.5, 2.0, n, dtype=np.float32)
     want = np.full_like(x, np.nan)
     cpu.dropout_forward(want, x, 0.25, seed)

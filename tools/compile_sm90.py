@@ -66,9 +66,17 @@ def _save(seen, out, what):
     print(f"{len(seen)} kernel specialisations recorded into {out} ({what})")
 
 
+def _device_blocks():
+    """The block sizes a GPU launches with where the interpreter's are wider (adamw.BLOCK, dropout.BLOCK:
+    chosen at import, and the recording imports under TRITON_INTERPRET=1)."""
+    from handgrad.backends.gpu import adamw, dropout
+    adamw.BLOCK, dropout.BLOCK = adamw.DEVICE_BLOCK, dropout.DEVICE_BLOCK
+
+
 def record(out, pytest_args):
     seen = {}
     _recording(seen)
+    _device_blocks()
     import pytest
     rc = pytest.main(["-q", "-p", "no:cacheprovider", *pytest_args])
     _save(seen, out, f"pytest exit {rc}")
@@ -102,6 +110,7 @@ def record_sizes(out, quick=False):
     from handgrad.models.decode import generate
     from handgrad.backends.gpu import gqa_attention
     gqa_attention.interpreting = lambda: False  # launch parameters chosen as on a GPU (the kernels do not run)
+    _device_blocks()
     _no_products()
     rng = np.random.default_rng(0)
     for dtype in ("float32", "bfloat16"):

@@ -9,9 +9,12 @@ import triton
 import triton.language as tl
 
 from ..cpu.dropout import dropout_seed, threshold  # noqa: F401 - dropout_seed: the backend's public API
-from .common import cdiv, to_dtype
+from .common import cdiv, interpreting, to_dtype
 
-BLOCK = 256  # Philox calls per program: 4 * BLOCK elements
+DEVICE_BLOCK = 256  # Philox calls per program, on a GPU: 4 * BLOCK elements
+# Under Triton's interpreter, fewer and wider programs (its cost is per operation, not per element);
+# the masks do not depend on it: element i's word is Philox(seed, i // 4)'s, whichever program draws it
+BLOCK = 4096 if interpreting() else DEVICE_BLOCK
 
 
 @triton.jit
