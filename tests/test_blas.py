@@ -402,10 +402,15 @@ def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
     rng = np.random.default_rng(M * 1000 + K)
     a = rng.standard_normal((M, K), dtype=np.float32)
     w = rng.standard_normal((N, K), dtype=np.float32)
-    assert few_rows.takes(a, w.T, np.empty((M, N), np.float32), 0.0)
-    c = blas.gemm(a, w.T, np.full((M, N), np.nan, np.float32))
+    # this CPU's limits: SHORT_M is SMALL_M where it has AVX-512 (77 rows go to BLAS there)
+    few = M <= few_rows.SMALL_M or (M <= few_rows.SHORT_M and M * K * 4 <= few_rows.SHORT_BYTES)
+    assert few_rows.takes(a, w.T, np.empty((M, N), np.float32), 0.0) == few
+    c = np.full((M, N), np.nan, np.float32)
+    few_rows.small_m_nt(a, w, c)  # the kernel itself, whichever way blas.gemm dispatches M rows here
     ref = a.astype(np.float64) @ w.T.astype(np.float64)
     np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    if few:  # blas.gemm runs that same kernel
+        np.testing.assert_array_equal(blas.gemm(a, w.T, np.full((M, N), np.nan, np.float32)), c)
     for m in range(M):  # alone: its accumulators chained, so another order, as close to float64's
         alone = blas.gemm(a[m:m + 1], w.T, np.empty((1, N), np.float32))
         np.testing.assert_allclose(alone[0], ref[m], rtol=1e-5, atol=1e-5 * np.sqrt(K))
