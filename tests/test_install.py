@@ -96,6 +96,33 @@ def test_readme_python_version_is_requires_python():
         f"this interpreter ({sys.version.split()[0]}) is older than requires-python {requires}"
 
 
+
+def test_readme_installs_the_cpu_build_of_torch_before_the_test_extra():
+    """A CPU-only user copies the README's test command as it stands: its first step takes the
+    pinned torch from PyTorch's CPU index, and only then the test extra (which keeps it)."""
+    readme = (ROOT / "README.md").read_text()
+    commands = [c for c in re.findall(r"```bash\n(.*?)```", readme, re.S) if '".[test]"' in c]
+    assert len(commands) == 1, commands
+    steps = [s.strip() for s in commands[0].split("&&")]
+    assert steps[0] == f"pip install torch=={TORCH} --index-url https://download.pytorch.org/whl/cpu", steps
+    assert steps[1] == 'pip install -e ".[test]"' and steps[2].startswith("python -m pytest"), steps
+    assert str(_test_extra("torch").specifier) == f"=={TORCH}"
+
+
+def test_a_missing_serve_extra_names_what_installs_it(monkeypatch):
+    """serve without Starlette: one line whose two installs name the extra that exists and the
+    packages it holds."""
+    from handgrad.models.sampling import SampleError
+    from handgrad.serve import command
+    monkeypatch.setattr(command, "Starlette", None)
+    with pytest.raises(SampleError) as e:
+        command.build(None)
+    said = str(e.value)
+    assert "\n" not in said and "pip install -e '.[serve]'" in said, said
+    extra = {Requirement(r).name for r in PYPROJECT["project"]["optional-dependencies"]["serve"]}
+    named = set(re.search(r"pip install ([a-z ]+)$", said).group(1).split())
+    assert named == extra == {"starlette", "uvicorn"}, (named, extra)
+
 # What pip prints when it cannot reach the index (urllib3's and the resolver's words). Only these
 # skip the resolver check; any other failure, a ResolutionImpossible above all, fails it.
 _NETWORK = ("NewConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "Max retries exceeded",

@@ -2,7 +2,7 @@
 
 Loads what `--run` names as `sample` does (sample.py's load_run), starts the decoding engine
 (serve/engine.py) and serves serve/app.py's routes with uvicorn. The HTTP stack is the optional
-extra `handgrad[serve]` (Starlette, uvicorn); without it the command says what to install.
+`serve` extra (Starlette, uvicorn); without it the command says what to install.
 Binds to 127.0.0.1 unless --host says otherwise.
 """
 import sys
@@ -60,10 +60,15 @@ def _check(args, block_size):
                                     max_prompt_tokens=max_prompt, max_body=args.max_body)
 
 
+# handgrad is installed from its clone (`pip install -e .`), not by name from an index, so the
+# extra's spelling differs: from the clone's directory the path form, anywhere the two packages.
+NO_HTTP_STACK = ("serve needs its HTTP stack, Starlette and uvicorn: pip install -e '.[serve]' in handgrad's "
+                 "clone, or pip install starlette uvicorn")
+
 def build(args):
     """(Server, Engine not yet started) for the parsed arguments; SampleError for a user's mistake."""
     if Starlette is None:
-        raise SampleError("serve needs its HTTP stack: pip install 'handgrad[serve]' (Starlette and uvicorn)")
+        raise SampleError(NO_HTTP_STACK)
     model, tokenizer, tok_path = load_run(args.run, args.tokenizer)
     context, limits = _check(args, model.config.block_size)
     try:
@@ -82,7 +87,7 @@ def main(args):
     except ImportError:
         uvicorn = None
     if uvicorn is None:
-        raise SampleError("serve needs its HTTP stack: pip install 'handgrad[serve]' (Starlette and uvicorn)")
+        raise SampleError(NO_HTTP_STACK)
     server, engine = build(args)
     kv = engine.cache.k.nbytes * 2 / 2 ** 20
     print(f"{server.name}: {engine.model.num_params:,} parameters; {engine.slots} streams of {engine.length} "
