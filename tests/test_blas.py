@@ -429,6 +429,27 @@ def test_few_rows_kernel_is_the_product_and_the_same_bits_in_any_batch(M, K, N):
         assert few_rows.takes(short, w.T, np.empty((few_rows.SHORT_M, N), np.float32), 0.0)
 
 
+@pytest.mark.parametrize("cpu, short_m", [("avx2", 128), ("avx512", few_rows.SMALL_M)])
+def test_gemm_dispatches_by_each_cpu_classs_row_limit(monkeypatch, cpu, short_m):
+    """few_rows.takes under each CPU class's row limit (SHORT_M: 128 rows on AVX2, SMALL_M on AVX-512;
+    takes is Python, so both are checked on any CPU): a short prompt's rows go to the few-rows kernel
+    only within the limit and SHORT_BYTES, the rest to BLAS, and blas.gemm's product is right either
+    way."""
+    monkeypatch.setattr(few_rows, "SHORT_M", short_m)
+    rng = np.random.default_rng(short_m)
+    K, N = 96, 33
+    w = rng.standard_normal((N, K), dtype=np.float32)
+    for M in (1, few_rows.SMALL_M, few_rows.SMALL_M + 1, 77, 128, 129):
+        a = rng.standard_normal((M, K), dtype=np.float32)
+        expected = M <= few_rows.SMALL_M or M <= short_m
+        assert few_rows.takes(a, w.T, np.empty((M, N), np.float32), 0.0) == expected, (cpu, M)
+        c = blas.gemm(a, w.T, np.full((M, N), np.nan, np.float32))
+        np.testing.assert_allclose(c, a.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+    wide = np.empty((few_rows.SMALL_M + 1, few_rows.SHORT_BYTES // 4), np.float32)  # past SHORT_BYTES
+    assert not few_rows.takes(wide, np.empty((N, wide.shape[1]), np.float32).T,
+                              np.empty((wide.shape[0], N), np.float32), 0.0)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.uint16])
 @pytest.mark.parametrize("K, N", [(1, 3), (37, 70), (576, 131)])
 def test_one_row_is_the_same_bits_however_its_weight_rows_are_split(K, N, dtype):
