@@ -35,7 +35,7 @@ TORCH_PINS_TRITON = "3.7.1"
 # The Triton versions the kernels were checked under: every kernel launch compiled to sm_90 cubin
 # under Triton 3.8.0 and 3.6.0 (tools/compile_sm90.py; tests/test_gpu_compile.py runs the
 # full-size half under the installed one), and the gpu tests passed under both interpreters
-# (docs/PERFORMANCE.md). Nothing outside 3.6 to 3.8 was checked, so the range must not admit it.
+# (docs/GPU.md). Nothing outside 3.6 to 3.8 was checked, so the range must not admit it.
 TRITON_CHECKED = ("3.6.0", "3.8.0")
 TRITON_UNCHECKED = ("3.5.1", "3.9.0", "4.0.0")
 

@@ -1,5 +1,5 @@
 """What the LoRA adapters cost in a `smollm2-135m` step (B 4, T 256, r 8 on q,k,v,o,gate,up,down),
-and what three ways of making them cheaper would buy (docs/PERFORMANCE.md, "the LoRA step's 1.4x").
+and what three ways of making them cheaper would buy (docs/PERFORMANCE.md, "bf16 training and LoRA").
 
     python tools/lora_adapter_cost.py step [--reps 5]   # one process: the full step, the LoRA step,
                                                         # the LoRA step with the adapters' ops as no-ops

@@ -1,4 +1,4 @@
-"""The SwiGLU forward's elementwise pass (docs/PERFORMANCE.md, "the SwiGLU MLP forward"): the serial
+"""The SwiGLU forward's elementwise pass (docs/PERFORMANCE.md, "Float32 training"): the serial
 and parallel copies of swiglu.py's float32 kernel beside torch's F.silu(gate) * up, at llama-mid's
 hidden width (1408) for T rows, in this process's Numba threading layer.
 

@@ -1,54 +1,18 @@
 """Conversations for fine-tuning (SFT): reading chats.jsonl, rendering it with the model's chat
 template, the mask of assistant tokens, and the chat data directory with its `ChatDataset`.
 
-Input (`handgrad prepare chats.jsonl --format chat --tokenizer HF_DIR --out DATA`): one JSON object
-per line, `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}` (the
-OpenAI / Hugging Face convention); blank lines are skipped. A line that is not JSON, a role other
-than these three, an assistant turn with no text, a conversation without an assistant turn, or one
-the template refuses (its raise_exception) stops prepare with one line naming the file and line.
+`handgrad prepare chats.jsonl --format chat --tokenizer HF_DIR --out DATA` reads one
+`{"messages": [...]}` object a line (read_conversations), renders each with the model's own
+template as transformers' apply_chat_template does (load_chat_format), and writes llm.c shards of
+tokens with mask shards beside them (build_chat_data). The loss then counts assistant tokens only.
 
-Rendering. The template is the model's own: `chat_template.jinja` or tokenizer_config.json's
-`chat_template` in the tokenizer's directory, rendered as transformers' apply_chat_template does
-(a jinja2 ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, loopcontrols, the
-`tojson` filter, `raise_exception`, `strftime_now`; variables `messages`, `add_generation_prompt`
-and the special tokens bos_token, eos_token, unk_token, pad_token; `{% generation %}` blocks render
-their body). A tokenizer with no template gets a default: ChatML (CHATML_TEMPLATE) when it has the
-special tokens <|im_start|> and <|im_end|>, else PLAIN_TEMPLATE ("User: ...\\n", "Assistant: ..."
-followed by the eos token). The rendered text is tokenised with the tokenizer's special tokens
-recognised (as apply_chat_template tokenises it, add_special_tokens=False).
+The non-obvious idea, the assistant mask: the template is applied prefix by prefix. For an
+assistant turn k, messages[:k] rendered with add_generation_prompt=True ends where the turn's text
+begins, and messages[:k+1] ends where it ends; a token is an assistant token when its character span
+overlaps such a turn, up to its first end-of-turn token (ChatFormat.encode). So any prefix-stable
+template works, with no per-model rule for where replies start.
 
-The assistant mask. The template is applied prefix by prefix: for an assistant turn k, the text
-of messages[:k] with add_generation_prompt=True ends where the turn's own text begins, and the
-text of messages[:k+1] ends where it ends (both must be prefixes of the whole conversation's text,
-else the template is refused as not prefix-stable). A token is an assistant token when its
-character span overlaps such a turn's span, up to and including the first end-of-turn token in
-it: the turn's content and its end-of-turn token, nothing the template writes after that. The
-end-of-turn token is the first special token the template writes after an assistant turn's content
-(<|im_end|> for ChatML, </s> for Llama 2); generation stops at it (`handgrad sample --chat`).
-
-A chat DATA_DIR is a text one (data/prepare.py) plus:
-* `{split}_mask_000000.bin`, ...: llm.c shards beside the token shards, position for position:
-  mask[i] = 1 when token i is an assistant token (the model learns to predict it from tokens
-  [0, i)), else 0. So a batch's target y[t] = tokens[t + 1] where mask[t + 1] = 1, else -1: the
-  cross-entropy ignores -1, and the loss is the mean over the assistant tokens of the batch (with
-  grad_accum_steps > 1 or several ranks, the mean of the micro-batches' means: a micro-batch with
-  few assistant tokens weighs as much as one with many).
-* `conversations.safetensors`: per split ("train", "val") int64 offsets (n + 1,): conversation j is
-  tokens [offsets[j], offsets[j + 1]) of the split's shards read in order (none crosses a shard).
-* `chat.json`: the template used, its special tokens and the end-of-turn token (copied into run
-  directories, where `sample --chat` reads it), and `tokenizer_config.json` when the model has one.
-* meta.json's "kind": "chat" and "chat": counts, the block size, the mask shards' names.
-
-Conversations longer than --block-size + 1 tokens are cut to that length at prepare time (the
-count is printed); those left with no assistant token are dropped (counted too). The conversations
-are shuffled with the seed and the last val_fraction of them (at least one) form the val split.
-
-Batches are whole conversations, one per row, padded: row b is a conversation drawn uniformly with
-the rng, its first T + 1 tokens, padded to T with the end-of-turn token and target -1. Padding is
-exact: causal attention never lets a conversation see another, and padded positions add nothing
-to the loss. Packing several conversations per row would waste no compute on padding, but
-handgrad's attention has no document mask, so a packed conversation would attend to the ones
-before it; padding pays for exactness with the compute of the padded positions.
+Batches are whole conversations, one per row, padded rather than packed (ChatDataset).
 """
 import json
 from pathlib import Path
@@ -167,8 +131,16 @@ class ChatFormat:
         return found[0][1]
 
     def encode(self, messages) -> tuple[np.ndarray, np.ndarray]:
-        """(ids (n,) int64, mask (n,) uint8) of one conversation: mask[i] = 1 on assistant tokens
-        (see the module docstring). DataError (no location) where the template cannot be used."""
+        """(ids (n,) int64, mask (n,) uint8) of one conversation: mask[i] = 1 on assistant tokens.
+        DataError (no location) where the template cannot be used.
+
+        The spans of the assistant turns come from rendering prefixes: messages[:k] with
+        add_generation_prompt=True and messages[:k+1] must both be prefixes of the whole text (else the
+        template is refused as not prefix-stable). A token is an assistant token when its character
+        span overlaps a turn's span, up to and including the first end-of-turn token in it: the turn's
+        content and its end-of-turn token, nothing the template writes after that. The end-of-turn
+        token is the first special token the template writes after an assistant turn's content
+        (<|im_end|> for ChatML, </s> for Llama 2); generation stops at it (`sample --chat`)."""
         text = self.render(messages)
         spans = []
         for k, m in enumerate(messages):
@@ -209,7 +181,16 @@ def _read_json(path: Path):
 def load_chat_format(path) -> ChatFormat:
     """The chat format of a Hugging Face model directory, a tokenizer.json, a GGUF model file (its
     tokenizer.chat_template and special tokens), or a chat data or run directory (its chat.json).
-    Its tokenizer.json must be a Hugging Face tokenizers file."""
+    Its tokenizer.json must be a Hugging Face tokenizers file.
+
+    The template is the model's own (`chat_template.jinja`, or tokenizer_config.json's
+    `chat_template`), rendered as transformers' apply_chat_template does (compile_template: a jinja2
+    ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, loopcontrols, `tojson`,
+    `raise_exception`, `strftime_now`; variables `messages`, `add_generation_prompt` and the special
+    tokens; `{% generation %}` blocks render their body). With no template: ChatML (CHATML_TEMPLATE)
+    where the tokenizer has <|im_start|> and <|im_end|>, else PLAIN_TEMPLATE ("User: ...\\n",
+    "Assistant: ..." and the eos token). The text is tokenised with special tokens recognised
+    (add_special_tokens=False, as apply_chat_template does)."""
     from tokenizers import Tokenizer as HFTokenizer
     path = Path(path)
     if is_gguf(path):
@@ -273,7 +254,11 @@ def _template_format(hf, config, extra, file, d):
 
 # ---------------------------------------------------------------- reading chats.jsonl
 def read_conversations(path):
-    """(line number, messages) for each non-blank line of a chats.jsonl, checked (module docstring)."""
+    """(line number, messages) for each non-blank line of a chats.jsonl, checked: one JSON object a
+    line, `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}` (the OpenAI /
+    Hugging Face convention). A line that is not JSON, a role other than these three, an assistant
+    turn with no text or a conversation without one stops prepare with one line naming the file and
+    line (so does one the template refuses, its raise_exception, in build_chat_data)."""
     path = Path(path)
     try:
         f = open(path, encoding="utf-8")
@@ -315,7 +300,19 @@ def _check_line(line: str, where: str) -> list:
 def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_size: int | None,
                     shard_tokens: int = SHARD_TOKENS) -> tuple[dict, callable]:
     """(meta, write_contents) of a chat data directory for prepare's _write_data_dir: every
-    conversation of `source` encoded and checked before anything is written."""
+    conversation of `source` encoded and checked before anything is written.
+
+    A chat DATA_DIR is a text one (data/prepare.py) plus:
+    * `{split}_mask_000000.bin`, ...: llm.c shards beside the token shards, position for position:
+      mask[i] = 1 when token i is an assistant token (learnt from tokens [0, i)), else 0;
+    * `conversations.safetensors`: per split int64 offsets (n + 1,): conversation j is tokens
+      [offsets[j], offsets[j + 1]) of the split's shards read in order (none crosses a shard);
+    * `chat.json`: the template, its special tokens and the end-of-turn token (copied into run
+      directories, where `sample --chat` reads it), and `tokenizer_config.json` when the model has one;
+    * meta.json's "kind": "chat" and "chat": counts, the block size, the mask shards' names.
+    Conversations longer than block_size + 1 tokens are cut to that length (counted); those left with
+    no assistant token are dropped (counted). They are shuffled with the seed, and the last
+    val_fraction of them (at least one) form the val split."""
     block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise DataError(f"--block-size {block_size}: must be a positive integer (the model's block_size)")
@@ -408,7 +405,14 @@ def open_dataset(data_dir, split: str) -> Dataset:
 
 
 class ChatDataset(Dataset):
-    """One split of a chat data directory: whole conversations, one per batch row, padded."""
+    """One split of a chat data directory: whole conversations, one per batch row, padded.
+
+    A row's target y[t] = tokens[t + 1] where mask[t + 1] = 1, else -1: the cross-entropy ignores
+    -1, so the loss is the mean over the batch's assistant tokens (with grad_accum_steps > 1 or
+    several ranks, the mean of the micro-batches' means). Padding (the end-of-turn token, target -1)
+    is exact: causal attention never lets a conversation see another. Packing would waste no compute
+    on padding, but handgrad's attention has no document mask, so a packed conversation would attend
+    to the ones before it; padding pays for exactness with the padded positions' compute."""
 
     def __init__(self, data_dir, split: str):
         super().__init__(data_dir, split)

@@ -177,7 +177,7 @@ def _write_data_dir(out: Path, meta: dict, write_contents) -> dict:
             f.flush()
             os.fsync(f.fileno())
         if out.is_dir():
-            out.rmdir()  # empty (checked before): replaced by the complete directory
+            out.rmdir()  # empty (checked before): the complete directory takes its place
         os.rename(tmp, out)
     except OSError as e:
         raise DataError(f"{out}: cannot write the data ({e.strerror or e}); "

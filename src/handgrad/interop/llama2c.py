@@ -1,45 +1,17 @@
 """llama2.c's model files in and out (run.c's legacy format, what export.py's legacy_export
 writes), and its tokenizer.bin out.
 
-**model.bin**: seven int32 (dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len;
-a negative vocab_size marks a classifier of its own), then float32 tensors with nn.Linear's [out,
-in] layout: the token embedding (V, dim); every layer's attention rmsnorm, then every layer's wq,
-every layer's wk, wv, wo, ffn rmsnorm, w1 (gate), w2 (down), w3 (up); the final rmsnorm;
-freq_cis_real and freq_cis_imag (seq_len x head_size/2 each: cos and sin of RoPE's angles, which
-run.c skips and recomputes); and wcls (V, dim) where vocab_size is negative. There is no magic
-number: a file is taken as llama2.c's when its header is seven plausible positive ints and its
-size is exactly what they imply (is_llama2c). Reading gives a LlamaConfig with block_size =
-seq_len, tie_embeddings from the sign, rope_theta 10000 and norm_eps 1e-5 (run.c hard-codes
-both) and no q/k/v bias; writing refuses models that differ in those (and GPT-2 models).
+model.bin is seven int32 (dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len) and
+float32 tensors, with no magic number: a file is taken as llama2.c's when its header is seven
+plausible positive ints and its size is exactly what they imply (is_llama2c; read_llama2c has the
+layout). tokenizer.bin is run.c's vocabulary, whose scores rank BPE merges (tokenizer_pieces).
 
-**Rotary convention**: llama2.c rotates the interleaved pairs (2i, 2i+1) of each head, handgrad
-and Hugging Face the halves (i, i + head_size/2) (rotate_half), with the same angle for pair i.
-The two are one model with each head's q and k rows in another order: on import row 2i + s of a
-head becomes row s * head_size/2 + i (Hugging Face's convert_llama_weights_to_hf permute), on
-export the reverse. tests/test_llama2c.py checks it against a NumPy forward written as run.c's.
-
-**Export** (`handgrad convert SRC DST --format llama2c`): DST is a new directory holding
-model.bin and, where the model came with a tokenizer, tokenizer.bin (llama2.c's) and
-tokenizer.json (handgrad's, so converting DST back finds it); run it with
-`./run DST/model.bin -z DST/tokenizer.bin`.
-
-**tokenizer.bin** (run.c's build_tokenizer): int32 max_token_length, then per id: float32 score,
-int32 length, the token's bytes (its raw bytes: a byte-level BPE piece is un-mapped from GPT-2's
-printable stand-ins; a char token is its UTF-8). Scores rank the merges: run.c's encoder merges,
-while it can, the adjacent pair whose concatenation is the vocabulary entry of highest score, so
-a token made by merge rank r scores -r (tiktoken's gpt2: -rank = -id; single bytes and
-characters 0; <|endoftext|> -inf: never made by a merge). run.c thus applies our merges in our
-order, which gives our ids on ordinary text (checked in the tests), but not always: it merges
-any adjacent pair whose bytes form a token (BPE only the pair its merge names), it has no
-pre-tokenizer, so it may merge across GPT-2's word boundaries (e.g. runs of spaces), and a
-character with no token of its own becomes byte + 3 (sentencepiece's layout), not our byte's id.
-
-What run.c's `generate` does with a handgrad vocabulary, whose ids 1 and 2 are not BOS/EOS: it
-starts every sequence with id 1 ("!" in a handgrad bpe tokenizer, byte 0x01 for byte, the second
-character for char), then encodes " " + the prompt (sentencepiece's dummy prefix; it crashes
-on a non-empty prompt when " " is not a token), stops when it samples id 1, strips a leading
-space after id 1, and prints no single-byte piece that is not printable ASCII or whitespace
-(so text made of partial UTF-8 tokens is dropped), nor anything after a NUL byte in a piece.
+The non-obvious idea, the rotary convention: llama2.c rotates the interleaved pairs (2i, 2i+1) of
+each head, handgrad and Hugging Face the halves (i, i + head_size/2) (rotate_half), with the same
+angle for pair i. The two are one model with each head's q and k rows in another order: on import
+row 2i + s of a head becomes row s * head_size/2 + i (Hugging Face's convert_llama_weights_to_hf
+permute; pairs_to_halves), on export the reverse. tests/test_llama2c.py checks it against a NumPy
+forward written as run.c's.
 """
 import math
 import os
@@ -146,7 +118,15 @@ def halves_to_pairs(w, n_heads):
 
 # ---------------------------------------------------------------- in
 def read_llama2c(path):
-    """(LlamaConfig, weights, info) from a llama2.c model file (or a directory holding model.bin)."""
+    """(LlamaConfig, weights, info) from a llama2.c model file (or a directory holding model.bin).
+
+    After the header (a negative vocab_size marks a classifier of its own), float32 tensors in
+    nn.Linear's [out, in] layout: the token embedding (V, dim); every layer's attention rmsnorm, then
+    every layer's wq, every layer's wk, wv, wo, ffn rmsnorm, w1 (gate), w2 (down), w3 (up); the final
+    rmsnorm; freq_cis_real and freq_cis_imag (seq_len x head_size/2 each: RoPE's cos and sin, which
+    run.c skips and recomputes); and wcls (V, dim) where vocab_size is negative. The config has
+    block_size = seq_len, tie_embeddings from the sign, rope_theta 10000 and norm_eps 1e-5 (run.c
+    hard-codes both) and no q/k/v bias; check_writable refuses models that differ in those."""
     file = model_file(path)
     try:
         raw = file.read_bytes()
@@ -223,7 +203,9 @@ def _model_chunks(config, weights):
 def write_llama2c(dst, config, weights, tokenizer=None, source=None):
     """dst as a new directory: model.bin and, given a tokenizer (handgrad's tokenizer.json, or a
     directory holding one), tokenizer.bin and a copy of tokenizer.json. source names the model in
-    refusals. Returns (dst, one line saying what was written, and what was not and why)."""
+    refusals. Returns (dst, one line saying what was written, and what was not and why). This is
+    `handgrad convert SRC DST --format llama2c`; tokenizer.json goes beside so that converting DST
+    back finds it, and llama2.c runs it with `./run DST/model.bin -z DST/tokenizer.bin`."""
     check_writable(config, source or "the model")
     check_weights(config, weights, "weights")
     tmp = prepare_dir(dst)
@@ -255,7 +237,17 @@ def write_llama2c(dst, config, weights, tokenizer=None, source=None):
 
 # ---------------------------------------------------------------- tokenizer.bin
 def tokenizer_pieces(tok):
-    """(the bytes of each id, the score of each id) of a handgrad Tokenizer: see the module docstring."""
+    """(the bytes of each id, the score of each id) of a handgrad Tokenizer, for tokenizer.bin.
+
+    tokenizer.bin (run.c's build_tokenizer): int32 max_token_length, then per id: float32 score,
+    int32 length, the token's raw bytes (a byte-level BPE piece un-mapped from GPT-2's printable
+    stand-ins; a char token its UTF-8). run.c's encoder merges, while it can, the adjacent pair whose
+    concatenation is the entry of highest score, so a token made by merge rank r scores -r
+    (tiktoken's gpt2: -rank = -id; single bytes and characters 0; <|endoftext|> -inf: never made by
+    a merge). run.c thus applies our merges in our order, which gives our ids on ordinary text, but
+    not always: it merges any adjacent pair whose bytes form a token (BPE only the pair its merge
+    names), it has no pre-tokenizer, so it may merge across GPT-2's word boundaries (runs of
+    spaces), and a character with no token of its own becomes byte + 3 (sentencepiece's layout)."""
     if tok.name == "char":
         return [c.encode("utf-8", "surrogatepass") for c in tok.chars], [0.0] * tok.vocab_size
     if tok.name == "byte":
@@ -288,7 +280,14 @@ def tokenizer_pieces(tok):
 def tokenizer_bin(tok, vocab_size):
     """(tokenizer.bin's bytes for ids 0..vocab_size-1, the pieces, a note on ids the model and the
     tokenizer do not share). run.c reads exactly vocab_size entries: missing ids get empty pieces
-    that never merge, the tokenizer's ids past the model's are left out."""
+    that never merge, the tokenizer's ids past the model's are left out.
+
+    What run.c's `generate` does with a handgrad vocabulary, whose ids 1 and 2 are not BOS/EOS: it
+    starts every sequence with id 1 ("!" in a handgrad bpe tokenizer, byte 0x01 for byte, the second
+    character for char), then encodes " " + the prompt (sentencepiece's dummy prefix; it crashes on
+    a non-empty prompt when " " is not a token), stops when it samples id 1, strips a leading space
+    after id 1, and prints no single-byte piece that is not printable ASCII or whitespace (so text
+    made of partial UTF-8 tokens is dropped), nor anything after a NUL byte in a piece."""
     pieces, scores = tokenizer_pieces(tok)
     note = ""
     if len(pieces) < vocab_size:

@@ -7,14 +7,14 @@ block_size) forward and backward (counted by handing the family's Activations cl
 that only adds up sizes, so the count follows the model's own buffers), the ops' scratch buffers
 (Activations.scratch_bytes), and the runtime itself (Python, NumPy, Numba's compiled kernels, the BLAS), a
 constant measured on this project's machines: the peak resident memory of a `tiny` run (0.1M
-parameters), 270 MB on the Intel Xeon of 2026-11-23 (see tests/test_memory.py, which checks the
-whole count against measured runs).
+parameters), 270 MB on the 2-core Intel Xeon (see tests/test_memory.py, which checks the whole
+count against measured runs).
 
 Sampling (train.sample_interval) and task evaluation (train.eval_tasks) between steps hold more on
 top, counted as the part `decoding`: a KV cache and its buffers, and in a LoRA run the adapters'
-scratch (a LoRA model decodes through its adapters, beside its base as it holds it: no merged copy;
-until 2026-11-27 a plain float32 copy, 1.84 GiB for qwen2.5-0.5b). Only the main process samples
-and scores.
+scratch (a LoRA model decodes through its adapters, beside its base as it holds it: no merged copy,
+which would be a float32 model, 1.84 GiB for qwen2.5-0.5b). Only the main process samples and
+scores.
 """
 import math
 import os

@@ -30,11 +30,11 @@ from .dropout import MASK32, _SHIFT32, _split, philox4x32, threshold
 from .decode_attend import _decode_kernel
 from .mathfn import dot64, exp32, max32, sum64
 
-# Query rows per block of the causal products. Measured on `mid`'s attention (B 8, NH 8, T 256,
-# hs 64), one layer, median of 30, in two runs: forward 11.6-12.7 ms (the full products through
-# blas.gemm) -> 7.2-7.7, backward 17.8-18.8 -> 10.5-11.1. In the prototype, 128-row blocks
-# made the backward 15.7-15.9 ms and no blocks 14.7-14.9 (the forward: 7.5-7.8 and 8.5-10.4):
-# smaller blocks skip more of the mask but make smaller products (docs/PERFORMANCE.md).
+# Query rows per block of the causal products: smaller blocks skip more of the mask but make smaller
+# products. On `mid`'s attention (B 8, NH 8, T 256, hs 64), one layer, median of 30, two runs: 64-row
+# blocks forward 7.2-7.7 ms, backward 10.5-11.1, against 11.6-12.7 and 17.8-18.8 for the full
+# products through blas.gemm; in a prototype, 128-row blocks gave a backward of 15.7-15.9 ms and no
+# blocks 14.7-14.9.
 CAUSAL_BLOCK = 64
 
 

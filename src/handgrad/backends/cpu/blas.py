@@ -4,7 +4,7 @@ Two BLAS are supported:
 * "mkl": Intel oneMKL's cblas_sgemm / cblas_dgemm from the `mkl` wheel (a dependency on Linux
   x86-64), called from Numba: ~1 us per call from Python, as numpy.matmul, where ctypes costs ~6.
   It is the BLAS PyTorch's CPU build links, and on the 2-core Xeon this project is measured on it
-  is 15-30% faster than OpenBLAS on the skinny shapes a GPT's linears have (docs/PERFORMANCE.md).
+  is 15-30% faster than OpenBLAS on the skinny shapes a GPT's linears have.
 * "numpy": numpy.matmul, that is the OpenBLAS numpy's wheels bundle.
 
 The choice is made once per process: HANDGRAD_BLAS=mkl|numpy if set (mkl without the package is an
@@ -12,8 +12,8 @@ error), otherwise mkl when the package is installed. `name()` says which one run
 
 Float32 products of two 2-D operands go to oneDNN's matmul instead (onednn.gemm) where MKL would not
 use the CPU: a CPU with AVX-512 that is not Intel's (AMD Zen 4 and 5), where MKL's sgemm dispatches
-to its AVX2 code. Measured on the 2-core AMD EPYC Zen 5 (`handgrad bench products --preset
-smollm2-135m`, 2026-11-27): a training step's products at 209 GFLOP/s on MKL, 454 on oneDNN; on the
+to its AVX2 code. On the 2-core AMD EPYC Zen 5 (`handgrad bench products --preset smollm2-135m`) a
+training step's products run at 209 GFLOP/s on MKL and 454 on oneDNN; on the
 Intel Xeon (AMX) oneDNN's were 0.66-0.95x MKL's, so float32 stays on MKL there (docs/PERFORMANCE.md).
 HANDGRAD_BLAS=onednn asks for it on any CPU (oneDNN must be installed); HANDGRAD_BLAS=mkl or numpy
 keeps every product on that BLAS. Tiny products (under ONEDNN_MIN_WORK multiply-adds: oneDNN's call
@@ -25,8 +25,7 @@ SHORT_M) times a weight passed as the transpose of a contiguous (N, K) matrix (e
 and every tied lm_head) take neither: a Numba kernel (few_rows.small_m_nt) reads each weight row
 once for all the rows, which is what a decode step's speed is made of (memory bandwidth). Measured
 on the 2-core AMD EPYC (AVX2) with SmolLM2-135M's four weight shapes, 2 threads, one run: MKL's
-sgemm 14.3 ms at 1 row and 31.1 at 8, this kernel 6.9 and 10.8 (docs/PERFORMANCE.md, "Decoding's
-few-row products"). Within a batch every row is computed by the same code (each element's sum in
+sgemm 14.3 ms at 1 row and 31.1 at 8, this kernel 6.9 and 10.8 (docs/PERFORMANCE.md). Within a batch every row is computed by the same code (each element's sum in
 one order, whatever tile takes it), so a sequence's logits are the same bits in a batch of any size
 from 2 up; alone (one row, its accumulators chained) they agree to float32 rounding.
 
@@ -95,9 +94,9 @@ def _one_openmp():
     Left alone, MKL runs on Intel OpenMP (libiomp5, whose workers spin 200 ms after each product)
     and Numba's kernels on its workqueue layer (a second pool, parked between kernels): the
     kernel after a product waits for its worker to be scheduled beside MKL's spinning one, and
-    most of the time the second core does nothing for it (docs/PERFORMANCE.md, "one OpenMP pool":
-    the SwiGLU pass 0.37 ms after a product against 0.17 on one pool; `bench train` steps 13-19%
-    shorter). On one pool the kernel starts on workers that are already awake, as PyTorch's do.
+    most of the time the second core does nothing for it (on the 2-core Intel Xeon: the SwiGLU pass
+    0.37 ms after a product against 0.17 on one pool; `bench train` steps 13-19% shorter;
+    docs/PERFORMANCE.md). On one pool the kernel starts on workers that are already awake, as PyTorch's do.
 
     Needs MKL's GNU threading library in the mkl wheel, a loadable libgomp.so.1 (the system's, or
     PyTorch's when torch is already imported) and Numba's OpenMP layer. A user's own

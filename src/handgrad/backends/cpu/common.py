@@ -30,16 +30,16 @@ serial_kernel = njit(cache=True, error_model="numpy")
 # against 157 us). So every @kernel is compiled twice, and a call whose largest array holds fewer
 # than `min_parallel` elements runs the serial copy. The arithmetic is the same code, in the same
 # order within each row block, so results do not depend on which copy ran.
-# HEAVY was 2^14 while the row reductions were scalar loops; with them vectorised (mathfn's
-# sum64/dot64, the in-place gelu backward) a (512, 64) layernorm takes 24 us serially against
-# 127 us parallel, and `bench train --preset tiny` (every array under 2^18) went from 1.13-1.19x
-# torch to 1.36-1.46x with its kernels serial. Larger arrays (gpt2-124m's logits and optimizer,
+# HEAVY is 2^18 because the row reductions are vectorised (mathfn's sum64/dot64, the in-place gelu
+# backward): a (512, 64) layernorm takes 24 us serially against 127 us parallel, and `bench train
+# --preset tiny` (every array under 2^18) runs at 1.36-1.46x torch with its kernels serial against
+# 1.13-1.19x at 2^14. Larger arrays (gpt2-124m's logits and optimizer,
 # every activation of `mid`) still run parallel: forcing those serial cost gpt2-124m 1.54x -> 1.32x.
 MIN_PARALLEL = 1 << 20  # memory-bound passes (adds, copies, column sums)
 HEAVY = 1 << 18  # kernels with an exp, tanh, sqrt or a row reduction per element
 # On MKL's own OpenMP pool (blas._one_openmp) a launch finds its workers awake: ~5 us instead of
 # ~95-190. Measured there, right after a product: a memory-bound add breaks even at about 2^16
-# elements, a SwiGLU pass at about 2^15.5 (docs/PERFORMANCE.md, "one OpenMP pool"); so on it every
+# elements, a SwiGLU pass at about 2^15.5 (the 2-core Intel Xeon; docs/PERFORMANCE.md); so on it every
 # threshold above is divided by 8 (cheap_launches()).
 _threshold_divisor = 1
 
@@ -107,7 +107,7 @@ ALIGN = 64  # bytes: a cache line, and the alignment BLAS kernels load fastest f
 def aligned_empty(shape, dtype=np.float32):
     """np.empty with its data on a 64-byte boundary (numpy guarantees 16). Measured with OpenBLAS
     on this project's Xeon: sgemm 128^3 at 151-153 GFLOP/s with aligned operands against 91-92
-    with 16-byte ones, and 3-5% at 256^3 to 1024^3 (docs/PERFORMANCE.md, R5)."""
+    with 16-byte ones, and 3-5% at 256^3 to 1024^3."""
     return _aligned(np.empty, shape, dtype)
 
 

@@ -1,40 +1,19 @@
 """Few rows times a transposed weight: c (M, N) = a (M, K) @ wt (N, K)^T for M <= SMALL_M, the
-products of decoding (one row per sequence), which read every weight once and so run at the speed
-of memory, and a short prompt's prefill (SHORT_M; blas.gemm sends them here: `takes`; backends'
-llama_decode.py calls small_m_nt itself).
+products of decoding (one row per sequence), and a short prompt's prefill (SHORT_M). blas.gemm
+sends them here (`takes`); llama_decode.py calls small_m_nt itself. They read every weight once,
+so they run at the speed of memory, not of the multiply-adds.
 
 The weight rows are read once for all of a's rows, float32 or bf16 (uint16, widened exactly). The
-work is a tile's (_tiles, in LLVM IR): TILE_M rows of a by TILE_N weight rows, their accumulators
-held in registers (AVX-512: 16 lanes, 4 x 4; else 8 lanes, 4 x 2, and 4 x WIDE_N = 3 past TILE_M
-rows or for bf16 weights, as many accumulators as 16 ymm registers hold beside the loads), and in
-the same loop the next tile's weight lines prefetched, so the fetch from memory overlaps the
-arithmetic (8 rows do 8 multiply-adds a weight element); float32 past TILE_M rows reads its tile's
-weight rows as far-apart streams instead (_far, FAR_AHEAD). One row alone reads ROW_STREAMS weight
-rows at once, each from its own stretch of the rows it is given (_rows_far: rows n, n + gap, n + 2
-gap, ...; the one input vector loaded once for all of them), each over ROW_CHAINS accumulators in
-turn; the rows left over go one at a time (_row), summed in the same order, so a row's result does
-not depend on which of the two took it. On AVX-512 CPUs the weight rows about AHEAD_BYTES on are
-prefetched as it goes (row_ahead); elsewhere the hardware's prefetcher alone (ROW_PREFETCH).
-Measured on the 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 decode products, against the loop of Numba
-dot products this replaced (four rows of a a pass, a bulk prefetch of the weight row two on past 4
-rows), interleaved, best of 15, two runs (five at one row): 8 rows 19.1-19.6 -> 11.2-13.7 ms float32
-and 14.5-15.0 -> 7.9-8.1 bf16; 4 rows 15.2-15.4 -> 14.1 and 7.4-7.9 -> 5.1-6.7; 1 row 11.1-11.5 ->
-11.1-11.5 and 4.4-5.1 -> 3.7-4.2 (at moments of higher bandwidth, float32 1 row 8.4-9.0 -> 7.8-8.2).
-In cache, 8 rows run at 290-370 GFLOP/s against 115-178 before (`/tmp` scripts, not committed). Then
-the last M % TILE_M rows went to a tile of their own height (they had been rows repeated on a 4-row
-tile) and the next tile's lines are prefetched in address order (they had been TILE_N strided
-streams): float32 2 rows 9.3-9.6 -> 8.3-8.5 ms and 4 rows 10.1-10.4 -> 9.4-9.5 at a high-bandwidth
-moment (1 row: 7.6 ms), 13.9-14.0 -> 13.2-13.3 and 14.6-14.7 -> 13.1-13.2 at a low one; 8 rows and
-bf16 within 4% either way.
+work is a tile's (_tiles, written in LLVM IR so its accumulators stay in registers): TILE_M rows of
+a by TILE_N weight rows (AVX-512 4 x 4; AVX2 4 x 2, or 4 x WIDE_N past TILE_M rows and for bf16),
+the next tile's weight lines prefetched in the same loop so the fetch overlaps the arithmetic.
 
-Why several streams for one row (AMD EPYC Zen 3, AVX2, 2026-11-28; docs/PERFORMANCE.md, "One row
-alone as four streams"): on the lm_head's 49,152 x 576 float32 matrix, each of the 2 threads
-taking half, a plain sum of the bytes read at 1.00 (the yardstick), one dot product a row at
-0.89-0.96 of it, and a row sum without the input vector at 0.94-1.00: the input's load beside each
-weight load cost the difference (one load a weight vector when the factor sits in a register:
-0.99). Two weight rows at once sharing the input's loads, rows n and n + 1: 0.71-0.77; rows n and
-n + half the share apart: 1.05-1.09; four such streams 1.18. A thread reading several long
-sequential streams draws more from memory than one.
+The non-obvious idea: a thread draws more from memory reading several long sequential streams than
+one. So one row alone reads ROW_STREAMS weight rows at once, each from its own stretch of its share
+(_rows_far: rows n, n + gap, n + 2 gap, ...; 1.18x a plain one-stream read on the AMD EPYC Zen 3,
+where neighbouring rows side by side read at 0.71-0.77x), and float32 past TILE_M rows does the same
+with its tile's rows (_far). Every element's sum runs in one order whatever path takes it, so a
+row's result does not depend on the batch (docs/PERFORMANCE.md, "Where the time goes").
 """
 from math import gcd
 
@@ -51,46 +30,33 @@ from .team import part
 _AVX512 = "+avx512f" in (config.CPU_FEATURES or get_host_cpu_features().flatten())
 SMALL_M = 16  # rows the few-rows kernel below takes at any width
 # ... and up to SHORT_M rows (a short prompt's prefill, serve's prompts prefilled together) while a, as
-# float32, fits in SHORT_BYTES: there the tiles keep a in the cache beside the weight rows they read
-# once. Measured on the AMD EPYC Zen 3 (2026-11-28), SmolLM2-135M-Instruct's prefill in a process as
-# serve runs it (weights from memory), against MKL's sgemm for all past 16 rows, 6 rounds: serve's 8
-# prompts of 16 tokens (groups of 80 and 48 rows) 1.31x, one prompt of 64 tokens 1.16x, of 128 1.02x;
-# at 256 (past SHORT_M) 0.87x with a limit of 1 MB. With the weights in cache MKL leads from 80 rows
-# (124 against 111 GFLOP/s), so the limit is set by the prefill, where weights come from memory.
-# Measured on AVX2 only: AVX-512 CPUs (oneDNN's float32 products on the Zen 5) keep SMALL_M.
+# float32, fits in SHORT_BYTES, where the tiles keep a in cache beside the weight rows read once: against
+# MKL, 1.31x on serve's 8 x 16 prefill, 1.16x on a 64-token prompt, 1.02x at 128, 0.87x at 256 (AMD
+# EPYC Zen 3, weights from memory). Measured on AVX2 only: AVX-512 CPUs keep SMALL_M.
 SHORT_M, SHORT_BYTES = SMALL_M if _AVX512 else 128, 512 * 1024
 LANES = 16 if _AVX512 else 8  # floats in one vector register: _tile's vectors
 TILE_M, TILE_N = (4, 4) if _AVX512 else (4, 2)  # rows of a and of wt whose products _tile keeps in registers
 # ... and the wide tile's weight rows (_wide, TILE_M x WIDE_N), for more than TILE_M rows of a or bf16
-# weights: on AVX2 4 x 3, 12 accumulators, so the multiply-adds' latency has room that 4 x 2's 8
-# lack (AMD EPYC Zen 3, 2026-11-28: in cache, both threads busy, 54-56 -> 58-64 GFLOP/s a thread; the
-# decode step float32 at 8 and 16 rows 1.03-1.12x and 1.07-1.21x, bf16's medians 1.01-1.14x at 4-16
-# rows; float32 at 4 rows 0.84-0.99x, so it keeps 4 x 2: docs/PERFORMANCE.md, "Several rows")
+# weights: on AVX2 4 x 3, 12 accumulators, as many as the two FMA pipes keep in flight with room for a
+# load's delay (4 x 2's 8 have none): 58-64 against 54-56 GFLOP/s a thread in cache on the AMD EPYC
+# Zen 3; float32 at up to 4 rows measured 0.84-0.99x on it, so keeps 4 x 2.
 WIDE_N = TILE_N if _AVX512 else 3
 SHARE_N = TILE_N * WIDE_N // gcd(TILE_N, WIDE_N)  # a thread's share of weight rows: whole tiles of either width
 # float32 past TILE_M rows: the wide tile's WIDE_N weight rows far apart (_far: rows n, n + gap, n + 2
-# gap, as one row's streams), each stream prefetched FAR_AHEAD elements (2 KB) on. The Zen 3, 8 rows, a
-# 49,152-row matrix against the wide tiles in order: K 576 5.11 -> 4.43 ms (one row on: 2.3 KB) and
-# 5.83 -> 5.26 (2 KB; 1 KB 5.54, 4 KB 5.94, none 5.58); K 1536 16.2 -> 13.3-13.4 (1-2 KB; 6 KB 14.9,
-# none 14.0); in cache the arithmetic alone takes 4.03 at K 576. The decode step at 8 rows 1.105x
-# (0.96-1.30), at 16 1.05x. bf16 stays in order: far it was 0.94-0.95x at K 576 and 1.04-1.05x at 1536.
-# Measured on AVX2 only (FAR_ROWS): AVX-512 CPUs keep their 4 x 4 tiles in order.
+# gap, as one row's streams), each prefetched FAR_AHEAD elements (2 KB) on, the best of 1-6 KB: the
+# decode step at 8 rows 1.105x against the tiles in order (AMD EPYC Zen 3). bf16 stays in order (far:
+# 0.94-1.05x). Measured on AVX2 only (FAR_ROWS): AVX-512 CPUs keep their 4 x 4 tiles in order.
 FAR_AHEAD, FAR_ROWS = 512, not _AVX512
 ROW_STREAMS = 4  # one row alone: weight rows read at once, each from its own stretch of the rows
 ROW_CHAINS = 2  # ... each over this many accumulators in turn
-# How far ahead one row prefetches, float32 weights and bf16: measured on the 2-core Zen 5 over
-# SmolLM2-135M's 121 decode products, at the guest's high-bandwidth moments (triad 80-86 GB/s), one
-# row (one stream, before ROW_STREAMS): float32 74-76 GB/s at the 4 rows (9 KB at K 576, 24 KB at
-# 1536) this replaced, 77-79 at 3-5 KB, 75-78 at 7 KB, 74-76 at 10 KB; bf16 77-80 at 4 rows, 80-83 at
-# 4 KB, 83-86 at 5 KB, 85-88 at 7 KB (`/tmp` scripts, interleaved; at a low-bandwidth moment all
-# within 5%).
+# How far ahead one row prefetches, float32 weights and bf16: the best distances over SmolLM2-135M's
+# 121 decode products on the 2-core Zen 5 at its high-bandwidth moments, one stream (float32 77-79
+# GB/s at 3-5 KB against 74-76 at 10 KB; bf16 85-88 at 7 KB against 80-83 at 4 KB).
 AHEAD_BYTES_F32, AHEAD_BYTES_BF16 = 4096, 7168
-# ... but on the 2-core AMD EPYC Zen 3 (AVX2, no AVX-512) one row runs faster with no prefetch
-# instructions at all, the hardware's prefetcher alone: float32 on one stream, the decode step
-# 0.80-0.82 -> 0.85-0.88 of a plain parallel read (docs/PERFORMANCE.md, "A lone float32 row without
-# prefetch"); on ROW_STREAMS streams, bf16 rows at 1.12 of the read without against 0.96 at 7 KB ahead
-# and 1.00-1.01 at 1-2 rows. So one row prefetches where that was measured to help (AVX-512: the Zen
-# 5, on one stream; not measured there on four) and not elsewhere.
+# ... but on AVX2 (the 2-core AMD EPYC Zen 3) one row runs faster on the hardware's prefetcher alone:
+# the decode step at 0.85-0.88 of a plain parallel read against 0.80-0.82 with the prefetch (float32),
+# bf16 rows on ROW_STREAMS streams 1.12 against 0.96. So one row prefetches only on AVX-512, where it
+# was measured to help (on one stream; not measured there on four).
 ROW_PREFETCH = _AVX512
 
 
@@ -332,7 +298,7 @@ def nt_rows(a, wt, c, lo, hi):
     - float32, up to TILE_M rows (any rows on AVX-512): TILE_N at once, the same;
     - float32, more rows (FAR_ROWS): WIDE_N at once, each from its own third of [lo, hi) (far), prefetched
       FAR_AHEAD elements on in each stream; the rows left over (at N) in order.
-    (The module docstring has the measurements.)"""
+    (The constants' comments say why each path; docs/PERFORMANCE.md has the measurements.)"""
     M = a.shape[0]
     if M == 1:
         ahead = row_ahead(wt)

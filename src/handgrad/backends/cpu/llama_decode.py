@@ -17,13 +17,12 @@ and meet at barriers, rather than opening a region for each of the 120 products 
 Each member multiplies its share of every weight's rows (at batch 1 as few_rows' ROW_STREAMS
 streams, each a stretch of the share) and attends with its share of the query heads; the small work
 between (norms, RoPE, the cache's appends, residual adds, SwiGLU) each member does for its share of
-the batch's rows (at one row member 0 does it while the others wait: 8 rows, the AMD EPYC Zen 3,
-2026-11-28, the step 1.04x float32, 1.07x bf16, in-process A/B; it had been member 0's alone, 1.35
-ms of a 29 ms float32 step); before each wait a member prefetches the first rows of its next share
-(with bf16 weights at one row, of each of its streams) and the cached keys and values its heads read
-next. Measured on the 2-core Zen 5, SmolLM2-135M-Instruct, greedy, 63 steps after a 16-token prompt,
-against the region-a-product step this replaced, interleaved in one process (docs/PERFORMANCE.md,
-"One parallel region for a decode step"): see there for the figures.
+the batch's rows (at one row member 0 does it while the others wait; split by rows, an 8-row step is
+1.04x float32 and 1.07x bf16 against one member doing all of it, on the 2-core AMD EPYC Zen 3);
+before each wait a member prefetches the first rows of its next share (with bf16 weights at one row,
+of each of its streams) and the cached keys and values its heads read next. One region a step
+against one region a product: 1.11x at batch 1 on the 2-core Zen 5 (docs/PERFORMANCE.md, "Where the
+time goes").
 
 Per block l, for rows b (each its own position pos[b] and cache row rows[b]):
     xn = rmsnorm(x; norm1[l]);  qkv = xn @ Wqkv[l] (+ bqkv[l]);  RoPE on qkv's q and k heads at pos[b]
@@ -116,8 +115,8 @@ def _product(out, inp, wt, wide, bf16, me, team, nxt):
     """Member me's share of out (M, N) = operand (M, K) @ wt (N, K)^T (whole tiles of weight rows),
     then its share of the next product's weight nxt asked for, begun while the member waits: the
     first row_ahead rows of its share, and with bf16 weights at one row those of each of the
-    ROW_STREAMS streams nt_rows reads the share as (the AMD EPYC Zen 3, 2026-11-28: the blocks kernel
-    1.20x and 1.24x, in-process A/B; float32 0.97-0.99x, so it warms the first stream alone)."""
+    ROW_STREAMS streams nt_rows reads the share as (bf16's blocks kernel 1.20-1.24x on the AMD EPYC
+    Zen 3; float32's 0.97-0.99x, so float32 warms the first stream alone)."""
     lo, hi = part(wt.shape[0], me, team, SHARE_N)
     nt_rows(_operand(inp, wide, bf16), wt, out, lo, hi)
     lo, hi = part(nxt.shape[0], me, team, SHARE_N)
@@ -228,11 +227,9 @@ class DecodeLayers:
     """llama_decode_forward's weights as its kernel takes them, checked and laid out once
     (llama_decode_layers): the matrices transposed back to their contiguous (out, in) form, the
     vectors contiguous float32, and every layer's addresses in one table (_address_table). The
-    table's addresses stay valid because this object holds every array it names. Made on every
-    call, this work put 0.49-0.56 ms outside the kernel in a 13-23 ms SmolLM2-135M step (Python over
-    210 arrays, and Numba typing tuples of 30 arrays): 4% of a bf16 step. Made once, 0.21-0.26 ms
-    are left outside the kernel, 0.05 of them this function's Python (AMD EPYC Zen 3, 2026-11-28;
-    docs/PERFORMANCE.md, "The decode step's weights laid out once")."""
+    table's addresses stay valid because this object holds every array it names. Made once per
+    cache rather than per call: per call it costs 0.49-0.56 ms of a 13-23 ms SmolLM2-135M step
+    (Python over 210 arrays, Numba typing tuples of 30 arrays; AMD EPYC Zen 3)."""
 
     def __init__(self, layers):
         self.layers = layers  # as given (a dict of LAYER_PARTS)

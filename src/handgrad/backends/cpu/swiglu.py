@@ -72,11 +72,11 @@ def swiglu_forward(out, gu):
     fn(rows(out), _halves(gu, out))
 
 
-# Two passes over each row, one store each: with both stores in one loop it ran 4x slower
-# (measured (2048, 1408): 41-49 ms against 11-12 ms serial), the exp32 polynomial apparently left
-# unvectorised. The first pass keeps the row's sigmoids (H floats, in L1) for the second, which so
-# computes none: (4, 256, 2 x 1536) on the 2-core Zen 5, bf16 gu 1.09 -> 0.65 ms, float32 0.82 ->
-# 0.57 (2026-11-28), the same bits.
+# Two passes over each row, one store each: with both stores in one loop it runs 4x slower
+# ((2048, 1408): 41-49 ms against 11-12 ms serial), the exp32 polynomial apparently left
+# unvectorised. The first pass keeps the row's sigmoids (H floats, in L1) for the second, so each
+# element takes one exp: at (4, 256, 2 x 1536) on the 2-core Zen 5, 0.65 ms a call with bf16 gu
+# (1.09 with an exp in each pass), 0.57 float32 (0.82).
 @kernel(min_parallel=HEAVY)
 def _swiglu_backward_kernel32(dgu, dout, gu):
     N, _, H = gu.shape

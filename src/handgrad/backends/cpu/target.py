@@ -5,7 +5,7 @@ may detect as "rocketlake") carries `prefer-256-bit`: loops vectorise on 256-bit
 against the frequency drop that 512-bit code caused on the first AVX-512 parts. The kernels here
 are short, compute-bound loops (the exp of softmax, cross-entropy and SwiGLU, the sums of the
 norms, AdamW): on zmm registers they take half the instructions. Measured on the 2-core Xeon
-(Emerald Rapids class; docs/PERFORMANCE.md, "512-bit vectors"): `llama-mid`'s kernels outside the
+(Emerald Rapids class; docs/PERFORMANCE.md): `llama-mid`'s kernels outside the
 products 199.5 -> 178.0 ms per step (the cross-entropy backward 18.4 -> 10.5), a serial SwiGLU
 pass 0.175 -> 0.132 ms, a `bench train` step shorter in each of 10 back-to-back pairs (3-11%), every
 `bench ops` row within its noise.
