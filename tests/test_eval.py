@@ -2,7 +2,8 @@
 alone (one forward per choice, batch 1, float32), on a tiny random Llama (its tokenizer adds a bos)
 and a tiny random GPT-2 (none), for the three kinds of row, a row longer than the context (truncated
 from the left) and an empty context; the KV cache's extend and load_rows against prefills of whole
-sequences; and every bad input's one line."""
+sequences; the standard tasks by name, from parquet files laid out as the Hub serves them, against
+JSONL files of the rows lm-evaluation-harness builds; and every bad input's one line."""
 import importlib.util
 import json
 import re
@@ -252,6 +253,8 @@ def test_bad_input_is_one_line_naming_file_and_line(case, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["--tasks", "{tmp}/nothing.jsonl"], "nothing.jsonl: no such file or directory"),
+    (["--tasks", "arc_eazy"], r"--tasks arc_eazy: no such file or directory, nor a standard task's name "
+                              r"\(arc_challenge, arc_easy, boolq, copa, hellaswag, lambada_openai, piqa, siqa, winogrande\)"),
     (["--tasks", "{tmp}"], "a directory with no \\*.jsonl files"),
     (["--tasks", "{tmp}/ok.jsonl", "--limit", "0"], "--limit must be >= 1"),
     (["--tasks", "{tmp}/ok.jsonl", "--batch-size", "0"], "--batch-size must be >= 1"),
@@ -424,3 +427,215 @@ def test_bench_eval_scores_a_pair_transformers_tokenizes_otherwise_on_handgrads_
     assert greedy.tolist() == [False, True]
     with pytest.raises(SystemExit, match="t.jsonl:4: transformers' tokenizer gives other tokens"):
         _tf_score(model, Tok(), torch, task, [e], None)
+
+
+# The standard tasks by name (eval/hub.py), from files this module writes where the Hub keeps its
+# parquet conversions, served through a file:// HF_ENDPOINT: the real fetch, cache, parquet read
+# and conversion run. Per task: rows in the dataset's own schema, each beside the llm-foundry row
+# that lm-evaluation-harness's YAML for the task makes of it, written out here by hand.
+HUB_ROWS = {
+    "arc_challenge": [
+        ({"id": "Mercury_1", "question": "Why do leaves fall?",
+          "choices": {"text": ["cold", "wind"], "label": ["A", "B"]}, "answerKey": "A"},
+         {"query": "Question: Why do leaves fall?\nAnswer:", "choices": ["cold", "wind"], "gold": 0}),
+        ({"id": "Mercury_2", "question": "Which is a gas?", "choices": {"text": ["ice", "steam", "rock"],
+                                                                        "label": ["A", "B", "C"]}, "answerKey": "B"},
+         {"query": "Question: Which is a gas?\nAnswer:", "choices": ["ice", "steam", "rock"], "gold": 1}),
+    ],
+    "arc_easy": [
+        ({"id": "Mercury_7", "question": "Which gas do plants take in?",
+          "choices": {"text": ["oxygen", "carbon dioxide", "helium"], "label": ["A", "B", "C"]}, "answerKey": "B"},
+         {"query": "Question: Which gas do plants take in?\nAnswer:", "choices": ["oxygen", "carbon dioxide", "helium"],
+          "gold": 1}),
+        ({"id": "NYSEDREGENTS_4", "question": "What melts ice?",
+          "choices": {"text": ["heat", "cold", "dark", "wind"], "label": ["1", "2", "3", "4"]}, "answerKey": "4"},
+         {"query": "Question: What melts ice?\nAnswer:", "choices": ["heat", "cold", "dark", "wind"], "gold": 3}),
+    ],
+    "boolq": [
+        ({"question": "is the sky blue", "passage": "The sky is blue on a clear day.", "idx": 0, "label": 1},
+         {"query": "The sky is blue on a clear day.\nQuestion: is the sky blue?\nAnswer:", "choices": ["no", "yes"],
+          "gold": 1}),
+        ({"question": "can a cat fly", "passage": "Cats walk.", "idx": 1, "label": 0},
+         {"query": "Cats walk.\nQuestion: can a cat fly?\nAnswer:", "choices": ["no", "yes"], "gold": 0}),
+    ],
+    "copa": [
+        ({"premise": "The man turned on the faucet.", "choice1": "The toilet filled with water.",
+          "choice2": "Water flowed from the spout.", "question": "effect", "idx": 0, "label": 1},
+         {"query": "The man turned on the faucet therefore",
+          "choices": [" the toilet filled with water.", " water flowed from the spout."], "gold": 1}),
+        ({"premise": "My body cast a shadow over the grass. ", "choice1": "The sun was rising.",
+          "choice2": "The grass was cut.", "question": "cause", "idx": 1, "label": 0},
+         {"query": "My body cast a shadow over the grass because",
+          "choices": [" the sun was rising.", " the grass was cut."], "gold": 0}),
+    ],
+    "hellaswag": [
+        ({"ind": 4, "activity_label": "Removing ice from car", "ctx_a": "Then, the man writes over the snow.",
+          "ctx_b": "then", "ctx": "Then, the man writes over the snow. then",
+          "endings": [", the man adds wax.", ", a woman smiles.", ", the car drives.", ", the snow melts."],
+          "source_id": "activitynet~v_1", "split": "val", "split_type": "indomain", "label": "3"},
+         {"query": "Removing ice from car: Then, the man writes over the snow. Then",
+          "choices": [", the man adds wax.", ", a woman smiles.", ", the car drives.", ", the snow melts."],
+          "gold": 3}),
+        ({"ind": 9, "activity_label": "Home and Garden", "ctx_a": "[header] How to grow tomatoes [title] Pick a spot.",
+          "ctx_b": "", "ctx": "", "endings": ["Water them daily. [substeps] Use a can.", "Dig  a hole.",
+                                               "Plant [step] seeds.", "Wait."],
+          "source_id": "wikihow~1", "split": "val", "split_type": "zeroshot", "label": "0"},
+         {"query": "Home and Garden: How to grow tomatoes. Pick a spot.",
+          "choices": ["Water them daily. Use a can.", "Dig a hole.", "Plant seeds.", "Wait."], "gold": 0}),
+    ],
+    "lambada_openai": [
+        ({"text": "He lit the candle and\nwatched the flame"},
+         {"context": "He lit the candle and\nwatched the", "continuation": "flame"}),
+        ({"text": "She opened the door"}, {"context": "She opened the", "continuation": "door"}),
+    ],
+    "piqa": [
+        ({"goal": "How to open a jar", "sol1": "Twist the lid.", "sol2": "Eat the lid.", "label": 0},
+         {"query": "Question: How to open a jar\nAnswer:", "choices": ["Twist the lid.", "Eat the lid."], "gold": 0}),
+        ({"goal": "dresser", "sol1": "replace drawer with pin", "sol2": "finish with pin", "label": 1},
+         {"query": "Question: dresser\nAnswer:", "choices": ["replace drawer with pin", "finish with pin"], "gold": 1}),
+    ],
+    "siqa": [
+        ({"context": "Tracy went home.", "question": "What does Tracy need to do before this?",
+          "answerA": "make a plan", "answerB": "find a car", "answerC": "sleep", "label": "2"},
+         {"query": "Q: Tracy went home. What does Tracy need to do before this?\nA:",
+          "choices": ["make a plan", "find a car", "sleep"], "gold": 1}),
+        ({"context": "Sydney ran.", "question": "How would you describe Sydney?", "answerA": "fast",
+          "answerB": "slow", "answerC": "tired", "label": "3"},
+         {"query": "Q: Sydney ran. How would you describe Sydney?\nA:", "choices": ["fast", "slow", "tired"],
+          "gold": 2}),
+    ],
+    "winogrande": [
+        ({"sentence": "Sarah was a better surgeon than Maria so _ always got the easier cases.", "option1": "Sarah",
+          "option2": "Maria", "answer": "2"},
+         {"context_options": ["Sarah was a better surgeon than Maria so Sarah",
+                              "Sarah was a better surgeon than Maria so Maria"],
+          "continuation": "always got the easier cases.", "gold": 1}),
+        ({"sentence": "The cup fell off the table because _ was slippery.", "option1": "the cup",
+          "option2": "the table", "answer": "1"},
+         {"context_options": ["The cup fell off the table because the cup",
+                              "The cup fell off the table because the table"],
+          "continuation": "was slippery.", "gold": 0}),
+    ],
+}
+
+
+def _hub_files(root):
+    """Every standard task's split at root/datasets/REPO/resolve/refs/convert/parquet/CONFIG/SPLIT/
+    0000.parquet (the Hub's URL path, %2F unquoted as a file:// URL's path is): its HUB_ROWS
+    records, repeated up to the split's size."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from handgrad.eval.hub import NAMED
+    for name, t in NAMED.items():
+        records = [record for record, _ in HUB_ROWS[name]]
+        records = (records * t.rows)[:t.rows]
+        d = root / "datasets" / t.repo / "resolve" / "refs" / "convert" / "parquet" / t.config / t.split
+        d.mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(records), d / "0000.parquet")
+    return root
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    root = _hub_files(tmp_path / "hub")
+    monkeypatch.setenv("HF_ENDPOINT", root.as_uri())
+    monkeypatch.setenv("HANDGRAD_CACHE", str(tmp_path / "cache"))
+    return root
+
+
+def test_named_tasks_are_the_harness_rows_of_the_hubs_parquet_files(hub, tmp_path):
+    """Every standard task read by name has, row for row, what read_task makes of a JSONL file of the
+    rows the harness builds; the second read comes from the cache, with the Hub gone."""
+    import shutil
+
+    from handgrad.eval.hub import NAMED, cached_path
+    from handgrad.eval.tasks import read_task, read_tasks
+    tasks = read_tasks(",".join(NAMED))
+    assert [t.name for t in tasks] == list(NAMED)
+    for task in tasks:
+        built = [obj for _, obj in HUB_ROWS[task.name]]
+        jsonl = read_task(_write(tmp_path / f"{task.name}.jsonl", built))
+        assert (task.kind, len(task.rows), task.path) == (jsonl.kind, NAMED[task.name].rows, cached_path(task.name))
+        assert task.rows[:len(built)] == jsonl.rows, task.name
+        assert task.rows[len(built)].contexts == jsonl.rows[0].contexts  # the rows repeat: the split's order kept
+    assert {t.name: t.kind for t in tasks if t.kind != "multiple_choice"} == {"lambada_openai": "language_modelling",
+                                                                             "winogrande": "schema"}
+    shutil.rmtree(hub)
+    copa, wino = read_tasks("copa,winogrande", limit=3)
+    assert (copa.rows, wino.rows) == (tasks[3].rows[:3], tasks[-1].rows[:3])
+
+
+def test_named_tasks_score_as_jsonl_files_of_the_same_rows(setup, hub, tmp_path, capsys):
+    """`eval --tasks NAME` and `eval --tasks FILE.jsonl` of the rows the harness builds give the same
+    report and the same per-row scores, for each kind of row."""
+    kind, root, ref, _ = setup
+    names = ["copa", "hellaswag", "lambada_openai", "winogrande"]
+    (tmp_path / "jsonl").mkdir()
+    files = [_write(tmp_path / "jsonl" / f"{n}.jsonl", [obj for _, obj in HUB_ROWS[n]]) for n in names]
+    reports = []
+    for spec, out in ((",".join(names), tmp_path / "named"), (",".join(map(str, files)), tmp_path / "files")):
+        assert cli(["eval", "--run", str(root / "model"), "--tasks", spec, "--limit", "2", "--json",
+                    "--out", str(out)]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    for name in names:
+        named, file = ({k: v for k, v in r["tasks"][name].items() if k not in ("seconds", "rows_per_s", "path")}
+                       for r in reports)
+        assert named == file and named["rows"] == 2, name
+        assert ((tmp_path / "named" / f"{name}.jsonl").read_text() ==
+                (tmp_path / "files" / f"{name}.jsonl").read_text()), name
+    assert reports[0]["tasks"]["copa"]["path"].endswith("validation.parquet")
+
+
+@pytest.mark.parametrize("endpoint", ["file", "http"])
+def test_a_task_name_that_cannot_be_fetched_is_one_line_naming_the_url_and_the_fix(endpoint, tmp_path, monkeypatch,
+                                                                                    capsys):
+    base = (tmp_path / "no-hub").as_uri() if endpoint == "file" else "http://127.0.0.1:1"
+    monkeypatch.setenv("HF_ENDPOINT", base)
+    monkeypatch.setenv("HANDGRAD_CACHE", str(tmp_path / "cache"))
+    ok = _write(tmp_path / "ok.jsonl", [{"context": "a", "continuation": "b"}])
+    assert cli(["eval", "--run", str(tmp_path / "no-model"), "--tasks", f"{ok},piqa", "--json"]) == 2
+    out, err = capsys.readouterr()
+    url = f"{base}/datasets/baber/piqa/resolve/refs%2Fconvert%2Fparquet/default/validation/0000.parquet"
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: --tasks piqa: could not fetch {url} ("), err
+    assert "; pass a local JSONL file of piqa in llm-foundry's layout instead, or put that file at " in err, err
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+def test_named_task_errors_are_one_line_with_the_fix(tmp_path, monkeypatch, capsys):
+    """No pyarrow; a cached file that is not parquet, has too few rows, or has rows of another
+    schema; a name twice (a standard task and a file of that stem)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from handgrad.eval import hub
+    from handgrad.eval.hub import cached_path
+    monkeypatch.setenv("HF_ENDPOINT", (tmp_path / "no-hub").as_uri())
+    monkeypatch.setenv("HANDGRAD_CACHE", str(tmp_path / "cache"))
+    path = cached_path("copa")
+    path.parent.mkdir(parents=True)
+    copa = [record for record, _ in HUB_ROWS["copa"]]
+
+    def err(spec="copa"):
+        assert cli(["eval", "--run", str(tmp_path / "no-model"), "--tasks", spec]) == 2
+        out, e = capsys.readouterr()
+        assert out == "" and len(e.strip().splitlines()) == 1, e
+        return e.strip()
+
+    with monkeypatch.context() as m:
+        m.setattr(hub, "_parquet", lambda: None)
+        assert err() == ("error: --tasks copa: reading the Hub's parquet files needs pyarrow (pip install -e '.[eval]' "
+                         "in handgrad's clone, or pip install pyarrow); or pass a local JSONL file of copa in "
+                         "llm-foundry's layout instead")
+    path.write_bytes(b"<!DOCTYPE html>")
+    assert re.fullmatch(rf"error: {re.escape(str(path))}: not a parquet file pyarrow reads \(.*\); delete it so "
+                        r"that handgrad fetches file://.*/aps/super_glue/resolve/refs%2Fconvert%2Fparquet/copa/"
+                        r"validation/0000\.parquet again", err())
+    pq.write_table(pa.Table.from_pylist(copa * 49), path)
+    assert err().endswith(f"{path}: 98 rows, where aps/super_glue copa validation has 100; delete it so that "
+                          f"handgrad fetches {hub.task_url('copa')} again")
+    pq.write_table(pa.Table.from_pylist([{k: v for k, v in r.items() if k != "premise"} for r in copa * 50]), path)
+    assert f"{path}: row 1 is not a row of aps/super_glue copa (KeyError: 'premise')" in err()
+    _write(tmp_path / "copa.jsonl", [{"context": "a", "continuation": "b"}])
+    assert "two tasks named 'copa'" in err(f"copa,{tmp_path / 'copa.jsonl'}")

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..backends.cpu import set_threads
 from ..eval.score import Scorer, bos_policy, encode_task, predictions
-from ..eval.tasks import read_task, task_paths
+from ..eval.tasks import read_tasks
 from ..interop.published import resolve_model
 from ..machine import cores_available, environment
 from ..sample import load_run
@@ -92,7 +92,8 @@ def _tf_score(model, tok, torch, task, encoded, bos, otherwise=None):
 
 def tf_worker():
     """The transformers side, in a TorchProcess: setup {run, threads, bos}; then per command a task
-    {path, limit, seqs} (handgrad's token sequences, checked against transformers' tokenizer),
+    {source, limit, seqs} (source: the task's JSONL file or standard name, read again here from its
+    file or the cache; seqs: handgrad's token sequences, checked against transformers' tokenizer),
     answered with {seconds, logprobs, greedy}."""
     import torch
     lines = commands()
@@ -101,7 +102,7 @@ def tf_worker():
     model, tok = _transformers_model(setup["run"], torch)
     ready()
     for cmd in lines:
-        task = read_task(cmd["path"], cmd["limit"])
+        task, = read_tasks(cmd["source"], cmd["limit"])
         encoded = [SimpleNamespace(seqs=[np.asarray(q) for q in seqs], n_ctx=n)
                    for seqs, n in zip(cmd["seqs"], cmd["n_ctx"])]
         otherwise = []
@@ -115,7 +116,7 @@ def tf_worker():
 def _tf_side_score(side, task, limit, encoded):
     """The transformers side's ([(logprobs, greedy) per row], seconds, the lines of rows its tokenizer
     split otherwise) for one task."""
-    r = side.ask(path=str(task.path), limit=limit, seqs=[[q.tolist() for q in e.seqs] for e in encoded],
+    r = side.ask(source=task.source, limit=limit, seqs=[[q.tolist() for q in e.seqs] for e in encoded],
                  n_ctx=[list(e.n_ctx) for e in encoded])
     return ([(np.array(lp), np.array(g)) for lp, g in zip(r["logprobs"], r["greedy"])], r["seconds"],
             r["tokenized_otherwise"])
@@ -126,7 +127,7 @@ def bench_eval(run, tasks_spec, limit, as_json, threads=None):
     torch = require_torch()
     threads = threads or cores_available()
     set_threads(threads)
-    tasks = [read_task(p, limit) for p in task_paths(tasks_spec)]
+    tasks = read_tasks(tasks_spec, limit)
     model, tokenizer, _ = load_run(run)
     bos, bos_text = bos_policy(tokenizer)
     tf_side = TorchProcess(__name__, "tf_worker", {"run": str(run), "threads": threads, "bos": bos}, "bench eval")

@@ -1,5 +1,6 @@
 """`handgrad eval`: zero-shot accuracy of a model on tasks in llm-foundry's JSONL layout
-(eval/tasks.py), scored as lm-evaluation-harness scores them (eval/score.py).
+(eval/tasks.py) or standard tasks by name (eval/hub.py), scored as lm-evaluation-harness scores
+them (eval/score.py).
 
 Per task: rows, acc (multiple choice: the choice of highest summed log-probability; schema: the
 context under which the continuation is most likely; language modelling: greedy decoding gives every
@@ -22,7 +23,8 @@ from ..data.sources import DataError
 from ..files import write_atomic
 from ..sample import load_run
 from .score import Scorer, bos_policy, encode_task, task_results
-from .tasks import read_task, task_paths
+from .hub import NAMED
+from .tasks import read_tasks
 
 KIND_SHORT = {"multiple_choice": "mc", "schema": "schema", "language_modelling": "lm"}
 
@@ -35,8 +37,10 @@ def add_arguments(parser):
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="the tokenizer, where --run has none beside it (as for sample)")
     parser.add_argument("--tasks", required=True, metavar="TASK[,TASK...]",
-                        help="JSONL files in llm-foundry's in-context-learning layout (query/choices/gold, "
-                             "context_options/continuation/gold or context/continuation), or directories of them")
+                        help=f"standard tasks by name ({', '.join(NAMED)}: fetched once from the Hugging Face "
+                             "datasets lm-evaluation-harness reads; needs pyarrow), or JSONL files in llm-foundry's "
+                             "in-context-learning layout (query/choices/gold, context_options/continuation/gold or "
+                             "context/continuation), or directories of them")
     parser.add_argument("--limit", type=int, default=None, metavar="N",
                         help="score only the first N rows of each task")
     parser.add_argument("--batch-size", type=int, default=64, metavar="N",
@@ -95,7 +99,7 @@ def main(args, file=None):
         raise DataError(f"--limit must be >= 1, got {args.limit}")
     if args.batch_size < 1:
         raise DataError(f"--batch-size must be >= 1, got {args.batch_size}")
-    tasks = [read_task(p, args.limit) for p in task_paths(args.tasks)]
+    tasks = read_tasks(args.tasks, args.limit)
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not out.is_dir():
         raise DataError(f"--out {out}: exists and is not a directory")

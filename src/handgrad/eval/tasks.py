@@ -14,12 +14,17 @@ Three kinds of row, told apart by their keys:
 Every row becomes `len(contexts)` (context, continuation) pairs; `gold` is the index of the right
 one (0 for a language-modelling row, which has one pair). Keys beyond these are ignored. A file
 holds rows of one kind; a mistake raises DataError naming the file and the line.
+
+`--tasks` also takes the standard tasks' names (arc_easy, piqa, ...: eval/hub.py), whose rows come
+from the Hugging Face datasets lm-evaluation-harness reads, in this same layout and through the same
+parse_row.
 """
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.sources import DataError
+from .hub import NAMED, hub_rows
 
 MC, SCHEMA, LM = "multiple_choice", "schema", "language_modelling"
 LAYOUTS = {MC: ("query", "choices", "gold"), SCHEMA: ("context_options", "continuation", "gold"),
@@ -38,17 +43,19 @@ class Row:
 
 @dataclass
 class Task:
-    name: str  # the file's stem
-    path: Path
+    name: str  # the file's stem, or the standard task's name
+    path: Path  # the file its rows were read from (a standard task's: the cached parquet file)
     kind: str
     rows: list
+    source: str  # what --tasks named it by: the JSONL file's path or the standard task's name
 
 
-def task_paths(spec, flag="--tasks"):
-    """The JSONL files of --tasks: comma-separated files or directories (a directory: its *.jsonl,
-    sorted). Task names (the files' stems) must be distinct. flag: what the errors name (the command's
-    flag or the config key)."""
-    paths = []
+def task_sources(spec, flag="--tasks"):
+    """What --tasks names, in its order: comma-separated JSONL files, directories (their *.jsonl,
+    sorted) and standard tasks' names (eval/hub.NAMED; an existing path of the same name wins), as
+    Paths and name strings. Task names (files' stems, standard names) must be distinct. flag: what the
+    errors name (the command's flag or the config key)."""
+    sources = []
     for part in (s.strip() for s in str(spec).split(",")):
         if not part:
             continue
@@ -57,19 +64,29 @@ def task_paths(spec, flag="--tasks"):
             found = sorted(p.glob("*.jsonl"))
             if not found:
                 raise DataError(f"{flag} {p}: a directory with no *.jsonl files")
-            paths += found
+            sources += found
         elif p.is_file():
-            paths.append(p)
+            sources.append(p)
+        elif part in NAMED:
+            sources.append(part)
         else:
-            raise DataError(f"{flag} {p}: no such file or directory")
-    if not paths:
-        raise DataError(f"{flag}: name at least one JSONL file or directory")
+            raise DataError(f"{flag} {p}: no such file or directory, nor a standard task's name "
+                            f"({', '.join(NAMED)})")
+    if not sources:
+        raise DataError(f"{flag}: name at least one JSONL file, directory or standard task")
     seen = {}
-    for p in paths:
-        if p.stem in seen:
-            raise DataError(f"{flag}: two tasks named {p.stem!r} ({seen[p.stem]} and {p}); rename one")
-        seen[p.stem] = p
-    return paths
+    for s in sources:
+        name = s.stem if isinstance(s, Path) else s
+        if name in seen:
+            raise DataError(f"{flag}: two tasks named {name!r} ({seen[name]} and {s}); rename one")
+        seen[name] = s
+    return sources
+
+
+def read_tasks(spec, limit=None, flag="--tasks"):
+    """Every Task --tasks names (task_sources), each cut to its first `limit` rows (all when None)."""
+    return [read_task(s, limit) if isinstance(s, Path) else read_named(s, limit, flag)
+            for s in task_sources(spec, flag)]
 
 
 def _kind(obj):
@@ -151,4 +168,20 @@ def read_task(path, limit=None):
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not rows:
         raise DataError(f"{path}: no rows (an empty file)" if limit != 0 else f"{path}: --limit 0 leaves no rows")
-    return Task(path.stem, path, kind, rows)
+    return Task(path.stem, path, kind, rows, str(path))
+
+
+def read_named(name, limit=None, flag="--tasks"):
+    """The Task of standard task `name` (eval/hub.py): its first `limit` rows (all when None), each
+    checked by parse_row as a JSONL line is; Row.line is the row's number in the split, from 1."""
+    path, objs = hub_rows(name, flag)
+    rows, kind = [], None
+    for i, obj in enumerate(objs if limit is None else objs[:limit], 1):
+        try:
+            kind, row = parse_row(obj, i)
+        except ValueError as e:
+            raise DataError(f"{path}: row {i}: {e}") from None
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{flag} {name}: --limit 0 leaves no rows")
+    return Task(name, path, kind, rows, name)

@@ -12,7 +12,7 @@ from ..config import ConfigError
 from ..data.sources import DataError
 from ..data.tokenizer import load_tokenizer
 from ..eval.score import Scorer, bos_policy, encode_task, task_results
-from ..eval.tasks import read_task, task_paths
+from ..eval.tasks import read_tasks
 
 METRICS = ("acc", "acc_norm", "perplexity")
 
@@ -25,7 +25,7 @@ class TaskEval:
             raise ConfigError("train.eval_tasks: scored on the cpu backend only (the scorer's KV cache reads the "
                               "logits on the host); score a gpu run's checkpoints with handgrad eval --run")
         try:
-            self.tasks = [read_task(p, limit or None) for p in task_paths(spec, "train.eval_tasks")]
+            self.tasks = read_tasks(spec, limit or None, "train.eval_tasks")
             tokenizer = load_tokenizer(data_dir)
             self.bos, self.bos_text = bos_policy(tokenizer)
             self.encoded = [encode_task(task, tokenizer, block_size, self.bos) for task in self.tasks]
