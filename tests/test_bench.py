@@ -15,6 +15,25 @@ def _bench(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+def test_each_benchmark_takes_its_own_flags(capsys):
+    """`--device gpu` picks the gpu for `bench ops` and `bench train` alike (`bench ops --backend gpu`,
+    verify's spelling, is the same flag); a flag a benchmark does not take is refused in one line
+    that names that benchmark's --help."""
+    from handgrad.cli import build_parser, main
+    parse = build_parser().parse_args
+    assert parse(["bench", "ops", "--backend", "gpu"]).device == parse(["bench", "ops", "--device", "gpu"]).device
+    assert parse(["bench", "ops", "--device", "gpu"]).device == parse(["bench", "train", "--device", "gpu"]).device
+    for argv, says in [(["products", "--steps", "3"], "unrecognized arguments: --steps 3; see `handgrad bench "
+                                                       "products --help`"),
+                       (["decode", "--new-token", "3"], "unrecognized arguments: --new-token 3 (did you mean "
+                                                        "--new-tokens?); see `handgrad bench decode --help`"),
+                       (["train", "--backend", "gpu"], "unrecognized arguments: --backend gpu; see `handgrad bench "
+                                                       "train --help`")]:
+        with pytest.raises(SystemExit) as e:
+            main(["bench", *argv])
+        assert e.value.code == 2 and capsys.readouterr().err == f"error: {says}\n"
+
+
 def test_bench_train_tiny_json_with_profile():
     out = _bench("--preset", "tiny", "--steps", "2", "--profile", "--json")
     assert out.returncode == 0, out.stderr

@@ -1,4 +1,4 @@
-"""`handgrad bench ops --backend gpu`: every row checked against torch, then timed beside torch eager,
+"""`handgrad bench ops --device gpu`: every row checked against torch, then timed beside torch eager,
 torch.compile and SDPA. Without CUDA this runs under Triton's interpreter at tiny shapes (times
 meaningless, the report says so); on a GPU, at GPT-2 124M's widths."""
 import json
@@ -15,7 +15,7 @@ import handgrad.bench.gpu_rows as gpu_rows
 
 
 def _bench(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "handgrad", "bench", "ops", "--backend", "gpu", *args],
+    return subprocess.run([sys.executable, "-m", "handgrad", "bench", "ops", "--device", "gpu", *args],
                           capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -59,7 +59,7 @@ def test_bench_ops_gpu_without_cuda_or_interpreter_is_one_clear_error():
     env = dict(os.environ, TRITON_INTERPRET="0")
     out = _bench("--repeat", "1", env=env)
     assert out.returncode != 0 and out.stdout == ""
-    assert "bench ops --backend gpu:" in out.stderr and "TRITON_INTERPRET=1" in out.stderr
+    assert "bench ops --device gpu:" in out.stderr and "TRITON_INTERPRET=1" in out.stderr
     assert "Traceback" not in out.stderr
 
 

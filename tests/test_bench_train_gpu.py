@@ -94,9 +94,3 @@ def test_what_the_gpu_bench_does_not_do_is_one_line(flags, words):
     with pytest.raises(SystemExit, match=f"^bench train --device gpu: {words}[^\n]*$"):
         _bench(*flags)
 
-
-def test_device_gpu_is_for_train():
-    """`bench ops` times the gpu ops with --backend gpu; --device there would be silently ignored."""
-    words = "^bench ops: --device gpu is for `bench train`; `bench ops` takes --backend gpu$"
-    with pytest.raises(SystemExit, match=words):
-        cli(["bench", "ops", "--device", "gpu"])

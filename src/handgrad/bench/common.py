@@ -1,6 +1,7 @@
 """What every benchmark shares: the check of a result against PyTorch before it is timed, timing
-that alternates the two sides in chunks and reports the background load, and the PyTorch side's
-own process."""
+that alternates the two sides in chunks and reports the background load, the clock of the GPU
+benches (CUDA events, or the host's clock where nothing runs asynchronously), and the PyTorch
+side's own process."""
 import json
 import subprocess
 import sys
@@ -59,6 +60,85 @@ def race(mine, theirs, repeat, warmup=3):
                 side()
                 out += [side() for _ in range(n)]
     return np.median(a, axis=0), np.median(b, axis=0), repeat, load.cores
+
+
+class Clock:
+    """Seconds of work that torch may queue on a GPU: CUDA events around it on CUDA (one
+    synchronisation per measurement, not per call), the host's perf_counter otherwise (the CPU, and
+    Triton's interpreter, run everything as it is called)."""
+
+    def __init__(self, torch, cuda):
+        self.torch, self.cuda = torch, cuda
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def _events(self):
+        Event = self.torch.cuda.Event
+        return Event(enable_timing=True), Event(enable_timing=True)
+
+    def timed(self, fn):
+        """Seconds of fn(), the device idle before it starts."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        start, end = self._events()
+        self.torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def mean(self, fn, repeat):
+        """Mean seconds per call of fn over `repeat` back-to-back calls, after one untimed call."""
+        fn()
+
+        def calls():
+            for _ in range(repeat):
+                fn()
+        return self.timed(calls) / repeat
+
+    def backward(self, forward, dy, repeat):
+        """Mean seconds of y.backward(dy) alone, y = forward() made untimed before each call (after
+        one untimed forward and backward). Timed by itself, not as (forward + backward) - forward,
+        which noise can make negative."""
+        forward().backward(dy)
+        total = 0.0
+        for _ in range(repeat):
+            y = forward()
+            total += self.timed(lambda: y.backward(dy))
+        return total / repeat
+
+    def steps(self, fn, n):
+        """Seconds of each of fn(0), ..., fn(n - 1), run back to back: on CUDA, each step's time is
+        the GPU's from the end of the step before (the host queues ahead), one synchronisation after
+        the last."""
+        if not self.cuda:
+            out = []
+            for i in range(n):
+                t0 = time.perf_counter()
+                fn(i)
+                out.append(time.perf_counter() - t0)
+            return out
+        events = [self._events() for _ in range(n)]
+        for i, (begin, end) in enumerate(events):
+            begin.record()
+            fn(i)
+            end.record()
+        self.torch.cuda.synchronize()
+        return [begin.elapsed_time(end) / 1e3 for begin, end in events]
+
+    def wall(self, fn):
+        """The host's seconds of fn() with the device drained before and after: what a step costs
+        with its compiles and uploads (bench train --device gpu's warm-up)."""
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- the rows

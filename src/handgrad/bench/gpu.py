@@ -1,4 +1,4 @@
-"""`handgrad bench ops --backend gpu`: each gpu op beside PyTorch eager, torch.compile and (for
+"""`handgrad bench ops --device gpu`: each gpu op beside PyTorch eager, torch.compile and (for
 attention) scaled_dot_product_attention, in the same run, on the same tensors.
 
 Rows: layernorm, GELU with its bias fused, causal attention (the flash kernels), fused softmax +
@@ -22,7 +22,7 @@ import json
 import time
 
 from ..backends import get_backend
-from .common import check_close
+from .common import Clock, check_close
 from .gpu_rows import LLAMA_ROWS, ROWS
 
 
@@ -35,52 +35,6 @@ INTERPRET_SHAPE = dict(B=1, T=16, C=64, NH=2, V=100, P=4096)
 LLAMA_CUDA_SHAPE = dict(B=8, T=1024, C=576, NH=9, NKV=3, F=1536, theta=100000.0)
 LLAMA_INTERPRET_SHAPE = dict(B=1, T=16, C=64, NH=4, NKV=2, F=48, theta=10000.0)
 TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2}  # max |hg - torch| / max |torch|, over outputs and grads
-
-
-class _Clock:
-    """Mean seconds per call of fn over `repeat` back-to-back calls, after one untimed call."""
-
-    def __init__(self, torch):
-        self.torch = torch
-        self.cuda = torch.cuda.is_available()
-
-    def __call__(self, fn, repeat):
-        fn()
-        if self.cuda:
-            start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
-            self.torch.cuda.synchronize()
-            start.record()
-            for _ in range(repeat):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / repeat
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        return (time.perf_counter() - t0) / repeat
-
-    def backward(self, forward, dy, repeat):
-        """Mean seconds of y.backward(dy) alone, y = forward() made untimed before each call (after
-        one untimed forward and backward). Timed by itself, not as (forward + backward) - forward,
-        which noise can make negative."""
-        forward().backward(dy)
-        total = 0.0
-        for _ in range(repeat):
-            y = forward()
-            if self.cuda:
-                start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
-                self.torch.cuda.synchronize()
-                start.record()
-                y.backward(dy)
-                end.record()
-                end.synchronize()
-                total += start.elapsed_time(end) / 1e3
-            else:
-                t0 = time.perf_counter()
-                y.backward(dy)
-                total += time.perf_counter() - t0
-        return total / repeat
 
 
 def _compiled(torch, fn, enabled):
@@ -99,8 +53,8 @@ def bench_row(cls, ops, torch, shape, dtype, repeat, compile_torch):
     row = cls(ops, torch, shape, tdtype)
     host = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
     err = check_close(row.name, [(label, host(h), host(t)) for label, h, t in row.check_pairs()], TOLERANCE[dtype])
-    clock = _Clock(torch)
-    hg = [clock(row.hg_forward, repeat), clock(row.hg_backward, repeat)]
+    clock = Clock(torch, torch.cuda.is_available())
+    hg = [clock.mean(row.hg_forward, repeat), clock.mean(row.hg_backward, repeat)]
     sides = {"handgrad": hg}
     variants = [("torch", row.torch_fn)]
     fn, why = _compiled(torch, row.torch_fn, compile_torch)
@@ -112,7 +66,7 @@ def bench_row(cls, ops, torch, shape, dtype, repeat, compile_torch):
     for name, f in variants:
         leaves = [leaf.detach().clone().requires_grad_(True) for leaf in row.leaves]
         try:
-            fwd = clock(lambda: f(*leaves), repeat)
+            fwd = clock.mean(lambda: f(*leaves), repeat)
             bwd = clock.backward(lambda: f(*leaves), row.dy, repeat)
         except Exception as e:  # noqa: BLE001 - e.g. compile's backend missing at first call
             notes[name] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
@@ -147,22 +101,22 @@ def bench_adamw(ops, torch, shape, repeat):
         t.grad = gr.clone()
     kind = "fused" if torch.cuda.is_available() else "foreach"
     opt = torch.optim.AdamW(tparams, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **{kind: True})
-    clock = _Clock(torch)
-    t_hg, t_torch = clock(hg, repeat), clock(opt.step, repeat)
+    clock = Clock(torch, torch.cuda.is_available())
+    t_hg, t_torch = clock.mean(hg, repeat), clock.mean(opt.step, repeat)
     return [{"name": f"adamw P={P:,}", "phase": "step", "dtype": "float32", "max_rel_err": None, "repeat": repeat,
              "ms": {"handgrad": t_hg * 1e3, f"torch ({kind})": t_torch * 1e3}, "notes": {},
              "ratio": {f"torch ({kind})": t_torch / t_hg}}]
 
 
 def bench_ops_gpu(repeat, as_json, dtype="bfloat16", compile_torch=True):
-    """`handgrad bench ops --backend gpu`: every row, then a table or JSON."""
+    """`handgrad bench ops --device gpu`: every row, then a table or JSON."""
     from ..backends.gpu.common import GPUUnavailable, device, interpreting
     from ..torch_ref import require_torch
     torch = require_torch()
     try:
         device()
     except GPUUnavailable as e:
-        raise SystemExit(f"bench ops --backend gpu: {e}") from None
+        raise SystemExit(f"bench ops --device gpu: {e}") from None
     ops = get_backend("gpu")
     shape = INTERPRET_SHAPE if interpreting() else CUDA_SHAPE
     llama_shape = LLAMA_INTERPRET_SHAPE if interpreting() else LLAMA_CUDA_SHAPE

@@ -1,4 +1,4 @@
-"""The rows of `handgrad bench ops --backend gpu` (bench/gpu.py times them): one op each, handgrad's
+"""The rows of `handgrad bench ops --device gpu` (bench/gpu.py times them): one op each, handgrad's
 forward and backward on device tensors beside a torch function of the same inputs, whose autograd
 gives the reference gradients. GPT-2's ops at GPT-2 124M's widths, the Llama family's at
 smollm2-135m's (the shapes: bench/gpu.py)."""

@@ -27,13 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import LORA_TARGETS, LlamaConfig, LoRAConfig, load_run_config
+from ..config import LORA_TARGETS, LoRAConfig, load_run_config
 from ..files import write_atomic
 from ..data.prepare import prepare
 from ..data.shards import Dataset
 from ..models import get_family
 from ..training.optim import AdamW
 from ..training.step import accumulate_gradients, lr_at
+from .torch_side import TorchSide
 
 
 def _ensure_data(data_dir, source, tokenizer):
@@ -45,55 +46,31 @@ def _ensure_data(data_dir, source, tokenizer):
 
 
 class _TorchSide:
-    """PyTorch from the same weights: torch_ref.TorchGPT for GPT-2, transformers' own
-    LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases) for the Llama family; float32, eager."""
+    """PyTorch from the same weights (bench/torch_side.py's TorchSide, the plain reference: TorchGPT
+    for GPT-2, transformers' LlamaForCausalLM with eager attention for the Llama family), float32,
+    eager. kw: TorchSide's autocast, or its lora and seed."""
 
-    def __init__(self, arch_config, state, t, lora=None, seed=0, autocast=False):
-        """lora: PEFT's LoRA on the Llama model (torch_ref.TorchLlama.with_peft), its initial
-        adapters handgrad's for `seed`; AdamW over the adapters alone (all 2-D: decayed, as handgrad's).
-        autocast: every forward under torch.autocast("cpu", dtype=torch.bfloat16)."""
-        from ..torch_ref import TorchGPT, TorchLlama, torch
-        self.torch = torch
-        self.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
-        ref = TorchLlama if isinstance(arch_config, LlamaConfig) else TorchGPT
-        self.model = ref(arch_config, torch.float32).load_numpy(state)
-        if lora is None:
-            self.opt = self.model.adamw(lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
-        else:
-            self.opt = torch.optim.AdamW(self.model.with_peft(lora, seed), lr=t.lr, weight_decay=t.weight_decay,
-                                         betas=(t.beta1, t.beta2))
+    def __init__(self, family, config, state, t, **kw):
+        self.side = TorchSide(family, config, state, t, fast=False, **kw)
 
     def loss(self, x, y):
-        with self.torch.no_grad(), self.autocast():
-            return self.model(self.torch.from_numpy(x).long(), self.torch.from_numpy(y).long())[1].item()
+        return self.side.eval_loss(self.side.prepare(x, y))
 
-    def step(self, batches, lr, max_norm):
-        torch = self.torch
-        self.opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for x, y in batches:
-            with self.autocast():
-                _, loss = self.model(torch.from_numpy(x).long(), torch.from_numpy(y).long())
-            (loss / len(batches)).backward()
-            total += loss.item() / len(batches)
-        if max_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
-        return total
+    def step(self, batches, lr):
+        losses = self.side.step([self.side.prepare(x, y) for x, y in batches], lr)
+        return sum(loss.item() / len(batches) for loss in losses)
 
 
 class _HandgradSide:
     def __init__(self, model, t):
-        self.model = model
+        self.model, self.grad_clip = model, t.grad_clip
         self.opt = AdamW(model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
     def loss(self, x, y):
         return self.model.forward(x, y)
 
-    def step(self, batches, lr, max_norm):
-        loss, _, grad_scale = accumulate_gradients(self.model, self.opt, batches, max_norm)
+    def step(self, batches, lr):
+        loss, _, grad_scale = accumulate_gradients(self.model, self.opt, batches, self.grad_clip)
         self.opt.step(lr=lr, grad_scale=grad_scale)
         return loss
 
@@ -107,7 +84,7 @@ def _train_side_by_side(sides, t, T, train_data, val_data, record, log_prefix=""
         lr = lr_at(step, t)
         for name, side in sides.items():
             t0 = time.perf_counter()
-            loss = side.step(batches, lr, t.grad_clip)
+            loss = side.step(batches, lr)
             record[name]["seconds"] += time.perf_counter() - t0
             record[name]["step"].append(step + 1)
             record[name]["loss"].append(loss)
@@ -152,7 +129,7 @@ def run_learn(preset="shakespeare-char", steps=None, data_dir=None, out_dir="doc
     bf16 = dtype == "bfloat16"
     model = family.model(arch, seed=t.seed, dtype=dtype)
     sides = {"handgrad": _HandgradSide(model, t),
-             "pytorch": _TorchSide(model.config, model.state_dict(), t, autocast=bf16)}
+             "pytorch": _TorchSide(family, model.config, model.state_dict(), t, autocast=bf16)}
     if bf16:
         sides["handgrad-fp32"] = _HandgradSide(family.model(arch, seed=t.seed), t)
     record = _new_record(sides)
@@ -228,7 +205,8 @@ def run_learn_lora(rank, preset="llama-char", steps=None, pretrain_steps=None, d
     lora = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=LORA_TARGETS["llama"])
     tuned = family.model(arch, seed=t_ft.seed, lora=lora)  # its adapters: initial_adapters(seed)
     tuned.load_state_dict(base, names=tuned.base_names)
-    sides = {"handgrad": _HandgradSide(tuned, t_ft), "pytorch": _TorchSide(arch, base, t_ft, lora=lora, seed=t_ft.seed)}
+    sides = {"handgrad": _HandgradSide(tuned, t_ft),
+             "pytorch": _TorchSide(family, arch, base, t_ft, lora=lora, seed=t_ft.seed)}
     before = {"finetune_val": _val_loss(sides["handgrad"], ft["val"], t_ft, T),
               "pretrain_val": _val_loss(sides["handgrad"], pre["val"], t_ft, T)}
     record = _new_record(sides)

@@ -51,6 +51,8 @@ from ..models import get_family
 from ..models.family import flat_layout, flat_views
 from ..training.device_loop import DeviceLoop
 from ..training.optim import AdamW
+from .common import Clock
+from .torch_side import TorchSide
 from .train import LOSS_RTOL_BF16, SHAPES
 
 
@@ -98,79 +100,26 @@ class _Handgrad:
 
 
 class _Torch:
-    """The same model in PyTorch eager (compiled=False) or under torch.compile, bf16 autocast."""
+    """The same model in PyTorch eager (compiled=False) or under torch.compile, bf16 autocast
+    (bench/torch_side.py's TorchSide); its losses read back once a chunk."""
 
     def __init__(self, family, config, t, flat, dev, compiled):
-        from ..torch_ref import TorchGPT, TorchLlama, torch
-        self.torch, self.dev, self.grad_clip = torch, dev, t.grad_clip
         self.name = "compile" if compiled else "eager"
         state = flat_views(flat, flat_layout(family.param_spec(config))[0])
-        if family.arch == "llama":
-            model = TorchLlama(config, torch.float32, attn_implementation="sdpa")
-        else:
-            model = TorchGPT(config, torch.float32, fast=True)
-        model = model.load_numpy(state).to(dev)
-        self.params = list(model.parameters())
-        self.opt = model.adamw(lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
-                               fused=True if dev.type == "cuda" else None)
-        self.forward = torch.compile(model) if compiled else model
+        self.side = TorchSide(family, config, state, t, fast=True, device=dev, autocast=True,
+                              fused=True if dev.type == "cuda" else None, compile=compiled)
         self.pending = []  # this chunk's losses, still on the device
 
     def prepare(self, x, y):
-        return (self.torch.from_numpy(x).long().to(self.dev), self.torch.from_numpy(y).long().to(self.dev))
+        return self.side.prepare(x, y)
 
     def step(self, batch):
-        torch = self.torch
-        self.opt.zero_grad(set_to_none=True)
-        with torch.autocast(self.dev.type, dtype=torch.bfloat16):
-            _, loss = self.forward(*batch)
-        loss.backward()
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-        self.opt.step()
-        self.pending.append(loss.detach())
+        self.pending += self.side.step([batch])
 
     def losses(self):
-        out = self.torch.stack(self.pending).double().cpu().tolist() if self.pending else []
+        out = self.side.torch.stack(self.pending).double().cpu().tolist() if self.pending else []
         self.pending = []
         return out
-
-
-class _Clock:
-    """Seconds per step: CUDA events around each step (one synchronisation per chunk), or the host's
-    clock where everything runs synchronously on the CPU."""
-
-    def __init__(self, torch, cuda):
-        self.torch, self.cuda = torch, cuda
-
-    def sync(self):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-
-    def steps(self, fn, n):
-        """Seconds of each of fn(0), ..., fn(n - 1)."""
-        if not self.cuda:
-            out = []
-            for i in range(n):
-                t0 = time.perf_counter()
-                fn(i)
-                out.append(time.perf_counter() - t0)
-            return out
-        Event = self.torch.cuda.Event
-        events = [(Event(enable_timing=True), Event(enable_timing=True)) for _ in range(n)]
-        for i, (begin, end) in enumerate(events):
-            begin.record()
-            fn(i)
-            end.record()
-        self.torch.cuda.synchronize()
-        return [begin.elapsed_time(end) / 1e3 for begin, end in events]
-
-    def wall(self, fn):
-        self.sync()
-        t0 = time.perf_counter()
-        fn()
-        self.sync()
-        return time.perf_counter() - t0
 
 
 def bf16_peak(torch, dev, cuda):
@@ -181,7 +130,7 @@ def bf16_peak(torch, dev, cuda):
     a, b = (torch.randn((n, n), generator=g).to(dev, torch.bfloat16) for _ in range(2))
     for _ in range(3):
         torch.matmul(a, b)
-    s = float(np.median(_Clock(torch, cuda).steps(lambda i: torch.matmul(a, b), PEAK_REPEAT)))
+    s = float(np.median(Clock(torch, cuda).steps(lambda i: torch.matmul(a, b), PEAK_REPEAT)))
     return {"what": f"torch.matmul {n}x{n}x{n} bfloat16", "n": n, "repeat": PEAK_REPEAT, "median_ms": s * 1e3,
             "median_tflops": 2 * n ** 3 / s / 1e12}
 
@@ -230,7 +179,7 @@ def bench_preset(name, steps, compile_torch, torch, dev, peak):
     flat = family.init_params(config, t.seed)
     rng = np.random.default_rng(t.seed)
     tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
-    clock = _Clock(torch, cuda)
+    clock = Clock(torch, cuda)
     makers = [lambda: _Handgrad(family, config, t, flat, dev)]
     if cuda:
         makers.append(lambda: _Handgrad(family, config, t, flat, dev, cuda_graph=True))

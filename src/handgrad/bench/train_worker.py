@@ -7,16 +7,18 @@ import gc
 import json
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
 from ..backends.cpu import attention, blas
-from ..config import LlamaConfig, LoRAConfig
+from ..config import LoRAConfig
 from ..models import get_family
 from ..models.family import flat_layout, flat_views
 from ..training.optim import AdamW
 from ..training.step import accumulate_gradients
 from .profile import _head_kernel_flop, _Profiler
+from .torch_side import TorchSide
 
 SIDES = ("handgrad", "pytorch")
 LORA_SIDES = ("handgrad", "pytorch", "handgrad-full")  # --lora: LoRA, PyTorch + PEFT, handgrad's own full step
@@ -77,17 +79,17 @@ def _lora(spec):
 
 
 class _HandgradWorker:
-    def __init__(self, config, t, flat, lora=None, seed=0, dtype="float32", memory=None):
+    def __init__(self, family, config, t, flat, lora=None, seed=0, dtype="float32", memory=None):
         self.accumulate = accumulate_gradients  # what the trainer runs per step
-        self.model = _model_family(config).model(config, seed=seed, lora=lora, dtype=dtype, **(memory or {}))
+        self.model = family.model(config, seed=seed, lora=lora, dtype=dtype, **(memory or {}))
         if lora is None:
             self.model.params[:] = flat
             self.model.weights_changed()
         else:  # the base from flat, the adapters as the model initialised them (initial_adapters of seed)
             layout, _ = flat_layout(self.model.param_spec(config))
             self.model.load_state_dict(flat_views(flat, layout), names=list(layout))
-        self.opt = AdamW(self.model, lr=t["lr"], betas=(t["beta1"], t["beta2"]), weight_decay=t["weight_decay"])
-        self.grad_clip = t["grad_clip"]
+        self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        self.grad_clip = t.grad_clip
 
     def prepare(self, x, y):
         return x, y
@@ -156,68 +158,23 @@ class _HandgradWorker:
                 "s": float(np.median(times))}
 
 
-def _model_family(config):
-    """The model family of an architecture config."""
-    return get_family("llama" if isinstance(config, LlamaConfig) else "gpt2")
-
-
 class _TorchWorker:
-    """PyTorch eager as its users run it: GPT-2 with addmm and scaled_dot_product_attention
-    (torch_ref.TorchGPT, fast=True); the Llama family as transformers' own LlamaForCausalLM with its
-    SDPA attention (grouped heads, no repeat); fused AdamW. dtype bfloat16: the forward (and so its
-    backward) under torch.autocast("cpu", dtype=torch.bfloat16). compile: the model (its forward and,
-    through AOTAutograd, its backward) under torch.compile, Inductor's generated C++ and fused
-    element-wise kernels; the optimizer stays the fused AdamW."""
+    """PyTorch eager as its users run it (bench/torch_side.py's TorchSide, fast): GPT-2 with addmm
+    and scaled_dot_product_attention (torch_ref.TorchGPT, fast=True); the Llama family as
+    transformers' own LlamaForCausalLM with its SDPA attention (grouped heads, no repeat); fused
+    AdamW, over PEFT's adapters alone with lora. dtype bfloat16: the forward (and so its backward)
+    under torch.autocast("cpu", dtype=torch.bfloat16). compile: the model under torch.compile,
+    Inductor's generated C++ and fused element-wise kernels; the optimizer stays the fused AdamW."""
 
-    def __init__(self, config, t, flat, lora=None, seed=0, dtype="float32", compile=False, checkpointing=False):
-        from ..torch_ref import TorchGPT, TorchLlama, torch
-        self.torch = torch
-        self.autocast = dtype == "bfloat16"
-        layout, _ = flat_layout(_model_family(config).param_spec(config))
-        state = flat_views(flat, layout)
-        if isinstance(config, LlamaConfig):
-            self.model = TorchLlama(config, torch.float32, attn_implementation="sdpa").load_numpy(state)
-        else:
-            self.model = TorchGPT(config, torch.float32, fast=True).load_numpy(state)
-        if checkpointing:  # transformers' own (Llama shapes: _spec refuses the others): each layer run again
-            self.model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.grad_clip = t["grad_clip"]
-        if lora is not None:
-            self._peft(config, lora, seed, t)
-        else:
-            self.opt = self.model.adamw(lr=t["lr"], weight_decay=t["weight_decay"], betas=(t["beta1"], t["beta2"]),
-                                        fused=True)
-        if compile:
-            self.model = torch.compile(self.model)
-
-    def compile_now(self, batch):
-        """Seconds to compile: one forward and backward on batch (the gradients dropped, the weights
-        untouched, so the timed steps start where the other sides' do)."""
-        t0 = time.perf_counter()
-        with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.autocast):
-            _, loss = self.model(*batch)
-        loss.backward()
-        self.opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
-    def _peft(self, config, lora, seed, t):
-        """PEFT's LoRA on transformers' model, from handgrad's initial adapters; fused AdamW over the
-        adapters alone, decayed as handgrad's (every adapter is 2-D)."""
-        trained = self.model.with_peft(lora, seed)
-        self.opt = self.torch.optim.AdamW(trained, lr=t["lr"], betas=(t["beta1"], t["beta2"]),
-                                          weight_decay=t["weight_decay"], fused=True)
-
-    def prepare(self, x, y):
-        return self.torch.from_numpy(x).long(), self.torch.from_numpy(y).long()
+    def __init__(self, family, config, t, flat, lora=None, seed=0, dtype="float32", compile=False,
+                 checkpointing=False):
+        state = flat_views(flat, flat_layout(family.param_spec(config))[0])
+        self.side = TorchSide(family, config, state, t, fast=True, autocast=dtype == "bfloat16", fused=True,
+                              lora=lora, seed=seed, checkpointing=checkpointing, compile=compile)
+        self.prepare, self.compile_now = self.side.prepare, self.side.compile_now
 
     def step(self, batch):
-        self.opt.zero_grad(set_to_none=True)
-        with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.autocast):
-            _, loss = self.model(*batch)
-        loss.backward()
-        if self.grad_clip > 0:
-            self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.opt.step()
+        (loss,) = self.side.step([batch])
         return loss.item()
 
 
@@ -232,14 +189,15 @@ def worker(side, spec):
     rng = np.random.default_rng(spec["seed"])
     B, T = spec["batch_size"], spec["T"]
     tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
+    t = SimpleNamespace(**spec["train"])
     dtype = "float32" if side == "handgrad-fp32" else spec.get("dtype", "float32")
     lora = None if side == "handgrad-full" else _lora(spec)
     memory = {"recompute": spec.get("recompute", "none"), "loss_chunk": spec.get("loss_chunk", 0)}
     if side.startswith("pytorch"):
-        w = _TorchWorker(config, spec["train"], flat, lora=lora, seed=spec["seed"], dtype=dtype,
+        w = _TorchWorker(family, config, t, flat, lora=lora, seed=spec["seed"], dtype=dtype,
                          compile=side == COMPILE_SIDE, checkpointing=memory["recompute"] == "block")
     else:
-        w = _HandgradWorker(config, spec["train"], flat, lora=lora, seed=spec["seed"], dtype=dtype, memory=memory)
+        w = _HandgradWorker(family, config, t, flat, lora=lora, seed=spec["seed"], dtype=dtype, memory=memory)
     batches = [w.prepare(tok[:, :-1].astype(np.int32), tok[:, 1:].astype(np.int32)) for tok in tokens]
     del flat
     gc.collect()
