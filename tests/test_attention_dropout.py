@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from handgrad.backends.cpu import attention, blas, gqa_attention
-from handgrad.backends.cpu.dropout import _split, dropout_seed, keep_mask, threshold
+from handgrad.backends.cpu.dropout import dropout_seed, keep_mask, seed_words, threshold
 from handgrad.verify import TOL32, TOL64, compare
 
 from helpers import assert_rows, forced_kernels
@@ -181,5 +181,5 @@ def test_keep_row_equals_keep_mask(T):
         scale = F32(1 / 0.7)
         for bh in range(3):
             for t in range(T):
-                o = attention.keep_row(m, (bh * T + t) * T, t + 1, *_split(seed), threshold(0.3), scale)
+                o = attention.keep_row(m, (bh * T + t) * T, t + 1, *seed_words(seed), threshold(0.3), scale)
                 assert np.array_equal(m[o:o + t + 1], np.where(keep[bh, t, :t + 1], scale, F32(0)))

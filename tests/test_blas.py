@@ -309,7 +309,7 @@ from handgrad.backends.cpu import blas, swiglu
 a = np.ones((64, 64), np.float32)  # under blas.ONEDNN_MIN_WORK: on MKL wherever float32 goes to oneDNN
 blas.gemm(a, a, np.empty_like(a), 0.0)
 h, gu = np.empty((1, 512, 1408), np.float32), np.ones((1, 512, 2816), np.float32)
-swiglu._swiglu_forward_kernel32.parallel(h.reshape(512, 1408), gu.reshape(512, 2, 1408))
+swiglu.swiglu_forward_kernel32.parallel(h.reshape(512, 1408), gu.reshape(512, 2, 1408))
 libs = {line.split()[-1].rsplit("/", 1)[-1].split(".so")[0] for line in open("/proc/self/maps") if ".so" in line}
 print(json.dumps({"mkl": blas.threading_layer(), "numba": numba.threading_layer(),
                   "libs": sorted(n for n in libs if "omp" in n or "thread" in n)}))

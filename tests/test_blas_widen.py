@@ -66,7 +66,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(blas, "WIDEN_TILE", 4096)
     monkeypatch.setattr(common, "_workspace", {})
     products, widened = [], []
-    gemm, widen_block = blas.gemm, widen._widen_block
+    gemm, widen_block = blas.gemm, widen.widen_block
 
     def recording_gemm(a, b, c, beta=0.0):
         products.append((a, b, c, beta))
@@ -77,7 +77,7 @@ def small_tiles(monkeypatch):
         return widen_block(src, out)
 
     monkeypatch.setattr(blas, "gemm", recording_gemm)
-    monkeypatch.setattr(widen, "_widen_block", recording_widen)
+    monkeypatch.setattr(widen, "widen_block", recording_widen)
     return products, widened, gemm
 
 

@@ -43,7 +43,7 @@ def adapter_flops(groups=GROUPS):
 # ---- step: the three steps in one process -------------------------------------------------------
 
 def step_mode(reps):
-    from handgrad.bench.train import _HandgradWorker, _lora, _spec, get_family
+    from handgrad.bench.train import _HandgradWorker, _spec, get_family, lora_config
     from handgrad.models.family import flat_layout
     import handgrad.backends.cpu as cpu
     from handgrad.backends.cpu import rmsnorm_linear
@@ -53,7 +53,7 @@ def step_mode(reps):
     config = family.config(**spec["model"])
     _, n = flat_layout(family.model.param_spec(config))
     flat = (np.random.default_rng(0).standard_normal(n) * 0.02).astype(np.float32)
-    lora = _HandgradWorker(config, spec["train"], flat, lora=_lora(spec), seed=0)
+    lora = _HandgradWorker(config, spec["train"], flat, lora=lora_config(spec), seed=0)
     full = _HandgradWorker(config, spec["train"], flat, lora=None, seed=0)
     rng = np.random.default_rng(1)
     B, T, V = spec["batch_size"], spec["T"], config.vocab_size

@@ -34,7 +34,7 @@ def timed(f, n=50):
     return np.median(walls) * 1e3, cpu * 1e3
 
 
-k = swiglu._swiglu_forward_kernel32
+k = swiglu.swiglu_forward_kernel32
 k.serial(np.empty((1, H), np.float32), np.zeros((1, 2, H), np.float32))
 k.parallel(np.empty((1, H), np.float32), np.zeros((1, 2, H), np.float32))
 print(f"numba {numba.__version__}, threading layer {numba.threading_layer()}, {numba.get_num_threads()} threads; "

@@ -53,7 +53,7 @@ from ..models import get_family
 from ..models.decode import generate
 from ..sample import load_run
 from .common import SETTLE_S, TorchProcess, commands, fmt_load, ready, reply
-from .profile import _Profiler
+from .profile import Profiler
 from .streams import EngineRows
 from .train import SHAPES
 
@@ -132,7 +132,7 @@ class ParamReads:
 
     def __getattr__(self, name):
         fn = getattr(self._ops, name)
-        if name in _Profiler.PLAIN or not callable(fn):
+        if name in Profiler.PLAIN or not callable(fn):
             return fn
 
         def noting(*args, **kwargs):
@@ -266,7 +266,7 @@ def profile_step(model, prompt, steps):
     op, would show nothing inside it). "plain_step_s": the same steps untimed, as generate runs
     them ("fused": through llama_decode_forward)."""
     ops, gemm = model.ops, blas.gemm
-    prof = model.ops = _Profiler(ops)
+    prof = model.ops = Profiler(ops)
     weights = {"calls": 0, "s": 0.0, "weight_bytes": 0}
     timed = prof.timed_gemm(gemm)
 

@@ -4,8 +4,8 @@ import time
 from collections import defaultdict
 
 
-class _Profiler:
-    """Wraps a backend module: every op call is timed, by op name. model.ops = _Profiler(ops)."""
+class Profiler:
+    """Wraps a backend module: every op call is timed, by op name. model.ops = Profiler(ops)."""
 
     PLAIN = ("empty", "zeros", "to_numpy", "from_numpy", "make_chunks")
 
@@ -40,9 +40,9 @@ class _Profiler:
         return timed
 
 
-def _head_kernel_flop(forward, B, T, C, block):
-    """FLOPs of the products attention's per-head kernels run (attention._forward_heads,
-    _backward_heads: all heads, hs NH = C), causal in blocks of `block` query rows. Row block
+def head_kernel_flop(forward, B, T, C, block):
+    """FLOPs of the products attention's per-head kernels run (attention.forward_heads,
+    backward_heads: all heads, hs NH = C), causal in blocks of `block` query rows. Row block
     [r0, r1): forward S = q k^T and y = P v over keys [0, r1), 2 C (r1 - r0) r1 each; backward
     dP = dy v^T and dq = dS k over the same, dv = P^T dy and dk = dS^T q over rows [r0, T),
     2 C (r1 - r0) (T - r0) each. With one block (T <= block) that is the full T x T."""

@@ -39,7 +39,7 @@ from ..models import get_family
 from ..models.lora import lora_flops_per_token, split_spec
 from .common import SETTLE_S
 from .train_report import format_footer, format_row
-from .train_worker import BF16_SIDES, COMPILE_SIDE, LORA_SIDES, SIDES, _lora
+from .train_worker import BF16_SIDES, COMPILE_SIDE, LORA_SIDES, SIDES, lora_config
 
 
 # name -> the run preset whose model and optimizer settings are used, and the benchmark's shape
@@ -233,7 +233,7 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
                       LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
     full_flops = family.flops_per_token(config, spec["T"])
     # a LoRA step needs less: the frozen matrices' weight gradients are never formed
-    flops = lora_flops_per_token(family, config, _lora(spec), spec["T"]) if lora_rank else full_flops
+    flops = lora_flops_per_token(family, config, lora_config(spec), spec["T"]) if lora_rank else full_flops
     result = {"name": name, "config": spec, "tokens_per_step": tokens_per_step, "flops_per_token": flops,
               "steps": steps, "loss_max_rel_diff": err, "loss_check_steps": LOSS_CHECK_STEPS,
               "first_loss": [hg.losses[0], pt.losses[0]],
@@ -258,7 +258,7 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
         result["ratio_peak_rss"] = h["peak_rss_mib"] / p["peak_rss_mib"]
     if lora_rank:
         result["lora"] = dict(spec["lora"], trained=sum(int(np.prod(s)) for n, s in split_spec(
-            family.model, config, _lora(spec))[0]))
+            family.model, config, lora_config(spec))[0]))
     if lora_rank and not bf16:
         full = result["sides"]["handgrad-full"]
         result["lora"]["speedup_vs_full"] = h["tok_s"] / full["tok_s"]

@@ -17,7 +17,7 @@ from ..models import get_family
 from ..models.family import flat_layout, flat_views
 from ..training.optim import AdamW
 from ..training.step import accumulate_gradients
-from .profile import _head_kernel_flop, _Profiler
+from .profile import Profiler, head_kernel_flop
 from .torch_side import TorchSide
 
 SIDES = ("handgrad", "pytorch")
@@ -72,7 +72,7 @@ def _count_compiles():
     return compiled
 
 
-def _lora(spec):
+def lora_config(spec):
     """The spec's LoRAConfig, or None (full fine-tuning)."""
     lo = spec.get("lora")
     return None if lo is None else LoRAConfig(rank=lo["rank"], alpha=lo["alpha"], targets=tuple(lo["targets"]))
@@ -103,7 +103,7 @@ class _HandgradWorker:
         """Run the steps with every op timed; seconds per step by op name, plus the step's total,
         and the matmul floor (see _matmul_floor)."""
         ops, gemm = self.model.ops, blas.gemm
-        prof = self.model.ops = _Profiler(ops)
+        prof = self.model.ops = Profiler(ops)
         blas.gemm = prof.timed_gemm(gemm)
         t0 = time.perf_counter()
         try:
@@ -124,7 +124,7 @@ class _HandgradWorker:
         and attention's on numpy's BLAS) and, on MKL, attention's per-head kernels replayed with
         the softmax off. flop counts what those calls compute: blas.gemm's products as shaped
         (attention's over the full T x T on numpy's BLAS), the per-head kernels' block-causal
-        products as they run (_head_kernel_flop). It is the floor's own throughput, not the
+        products as they run (head_kernel_flop). It is the floor's own throughput, not the
         model's FLOP count (flops_per_token, causal attention as half). It overwrites the step's
         activation and gradient buffers, so it runs last (the worker exits after it)."""
         calls, heads, gemm, run_heads = [], [], blas.gemm, attention.run_heads
@@ -145,7 +145,7 @@ class _HandgradWorker:
         flop = sum(2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * int(np.prod(c.shape[:-2])) for a, b, c, _ in calls)
         for kernel, args in heads:
             B, T, C3 = args[3].shape  # qkv, in both kernels' arguments; args[-2] is the block
-            flop += _head_kernel_flop(kernel is attention._forward_heads, B, T, C3 // 3, args[-2])
+            flop += head_kernel_flop(kernel is attention.forward_heads, B, T, C3 // 3, args[-2])
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -191,7 +191,7 @@ def worker(side, spec):
     tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
     t = SimpleNamespace(**spec["train"])
     dtype = "float32" if side == "handgrad-fp32" else spec.get("dtype", "float32")
-    lora = None if side == "handgrad-full" else _lora(spec)
+    lora = None if side == "handgrad-full" else lora_config(spec)
     memory = {"recompute": spec.get("recompute", "none"), "loss_chunk": spec.get("loss_chunk", 0)}
     if side.startswith("pytorch"):
         w = _TorchWorker(family, config, t, flat, lora=lora, seed=spec["seed"], dtype=dtype,

@@ -69,7 +69,7 @@ def f32_to_bf16(x):
 
 
 # ---------------------------------------------------------------- Hugging Face GPT-2
-def _hf_weight_files(d):
+def hf_weight_files(d):
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -125,7 +125,7 @@ def read_hf(path):
     config = make_config(cfg_path, block_size=cfg["n_positions"], vocab_size=cfg["vocab_size"],
                          n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])
     weights, lm_head = {}, None
-    for f in _hf_weight_files(d):
+    for f in hf_weight_files(d):
         for name, arr in read_safetensors(f).items():
             key = name[len("transformer."):] if name.startswith("transformer.") else name
             if key.endswith(HF_IGNORED_SUFFIXES):
@@ -163,7 +163,7 @@ def hf_config(config, eot_id=None, dropout=None):
 
 def write_hf(dst, config, weights, tokenizer=None, eot_id=None, dropout=None):
     """dst/model.safetensors (transformer.* keys, as save_pretrained writes), dst/config.json, and
-    the tokenizer in a form Hugging Face loads (_export_hf_tokenizer).
+    the tokenizer in a form Hugging Face loads (export_hf_tokenizer).
 
     tokenizer is a tokenizer file (handgrad's tokenizer.json, any kind) or None. config.json's
     bos/eos ids are the tokenizer's end-of-text id; with no tokenizer, eot_id (what the source's
@@ -179,10 +179,10 @@ def write_hf(dst, config, weights, tokenizer=None, eot_id=None, dropout=None):
         if tokenizer is not None:
             try:
                 tok = load_tokenizer(tokenizer)
-                written = _export_hf_tokenizer(tok, tmp, config)
+                written = export_hf_tokenizer(tok, tmp, config)
             except (ConvertError, DataError) as e:
                 why_not = f"the tokenizer was not written: {e}"
-        eot, eot_why = _end_of_text(config, tok, eot_id)
+        eot, eot_why = end_of_text(config, tok, eot_id)
         (tmp / "config.json").write_text(json.dumps(hf_config(config, eot, dropout), indent=2) + "\n")
         return publish_dir(tmp, dst), written_line("wrote model.safetensors, config.json", written, why_not,
                                                    eot, eot_why)
@@ -197,7 +197,7 @@ def written_line(wrote, written, why_not, eot, eot_why):
             + f"; bos_token_id = eos_token_id = {'null' if eot is None else eot} ({eot_why})")
 
 
-def _end_of_text(config, tok, eot_id):
+def end_of_text(config, tok, eot_id):
     """(the bos/eos id for config.json or None, the words that say where it came from)."""
     V = config.vocab_size
     if tok is not None:
@@ -213,7 +213,7 @@ def _end_of_text(config, tok, eot_id):
     return None, "no tokenizer to take an end-of-text token from"
 
 
-def _export_hf_tokenizer(tok, out_dir, config):
+def export_hf_tokenizer(tok, out_dir, config):
     """Write tok where Hugging Face loads it; returns what was written, in words.
 
     char, byte and bpe: Hugging Face tokenizers' own tokenizer.json (Tokenizer.to_hf_json: the

@@ -16,7 +16,7 @@ ignored; a tied model's stored lm_head.weight (equal to the embedding) is droppe
 Out: what save_pretrained writes (model.safetensors in float32, no lm_head.weight when tied,
 config.json, generation_config.json) for LlamaForCausalLM, or Qwen2ForCausalLM when the model has
 q/k/v biases, and the tokenizer: a Hugging Face directory's own tokenizer files copied byte for
-byte, else handgrad's tokenizer in Hugging Face form (hf._export_hf_tokenizer).
+byte, else handgrad's tokenizer in Hugging Face form (hf.export_hf_tokenizer).
 """
 import json
 import shutil
@@ -28,7 +28,7 @@ from ..data.sources import DataError
 from ..data.tokenizer import load_tokenizer
 from ..files import save_safetensors
 from .common import ConvertError, check_weights, make_config, prepare_dir, publish_dir
-from .hf import (_end_of_text, _export_hf_tokenizer, _hf_weight_files, read_hf_config, read_safetensors,
+from .hf import (end_of_text, export_hf_tokenizer, hf_weight_files, read_hf_config, read_safetensors,
                  written_line)
 
 
@@ -131,7 +131,7 @@ def read_hf_llama(path):
         raise ConvertError(f"{cfg_path}: not a LlamaForCausalLM or Qwen2ForCausalLM config")
     config = llama_config(cfg, cfg_path, kind)
     weights, lm_head = {}, None
-    for f in _hf_weight_files(d):
+    for f in hf_weight_files(d):
         for name, arr in read_safetensors(f).items():
             if name.endswith(IGNORED_SUFFIXES):
                 continue
@@ -188,7 +188,7 @@ def write_hf_llama(dst, config, weights, tokenizer=None, eot_id=None, dropout=No
         save_safetensors({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
                          tmp / "model.safetensors", metadata={"format": "pt"})
         tok, written, why_not = _write_tokenizer(tokenizer, tmp, config)
-        eot, eot_why = _end_of_text(config, tok, eot_id)
+        eot, eot_why = end_of_text(config, tok, eot_id)
         (tmp / "config.json").write_text(json.dumps(hf_llama_config(config, eot, dropout), indent=2) + "\n")
         generation = {"_from_model_config": True, "bos_token_id": eot, "eos_token_id": eot}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -221,7 +221,7 @@ def _write_tokenizer(tokenizer, out_dir, config):
         return tok, f"{' + '.join(copied)} (copied byte for byte from {src.parent})", None
     try:
         tok = load_tokenizer(tokenizer)
-        return tok, _export_hf_tokenizer(tok, out_dir, config), None
+        return tok, export_hf_tokenizer(tok, out_dir, config), None
     except (ConvertError, DataError) as e:
         if not _is_hf_tokenizer_file(src):
             return None, None, f"the tokenizer was not written: {e}"

@@ -231,10 +231,6 @@ class FlatModel(Head):
         """param_spec's names: the tensors of the plain model (a LoRA model's base, frozen or trained)."""
         return [name for name, _ in self.param_spec(self.config)]
 
-    def gradient_of(self, name):
-        """The gradient view of a tensor, or None where it is frozen (a LoRA model's base weights)."""
-        return self.g.get(name)
-
     def lora_adapters(self, a, l, group):
         """The adapter records of block l's `group` product, their xs buffers (in activations a) and
         dropout seeds set for this forward; () for a model without adapters there."""

@@ -26,7 +26,7 @@ _VIEWS = {"cpu": lambda t: t.detach().numpy(), "gpu": lambda t: t.detach()}
 
 def backend_for(device):
     """The handgrad backend module for a torch device ("cpu", "cuda:0", a torch.device), for the
-    Functions that pass only CPU tensors (the GPU_READY ones use _check's routing)."""
+    Functions that pass only CPU tensors (the GPU_READY ones use check_tensors's routing)."""
     kind = torch.device(device).type
     if kind == "cuda":
         raise NotImplementedError(
@@ -44,18 +44,18 @@ def backend_for(device):
     return get_backend(kind)
 
 
-def _v(t, backend="cpu"):
+def view(t, backend="cpu"):
     """The backend's array view of tensor t (None stays None). t must be contiguous."""
     return None if t is None else _VIEWS[backend](t)
 
 
 def viewer(ops):
-    """_v for the backend module _check chose: what a GPU_READY Function calls on each tensor it
-    hands the ops."""
-    return lambda t: _v(t, ops.NAME)
+    """view for the backend module check_tensors chose: what a GPU_READY Function calls on each tensor
+    it hands the ops."""
+    return lambda t: view(t, ops.NAME)
 
 
-def _check(op, **tensors):
+def check_tensors(op, **tensors):
     """The backend for these float tensors (None skipped), after checking that they share one
     device with a handgrad backend and one dtype, float32 or float64."""
     given = {k: t for k, t in tensors.items() if t is not None}
@@ -79,23 +79,23 @@ def _check(op, **tensors):
     return ops
 
 
-def _check_shape(op, name, t, shape):
+def check_shape(op, name, t, shape):
     if t is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def _contiguous(*ts):
+def contiguous(*ts):
     return [None if t is None else t.contiguous() for t in ts]
 
 
-def _needed(ctx, *grads):
+def needed_grads(ctx, *grads):
     """Each gradient, or None where autograd did not ask for it."""
     return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
 
 
-def _check_linear_weight(op, weight, bias, C):
+def check_linear_weight(op, weight, bias, C):
     if weight.dim() != 2 or weight.shape[1] != C:
         raise ValueError(f"{op}: weight must have shape (out_features, {C}) (nn.Linear's [out, in] "
                          f"layout), got {tuple(weight.shape)}")
-    _check_shape(op, "bias", bias, (weight.shape[0],))
+    check_shape(op, "bias", bias, (weight.shape[0],))
 

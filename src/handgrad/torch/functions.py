@@ -5,7 +5,7 @@ from torch.autograd.function import once_differentiable
 import torch
 
 from ..backends.cpu.crossentropy import IGNORE_INDEX
-from .common import _check, _check_linear_weight, _check_shape, _contiguous, _needed, _v, viewer
+from .common import view, check_linear_weight, check_shape, check_tensors, contiguous, needed_grads, viewer
 
 
 # ---------------------------------------------------------------- layernorm
@@ -14,14 +14,14 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ops = _check("layernorm", x=x, weight=weight, bias=bias)
+        ops = check_tensors("layernorm", x=x, weight=weight, bias=bias)
         C = x.shape[-1]
-        _check_shape("layernorm", "weight", weight, (C,))
-        _check_shape("layernorm", "bias", bias, (C,))
-        x, weight, bias = _contiguous(x, weight, bias)
+        check_shape("layernorm", "weight", weight, (C,))
+        check_shape("layernorm", "bias", bias, (C,))
+        x, weight, bias = contiguous(x, weight, bias)
         out = torch.empty_like(x)
         mean, rstd = x.new_empty(x.shape[:-1]), x.new_empty(x.shape[:-1])  # (...,)
-        ops.layernorm_forward(_v(out), _v(mean), _v(rstd), _v(x), _v(weight), _v(bias))
+        ops.layernorm_forward(view(out), view(mean), view(rstd), view(x), view(weight), view(bias))
         ctx.save_for_backward(x, weight)
         ctx.ops, ctx.mean, ctx.rstd = ops, mean, rstd
         return out
@@ -33,9 +33,9 @@ class LayerNormFunction(torch.autograd.Function):
         dout = dout.contiguous()
         # the op accumulates (+=) into all three
         dx, dweight, dbias = torch.zeros_like(x), torch.zeros_like(weight), torch.zeros_like(weight)
-        ctx.ops.layernorm_backward(_v(dx), _v(dweight), _v(dbias), _v(dout), _v(x), _v(weight),
-                                   _v(ctx.mean), _v(ctx.rstd))
-        return _needed(ctx, dx, dweight, dbias)
+        ctx.ops.layernorm_backward(view(dx), view(dweight), view(dbias), view(dout), view(x), view(weight),
+                                   view(ctx.mean), view(ctx.rstd))
+        return needed_grads(ctx, dx, dweight, dbias)
 
 
 def layernorm(x, weight, bias):
@@ -49,12 +49,12 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias=None):
-        ops = _check("linear", x=x, weight=weight, bias=bias)
-        _check_linear_weight("linear", weight, bias, x.shape[-1])
-        x, weight, bias = _contiguous(x, weight, bias)
-        _v = ctx.v = viewer(ops)
+        ops = check_tensors("linear", x=x, weight=weight, bias=bias)
+        check_linear_weight("linear", weight, bias, x.shape[-1])
+        x, weight, bias = contiguous(x, weight, bias)
+        view = ctx.v = viewer(ops)
         out = x.new_empty(x.shape[:-1] + (weight.shape[0],))
-        ops.linear_forward(_v(out), _v(x), _v(weight).T, _v(bias))  # the op's W (C, OC) = weight.T
+        ops.linear_forward(view(out), view(x), view(weight).T, view(bias))  # the op's W (C, OC) = weight.T
         ctx.save_for_backward(x, weight)
         ctx.ops, ctx.has_bias = ops, bias is not None
         return out
@@ -68,10 +68,10 @@ class LinearFunction(torch.autograd.Function):
         dx = torch.empty_like(x) if need_x else None  # overwritten
         dweight = torch.empty_like(weight)  # overwritten (accumulate=False); the op always forms it
         dbias = weight.new_zeros(weight.shape[0]) if (ctx.has_bias and need_b) else None  # accumulated
-        _v = ctx.v
-        ctx.ops.linear_backward(_v(dx), _v(dweight).T, _v(dbias), _v(dout), _v(x), _v(weight).T,
+        view = ctx.v
+        ctx.ops.linear_backward(view(dx), view(dweight).T, view(dbias), view(dout), view(x), view(weight).T,
                                 accumulate=False)
-        return _needed(ctx, dx, dweight, dbias)
+        return needed_grads(ctx, dx, dweight, dbias)
 
 
 def linear(x, weight, bias=None):
@@ -86,16 +86,16 @@ class LayerNormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, weight, bias=None):
-        ops = _check("layernorm_linear", x=x, ln_weight=ln_weight, ln_bias=ln_bias, weight=weight, bias=bias)
+        ops = check_tensors("layernorm_linear", x=x, ln_weight=ln_weight, ln_bias=ln_bias, weight=weight, bias=bias)
         C = x.shape[-1]
-        _check_shape("layernorm_linear", "ln_weight", ln_weight, (C,))
-        _check_shape("layernorm_linear", "ln_bias", ln_bias, (C,))
-        _check_linear_weight("layernorm_linear", weight, bias, C)
-        x, ln_weight, ln_bias, weight, bias = _contiguous(x, ln_weight, ln_bias, weight, bias)
+        check_shape("layernorm_linear", "ln_weight", ln_weight, (C,))
+        check_shape("layernorm_linear", "ln_bias", ln_bias, (C,))
+        check_linear_weight("layernorm_linear", weight, bias, C)
+        x, ln_weight, ln_bias, weight, bias = contiguous(x, ln_weight, ln_bias, weight, bias)
         out = x.new_empty(x.shape[:-1] + (weight.shape[0],))
         mean, rstd = x.new_empty(x.shape[:-1]), x.new_empty(x.shape[:-1])
-        ops.layernorm_linear_forward(_v(out), _v(mean), _v(rstd), _v(x), _v(ln_weight), _v(ln_bias),
-                                     _v(weight).T, _v(bias))
+        ops.layernorm_linear_forward(view(out), view(mean), view(rstd), view(x), view(ln_weight), view(ln_bias),
+                                     view(weight).T, view(bias))
         ctx.save_for_backward(x, ln_weight, ln_bias, weight)
         ctx.ops, ctx.mean, ctx.rstd, ctx.has_bias = ops, mean, rstd, bias is not None
         return out
@@ -109,10 +109,10 @@ class LayerNormLinearFunction(torch.autograd.Function):
         dx, dln_weight, dln_bias = torch.zeros_like(x), torch.zeros_like(ln_weight), torch.zeros_like(ln_bias)
         dweight = torch.empty_like(weight)
         dbias = weight.new_zeros(weight.shape[0]) if (ctx.has_bias and ctx.needs_input_grad[4]) else None
-        ctx.ops.layernorm_linear_backward(_v(dx), _v(dln_weight), _v(dln_bias), _v(dweight).T, _v(dbias),
-                                          _v(dout), _v(x), _v(ln_weight), _v(ln_bias), _v(ctx.mean),
-                                          _v(ctx.rstd), _v(weight).T, accumulate=False)
-        return _needed(ctx, dx, dln_weight, dln_bias, dweight, dbias)
+        ctx.ops.layernorm_linear_backward(view(dx), view(dln_weight), view(dln_bias), view(dweight).T, view(dbias),
+                                          view(dout), view(x), view(ln_weight), view(ln_bias), view(ctx.mean),
+                                          view(ctx.rstd), view(weight).T, accumulate=False)
+        return needed_grads(ctx, dx, dln_weight, dln_bias, dweight, dbias)
 
 
 def layernorm_linear(x, ln_weight, ln_bias, weight, bias=None):
@@ -126,11 +126,11 @@ class GELUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        ops = _check("gelu", x=x)
-        (x,) = _contiguous(x)
+        ops = check_tensors("gelu", x=x)
+        (x,) = contiguous(x)
         out = torch.empty_like(x)
         if x.numel():  # the op indexes row 0 when given no bias
-            ops.gelu_forward(_v(out), _v(x))  # no bias: x is not written
+            ops.gelu_forward(view(out), view(x))  # no bias: x is not written
         ctx.save_for_backward(x)
         ctx.ops = ops
         return out
@@ -141,7 +141,7 @@ class GELUFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         dx = torch.empty_like(x)  # overwritten; not dout in place: autograd may share dout
         if x.numel():
-            ctx.ops.gelu_backward(_v(dx), None, _v(dout.contiguous()), _v(x))
+            ctx.ops.gelu_backward(view(dx), None, view(dout.contiguous()), view(x))
         return dx
 
 
@@ -158,14 +158,14 @@ class CausalAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, n_head):
-        ops = _check("causal_attention", qkv=qkv)
+        ops = check_tensors("causal_attention", qkv=qkv)
         if qkv.dim() != 3 or qkv.shape[2] % 3 or (qkv.shape[2] // 3) % n_head:
             raise ValueError(f"causal_attention: qkv must be (B, T, 3C) with C divisible by n_head={n_head}, "
                              f"got {tuple(qkv.shape)}")
-        (qkv,) = _contiguous(qkv)
+        (qkv,) = contiguous(qkv)
         B, T, C3 = qkv.shape
         out, att = qkv.new_empty(B, T, C3 // 3), qkv.new_empty(B, n_head, T, T)
-        ops.attention_forward(_v(out), _v(att), _v(qkv), n_head)
+        ops.attention_forward(view(out), view(att), view(qkv), n_head)
         ctx.save_for_backward(qkv)
         ctx.ops, ctx.att, ctx.n_head = ops, att, n_head
         return out
@@ -175,7 +175,7 @@ class CausalAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         (qkv,) = ctx.saved_tensors
         dqkv = torch.empty_like(qkv)  # overwritten
-        ctx.ops.attention_backward(_v(dqkv), _v(dout.contiguous()), _v(qkv), _v(ctx.att), ctx.n_head)
+        ctx.ops.attention_backward(view(dqkv), view(dout.contiguous()), view(qkv), view(ctx.att), ctx.n_head)
         return dqkv, None
 
 
@@ -192,13 +192,13 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets):
-        ops = _check("cross_entropy", logits=logits)
+        ops = check_tensors("cross_entropy", logits=logits)
         if targets.device != logits.device:
             raise ValueError(f"cross_entropy: targets must be on logits' device {logits.device}, got {targets.device}")
         if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
             raise TypeError(f"cross_entropy: targets must be integer class indices, got dtype {targets.dtype}")
         V = logits.shape[-1]
-        _check_shape("cross_entropy", "targets", targets, logits.shape[:-1])
+        check_shape("cross_entropy", "targets", targets, logits.shape[:-1])
         bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= V))
         if bool(bad.any()):
             raise ValueError(f"cross_entropy: targets must be in [0, {V}) or {IGNORE_INDEX} (ignored), "
@@ -206,7 +206,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         logits, targets = logits.contiguous(), targets.to(torch.int32).contiguous()
         losses = logits.new_empty(targets.shape)
         lse = logits.new_empty(targets.shape, dtype=torch.float64)  # the op wants float64
-        loss = ops.crossentropy_forward(_v(losses), _v(lse), _v(logits), _v(targets))
+        loss = ops.crossentropy_forward(view(losses), view(lse), view(logits), view(targets))
         ctx.save_for_backward(logits, targets)
         ctx.ops, ctx.lse, ctx.count = ops, lse, int((targets != IGNORE_INDEX).sum())
         return logits.new_full((), loss)
@@ -219,7 +219,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         # (given a distinct dlogits the op copies the logits into it first).
         dlogits = torch.empty_like(logits)
         scale = float(dloss) / ctx.count if ctx.count else 0.0
-        ctx.ops.crossentropy_backward(_v(dlogits), _v(logits), _v(ctx.lse), _v(targets), dloss=scale)
+        ctx.ops.crossentropy_backward(view(dlogits), view(logits), view(ctx.lse), view(targets), dloss=scale)
         return dlogits, None
 
 

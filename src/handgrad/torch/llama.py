@@ -6,7 +6,7 @@ from torch.autograd.function import once_differentiable
 import torch
 
 from ..backends.cpu import rope as cpu_rope
-from .common import _check, _check_shape, _contiguous, _needed, viewer
+from .common import check_shape, check_tensors, contiguous, needed_grads, viewer
 
 
 def _stats_dtype(x):
@@ -21,12 +21,12 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        ops = _check("rmsnorm", x=x, weight=weight)
-        _check_shape("rmsnorm", "weight", weight, (x.shape[-1],))
-        x, weight = _contiguous(x, weight)
-        _v = ctx.v = viewer(ops)
+        ops = check_tensors("rmsnorm", x=x, weight=weight)
+        check_shape("rmsnorm", "weight", weight, (x.shape[-1],))
+        x, weight = contiguous(x, weight)
+        view = ctx.v = viewer(ops)
         out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=_stats_dtype(x))  # rstd (...,)
-        ops.rmsnorm_forward(_v(out), _v(rstd), _v(x), _v(weight), float(eps))
+        ops.rmsnorm_forward(view(out), view(rstd), view(x), view(weight), float(eps))
         ctx.save_for_backward(x, weight)
         ctx.ops, ctx.rstd = ops, rstd
         return out
@@ -36,9 +36,10 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dout):
         x, weight = ctx.saved_tensors
         dx, dweight = torch.zeros_like(x), torch.zeros_like(weight)  # the op accumulates (+=) into both
-        _v = ctx.v
-        ctx.ops.rmsnorm_backward(_v(dx), _v(dweight), _v(dout.contiguous()), _v(x), _v(weight), _v(ctx.rstd))
-        return _needed(ctx, dx, dweight, None)
+        view = ctx.v
+        ctx.ops.rmsnorm_backward(view(dx), view(dweight), view(dout.contiguous()), view(x), view(weight),
+                                 view(ctx.rstd))
+        return needed_grads(ctx, dx, dweight, None)
 
 
 def rms_norm(x, weight, eps=1e-6):
@@ -53,13 +54,13 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gu):
-        ops = _check("swiglu", gu=gu)
+        ops = check_tensors("swiglu", gu=gu)
         if gu.dim() == 0 or gu.shape[-1] % 2:
             raise ValueError(f"swiglu: gu must be (..., 2H) = [gate | up] (an even last axis), got {tuple(gu.shape)}")
-        (gu,) = _contiguous(gu)
-        _v = ctx.v = viewer(ops)
+        (gu,) = contiguous(gu)
+        view = ctx.v = viewer(ops)
         out = gu.new_empty(gu.shape[:-1] + (gu.shape[-1] // 2,))
-        ops.swiglu_forward(_v(out), _v(gu))
+        ops.swiglu_forward(view(out), view(gu))
         ctx.save_for_backward(gu)
         ctx.ops = ops
         return out
@@ -69,8 +70,8 @@ class SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dout):
         (gu,) = ctx.saved_tensors
         dgu = torch.empty_like(gu)  # overwritten: dgate in the first H columns, dup in the last H
-        _v = ctx.v
-        ctx.ops.swiglu_backward(_v(dgu), _v(dout.contiguous()), _v(gu))
+        view = ctx.v
+        ctx.ops.swiglu_backward(view(dgu), view(dout.contiguous()), view(gu))
         return dgu
 
 
@@ -101,7 +102,7 @@ class RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin, n_head, offset=0):
-        ops = _check("rope", x=x)
+        ops = check_tensors("rope", x=x)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             raise ValueError("rope: cos and sin are constant tables and get no gradient; pass them detached")
         if cos.device != x.device or sin.device != x.device:
@@ -117,11 +118,12 @@ class RoPEFunction(torch.autograd.Function):
         if cos.shape != sin.shape or cos.dim() not in (2, 3) or per_batch:
             raise ValueError(f"rope: cos and sin must both be (T_max, hs), (1, T_max, hs) or ({x.shape[0]}, T_max, "
                              f"hs), got {tuple(cos.shape)} and {tuple(sin.shape)}")
-        x, cos, sin = _contiguous(x, cos, sin)
-        _v = ctx.v = viewer(ops)
+        x, cos, sin = contiguous(x, cos, sin)
+        view = ctx.v = viewer(ops)
         out = torch.empty_like(x)
         for rows, c, s in _per_sequence(cos, sin, x.shape[0]):
-            ops.rope_forward(_v(out[rows]), _v(x[rows]), _v(c), _v(s), n_head, offset)  # checks heads, positions
+            # rope_forward checks the heads and the positions
+            ops.rope_forward(view(out[rows]), view(x[rows]), view(c), view(s), n_head, offset)
         ctx.ops, ctx.tables, ctx.n_head, ctx.offset = ops, (cos, sin), n_head, offset
         return out
 
@@ -130,9 +132,9 @@ class RoPEFunction(torch.autograd.Function):
     def backward(ctx, dout):
         dout = dout.contiguous()
         dx = torch.empty_like(dout)  # overwritten
-        _v = ctx.v
+        view = ctx.v
         for rows, c, s in _per_sequence(*ctx.tables, dout.shape[0]):
-            ctx.ops.rope_backward(_v(dx[rows]), _v(dout[rows]), _v(c), _v(s), ctx.n_head, ctx.offset)
+            ctx.ops.rope_backward(view(dx[rows]), view(dout[rows]), view(c), view(s), ctx.n_head, ctx.offset)
         return dx, None, None, None, None
 
 
@@ -183,17 +185,17 @@ class GQAAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, n_head, n_kv_head):
-        ops = _check("gqa_attention", qkv=qkv)
+        ops = check_tensors("gqa_attention", qkv=qkv)
         width = n_head + 2 * n_kv_head
         if n_kv_head < 1 or n_head % n_kv_head or qkv.dim() != 3 or qkv.shape[2] % width or qkv.shape[2] == 0:
             raise ValueError(f"gqa_attention: qkv must be (B, T, (n_head + 2*n_kv_head)*hs) with n_head={n_head} "
                              f"a multiple of n_kv_head={n_kv_head}, got {tuple(qkv.shape)}")
-        (qkv,) = _contiguous(qkv)
+        (qkv,) = contiguous(qkv)
         B, T, W = qkv.shape
-        _v = ctx.v = viewer(ops)
+        view = ctx.v = viewer(ops)
         out = qkv.new_empty(B, T, n_head * (W // width))
         lse = qkv.new_empty(ops.gqa_attention_state_shape(B, n_head, T), dtype=_stats_dtype(qkv))
-        ops.gqa_attention_forward(_v(out), _v(lse), _v(qkv), n_head, n_kv_head)
+        ops.gqa_attention_forward(view(out), view(lse), view(qkv), n_head, n_kv_head)
         ctx.save_for_backward(qkv, out)  # out: the gpu backward forms D = rowsum(dout * out) from it
         ctx.ops, ctx.lse, ctx.heads = ops, lse, (n_head, n_kv_head)
         return out
@@ -203,9 +205,9 @@ class GQAAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         qkv, out = ctx.saved_tensors
         dqkv = torch.empty_like(qkv)  # overwritten: dq, dk and dv
-        _v = ctx.v
-        ctx.ops.gqa_attention_backward(_v(dqkv), _v(dout.contiguous()), _v(qkv), _v(ctx.lse), *ctx.heads,
-                                       out=_v(out))
+        view = ctx.v
+        ctx.ops.gqa_attention_backward(view(dqkv), view(dout.contiguous()), view(qkv), view(ctx.lse), *ctx.heads,
+                                       out=view(out))
         return dqkv, None, None
 
 

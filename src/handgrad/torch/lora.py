@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .common import _check, _check_linear_weight, _check_shape, _contiguous, viewer
+from .common import check_linear_weight, check_shape, check_tensors, contiguous, viewer
 
 
 class LoRALinearFunction(torch.autograd.Function):
@@ -17,22 +17,22 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_A, lora_B, scale, adapter_input=None):
-        ops = _check("lora_linear", x=x, weight=weight, bias=bias, lora_A=lora_A, lora_B=lora_B, a=adapter_input)
+        ops = check_tensors("lora_linear", x=x, weight=weight, bias=bias, lora_A=lora_A, lora_B=lora_B, a=adapter_input)
         C = x.shape[-1]
-        _check_linear_weight("lora_linear", weight, bias, C)
+        check_linear_weight("lora_linear", weight, bias, C)
         if weight.requires_grad or (bias is not None and bias.requires_grad):
             raise ValueError("lora_linear: the base weight and bias are frozen (their gradients are never formed); "
                              "set requires_grad=False on them, or train them with handgrad.torch.Linear")
         if lora_A.dim() != 2 or lora_A.shape[1] != C:
             raise ValueError(f"lora_linear: lora_A must have shape (r, {C}), got {tuple(lora_A.shape)}")
-        _check_shape("lora_linear", "lora_B", lora_B, (weight.shape[0], lora_A.shape[0]))
-        _check_shape("lora_linear", "adapter_input", adapter_input, x.shape)
-        x, weight, bias, lora_A, lora_B, adapter_input = _contiguous(x, weight, bias, lora_A, lora_B, adapter_input)
-        _v = ctx.v = viewer(ops)
+        check_shape("lora_linear", "lora_B", lora_B, (weight.shape[0], lora_A.shape[0]))
+        check_shape("lora_linear", "adapter_input", adapter_input, x.shape)
+        x, weight, bias, lora_A, lora_B, adapter_input = contiguous(x, weight, bias, lora_A, lora_B, adapter_input)
+        view = ctx.v = viewer(ops)
         out = x.new_empty(x.shape[:-1] + (weight.shape[0],))
         xs = x.new_empty(x.shape[:-1] + (lora_A.shape[0],))  # scale * a @ A^T, kept for the backward
-        ops.lora_linear_forward(_v(out), _v(xs), _v(x), _v(weight).T, _v(bias), _v(lora_A).T, _v(lora_B).T,
-                                float(scale), _v(adapter_input))
+        ops.lora_linear_forward(view(out), view(xs), view(x), view(weight).T, view(bias), view(lora_A).T,
+                                view(lora_B).T, float(scale), view(adapter_input))
         ctx.save_for_backward(x, xs, weight, lora_A, lora_B, adapter_input)
         ctx.ops, ctx.scale = ops, float(scale)
         return out
@@ -44,9 +44,9 @@ class LoRALinearFunction(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         dx = torch.empty_like(x) if need_x else None  # overwritten
         dA, dB = torch.empty_like(lora_A), torch.empty_like(lora_B)  # overwritten (accumulate=False)
-        _v = ctx.v
-        da = ctx.ops.lora_linear_backward(_v(dx), _v(dA).T, _v(dB).T, _v(dout.contiguous()), _v(x), _v(xs),
-                                          _v(weight).T, _v(lora_A).T, _v(lora_B).T, ctx.scale, _v(a),
+        view = ctx.v
+        da = ctx.ops.lora_linear_backward(view(dx), view(dA).T, view(dB).T, view(dout.contiguous()), view(x), view(xs),
+                                          view(weight).T, view(lora_A).T, view(lora_B).T, ctx.scale, view(a),
                                           accumulate=False)
         if da is not None:  # the op's scratch (a NumPy array on the cpu, a tensor on the gpu): copied out
             da = torch.as_tensor(da).clone().reshape(x.shape)

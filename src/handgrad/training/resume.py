@@ -1,7 +1,8 @@
-"""What a checkpoint holds of a training run, and how the run comes back from one (exact resume).
+"""A training run's checkpoints: writing one, and restoring the newest intact one (exact resume).
 
-Checkpointing is mixed into Trainer (training/trainer.py) and uses its model, opt, dp, config,
-step, the two RNGs, run_dir, data_dir, identity and sharded.
+Checkpoints reads and writes the weights and AdamW state of the model and optimizer it is given; the
+run's record beside them (config, RNG states, data, a LoRA run's base) is the Trainer's
+(training/trainer.py), which hands it to save() and applies what a resume reads back.
 """
 from types import SimpleNamespace
 
@@ -20,48 +21,51 @@ def make_rng(state=None, seed=None):
     return rng
 
 
-class Checkpointing:
-    """save() a checkpoint of the run; _resume() from the newest intact one."""
+class Checkpoints:
+    """The checkpoints in run_dir: save() one, restore_newest() the newest that passes its checksums."""
 
-    def save(self):
-        """Write a checkpoint (rank 0; under ZeRO-1 every rank first all-gathers the moments).
+    def __init__(self, run_dir, model, opt, dp, keep, sharded=False, log=print):
+        """model, opt: whose weights and AdamW state each checkpoint holds; dp: this process's
+        DataParallel (rank 0 writes); keep: train.keep_checkpoints, how many stay after a save;
+        sharded: ZeRO-1, where opt holds this rank's slice of the moments only."""
+        self.run_dir, self.model, self.opt, self.dp = run_dir, model, opt, dp
+        self.sharded, self.keep, self.log = sharded, keep, log
+
+
+    def save(self, step, state):
+        """Write step's checkpoint with `state` (the run's record, state.json) and prune the oldest
+        beyond keep: rank 0 writes, and under ZeRO-1 every rank first all-gathers the moments.
         Returns its path, None on other ranks."""
-        t = self.config.train
         opt = self._full_optimizer()
         if opt is not self.opt:
             self.dp.gather(self.opt.m, opt.m)
             self.dp.gather(self.opt.v, opt.v)
         if not self.dp.is_main:
             return None
-        state = {"config": self.config.to_dict(), "arch": self.family.arch, "model_config": self.gpt_config.to_dict(),
-                 "rng": {"data": self.data_rng.bit_generator.state, "sample": self.sample_rng.bit_generator.state},
-                 "data": {"data_dir": str(self.data_dir.resolve()), "identity": self.identity,
-                          "batches_drawn": self.step * t.grad_accum_steps},
-                 "world_size": self.dp.world_size}
-        if self.model.lora is not None:  # what the adapters sit on: model.safetensors holds only what trains
-            state.update(lora=self.model.lora.to_dict(), base=self.base_ref)
-        path = save_checkpoint(self.run_dir, self.step, self.model, opt, state)
-        for old in prune_checkpoints(self.run_dir, t.keep_checkpoints):
-            self.log(f"removed checkpoint {old} (train.keep_checkpoints {t.keep_checkpoints})")
+        path = save_checkpoint(self.run_dir, step, self.model, opt, state)
+        for old in prune_checkpoints(self.run_dir, self.keep):
+            self.log(f"removed checkpoint {old} (train.keep_checkpoints {self.keep})")
         return path
 
 
-    def _resume(self, identity):
-        step, path, state = self._restore_newest_intact()
-        if state["data"]["identity"] != identity:
-            raise TrainError(f"{self.data_dir}: tokenizer/vocab {identity} differs from the run's "
-                             f"{state['data']['identity']}; resume with the data the run was trained on")
-        self.step = step
-        self.data_rng = make_rng(state["rng"]["data"])
-        self.sample_rng = make_rng(state["rng"]["sample"])
-        self.dp.agree(step, "the checkpoint step resumed from")
-        self.log(f"resumed from {path} at step {step}")
+    def restore_newest(self):
+        """Restore the newest checkpoint that passes its checksums into the model and optimizer (a
+        LoRA checkpoint's base weights first, their digest checked), saying which ones were skipped.
+        Returns (step, path, state)."""
+        ckpts = list_checkpoints(self.run_dir)
+        if not ckpts:
+            raise TrainError(f"{self.run_dir}: no complete checkpoint to resume from")
+        for step, path in reversed(ckpts):
+            try:
+                full = self._full_optimizer()
+                state = restore(path, self.model, full, base=load_base)
+                if full is not self.opt:
+                    self.opt.m[:], self.opt.v[:] = full.m[self.opt.lo:self.opt.hi], full.v[self.opt.lo:self.opt.hi]
+                return step, path, state
+            except CheckpointError as e:
+                self.log(f"warning: {e}; falling back to an older checkpoint")
+        raise TrainError(f"{self.run_dir}: every checkpoint is damaged ({len(ckpts)} tried); start a new run")
 
-
-    def _load_base(self, model, ref):
-        """A LoRA checkpoint's base weights into the model (interop's load_base checks their digest)."""
-        load_base(model, ref)
-        self.base_ref = ref
 
     def _full_optimizer(self):
         """What a checkpoint holds of AdamW: the optimizer itself, or under ZeRO-1 a stand-in with
@@ -71,21 +75,3 @@ class Checkpointing:
         n, ops = len(self.model.flat_params), self.model.ops
         return SimpleNamespace(m=ops.zeros((n,)), v=ops.zeros((n,)), state=self.opt.state,
                                load_state=self.opt.load_state)
-
-
-    def _restore_newest_intact(self):
-        """Restore the newest checkpoint that passes its checksums, saying which ones were skipped."""
-        ckpts = list_checkpoints(self.run_dir)
-        if not ckpts:
-            raise TrainError(f"{self.run_dir}: no complete checkpoint to resume from")
-        for step, path in reversed(ckpts):
-            try:
-                full = self._full_optimizer()
-                state = restore(path, self.model, full, base=self._load_base)
-                if full is not self.opt:
-                    self.opt.m[:], self.opt.v[:] = full.m[self.opt.lo:self.opt.hi], full.v[self.opt.lo:self.opt.hi]
-                return step, path, state
-            except CheckpointError as e:
-                self.log(f"warning: {e}; falling back to an older checkpoint")
-        raise TrainError(f"{self.run_dir}: every checkpoint is damaged ({len(ckpts)} tried); start a new run")
-

@@ -1,35 +1,39 @@
-"""`handgrad train`'s Trainer: one run over a prepared data directory. This file builds the run
-(data, model, optimizer, run directory) and holds one step's work (train_step, evaluate,
-sample_text); the loop is training/loop.py, checkpoints and resume training/resume.py, the run
-directory's files and checks training/rundir.py."""
+"""`handgrad train`'s Trainer: one run over a prepared data directory. It builds the run (data,
+model, optimizer, checkpoints, run directory), takes one step (train_step, evaluate, sample_text)
+and runs the loop (run). The parts it owns live beside it: its checkpoints (Checkpoints) in
+training/resume.py, what the loop writes (StepLog) in training/loop.py, the run directory's files
+and checks in training/rundir.py."""
 import math
+import time
 from pathlib import Path
 
 import numpy as np
 
 from ..backends import get_backend
+from ..backends.cpu.compiles import compile_watch
 from ..config import ConfigError
 from ..data.chat import CHAT_FILE, open_dataset
 from ..data.tokenizer import load_tokenizer
 from ..files import write_atomic
-from ..interop.load import fit_weights, load_base
+from ..interop.load import fit_weights, model_sampling, write_generation_config
 from ..interop.published import model_ref
 from ..models import family_of, get_family
 from ..models.decode import generate
-from ..models.lora import base_digest
+from ..models.lora import base_digest, lora_flops_per_token
 from .device_loop import DeviceLoop, check_cuda_graph
-from .distributed import DataParallel
-from .loop import RunLoop
+from .distributed import DataParallel, DistributedError
+from .loop import StepLog, StopFlag, model_size
 from .memory import check_memory, describe, estimate
 from .optim import AdamW
-from .resume import Checkpointing, make_rng
-from .rundir import TrainError, check_data, check_same_data, data_identity, init_run_dir, lock_run_dir
+from .progress import plot_losses
+from .resume import Checkpoints, make_rng
+from .rundir import TrainError, check_data, check_same_data, data_identity, init_run_dir, last_good, lock_run_dir
 from .step import accumulate_gradients, lr_at
 from .tasks import TaskEval
 from .tracking import open_tracker
 
 
-class Trainer(Checkpointing, RunLoop):
+class Trainer:
     """One training run over a prepared data directory, writing into run_dir."""
 
     def __init__(self, data_dir, run_dir, config, resume=False, log=print, init_from=None, dp=None, backend="cpu"):
@@ -83,6 +87,9 @@ class Trainer(Checkpointing, RunLoop):
                                        buffer_multiple=self.dp.world_size, dtype=t.dtype, lora=lora,
                                        dropout=config.model.dropout, loss_chunk=t.loss_chunk, recompute=t.recompute)
         self.base_ref = None  # a LoRA run's base model: where it came from and its weights' SHA-256
+        # a llama model's context length from --init-from (pretrained_config), which exports give: a
+        # RoPE model is not cut to the block_size it trains on
+        self.context_length = (init_from[2:] or [{}])[0].get("context_length") if init_from is not None else None
         if init_from is not None:
             self._load_pretrained(*init_from)
         if lora is not None:
@@ -96,17 +103,22 @@ class Trainer(Checkpointing, RunLoop):
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, shard=shard)
         self.data_rng, self.sample_rng = make_rng(seed=[t.seed, 1]), make_rng(seed=[t.seed, 2])
         self.step = 0
+        self.interrupted = False  # run() stopped by Ctrl-C before max_steps, with a checkpoint written
         self.device_loop = None  # the gpu's sync-free step (handgrad.training.device_loop), made at the first step
         self.identity = data_identity(self.train_data)
+        self.checkpoints = Checkpoints(self.run_dir, self.model, self.opt, self.dp, t.keep_checkpoints,
+                                       sharded=self.sharded, log=self.log)
         # rank 0 owns the run directory until it exits (one writer per run; released by the kernel)
         self.lock = lock_run_dir(self.run_dir) if self.dp.is_main else None
         if resume:  # every rank restores the checkpoint itself (the run dir is shared, as the data is)
-            self._resume(self.identity)
+            self._resume()
         if self.dp.is_main:
             init_run_dir(self.run_dir, self.data_dir, config, self.train_data, self.dp.world_size,
                          resumed_step=self.step if resume else None)
             if (self.data_dir / CHAT_FILE).is_file():  # the chat template, for sample --chat
                 write_atomic(self.run_dir / CHAT_FILE, (self.data_dir / CHAT_FILE).read_text(encoding="utf-8"))
+            if init_from is not None:  # the model's sampling settings stay the fine-tune's (sample, chat, serve)
+                write_generation_config(self.run_dir, model_sampling(init_from[0]))
         self.tracker = open_tracker(t.log_to, self.run_dir, config, self.step) if self.dp.is_main else None
         # every rank starts from rank 0's weights (resumed ones are equal already: checked above)
         self.dp.broadcast(self.model.flat_params)
@@ -150,6 +162,118 @@ class Trainer(Checkpointing, RunLoop):
                     f"rows of padding)" if c.vocab_size > self.train_data.vocab_size else ""))
 
 
+    def _resume(self):
+        """Continue from the newest intact checkpoint: its weights and AdamW state (Checkpoints), then
+        the run's step, RNG states, LoRA base and context length from its record."""
+        step, path, state = self.checkpoints.restore_newest()
+        if state["data"]["identity"] != self.identity:
+            raise TrainError(f"{self.data_dir}: tokenizer/vocab {self.identity} differs from the run's "
+                             f"{state['data']['identity']}; resume with the data the run was trained on")
+        self.step = step
+        self.context_length = state.get("context_length")
+        self.data_rng = make_rng(state["rng"]["data"])
+        self.sample_rng = make_rng(state["rng"]["sample"])
+        if self.model.lora is not None:  # the base whose weights restore loaded (and checked)
+            self.base_ref = state["base"]
+        self.dp.agree(step, "the checkpoint step resumed from")
+        self.log(f"resumed from {path} at step {step}")
+
+
+    def save(self):
+        """Checkpoint the run at this step (every rank calls it: see Checkpoints.save); its path on
+        rank 0, None on other ranks."""
+        return self.checkpoints.save(self.step, self._record())
+
+
+    def _record(self):
+        """The run's record in each checkpoint (state.json): what exact resume needs beside the
+        weights and moments, and what a LoRA run's adapters sit on."""
+        t = self.config.train
+        state = {"config": self.config.to_dict(), "arch": self.family.arch, "model_config": self.gpt_config.to_dict(),
+                 "rng": {"data": self.data_rng.bit_generator.state, "sample": self.sample_rng.bit_generator.state},
+                 "data": {"data_dir": str(self.data_dir.resolve()), "identity": self.identity,
+                          "batches_drawn": self.step * t.grad_accum_steps},
+                 "world_size": self.dp.world_size}
+        if self.model.lora is not None:  # what the adapters sit on: model.safetensors holds only what trains
+            state.update(lora=self.model.lora.to_dict(), base=self.base_ref)
+        if self.context_length is not None:  # the --init-from model's, for the exports (interop/convert.py)
+            state["context_length"] = self.context_length
+        return state
+
+
+    def run(self, peak_gflops=None):
+        """Train to max_steps, with evaluation, samples, checkpoints and log lines at their intervals.
+        The first Ctrl-C checkpoints and stops after the current step (self.interrupted); a failed
+        write or a lost rank stops with one line naming the last good checkpoint. peak_gflops (the
+        sgemm peak of all ranks together) adds MFU to the log. On the gpu the losses stay on the
+        device until a step is logged or saved (settle). Returns the step reached."""
+        t, T, dp = self.config.train, self.config.model.block_size, self.dp
+        tokens_per_step = t.batch_size * T * t.grad_accum_steps * dp.world_size
+        flops_per_step = tokens_per_step * (self.family.flops_per_token(self.gpt_config, T) if self.model.lora is None
+                                            else lora_flops_per_token(self.family, self.gpt_config, self.model.lora, T))
+        steps = StepLog(self.run_dir, t, dp, self.log, self.tracker, self.step, flops_per_step, peak_gflops,
+                        gpu=self.model.backend == "gpu")
+        self.interrupted = False
+        watch = compile_watch()  # counts Numba's compiles, to tag the steps during which it compiled
+        self.log(f"model: {model_size(self.model)}; {tokens_per_step:,} tokens per step"
+                 f"{f' over {dp.world_size} ranks' if dp.world_size > 1 else ''}; steps {self.step} -> {t.max_steps}")
+        try:
+            with StopFlag() as stop:
+                stopping = False
+                unread, window = [], time.perf_counter()  # gpu: steps whose loss is still on the device
+                while self.step < t.max_steps and not stopping:
+                    t0, compiles = time.perf_counter(), watch.count
+                    try:
+                        loss, norm, lr = self.train_step()
+                    except BaseException:  # an OOM, a failed capture, a second Ctrl-C: keep what ran
+                        self._settle_and_write(steps, unread, window)
+                        raise
+                    dt = time.perf_counter() - t0
+                    if watch.count > compiles:
+                        steps.compiled(self.step)
+                    # every rank stops after the same step, if any of them was asked to
+                    stopping = stop.requested if dp.world_size == 1 else dp.sum([stop.requested])[0] > 0
+                    rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
+                           "tok_per_s": tokens_per_step / dt, "ms": dt * 1e3}
+                    last = self.step == t.max_steps
+                    evaluate = bool(t.eval_interval and self.val_data.num_tokens
+                                    and (self.step % t.eval_interval == 0 or last))
+                    sample = bool(t.sample_interval and self.step % t.sample_interval == 0 and dp.is_main)
+                    save = bool((t.checkpoint_interval and self.step % t.checkpoint_interval == 0) or last or stopping)
+                    recs = [rec]
+                    if loss is None:  # the gpu: read back only when something is shown or saved
+                        unread.append(rec)
+                        if not (self.step % t.log_interval == 0 or evaluate or sample or save
+                                or self.device_loop.full()):
+                            continue
+                        recs = self._settle_and_write(steps, unread, window, write=False)
+                        unread, window = [], None
+                    if evaluate:
+                        rec["val_loss"] = self.evaluate()
+                        rec.update(self.evaluate_tasks())
+                    steps.write(recs)
+                    if sample:
+                        steps.say(f"--- sample at step {self.step} ---\n{self.sample_text()}\n---")
+                    if save:
+                        path = self.save()
+                        steps.say(f"checkpoint {path}")
+                    if window is None:  # the next gpu window starts after this step's reads and writes
+                        window = time.perf_counter()
+            if dp.is_main:
+                plot_losses(self.run_dir)
+        except OSError as e:  # disk full, a directory that became unwritable, a vanished mount
+            what = f"{e.filename}: " if e.filename else ""
+            raise TrainError(f"{what}write failed at step {self.step} ({e.strerror or e}); stopped; "
+                             f"{last_good(self.run_dir)}; free space or fix {self.run_dir}, then --resume") from None
+        except DistributedError as e:
+            raise TrainError(f"{e}; stopped at step {self.step}; {last_good(self.run_dir)}; fix the cause, then start "
+                             f"every rank again with --resume") from None
+        finally:
+            steps.close()
+        self.interrupted = stopping and self.step < t.max_steps  # Ctrl-C: checkpointed, not finished
+        return self.step
+
+
     def train_step(self):
         """One optimizer step over grad_accum_steps micro-batches; returns (loss, grad_norm, lr).
         On the gpu with one process loss and grad_norm are None: they stay on the device, and
@@ -185,6 +309,50 @@ class Trainer(Checkpointing, RunLoop):
             self.device_loop = DeviceLoop(self.model, self.opt, self.config.train, self.step,
                                           cuda_graph=self.config.train.cuda_graph)
         return self.device_loop
+
+
+    def settle(self, recs, started):
+        """Fill in the loss and grad_norm of the gpu's records `recs` (one read from the device)
+        and their time: the window since `started` over the steps. Acts on a non-finite step as
+        train.on_nan says; under stop, the records before it are returned in the error's place
+        (the caller writes them) through TrainError.records."""
+        results, _ = self.device_loop.read()
+        ms = (time.perf_counter() - started) * 1e3 / max(1, len(recs))
+        tokens = self.config.train.batch_size * self.config.model.block_size * self.config.train.grad_accum_steps
+        for i, (rec, (step, loss, norm)) in enumerate(zip(recs, results)):
+            rec.update(loss=loss, grad_norm=norm, ms=ms, tok_per_s=tokens / ms * 1e3)
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                try:
+                    # the gradient buffer is that step's only when it is the newest one queued
+                    self._numerical_fault(step, loss, locate=step == self.step)
+                except TrainError as e:
+                    e.records = recs[:i]
+                    self.device_loop = None  # its stop flag is set: a later run starts a fresh one
+                    raise
+        return recs
+
+
+    def _settle_and_write(self, steps, unread, window, write=True):
+        """settle() the gpu's unread records and return them; under on_nan stop, write the steps
+        before the fault to `steps` (the StepLog) and raise. With write (called while another
+        exception is on its way up) also write them, and let a failure to read lose them: the
+        first error stands."""
+        if not unread:
+            return []
+        try:
+            recs = self.settle(unread, window)
+        except TrainError as e:
+            steps.write(e.records)
+            if write:
+                return []
+            raise
+        except Exception:
+            if write:
+                return []
+            raise
+        if write:
+            steps.write(recs)
+        return recs
 
 
     def _numerical_fault(self, step, loss, locate=True):

@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 
 from ..config import GPTConfig, LlamaConfig
-from .common import TOL32, TOL64, Row, _ops, compare  # noqa: F401  (the tests use them from here)
+from .common import TOL32, TOL64, Row, compare, ops_for  # noqa: F401  (the tests use them from here)
 from .llama_ops import check_gqa_attention, check_rmsnorm, check_rmsnorm_linear, check_rope, check_swiglu
 from .model import check_model_adamw, check_model_step
 from .ops import (
@@ -53,7 +53,7 @@ VERIFY_LLAMA = (
 def _has_llama(backend):
     """Whether the backend has every op of the Llama family (both backends do now), so the llama
     model checks can run on it."""
-    return all(hasattr(_ops(backend), f"{op}_forward") for op in ("rmsnorm", "swiglu", "rope", "gqa_attention"))
+    return all(hasattr(ops_for(backend), f"{op}_forward") for op in ("rmsnorm", "swiglu", "rope", "gqa_attention"))
 
 
 def checks(backend="cpu"):
@@ -61,7 +61,7 @@ def checks(backend="cpu"):
     (C = 96 with 3 heads, V = 1000, B*T = 2*17 = 34), then the models. A name -> a function of no
     arguments returning its rows."""
     shape = dict(B=2, T=17)
-    ops = _ops(backend)
+    ops = ops_for(backend)
     out = {
         "encoder": lambda: check_encoder(**shape, C=96, V=1000, block_size=32, backend=backend),
         "layernorm": lambda: check_layernorm(**shape, C=96, backend=backend),

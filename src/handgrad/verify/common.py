@@ -46,22 +46,18 @@ def compare(op, quantity, got, ref, tol):
 
 
 # ---------------------------------------------------------------- helpers
-def _rng(seed):
-    return np.random.default_rng(seed)
-
-
-def _randn(rng, shape, dtype, scale=1.0):
+def randn(rng, shape, dtype, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
-def _t(x, requires_grad=False):
+def torch64(x, requires_grad=False):
     """float64 torch leaf from a numpy array (the exact values handgrad saw)."""
     import torch
     t = torch.from_numpy(np.asarray(x, dtype=np.float64).copy())
     return t.requires_grad_(requires_grad)
 
 
-def _ops(backend):
+def ops_for(backend):
     ops = get_backend(backend)
     return ops if backend == "cpu" else _HostArrays(ops)
 
@@ -102,6 +98,6 @@ class _HostArrays:
         return call
 
 
-def _tol(dtype):
+def tol_for(dtype):
     return TOL64 if np.dtype(dtype) == np.float64 else TOL32
 

@@ -3,24 +3,24 @@ and backward, against PyTorch autograd in float64."""
 import numpy as np
 
 from ..backends.cpu.dropout import keep_mask
-from .common import _ops, _randn, _rng, _t, _tol, compare
+from .common import compare, ops_for, randn, tol_for, torch64
 
 
 def check_rmsnorm(B=2, T=5, C=24, eps=1e-5, dtype=np.float32, seed=0, backend="cpu", scale=1.0, offset=0.0):
-    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    ops, rng, tol = ops_for(backend), np.random.default_rng(seed), tol_for(dtype)
     import torch
 
     from .. import torch_ref as R
-    x = (_randn(rng, (B, T, C), np.float64, scale) + offset).astype(dtype)
-    w, dout = _randn(rng, C, dtype), _randn(rng, (B, T, C), dtype)
+    x = (randn(rng, (B, T, C), np.float64, scale) + offset).astype(dtype)
+    w, dout = randn(rng, C, dtype), randn(rng, (B, T, C), dtype)
     out, rstd = np.full_like(x, np.nan), np.full((B, T), np.nan, dtype)  # both overwritten
     ops.rmsnorm_forward(out, rstd, x, w, eps)
-    dx = _randn(rng, (B, T, C), dtype)  # accumulates: start from a nonzero residual gradient
+    dx = randn(rng, (B, T, C), dtype)  # accumulates: start from a nonzero residual gradient
     dx0, dw = dx.copy(), np.zeros_like(w)
     ops.rmsnorm_backward(dx, dw, dout, x, w, rstd)
-    tx, tw = _t(x, True), _t(w, True)
+    tx, tw = torch64(x, True), torch64(w, True)
     ref = R.rmsnorm(tx, tw, eps)
-    ref.backward(_t(dout))
+    ref.backward(torch64(dout))
     return [compare("rmsnorm", "out", out, ref.detach(), tol),
             compare("rmsnorm", "rstd (saved)", rstd, torch.rsqrt(tx.detach().pow(2).mean(-1) + eps), tol),
             compare("rmsnorm", "dinp (accumulated)", dx - dx0.astype(np.float64), tx.grad, tol),
@@ -28,22 +28,22 @@ def check_rmsnorm(B=2, T=5, C=24, eps=1e-5, dtype=np.float32, seed=0, backend="c
 
 
 def check_rmsnorm_linear(B=2, T=5, C=24, OC=40, bias=False, eps=1e-5, dtype=np.float32, seed=0, backend="cpu"):
-    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    ops, rng, tol = ops_for(backend), np.random.default_rng(seed), tol_for(dtype)
     from .. import torch_ref as R
-    x, dout = _randn(rng, (B, T, C), dtype), _randn(rng, (B, T, OC), dtype)
-    nw, w = _randn(rng, C, dtype), _randn(rng, (C, OC), dtype)
-    b = _randn(rng, OC, dtype) if bias else None
+    x, dout = randn(rng, (B, T, C), dtype), randn(rng, (B, T, OC), dtype)
+    nw, w = randn(rng, C, dtype), randn(rng, (C, OC), dtype)
+    b = randn(rng, OC, dtype) if bias else None
     out, rstd = np.full((B, T, OC), np.nan, dtype), np.full((B, T), np.nan, dtype)  # both overwritten
     ops.rmsnorm_linear_forward(out, rstd, x, nw, w, b, eps)
-    dx = _randn(rng, (B, T, C), dtype)  # accumulates: start from a nonzero residual gradient
+    dx = randn(rng, (B, T, C), dtype)  # accumulates: start from a nonzero residual gradient
     dx0 = dx.copy()
     dnw, dw = np.zeros_like(nw), np.zeros_like(w)
     db = np.zeros_like(b) if bias else None
     ops.rmsnorm_linear_backward(dx, dnw, dw, db, dout, x, nw, rstd, w)
-    tx, tnw, tw = _t(x, True), _t(nw, True), _t(w, True)
-    tb = _t(b, True) if bias else None
+    tx, tnw, tw = torch64(x, True), torch64(nw, True), torch64(w, True)
+    tb = torch64(b, True) if bias else None
     ref = R.linear(R.rmsnorm(tx, tnw, eps), tw, tb)
-    ref.backward(_t(dout))
+    ref.backward(torch64(dout))
     rows = [compare("rmsnorm_linear", "out", out, ref.detach(), tol),
             compare("rmsnorm_linear", "dinp (accumulated)", dx - dx0.astype(np.float64), tx.grad, tol),
             compare("rmsnorm_linear", "dnorm_weight", dnw, tnw.grad, tol),
@@ -54,15 +54,15 @@ def check_rmsnorm_linear(B=2, T=5, C=24, OC=40, bias=False, eps=1e-5, dtype=np.f
 
 
 def check_swiglu(B=2, T=5, H=24, dtype=np.float32, seed=0, backend="cpu", scale=2.0):
-    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    ops, rng, tol = ops_for(backend), np.random.default_rng(seed), tol_for(dtype)
     from .. import torch_ref as R
-    gu, dout = _randn(rng, (B, T, 2 * H), dtype, scale), _randn(rng, (B, T, H), dtype)
+    gu, dout = randn(rng, (B, T, 2 * H), dtype, scale), randn(rng, (B, T, H), dtype)
     out, dgu = np.full((B, T, H), np.nan, dtype), np.full_like(gu, np.nan)  # both overwritten
     ops.swiglu_forward(out, gu)
     ops.swiglu_backward(dgu, dout, gu)
-    tgu = _t(gu, True)
+    tgu = torch64(gu, True)
     ref = R.swiglu(tgu)
-    ref.backward(_t(dout))
+    ref.backward(torch64(dout))
     return [compare("swiglu", "out", out, ref.detach(), tol),
             compare("swiglu", "dgu", dgu, tgu.grad, tol)]
 
@@ -76,20 +76,20 @@ def _rope_tables(ops, T, hs, theta):
 def check_rope(B=2, T=5, NH=6, NKV=2, hs=16, offset=3, theta=10000.0, dtype=np.float32, seed=0, backend="cpu"):
     """RoPE in place on the q and k columns of a fused qkv, one call over both as the model makes
     it, at positions [offset, offset + T)."""
-    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    ops, rng, tol = ops_for(backend), np.random.default_rng(seed), tol_for(dtype)
     import torch
 
     from .. import torch_ref as R
     QK, W = (NH + NKV) * hs, (NH + 2 * NKV) * hs
     cos, sin = _rope_tables(ops, offset + T, hs, theta)
-    qkv, dout = _randn(rng, (B, T, W), dtype), _randn(rng, (B, T, W), dtype)
+    qkv, dout = randn(rng, (B, T, W), dtype), randn(rng, (B, T, W), dtype)
     buf, dbuf = qkv.copy(), dout.copy()
     qk, dqk = buf[:, :, :QK], dbuf[:, :, :QK]  # one view each, passed as out and inp: in place
     ops.rope_forward(qk, qk, cos, sin, NH + NKV, offset)
     ops.rope_backward(dqk, dqk, cos, sin, NH + NKV, offset)
-    tx = _t(qkv, True)
-    ref = torch.cat([R.rope(tx[:, :, :QK], _t(cos), _t(sin), NH + NKV, offset), tx[:, :, QK:]], dim=2)
-    ref.backward(_t(dout))
+    tx = torch64(qkv, True)
+    ref = torch.cat([R.rope(tx[:, :, :QK], torch64(cos), torch64(sin), NH + NKV, offset), tx[:, :, QK:]], dim=2)
+    ref.backward(torch64(dout))
     return [compare("rope", "out (in place)", buf, ref.detach(), tol),
             compare("rope", "dinp (in place)", dbuf, tx.grad, tol)]
 
@@ -99,13 +99,13 @@ def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, 
     """Grouped-query attention; rope: q and k given before RoPE (`rope=(cos, sin)`, as the model
     trains: the gpu rotates them inside its kernels); dropout_p: the probabilities dropped with the
     cpu's keep mask (the reference multiplies by the mask itself)."""
-    ops, rng, tol = _ops(backend), _rng(seed), _tol(dtype)
+    ops, rng, tol = ops_for(backend), np.random.default_rng(seed), tol_for(dtype)
     import torch
 
     from .. import torch_ref as R
     W, QK = (NH + 2 * NKV) * hs, (NH + NKV) * hs
-    qkv, dout = _randn(rng, (B, T, W), dtype), _randn(rng, (B, T, NH * hs), dtype)
-    tq = _t(qkv, True)  # before the forward: with rope the cpu op rotates q and k in qkv in place
+    qkv, dout = randn(rng, (B, T, W), dtype), randn(rng, (B, T, NH * hs), dtype)
+    tq = torch64(qkv, True)  # before the forward: with rope the cpu op rotates q and k in qkv in place
     kw = {"dropout_p": dropout_p, "seed": 4242} if dropout_p else {}
     if rope:
         kw["rope"] = _rope_tables(ops, T, hs, 1e4)
@@ -113,10 +113,10 @@ def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, 
     ops.gqa_attention_forward(out, att, qkv, NH, NKV, **kw)
     dqkv = np.empty_like(qkv)
     ops.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out, **kw)
-    x = torch.cat([R.rope(tq[:, :, :QK], *map(_t, kw["rope"]), NH + NKV), tq[:, :, QK:]], 2) if rope else tq
+    x = torch.cat([R.rope(tq[:, :, :QK], *map(torch64, kw["rope"]), NH + NKV), tq[:, :, QK:]], 2) if rope else tq
     keep = torch.from_numpy(keep_mask((B, NH, T, T), dropout_p, kw["seed"])) if dropout_p else None
     ref = R.gqa_attention(x, NH, NKV, keep=keep, p=dropout_p)
-    ref.backward(_t(dout))
+    ref.backward(torch64(dout))
     fused = ", ".join(["rope"] * rope + [f"dropout {dropout_p:g}"] * bool(dropout_p))
     tag = f" ({fused})" if fused else ""
     return [compare("gqa_attention", "out" + tag, out, ref.detach(), tol),

@@ -26,8 +26,8 @@ from numba.extending import overload
 from . import blas
 from .blas import NO_TRANS, TRANS, gemm_at, gemm_beta_at, restore_threads, single_threaded
 from .common import HEAVY, decode_rows, kernel, serial_kernel, workspace
-from .dropout import MASK32, _SHIFT32, _split, philox4x32, threshold
-from .decode_attend import _decode_kernel
+from .dropout import MASK32, SHIFT32, philox4x32, seed_words, threshold
+from .decode_attend import decode_kernel
 from .mathfn import dot64, exp32, max32, sum64
 
 # Query rows per block of the causal products: smaller blocks skip more of the mask but make smaller
@@ -51,15 +51,15 @@ def _split_qkv(qkv, NH):
 
 
 # ---------------------------------------------------------------- one row of the softmax
-def _row_max(a, n):
+def row_max(a, n):
     """max of a[:n] (Numba only)."""
 
 
-def _exp(x):
+def exp_typed(x):
     """exp(x) (Numba only)."""
 
 
-@overload(_row_max)
+@overload(row_max)
 def _row_max_impl(a, n):
     if a.dtype == types.float32:
         return lambda a, n: max32(a, n)
@@ -72,7 +72,7 @@ def _row_max_impl(a, n):
     return impl
 
 
-@overload(_exp)
+@overload(exp_typed)
 def _exp_impl(x):
     if x == types.float32:
         return lambda x: exp32(x)  # vectorisable (mathfn)
@@ -83,9 +83,9 @@ def _exp_impl(x):
 def softmax_row(a, n, scale):
     """a[:n] = softmax(a[:n] * scale) in place, a[n:] = 0. In a's dtype, with the vectorisable
     exp32 for float32 and the row sum in float64; scale > 0 (so max(a) * scale = max(a * scale))."""
-    mx = _row_max(a, n) * scale
+    mx = row_max(a, n) * scale
     for s in range(n):
-        a[s] = _exp(a[s] * scale - mx)
+        a[s] = exp_typed(a[s] * scale - mx)
     inv = a.dtype.type(1.0 / sum64(a, n))
     for s in range(n):
         a[s] *= inv
@@ -117,7 +117,7 @@ def keep_row(m, first, n, seed_lo, seed_hi, bound, scale):
     j0 = first // 4
     for jj in range((first + n + 3) // 4 - j0):
         j = np.uint64(j0 + jj)
-        c0, c1, c2, c3 = philox4x32(seed_lo, seed_hi, j & MASK32, j >> _SHIFT32)
+        c0, c1, c2, c3 = philox4x32(seed_lo, seed_hi, j & MASK32, j >> SHIFT32)
         m[4 * jj] = scale if c0 >= bound else 0
         m[4 * jj + 1] = scale if c1 >= bound else 0
         m[4 * jj + 2] = scale if c2 >= bound else 0
@@ -145,7 +145,7 @@ def drop_row(d, src, m, first, n, end, seed_lo, seed_hi, bound, scale):
 
 def dropout_args(p, seed, dtype):
     """The kernels' dropout arguments (seed_lo, seed_hi, bound, 1/(1-p) in dtype); bound 0 is off."""
-    return (*_split(seed), threshold(p), np.dtype(dtype).type(1.0 / (1.0 - p)))
+    return (*seed_words(seed), threshold(p), np.dtype(dtype).type(1.0 / (1.0 - p)))
 
 
 def keep_scratch(n, T, dtype):
@@ -193,13 +193,13 @@ def _head_qkv(x, NH, bh):
 
 
 @njit(inline="always")
-def _gemm_add_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one):
+def gemm_add_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one):
     """c += op(a) @ op(b): blas.gemm_beta_at with beta = 1."""
     gemm_beta_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one, one)
 
 
 @kernel(min_parallel=HEAVY)
-def _forward_heads(mkl, out, att, qkv, dropped, keep, NH, scale, seed_lo, seed_hi, bound, keep_scale, block,
+def forward_heads(mkl, out, att, qkv, dropped, keep, NH, scale, seed_lo, seed_hi, bound, keep_scale, block,
                    softmax):
     """attention_forward with every array C-contiguous; softmax=False leaves the scores
     unnormalised (bench train's matmul floor times the products alone that way).
@@ -247,7 +247,7 @@ def _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, T, C3, hs, isz, one, block):
 
 
 @kernel(min_parallel=HEAVY)
-def _backward_heads(mkl, dqkv, dout, qkv, att, datt, NH, scale, block, softmax):
+def backward_heads(mkl, dqkv, dout, qkv, att, datt, NH, scale, block, softmax):
     """attention_backward with every array C-contiguous; datt is (B, NH, T, T) scratch.
     Row block [r0, r1) of dP and dS only needs columns < r1; column block [r0, r1) of P^T and
     dS^T only rows >= r0 (the rest is masked, so zero)."""
@@ -303,13 +303,13 @@ def _backward_heads_dropout(mkl, dqkv, dout, qkv, att, datt, dropped, keep, NH, 
                     apply_keep(datt[b, h, t], keep[bh], o, t + 1)
                     softmax_backward_row(datt[b, h, t], att[b, h, t], t + 1, r1, scale)
             # dv[:r1] += Pd[r0:r1, :r1]^T dy[r0:r1]
-            _gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, r1 - r0, pr, T, pdy + r0 * C * isz, C, pdv, C3, one)
+            gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, r1 - r0, pr, T, pdy + r0 * C * isz, C, pdv, C3, one)
         _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, T, C3, hs, isz, one, block)
         restore_threads(mkl, previous)
 
 
 def run_heads(kernel, *args):
-    """Every call of _forward_heads / _backward_heads goes through here, so that bench train's
+    """Every call of forward_heads / backward_heads goes through here, so that bench train's
     matmul floor can record them (and replay them with softmax=False: the products alone)."""
     kernel(*args)
 
@@ -370,7 +370,7 @@ def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0):
     if mkl is not None:
         shape = (B * n_head, min(T, CAUSAL_BLOCK), T) if dropout_p != 0.0 else (1, 1, 1)  # else unused
         dropped = workspace("attention_dropped", shape, qkv.dtype)
-        run_heads(_forward_heads, mkl, out, att, qkv, dropped, keep_scratch(B * n_head, T, qkv.dtype), n_head,
+        run_heads(forward_heads, mkl, out, att, qkv, dropped, keep_scratch(B * n_head, T, qkv.dtype), n_head,
                   scale, *drop, CAUSAL_BLOCK, True)
         return
     q, k, v = _split_qkv(qkv, n_head)
@@ -407,7 +407,7 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, se
     mkl = _per_head_mkl(qkv, n_head, ((dqkv, qkv.shape), (dout, (B, T, C)), (att, (B, n_head, T, T))))
     if mkl is not None:
         if dropout_p == 0.0:
-            run_heads(_backward_heads, mkl, dqkv, dout, qkv, att, datt, n_head, scale, CAUSAL_BLOCK, True)
+            run_heads(backward_heads, mkl, dqkv, dout, qkv, att, datt, n_head, scale, CAUSAL_BLOCK, True)
         else:
             dropped = workspace("attention_dropped", (B * n_head, min(T, CAUSAL_BLOCK), T), qkv.dtype)
             run_heads(_backward_heads_dropout, mkl, dqkv, dout, qkv, att, datt, dropped,
@@ -458,5 +458,5 @@ def attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, rows=None)
         raise ValueError("out, k_cache and v_cache must be C-contiguous (they are written in place)")
     scores = workspace("attention_decode_scores", (B * NH, Tmax), np.float32)
     acc = workspace("attention_decode_acc", (B * NH, hs), np.float32)
-    _decode_kernel(out.reshape(B, NH * hs), qkv.reshape(B, 3 * NH * hs), k_cache, v_cache, scores, acc, pos, rows,
+    decode_kernel(out.reshape(B, NH * hs), qkv.reshape(B, 3 * NH * hs), k_cache, v_cache, scores, acc, pos, rows,
                    NH, 1.0 / math.sqrt(hs))

@@ -400,7 +400,7 @@ def _bf16_gemm(a, b, c, beta):
     a = _bf16_operand(a)
     if _few_rows(a, b, c, beta):  # a's few rows widened once (exact), so only the weight is per element
         wide = workspace("gemm_bf16_rows", a.shape, np.float32)
-        onednn._widen(a, wide)
+        onednn.widen_bf16(a, wide)
         small_m_nt(wide, b.T, c)
         return c
     if b.dtype == np.uint16 and _hardware_bf16():

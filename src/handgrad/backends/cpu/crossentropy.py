@@ -13,7 +13,7 @@ from numba import prange
 from .bf16 import narrow_into
 from .common import HEAVY, ROWS_PER_BLOCK, backward_rows, kernel, n_blocks, rows, workspace
 from .mathfn import exp32, max32, sum64
-from .widen import _widen_block
+from .widen import widen_block
 
 IGNORE_INDEX = -1
 
@@ -107,7 +107,7 @@ def _widened_blocks(z16):
     wide = workspace("crossentropy_bf16_rows", (min(N, step), V), np.float32)
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
-        _widen_block(z16[r0:r1], wide[:r1 - r0])
+        widen_block(z16[r0:r1], wide[:r1 - r0])
         yield r0, r1, wide[:r1 - r0]
 
 

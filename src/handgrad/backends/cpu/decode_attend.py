@@ -73,7 +73,7 @@ def attend_head(out, qkv, k_cache, v_cache, scores, acc, b, h, g, r, p, scale):
 
 
 @kernel(min_parallel=HEAVY)
-def _decode_kernel(out, qkv, k_cache, v_cache, scores, acc, pos, rows, NH, scale):
+def decode_kernel(out, qkv, k_cache, v_cache, scores, acc, pos, rows, NH, scale):
     """Every row's query over the cache (out (B, NH hs)): parallel over (b, kv head), each appending
     its key and value, then attending with its G query heads (scores, acc: a row per (b, kv head))."""
     B = out.shape[0]

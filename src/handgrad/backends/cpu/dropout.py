@@ -21,7 +21,7 @@ from .common import MIN_PARALLEL, kernel, rows, serial_kernel
 MASK32 = np.uint64(0xFFFFFFFF)
 _KEY_A, _KEY_B = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
 _ROUND_A, _ROUND_B = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-_SHIFT32 = np.uint64(32)
+SHIFT32 = np.uint64(32)
 ROWS = 4096  # elements per parallel work item (the mask depends on the element index only)
 
 
@@ -34,8 +34,8 @@ def philox4x32(seed_lo, seed_hi, c0, c1):
     k0, k1 = seed_lo, seed_hi
     for _ in range(10):
         p0, p2 = _ROUND_A * c0, _ROUND_B * c2  # 32 x 32 -> 64-bit products: hi and lo words
-        n0 = (p2 >> _SHIFT32) ^ c1 ^ k0
-        n2 = (p0 >> _SHIFT32) ^ c3 ^ k1
+        n0 = (p2 >> SHIFT32) ^ c1 ^ k0
+        n2 = (p0 >> SHIFT32) ^ c3 ^ k1
         c1, c3 = p2 & MASK32, p0 & MASK32
         c0, c2 = n0, n2
         k0, k1 = (k0 + _KEY_A) & MASK32, (k1 + _KEY_B) & MASK32
@@ -49,7 +49,8 @@ def threshold(p):
     return np.uint64(round(p * 2.0 ** 32))
 
 
-def _split(seed):
+def seed_words(seed):
+    """(lo, hi): a 64-bit seed as Philox's two 32-bit key words (uint32 values held in uint64)."""
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     return np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
 
@@ -59,7 +60,7 @@ def _dropout_kernel(out, x, seed_lo, seed_hi, bound, scale):
     n = x.size
     for blk in prange((n + ROWS - 1) // ROWS):
         for j in range(blk * (ROWS // 4), min((n + 3) // 4, (blk + 1) * (ROWS // 4))):
-            r = philox4x32(seed_lo, seed_hi, np.uint64(j) & MASK32, np.uint64(j) >> _SHIFT32)
+            r = philox4x32(seed_lo, seed_hi, np.uint64(j) & MASK32, np.uint64(j) >> SHIFT32)
             for w in range(4):
                 i = 4 * j + w
                 if i < n:
@@ -73,7 +74,7 @@ def dropout_forward(out, x, p, seed):
         if out is not x:
             out[...] = x
         return
-    _dropout_kernel(rows(out).reshape(-1), rows(x).reshape(-1), *_split(seed), threshold(p),
+    _dropout_kernel(rows(out).reshape(-1), rows(x).reshape(-1), *seed_words(seed), threshold(p),
                     out.dtype.type(1.0 / (1.0 - p)))
 
 
@@ -87,13 +88,13 @@ def keep_mask(shape, p, seed):
     """The forward's mask as a bool array (for references and tests), computed in NumPy."""
     n = int(np.prod(shape))
     j = np.arange((n + 3) // 4, dtype=np.uint64)
-    lo, hi = _split(seed)
-    c0, c1 = j & MASK32, j >> _SHIFT32
+    lo, hi = seed_words(seed)
+    c0, c1 = j & MASK32, j >> SHIFT32
     c2 = c3 = np.zeros(len(j), np.uint64)
     k0, k1 = lo, hi
     for _ in range(10):
         p0, p2 = _ROUND_A * c0, _ROUND_B * c2
-        c0, c2, c1, c3 = (p2 >> _SHIFT32) ^ c1 ^ k0, (p0 >> _SHIFT32) ^ c3 ^ k1, p2 & MASK32, p0 & MASK32
+        c0, c2, c1, c3 = (p2 >> SHIFT32) ^ c1 ^ k0, (p0 >> SHIFT32) ^ c3 ^ k1, p2 & MASK32, p0 & MASK32
         k0, k1 = (k0 + _KEY_A) & MASK32, (k1 + _KEY_B) & MASK32
     words = np.stack([c0, c1, c2, c3], axis=1).reshape(-1)[:n]  # element i: word i % 4 of call i // 4
     return (words >= threshold(p)).reshape(shape)

@@ -42,12 +42,12 @@ import numpy as np
 from numba import njit, prange
 
 from . import blas
-from .attention import (CAUSAL_BLOCK, _exp, _gemm_add_at, _row_max, apply_keep, dropout_args,
-                        dropout_heads_kernel, keep_row, keep_scratch, softmax_backward_row)
+from .attention import (CAUSAL_BLOCK, apply_keep, dropout_args, dropout_heads_kernel, exp_typed, gemm_add_at,
+                        keep_row, keep_scratch, row_max, softmax_backward_row)
 from .blas import NO_TRANS, TRANS, gemm_at, restore_threads, single_threaded
 from .rope import rope_backward, rope_forward
 from .common import HEAVY, decode_rows, kernel, serial_kernel, workspace
-from .decode_attend import _decode_kernel
+from .decode_attend import decode_kernel
 from .mathfn import sum64
 
 
@@ -56,9 +56,9 @@ from .mathfn import sum64
 def _softmax_row_lse(a, n, end, scale):
     """a[:n] = softmax(a[:n] * scale) in place, a[n:end] = 0; returns the row's logsumexp
     log(sum(exp(a[:n] * scale))) in float64. The same arithmetic as attention.softmax_row."""
-    mx = _row_max(a, n) * scale
+    mx = row_max(a, n) * scale
     for s in range(n):
-        a[s] = _exp(a[s] * scale - mx)
+        a[s] = exp_typed(a[s] * scale - mx)
     total = sum64(a, n)
     inv = a.dtype.type(1.0 / total)
     for s in range(n):
@@ -73,7 +73,7 @@ def _probabilities_row(a, n, end, scale, lse):
     the row's logsumexp), a[n:end] = 0."""
     m = a.dtype.type(lse)
     for s in range(n):
-        a[s] = _exp(a[s] * scale - m)
+        a[s] = exp_typed(a[s] * scale - m)
     a[n:end] = 0
 
 
@@ -163,8 +163,8 @@ def _backward_groups(mkl, dqkv, dout, qkv, lse, probs, dprobs, stacked, keep, NH
                 # dq[r0:r1] = dS[r0:r1, :r1] k[:r1]
                 gemm_at(mkl, NO_TRANS, NO_TRANS, m, hs, r1, dj, T, pk, W, pdq + r0 * W * isz, W, one)
             # over the group's stacked rows: dv[:r1] += P^T dy (Pd^T dy);  dk[:r1] += dS^T q
-            _gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, G * m, pp, T, pdys, hs, pdv, W, one)
-            _gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, G * m, pd, T, pqs, hs, pdk, W, one)
+            gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, G * m, pp, T, pdys, hs, pdv, W, one)
+            gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, G * m, pd, T, pqs, hs, pdk, W, one)
         restore_threads(mkl, previous)
 
 
@@ -367,5 +367,5 @@ def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_h
         raise ValueError("out, k_cache and v_cache must be C-contiguous (they are written in place)")
     scores = workspace("gqa_decode_scores", (B * NKV, Tmax), np.float32)
     acc = workspace("gqa_decode_acc", (B * NKV, hs), np.float32)
-    _decode_kernel(out.reshape(B, n_head * hs), qkv.reshape(B, (n_head + 2 * NKV) * hs), k_cache, v_cache,
+    decode_kernel(out.reshape(B, n_head * hs), qkv.reshape(B, (n_head + 2 * NKV) * hs), k_cache, v_cache,
                    scores, acc, pos, rows, n_head, 1.0 / math.sqrt(hs))

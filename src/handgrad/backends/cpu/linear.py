@@ -6,7 +6,7 @@ from .common import colsum_accumulate, kernel, rows
 
 
 @kernel
-def _add_bias_kernel(out, bias):
+def add_bias_kernel(out, bias):
     N, OC = out.shape
     for i in prange(N):
         for o in range(OC):
@@ -21,7 +21,7 @@ def linear_forward(out, inp, weight, bias=None):
     out2 = rows(out)
     blas.gemm(rows(inp), weight, out2)
     if bias is not None:
-        _add_bias_kernel(out2, bias)
+        add_bias_kernel(out2, bias)
 
 
 def linear_backward(dinp, dweight, dbias, dout, inp, weight, accumulate=True):

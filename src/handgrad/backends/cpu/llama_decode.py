@@ -41,20 +41,20 @@ from numba.extending import intrinsic
 from .common import decode_rows, workspace
 from .decode_attend import append_kv, attend_head
 from .few_rows import ROW_STREAMS, SHARE_N, nt_rows, warm, warm_streams
-from .linear import _add_bias_kernel
-from .onednn import _narrow, _widen
-from .residual import _residual_forward_kernel
-from .rmsnorm import _rmsnorm_forward_kernel
-from .rope import _rope_forward_kernel
-from .swiglu import _swiglu_forward_kernel32
+from .linear import add_bias_kernel
+from .onednn import narrow_bf16, widen_bf16
+from .residual import residual_forward_kernel
+from .rmsnorm import rmsnorm_forward_kernel
+from .rope import rope_forward_kernel
+from .swiglu import swiglu_forward_kernel32
 from .team import LEAVE, SYNC_SLOTS, TEAM, barrier, part, team_start
 
 LAYER_PARTS = ("norm1", "wqkv", "bqkv", "wo", "norm2", "wgu", "wdown")
 
 # the kernels' serial copies, as globals a Numba function can call (a @kernel object is Python's)
-_rmsnorm, _rope, _add_bias = _rmsnorm_forward_kernel.serial, _rope_forward_kernel.serial, _add_bias_kernel.serial
-_residual, _swiglu = _residual_forward_kernel.serial, _swiglu_forward_kernel32.serial
-_narrow_rows, _widen_rows = _narrow.serial, _widen.serial
+_rmsnorm, _rope, _add_bias = rmsnorm_forward_kernel.serial, rope_forward_kernel.serial, add_bias_kernel.serial
+_residual, _swiglu = residual_forward_kernel.serial, swiglu_forward_kernel32.serial
+_narrow_rows, _widen_rows = narrow_bf16.serial, widen_bf16.serial
 
 
 @intrinsic

@@ -272,7 +272,7 @@ def gemm(a, b, c, beta=0.0):
 
 # ---------------------------------------------------------------- float32 <-> bf16
 @kernel
-def _narrow(x, out):
+def narrow_bf16(x, out):
     """out = bf16 bits of x (bf16.narrow32: round to nearest even, NaN stays NaN)."""
     n = x.size
     xf, of = x.reshape(n), out.reshape(n)
@@ -308,12 +308,12 @@ def to_bf16(x, out=None):
     x = np.ascontiguousarray(x, dtype=np.float32)
     if out is None:
         out = np.empty(x.shape, np.uint16)
-    _narrow(x, out)
+    narrow_bf16(x, out)
     return out
 
 
 @kernel
-def _widen(h, out):
+def widen_bf16(h, out):
     """out = the float32 values of the bf16 bits h (exact)."""
     n = h.size
     hf, of = h.reshape(n), out.reshape(n)
@@ -329,5 +329,5 @@ def from_bf16(h, out=None):
     elif out.shape != h.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"from_bf16: out must be C-contiguous float32 of shape {h.shape}, got {out.dtype} "
                          f"{out.shape}")
-    _widen(h, out)
+    widen_bf16(h, out)
     return out

@@ -5,7 +5,7 @@ from .common import kernel
 
 
 @kernel
-def _residual_forward_kernel(out, a, b):
+def residual_forward_kernel(out, a, b):
     for i in prange(out.shape[0]):
         out[i] = a[i] + b[i]
 
@@ -19,7 +19,7 @@ def _residual_backward_kernel(da, db, dout):
 
 def residual_forward(out, a, b):
     """out = a + b, all (B, T, C) contiguous. Overwrites out."""
-    _residual_forward_kernel(out.reshape(-1), a.reshape(-1), b.reshape(-1))
+    residual_forward_kernel(out.reshape(-1), a.reshape(-1), b.reshape(-1))
 
 
 def residual_backward(da, db, dout):

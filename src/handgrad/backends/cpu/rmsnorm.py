@@ -15,7 +15,7 @@ from .mathfn import dot64, dot_dev64
 
 
 @kernel(min_parallel=HEAVY)
-def _rmsnorm_forward_kernel(out, rstd, inp, weight, eps):
+def rmsnorm_forward_kernel(out, rstd, inp, weight, eps):
     N, C = inp.shape
     for i in prange(N):
         xr, yr = inp[i], out[i]  # 1-D row views: the inner loop vectorises in both copies
@@ -42,7 +42,7 @@ def rmsnorm_forward(out, rstd, inp, weight, eps):
     the backward needs. out may be bf16 (uint16 bit patterns: a bf16 product's input), narrowed as
     it is written.
     """
-    _rmsnorm_forward_kernel(rows(out), rstd.reshape(-1), rows(inp), weight, eps)
+    rmsnorm_forward_kernel(rows(out), rstd.reshape(-1), rows(inp), weight, eps)
 
 
 def rmsnorm_recompute(out, inp, rstd, weight):

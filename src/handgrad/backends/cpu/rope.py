@@ -89,7 +89,7 @@ def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor, origina
 # before the add (no fused multiply-add), as in torch: a float32 forward is bit-identical to
 # transformers' apply_rotary_pos_emb on the same tables.
 @kernel
-def _rope_forward_kernel(out, inp, cos, sin, n_head, offset):
+def rope_forward_kernel(out, inp, cos, sin, n_head, offset):
     B, T, C = inp.shape
     hs = C // n_head
     half = hs // 2
@@ -161,7 +161,7 @@ def rope_forward(out, inp, cos, sin, n_head, offset=0):
     or one such position per row b (sequences at different positions: `handgrad serve`'s batched step).
     Overwrites out.
     """
-    _rope_forward_kernel(out, inp, cos, sin, n_head, _check("rope_forward", out, inp, cos, sin, n_head, offset))
+    rope_forward_kernel(out, inp, cos, sin, n_head, _check("rope_forward", out, inp, cos, sin, n_head, offset))
 
 
 def rope_backward(dinp, dout, cos, sin, n_head, offset=0):

@@ -36,7 +36,7 @@ def sigmoid64(g):
 # gu and dgu are passed as (N, 2, H) views: gu[i, 0] is row i's gate, gu[i, 1] its up, both
 # contiguous 1-D rows, so the inner loops vectorise.
 @kernel(min_parallel=HEAVY)
-def _swiglu_forward_kernel32(out, gu):
+def swiglu_forward_kernel32(out, gu):
     N, _, H = gu.shape
     for i in prange(N):
         gr, ur, yr = gu[i, 0], gu[i, 1], out[i]
@@ -68,7 +68,7 @@ def swiglu_forward(out, gu):
     """out (B, T, H) = silu(gu[..., :H]) * gu[..., H:], gu (B, T, 2H). Overwrites out, which may be
     bf16 (uint16 bit patterns: the next product's input) for a float32 gu, narrowed as written; gu
     may be bf16 too (the cpu's bf16 products keep gate|up so), widened as read."""
-    fn = _swiglu_forward_kernel if gu.dtype == np.float64 else _swiglu_forward_kernel32
+    fn = _swiglu_forward_kernel if gu.dtype == np.float64 else swiglu_forward_kernel32
     fn(rows(out), _halves(gu, out))
 
 

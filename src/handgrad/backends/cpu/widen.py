@@ -19,7 +19,7 @@ from numba import prange
 
 from .bf16 import widen16
 from .common import kernel, workspace
-from .onednn import _narrow
+from .onednn import narrow_bf16
 
 _MIN_BLOCK = 256
 # A block cut from a longer dimension is a multiple of _ALIGN elements (where it is that long), so every
@@ -37,7 +37,7 @@ def _cut(block, n):
 
 
 @kernel
-def _widen_block(src, out):
+def widen_block(src, out):
     """out (R, C), float32 contiguous = src (R, C), a strided block of bf16 bit patterns, widened."""
     R, C = out.shape
     for i in prange(R):
@@ -52,7 +52,7 @@ def as_float32(x, name):
     if x.dtype != np.uint16:
         return x
     out = workspace(name, x.shape, np.float32)
-    _widen_block(x, out)
+    widen_block(x, out)
     return out
 
 
@@ -84,7 +84,7 @@ def _tile(x, slot, rows, cols, tile, done):
     src = block.T if flip else block
     out = workspace(f"gemm_bf16_tile{slot}", (tile,), np.float32)[:src.size].reshape(src.shape)
     if done[slot] != (rows, cols):
-        _widen_block(src, out)
+        widen_block(src, out)
         done[slot] = (rows, cols)
     return out.T if flip else out
 
@@ -149,5 +149,5 @@ def narrowed_gemm(a, b, c, gemm):
     for r0 in range(0, M, step):
         r1 = min(M, r0 + step)
         gemm(a[r0:r1], b, tile[:r1 - r0], 0.0)
-        _narrow(tile[:r1 - r0], c[r0:r1])
+        narrow_bf16(tile[:r1 - r0], c[r0:r1])
     return c

@@ -17,7 +17,7 @@ operands in full precision, not TF32) and results are stored in the tensors' dty
 """
 import torch
 
-from .gqa_attention import _DTYPES, gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward
+from .gqa_attention import ATTENTION_DTYPES, gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward
 
 
 def attention_state_shape(B, n_head, T):
@@ -35,7 +35,7 @@ def _check(qkv, n_head, att, **rows):
     if hs is None or hs < 16 or hs & (hs - 1):
         raise ValueError(f"gpu attention needs a head size hs = n_embd / n_head that is a power of two "
                          f">= 16, got n_embd {C} / n_head {n_head}" + (f" = hs {hs}" if hs else ""))
-    if qkv.dtype not in _DTYPES:
+    if qkv.dtype not in ATTENTION_DTYPES:
         raise ValueError(f"gpu attention takes float32 or bfloat16, got qkv {qkv.dtype}")
     for name, (x, shape) in rows.items():
         if tuple(x.shape) != shape or x.dtype != qkv.dtype or x.stride(-1) != 1:

@@ -33,7 +33,7 @@ from .rope import check_tables, load_rotated, store_unrotated
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)    # ln(2):   log(x) = log2(x) * LN2
-_DTYPES = (torch.float32, torch.bfloat16)
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 # Triton's interpreter stores bf16 as uint16 and its tl.dot multiplies the bit patterns
 # (triton-lang/triton#11584: bf16 arithmetic is unsupported there); widen the operands there.
 _WIDEN_DOT_OPERANDS = tl.constexpr(interpreting())
@@ -117,7 +117,7 @@ def _check(qkv, n_head, n_kv_head, att, **tensors):
     hs = W // (n_head + 2 * n_kv_head)
     if hs < 16 or hs & (hs - 1):
         raise ValueError(f"gpu grouped-query attention needs a head size that is a power of two >= 16, got {hs}")
-    if qkv.dtype not in _DTYPES or qkv.stride(-1) != 1:
+    if qkv.dtype not in ATTENTION_DTYPES or qkv.stride(-1) != 1:
         raise ValueError(f"qkv must be float32 or bfloat16 with unit stride in its last dim, got {qkv.dtype} "
                          f"strides {qkv.stride()}")
     for name, (x, shape) in tensors.items():
