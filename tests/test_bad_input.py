@@ -138,6 +138,12 @@ def config_file(name, text):
     return build
 
 
+def typo_over_a_run(w, tmp):
+    """A mistyped key in --config and --out a run that holds checkpoints: the key is the first error."""
+    (tmp / "c.toml").write_text("[train]\nmax_step = 5\n")
+    return train(w.A, run_copy(w, tmp), "--config", str(tmp / "c.toml")), []
+
+
 def overrides(*flags):
     return lambda w, tmp: (train(w.A, tmp / "out", *flags), [tmp / "out"])
 
@@ -389,7 +395,11 @@ CASES = [
          ("already holds checkpoints", "pass --resume")),
     # config files
     Case("file-unknown-key", config_file("c.toml", "[model]\nn_layers = 2\n"),
-         ("model.n_layers: unknown config key", "c.toml", "known keys")),
+         ("model.n_layers: unknown config key", "c.toml", "did you mean model.n_layer?")),
+    Case("file-unknown-keys", config_file("c.yaml", "model:\n  n_layers: 2\ntrain:\n  max_step: 5\n  nope: 1\n"),
+         ("c.yaml: 3 unknown config keys: model.n_layers (did you mean model.n_layer?), train.max_step (did you "
+          "mean train.max_steps?), train.nope; known keys: model.arch",)),
+    Case("file-typo-over-a-run", typo_over_a_run, ("train.max_step: unknown config key", "did you mean train.max_steps?")),
     Case("file-unknown-section", config_file("c.toml", "[optim]\nlr = 0.1\n"),
          ("optim: unknown section", "sections are model, train")),
     Case("file-wrong-type", config_file("c.json", '{"model": {"n_embd": "big"}}'),

@@ -95,15 +95,15 @@ def test_matmul_floor_counts_the_per_head_kernels_products_as_they_run():
     from handgrad.backends.cpu.attention import CAUSAL_BLOCK
     B, C = 8, 512
     full_fwd, full_bwd = 4 * B * 64 * 64 * C, 8 * B * 64 * 64 * C
-    assert bench_profile._head_kernel_flop(True, B, 64, C, 64) == full_fwd
-    assert bench_profile._head_kernel_flop(False, B, 64, C, 64) == full_bwd
-    assert bench_profile._head_kernel_flop(True, B, 256, C, 64) * 16 == 10 * 4 * B * 256 * 256 * C
-    assert bench_profile._head_kernel_flop(False, B, 256, C, 64) * 16 == 10 * 8 * B * 256 * 256 * C
+    assert bench_profile.head_kernel_flop(True, B, 64, C, 64) == full_fwd
+    assert bench_profile.head_kernel_flop(False, B, 64, C, 64) == full_bwd
+    assert bench_profile.head_kernel_flop(True, B, 256, C, 64) * 16 == 10 * 4 * B * 256 * 256 * C
+    assert bench_profile.head_kernel_flop(False, B, 256, C, 64) * 16 == 10 * 8 * B * 256 * 256 * C
     for T in (1, 37, 64, 100, 256, 1000):
         causal = T * (T + 1) // 2  # (query, key) pairs the mask keeps
-        fwd = bench_profile._head_kernel_flop(True, B, T, C, CAUSAL_BLOCK)
+        fwd = bench_profile.head_kernel_flop(True, B, T, C, CAUSAL_BLOCK)
         assert 4 * B * causal * C <= fwd <= 4 * B * T * T * C
-        assert bench_profile._head_kernel_flop(False, B, T, C, CAUSAL_BLOCK) == 2 * fwd  # dP, dq like S, y; dv, dk mirror them
+        assert bench_profile.head_kernel_flop(False, B, T, C, CAUSAL_BLOCK) == 2 * fwd  # dP, dq like S, y; dv, dk mirror them
 
 
 def test_bench_train_unknown_preset():
@@ -131,7 +131,7 @@ def test_check_losses_refuses_a_mismatch():
 
 def test_profiler_times_ops_and_passes_the_rest_through():
     from handgrad.backends import cpu
-    prof = bench_profile._Profiler(cpu)
+    prof = bench_profile.Profiler(cpu)
     x = prof.zeros((4, 8))
     assert isinstance(x, np.ndarray) and not prof.calls  # storage helpers are not timed
     out = prof.empty((4, 8))

@@ -19,6 +19,7 @@ from handgrad.models.llama import Llama
 from handgrad.sample import SEPARATOR
 from handgrad.config import LlamaConfig
 from handgrad.interop.checkpoint import load_model, read_state, resolve
+from handgrad.interop.load import model_sampling
 
 transformers = pytest.importorskip("transformers")
 
@@ -357,11 +358,15 @@ def test_hf_model_dir_trains_on_chat_data_and_samples_its_reply(dirs, data, tmp_
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=True)).eval()
+    hf.generation_config.do_sample, hf.generation_config.temperature, hf.generation_config.top_p = True, 0.6, 0.9
     hf.save_pretrained(hf_dir)
     assert cli(["train", "--init-from", str(hf_dir), "--data", str(data), "--out", str(tmp_path / "run"),
                 "--train.max_steps", "2", "--train.batch_size", "2",
                 "--train.sample_interval", "0", "--train.eval_interval", "0"]) == 0
     assert read_state(resolve(tmp_path / "run"))["model_config"]["block_size"] == 48  # the data's, not the model's 64
+    # the model's sampling settings stay the fine-tune's (`sample`, `chat` and `serve` read them)
+    assert model_sampling(tmp_path / "run") == model_sampling(hf_dir) == ({"temperature": 0.6, "top_p": 0.9},
+                                                                          "the model's generation_config.json")
     capsys.readouterr()
     assert cli(["sample", "--run", str(hf_dir), "--chat", "--prompt", "Tell me a story.", "--temperature", "0",
                 "--max-new-tokens", "12"]) == 0

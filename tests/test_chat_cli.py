@@ -88,6 +88,26 @@ def test_a_second_turn_sees_the_first(run, spy, capsys, monkeypatch):
     assert text.startswith("<|im_start|>system\nbe brief<|im_end|>") and "hello there" in text and first in text
 
 
+def test_the_first_line_says_how_replies_are_sampled_and_they_are(run, spy, capsys, monkeypatch):
+    """No sampling flags and a model with no settings of its own: llama.cpp's defaults, said on the
+    first line, and the reply drawn with them (seed 1337, as `sample` draws)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\n"))
+    assert cli(["chat", "--run", str(run), "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == ("sampling: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05 (llama.cpp's "
+                                   "defaults; the model has none)")
+    assert out.splitlines()[1].startswith(f"{run}: ")
+    fmt, (model, tok, _) = load_chat_format(run), chat_cli.load_run(str(run))
+    prompt = spy["prompts"][0]
+    want = generate(model, [prompt], 8, 0.8, 40, 0.95, np.random.default_rng(1337), min_p=0.05,
+                    stop_id=fmt.end_of_turn_id, vocab=tok.vocab_size)
+    assert spy["outs"] == [want[0].tolist()]
+    assert generate(model, [prompt], 8, 0.8, rng=np.random.default_rng(1337), stop_id=fmt.end_of_turn_id,
+                    vocab=tok.vocab_size)[0].tolist() != want[0].tolist()  # the filters changed this reply
+    code, out = chat(run, [], capsys=capsys, monkeypatch=monkeypatch)  # --temperature 0
+    assert code == 0 and out.splitlines()[0] == "sampling: greedy, temperature 0 (as asked)"
+
+
 def test_reset_system_and_save_round_trip_through_prepare(run, spy, capsys, monkeypatch, tmp_path):
     f = tmp_path / "chats.jsonl"
     code, out = chat(run, ["hello there", "tell me a story", f"/save {f}",

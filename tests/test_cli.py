@@ -81,6 +81,49 @@ def test_unknown_verb_and_bad_backend_are_usage_errors():
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
+def test_handgrad_alone_lists_the_verbs_and_version_prints_the_packages(capsys):
+    """`handgrad` alone: each verb on one line with what it does, and where --help is, on stdout, exit 2
+    (nothing was done); `handgrad --version`: `handgrad X.Y.Z`, pyproject.toml's version."""
+    import tomllib
+    from pathlib import Path
+    from handgrad.cli import build_parser, main
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    verbs = build_parser().verbs
+    for verb in verbs:
+        assert sum(line.startswith(f"  {verb} ") for line in out.splitlines()) == 1, out
+    assert "  serve    an OpenAI-compatible HTTP API" in out and "`handgrad VERB --help`" in out
+    assert "error" not in out and "required" not in out
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    version = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    assert capsys.readouterr().out == f"handgrad {version}\n"
+
+
+def test_flags_are_never_abbreviated_and_an_unknown_one_gets_a_guess(tmp_path, capsys):
+    """argparse would take `--train.max_step 5` as --train.max_steps (a unique prefix): every parser
+    refuses abbreviations, and an unknown flag's error names the flag it most likely meant."""
+    from handgrad.cli import build_parser, main
+    parser = build_parser()
+    assert not parser.allow_abbrev and not any(p.allow_abbrev for p in parser.verbs.values())
+    train = ["train", "--data", str(tmp_path), "--out", str(tmp_path / "run")]
+    for argv, says in [
+            (train + ["--train.max_step", "5"],
+             "unrecognized arguments: --train.max_step 5 (did you mean --train.max_steps?); see `handgrad train --help`"),
+            (train + ["--train.max_step=5", "--model.n_layers", "3"],
+             "unrecognized arguments: --train.max_step=5 --model.n_layers 3 (did you mean --train.max_steps for "
+             "--train.max_step, --model.n_layer for --model.n_layers?); see `handgrad train --help`"),
+            (train + ["--train.x", "3"], "unrecognized arguments: --train.x 3; see `handgrad train --help`"),
+            (["sample", "--run", str(tmp_path), "--max-new-token", "5"],
+             "unrecognized arguments: --max-new-token 5 (did you mean --max-new-tokens?); see `handgrad sample "
+             "--help`")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err == f"error: {says}\n"
+
+
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "--steps", "3"]])
 def test_bench_without_what_names_the_choices(capsys, argv):
     """issue 24: `handgrad bench` alone said `the following arguments are required: what`, naming

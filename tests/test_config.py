@@ -78,6 +78,54 @@ def test_bad_files(tmp_path):
         load_run_config("huge")
 
 
+@pytest.mark.parametrize("suffix, text", [
+    (".toml", "max_steps = 5\n[model]\nn_layers = 3\n[train]\nmax_step = 5\nnope = 1\nlr = 0.002\n[trian]\nx = 1\n"),
+    (".json", json.dumps({"max_steps": 5, "model": {"n_layers": 3}, "train": {"max_step": 5, "nope": 1, "lr": 0.002},
+                          "trian": {"x": 1}})),
+    (".yaml", "max_steps: 5\nmodel:\n  n_layers: 3\ntrain:\n  max_step: 5\n  nope: 1\n  lr: 0.002\ntrian:\n  x: 1\n"),
+])
+def test_a_files_unknown_keys_are_named_at_once_each_with_a_guess(tmp_path, suffix, text):
+    """Every unknown key (and section) of a file in one line naming the file, each with the key it
+    most likely meant (a bare key: the section's key of that name); a single one names itself first."""
+    f = tmp_path / ("run" + suffix)
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, f)
+    assert str(e.value) == (
+        f"{f}: 5 unknown config keys: max_steps (did you mean train.max_steps?), model.n_layers (did you mean "
+        f"model.n_layer?), train.max_step (did you mean train.max_steps?), train.nope, trian (unknown section: "
+        f"sections are model, train); known keys: model.arch, " + str(e.value).split("; known keys: model.arch, ")[1])
+    assert "train.lr" not in str(e.value).split("; known keys:")[0] and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^train.max_step: unknown config key \(command line\); "
+                                          r"did you mean train.max_steps\?$"):
+        load_run_config(None, overrides={"train.max_step": 5})
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"train": {"warmup": 5}}))
+    with pytest.raises(ConfigError, match=r"^train.warmup: unknown config key \(.*one\.json\); "
+                                          r"did you mean train.warmup_steps\?$"):
+        load_run_config(None, one)
+
+
+def test_config_mistakes_come_before_the_run_directorys_refusal(tmp_path, capsys):
+    """`train --out RUN` over a run that holds checkpoints (or --resume where nothing is saved) with a
+    mistyped key reports the key: the refusal of the directory is the second mistake, not the real one."""
+    from handgrad.cli import main
+    run = tmp_path / "run"
+    (run / "ckpt" / "step_00000002").mkdir(parents=True)
+    (run / "ckpt" / "step_00000002" / "state.json").write_text("{}")
+    typo = tmp_path / "c.toml"
+    typo.write_text("[train]\nmax_step = 5\n")
+    for argv, says in [(["--out", str(run), "--config", str(typo)], "train.max_step: unknown config key"),
+                       (["--out", str(run), "--train.max_steps", "0"], "train.max_steps: must be positive"),
+                       (["--out", str(tmp_path / "empty"), "--resume", "--config", str(typo)],
+                        "train.max_step: unknown config key")]:
+        assert main(["train", "--data", str(tmp_path / "data"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {says}") and err.count("\n") == 1, err
+    assert main(["train", "--data", str(tmp_path / "data"), "--out", str(run)]) == 2  # a good config: the directory
+    assert "already holds checkpoints" in capsys.readouterr().err
+
+
 def test_model_arch_picks_a_family_and_defaults_to_gpt2():
     assert load_run_config().model.arch == "gpt2"
     assert load_run_config(overrides={"model.arch": "gpt2"}).model.arch == "gpt2"

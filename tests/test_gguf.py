@@ -116,13 +116,13 @@ def test_an_export_loads_in_transformers_and_gguf(models, name, tmp_path):
     assert b.fields["general.architecture"].contents() == kind
 
 
-@pytest.mark.parametrize("gguf_type, qtype", [("q8_0", Q.Q8_0), ("bf16", Q.BF16)])
+@pytest.mark.parametrize("gguf_type, qtype", [("q8_0", Q.Q8_0), ("f16", Q.F16), ("bf16", Q.BF16)])
 def test_quantized_export_equals_gguf_s_own_quantizer(models, gguf_type, qtype, tmp_path):
     src = write_like_llama_cpp(tmp_path / "src.gguf", models["llama"])
     dst = tmp_path / "q.gguf"
     assert cli(["convert", str(src), str(dst), "--format", "gguf", "--gguf-type", gguf_type]) == 0
     a, b = {t.name: t for t in gguf.GGUFReader(src).tensors}, gguf.GGUFReader(dst)
-    assert b.fields["general.file_type"].contents() == {"q8_0": 7, "bf16": 32}[gguf_type]
+    assert b.fields["general.file_type"].contents() == {"q8_0": 7, "f16": 1, "bf16": 32}[gguf_type]
     for t in b.tensors:
         want = np.asarray(a[t.name].data)
         if want.ndim == 2:
@@ -136,6 +136,86 @@ def test_quantized_export_equals_gguf_s_own_quantizer(models, gguf_type, qtype, 
     name = "model.layers.0.self_attn.q_proj.weight"
     err = np.abs(np.asarray(weights[name]) - np.asarray(exact[name])).max()
     assert 0 < err < 0.02 * np.abs(np.asarray(exact[name])).max()
+
+
+def test_a_q8_0_export_is_q8_0_sized_and_loads_in_transformers(models, tmp_path):
+    """--gguf-type q8_0: every matrix 34 bytes a block of 32 weights and every 1-D tensor float32, as
+    GGUFReader reads them; the file 0.26-0.30 of the f32 export's size; transformers' GGUF loader
+    gives handgrad's logits on it, within Q8_0's rounding of the source's."""
+    src = write_like_llama_cpp(tmp_path / "src.gguf", models["llama"])
+    out = tmp_path / "out"
+    out.mkdir()
+    for kind in ("f32", "q8_0"):
+        assert cli(["convert", str(src), str(out / f"{kind}.gguf"), "--format", "gguf", "--gguf-type", kind]) == 0
+    reader = gguf.GGUFReader(out / "q8_0.gguf")
+    for t in reader.tensors:
+        if len(t.shape) == 2:
+            assert t.tensor_type == Q.Q8_0 and t.n_bytes == t.n_elements // 32 * 34, t.name
+        else:
+            assert t.tensor_type == Q.F32 and t.n_bytes == 4 * t.n_elements, t.name
+    assert reader.fields["llama.context_length"].contents() == models["llama"].config.max_position_embeddings
+    ratio = (out / "q8_0.gguf").stat().st_size / (out / "f32.gguf").stat().st_size
+    assert 0.26 < ratio < 0.30, ratio
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, gguf_file="q8_0.gguf", dtype=torch.float32)
+    ours = handgrad.from_pretrained(out / "q8_0.gguf").forward(IDX)
+    assert _rel(ours, _logits(ref.eval(), IDX)) < 1e-5
+    assert 0 < _rel(ours, _logits(models["llama"], IDX)) < 0.1  # 0.056: 2 layers of 8-bit weights, no tuning
+
+
+def test_q8_0_leaves_rows_that_are_not_whole_blocks_in_f16(tmp_path):
+    """A matrix whose rows are not whole blocks of 32 is f16 under q8_0, convert_hf_to_gguf.py's
+    fallback; the rest Q8_0, norms float32. n_embd 48: q/k/v/o, gate, up and the embedding rows are
+    48 wide, down_proj's 64."""
+    from handgrad.config import LlamaConfig
+    from handgrad.interop.gguf import write_gguf
+    from handgrad.models import family_of
+    from handgrad.models.family import flat_layout, flat_views
+    config = LlamaConfig(block_size=32, vocab_size=40, n_layer=1, n_head=2, n_embd=48, n_kv_head=1, ffn_hidden=64)
+    family = family_of(config)
+    layout, _ = flat_layout(family.param_spec(config))
+    weights = flat_views(family.init_params(config, 0), layout)
+    write_gguf(tmp_path / "m.gguf", config, weights, gguf_type="q8_0")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert types["blk.0.ffn_down.weight"] == Q.Q8_0
+    assert types["blk.0.attn_norm.weight"] == types["output_norm.weight"] == Q.F32
+    assert all(types[n] == Q.F16 for n in ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
+                                           "blk.0.attn_v.weight", "blk.0.attn_output.weight",
+                                           "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"))
+    _, back, _ = read_gguf(tmp_path / "m.gguf")
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert np.array_equal(np.asarray(back[name]), np.asarray(weights[name]).astype(np.float16).astype(np.float32))
+
+
+def test_a_fine_tuned_run_exports_its_base_models_context_length(tmp_path, capsys):
+    """A run --init-from a model with 128 positions trains on blocks of 16; its exports (GGUF's
+    llama.context_length, Hugging Face's max_position_embeddings) give the base's 128, a LoRA run's
+    merged too, and so does the run after a --resume."""
+    import json
+
+    from handgrad.interop.checkpoint import read_state, resolve
+    from helpers import prepared_char_data
+    from test_hf_llama import _hf_model
+    data = prepared_char_data(tmp_path, "".join(f"line {i}: the quick brown fox.\n" for i in range(100)))
+    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
+    base = write_like_llama_cpp(tmp_path / "base.gguf", _hf_model("llama", False, vocab=vocab, seed=3))
+    assert gguf.GGUFReader(base).fields["llama.context_length"].contents() == 128
+    train = ["train", "--data", str(data), "--init-from", str(base), "--model.block_size", "16", "--train.batch_size",
+             "2", "--train.eval_interval", "0", "--train.sample_interval", "0", "--train.checkpoint_interval", "1"]
+    for name, extra in (("full", []), ("lora", ["--train.lora_rank", "4"])):
+        run = tmp_path / name
+        assert cli(train + ["--out", str(run), "--train.max_steps", "1"] + extra) == 0
+        assert cli(train[:3] + ["--out", str(run), "--resume", "--train.max_steps", "2"]) == 0
+        state = read_state(resolve(run))
+        assert (state["step"], state["model_config"]["block_size"], state["context_length"]) == (2, 16, 128)
+        (run / "tokenizer.json").unlink()  # a char tokenizer, which GGUF cannot hold
+        merge = ["--merge"] if extra else []
+        assert cli(["convert", str(run), str(tmp_path / f"{name}.gguf"), "--format", "gguf", "--gguf-type", "q8_0",
+                    *merge]) == 0
+        assert cli(["convert", str(run), str(tmp_path / f"{name}-hf"), "--format", "hf", *merge]) == 0
+        assert "block_size 128" in capsys.readouterr().out
+        assert gguf.GGUFReader(tmp_path / f"{name}.gguf").fields["llama.context_length"].contents() == 128
+        hf = json.loads((tmp_path / f"{name}-hf" / "config.json").read_text())
+        assert hf["max_position_embeddings"] == 128
 
 
 def test_the_weights_are_read_one_tensor_at_a_time(models, tmp_path):

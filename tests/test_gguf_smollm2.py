@@ -46,6 +46,29 @@ def test_the_config_is_smollm2_135m(path):
     assert info["format"] == "gguf" and info["tokenizer"] == str(path) and info["eot_id"] == 2
 
 
+def test_the_file_carries_no_sampling_settings_and_the_name_samples_as_transformers(path):
+    """The GGUF has no general.sampling.* keys: as a file, llama.cpp's defaults. By its name,
+    what transformers does with the Hugging Face model (its generation_config.json sets no
+    do_sample): greedy."""
+    from handgrad.interop.load import model_sampling
+    from handgrad.models.sampling import resolve_sampling
+    assert model_sampling(path) is None
+    assert resolve_sampling(model_sampling(path)).kwargs() == dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                                                                   repetition_penalty=None)
+    settings, source = model_sampling("smollm2-135m-instruct")
+    assert settings == {"temperature": 0} and "generation_config.json" in source
+
+
+def test_a_first_chat_at_the_default_settings_answers_paris(path, capsys, monkeypatch):
+    """`handgrad chat --run smollm2-135m-instruct`, no flags: the settings line first, then Paris."""
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO(QUESTION + "\n"))
+    assert cli(["chat", "--run", "smollm2-135m-instruct", "--max-new-tokens", "30"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("sampling: greedy, temperature 0 (from HuggingFaceTB/SmolLM2-135M-Instruct's")
+    assert "The capital of France is Paris." in out, out
+
+
 def test_logits_match_transformers_gguf_loader(reference, ours):
     model, tok = reference
     for prompt in PROMPTS:

@@ -1,7 +1,7 @@
 """The package's shape (docs/ARCHITECTURE.md): every import runs down the layers, no import circles,
 project imports at the top of each file (only the modules that load torch or triton may be imported
-inside a function), every model family known to the config, and modules small enough to read in one
-sitting."""
+inside a function), no module reading another's underscore names, every model family known to the
+config, and modules small enough to read in one sitting."""
 import ast
 from pathlib import Path
 
@@ -23,7 +23,7 @@ MAX_LINES = 500
 COMMANDS = ("handgrad.__main__", "handgrad.cli", "handgrad.sample", "handgrad.chat_cli", "handgrad.serve",
             "handgrad.verify", "handgrad.bench", "handgrad.training.command", "handgrad.data.prepare", "handgrad.interop.convert",
             "handgrad.eval.command")
-LAYERS = (("config, files", ("handgrad.config", "handgrad.config_keys", "handgrad.files")),
+LAYERS = (("config, files", ("handgrad.config", "handgrad.config_keys", "handgrad.presets", "handgrad.files")),
           ("ops", ("handgrad.backends",)),
           ("model family", ("handgrad.models",)),
           ("data, interop, eval", ("handgrad.data", "handgrad.interop", "handgrad.eval")),
@@ -155,6 +155,66 @@ def test_project_imports_at_the_top():
             for t, line, inside in _imports(m, f, mods)
             if inside and not t.startswith(LAZY_MODULES)]
     assert lazy == [], "project modules imported inside functions (move them to the top):\n" + "\n".join(lazy)
+
+
+def _private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(name, is_pkg, source, mods):
+    """(line, what) for every use of another project module's underscore name: imported
+    (`from handgrad.x import _y`) or read off the module (`x._y`). Dunders pass, and so does a
+    private submodule (`from . import _x`)."""
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    tree = ast.parse(source)
+    modules, found = {}, []  # local name -> the project module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                mod = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "handgrad":
+                continue
+            for a in node.names:
+                if f"{mod}.{a.name}" in mods:
+                    modules[a.asname or a.name] = f"{mod}.{a.name}"
+                elif _private(a.name):
+                    found.append((node.lineno, f"from {mod} import {a.name}"))
+        elif isinstance(node, ast.Import):
+            modules.update({a.asname: a.name for a in node.names if a.asname and a.name in mods})
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                and modules.get(node.value.id, name) != name):
+            found.append((node.lineno, f"{modules[node.value.id]}.{node.attr}"))
+    return sorted(found)
+
+
+def test_no_module_reads_another_modules_underscore_names():
+    """A name another module needs is public in its own; an underscore name stays in its file."""
+    mods = _modules()
+    found = [f"{f.relative_to(SRC.parent)}:{line} uses {what}" for m, f in mods.items()
+             for line, what in _private_uses(m, f.name == "__init__.py", f.read_text(), mods)]
+    assert found == [], "another module's underscore names (make them public there, or drop the use):\n" + \
+        "\n".join(found)
+
+
+def test_underscore_check_finds_a_private_import():
+    mods = {"handgrad.backends.cpu", "handgrad.backends.cpu.blas", "handgrad.backends.cpu._fast",
+            "handgrad.backends.cpu.attention"}
+    source = ("from . import _fast, blas\n"
+              "from .blas import __all__, _PATH, gemm\n"
+              "from handgrad.backends.cpu.blas import (\n    _one_openmp)\n"
+              "import handgrad.backends.cpu.blas as b\n"
+              "x = blas._PATH, b._lib, blas.__name__, blas.gemm, _fast._x, self._y\n"
+              "def f():\n    from .blas import _late\n")
+    assert _private_uses("handgrad.backends.cpu.attention", False, source, mods) == [
+        (2, "from handgrad.backends.cpu.blas import _PATH"),
+        (3, "from handgrad.backends.cpu.blas import _one_openmp"),
+        (6, "handgrad.backends.cpu._fast._x"),
+        (6, "handgrad.backends.cpu.blas._PATH"),
+        (6, "handgrad.backends.cpu.blas._lib"),
+        (8, "from handgrad.backends.cpu.blas import _late")]
 
 
 def test_modules_fit_one_sitting():

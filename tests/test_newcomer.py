@@ -26,7 +26,20 @@ def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_line_every_10_steps_and_the_first_says_it_compiles(data, tmp_path, capsys):
+def test_a_line_every_10_steps_and_the_first_says_when_it_compiled(data, tmp_path, capsys, monkeypatch):
+    """Step 1 is tagged "(compiling kernels)" when Numba compiled during it (here a new function,
+    as a cold cache compiles the kernels), and not when nothing compiled (a second run in the same
+    process, whose kernels the first compiled or loaded)."""
+    import numba
+
+    from handgrad.training.trainer import Trainer
+    real = Trainer.train_step
+
+    def compiling_at_step_1(self):
+        if self.step == 0:
+            numba.njit(lambda x: x + 1)(1)
+        return real(self)
+    monkeypatch.setattr(Trainer, "train_step", compiling_at_step_1)
     run = tmp_path / "run"
     assert cli(["train", "--data", str(data), "--out", str(run), *SMALL, "--train.max_steps", "25"]) == 0
     steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
@@ -34,6 +47,33 @@ def test_a_line_every_10_steps_and_the_first_says_it_compiles(data, tmp_path, ca
     assert steps[0].endswith("(compiling kernels)") and not any("compiling" in line for line in steps[1:])
     assert [r["step"] for r in _metrics(run)] == list(range(1, 26))  # metrics.jsonl keeps every step
     assert all(0 < r["mfu"] < 1 for r in _metrics(run))
+    monkeypatch.setattr(Trainer, "train_step", real)
+    assert cli(["train", "--data", str(data), "--out", str(tmp_path / "again"), *SMALL, "--train.max_steps", "12"]) == 0
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [int(line.split()[1]) for line in steps] == [1, 10, 12] and not any("compiling" in s for s in steps)
+
+
+def test_a_terminal_is_told_once_when_kernels_compile(monkeypatch, capsys):
+    """announce_compiles (train, sample): one line on stderr at the first compile, on a terminal
+    only, as the progress bars."""
+    import io
+
+    import numba
+
+    from handgrad.backends.cpu.compiles import announce_compiles
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    announce_compiles()
+    numba.njit(lambda x: x + 1)(1)
+    assert capsys.readouterr().err == ""  # not a terminal
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    announce_compiles()
+    numba.njit(lambda x: x + 2)(1)
+    numba.njit(lambda x: x + 3)(1)
+    assert term.getvalue() == "compiling kernels (once: Numba caches them for later runs) ...\n"
 
 
 def test_help_shows_the_presets_values_and_the_allowed_words(capsys):

@@ -286,7 +286,8 @@ def test_sample_logits_respects_top_k_top_p_and_temperature():
 # ---------------------------------------------------------------- argument checks
 @pytest.mark.parametrize("kwargs, name", [
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"),
+    (dict(top_k=-1), "top_k"), (dict(top_k=2.5), "top_k"), (dict(min_p=2), "min_p"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(max_new_tokens=-1), "max_new_tokens"), (dict(max_new_tokens=2.0), "max_new_tokens"),
     (dict(prompt_ids=[]), "prompt_ids"), (dict(prompt_ids=[1, 41]), "prompt_ids"),
@@ -409,7 +410,7 @@ def test_cli_streams_prompt_and_samples_with_separators(cli):
     assert len(samples) == 4 and samples[-1] == ""
     tok = ByteTokenizer()
     prompt = np.tile(tok.encode("hé"), (3, 1))
-    ids = generate(cli.model, prompt, 20, 0.8, 50, None, np.random.default_rng(5))
+    ids = generate(cli.model, prompt, 20, 0.8, 50, 0.95, np.random.default_rng(5), min_p=0.05)  # llama.cpp's, top_k 50
     assert samples[:3] == [tok.decode(list(row)) for row in ids]
     assert all(s.startswith("hé") for s in samples[:3])
     assert cli.state["loaded"] == [("model", "runs/x"), ("tokenizer", "runs/x")]
@@ -432,13 +433,43 @@ def test_cli_checkpoint_dir_loads_the_runs_tokenizer(cli):
 
 @pytest.mark.parametrize("argv, match", [
     (["--prompt", ""], "empty prompt: give some text or omit --prompt to sample unconditionally"),
-    (["--top-k", "0"], "--top-k"), (["--top-p", "2"], "--top-p"),
+    (["--top-k", "-1"], "--top-k"), (["--top-p", "2"], "--top-p"), (["--min-p", "1.5"], "--min-p"),
+    (["--repetition-penalty", "0"], "--repetition-penalty"),
     (["--temperature", "-1"], "--temperature"), (["--max-new-tokens", "-5"], "--max-new-tokens"),
     (["--num-samples", "0"], "--num-samples"),
 ])
 def test_cli_user_errors(cli, argv, match):
     with pytest.raises(SampleError, match=match):
         cli("--run", "r", *argv)
+
+
+def test_the_report_times_decoding_apart_from_compiling(cli, capsys, monkeypatch):
+    """The last line: where Numba compiled during the call (here a new function, as a cold cache
+    compiles the kernels), the seconds it took and the speed without them; where nothing compiled
+    (the second call), the plain speed."""
+    import re
+    import time
+
+    import numba
+    real = handgrad.sample.generate
+
+    def compiling_first(*args, **kwargs):
+        numba.njit(lambda x: x + 1)(1)
+        time.sleep(0.5)  # decoding time that is not compiling's
+        return real(*args, **kwargs)
+    monkeypatch.setattr(handgrad.sample, "generate", compiling_first)
+    cli("--run", "r", "--max-new-tokens", "8", "--temperature", "0")
+    err = capsys.readouterr().err
+    m = re.fullmatch(r"8 tokens in ([\d.]+) s, ([\d.]+) s of it compiling kernels \(([\d.]+) tokens/s without it\)\n",
+                     err)
+    assert m, err
+    total, compiling, rate = map(float, m.groups())
+    assert 0 < compiling and total - compiling >= 0.49  # each printed to 0.01 s
+    assert 8 / (total - compiling + 0.01) - 0.05 <= rate <= 8 / (total - compiling - 0.01) + 0.05
+    monkeypatch.setattr(handgrad.sample, "generate", real)
+    cli("--run", "r", "--max-new-tokens", "8", "--temperature", "0")
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"8 tokens in [\d.]+ s \([\d.]+ tokens/s\)\n", err), err
 
 
 # ---------------------------------------------------------------- a real run directory
@@ -493,3 +524,102 @@ def test_handgrad_sample_asked_for_more_than_memory_holds_streams_until_ctrl_c(r
     out, err = capsys.readouterr()
     text = bytes(generate(model, [97, 98], 49, temperature=0)[0].tolist()).decode("utf-8", "replace")
     assert err == "interrupted\n" and text.startswith(out) and len(out) > 2, (out, err)
+
+
+# ---------------------------------------------------------------- sampling: the flags, the model's, llama.cpp's
+def test_sampling_is_the_flags_else_the_models_else_llama_cpps():
+    from handgrad.models.sampling import resolve_sampling
+    default = resolve_sampling()
+    assert default.kwargs() == dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=None)
+    assert default.describe() == ("temperature 0.8, top_k 40, top_p 0.95, min_p 0.05 (llama.cpp's defaults; the model "
+                                  "has none)")
+    model = ({"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}, "the model's generation_config.json")
+    mixed = resolve_sampling(model, top_p=0.5, top_k=0, min_p=None)  # None: not asked
+    assert mixed.kwargs() == dict(temperature=0.6, top_k=0, top_p=0.5, min_p=0.05, repetition_penalty=1.1)
+    assert mixed.describe() == ("temperature 0.6, top_k off, top_p 0.5, min_p 0.05, repetition_penalty 1.1 (top_k, "
+                                "top_p as asked; temperature, repetition_penalty from the model's "
+                                "generation_config.json; the rest llama.cpp's defaults)")
+    greedy = resolve_sampling(({"temperature": 0}, "the model's generation_config.json"))
+    assert greedy.describe() == "greedy, temperature 0 (from the model's generation_config.json)"
+    assert resolve_sampling(model, temperature=1.0).temperature == 1.0  # a flag at the neutral value still wins
+    asked = resolve_sampling(None, temperature=0.7, top_k=20, top_p=0.8, min_p=0)
+    assert asked.describe() == "temperature 0.7, top_k 20, top_p 0.8, min_p off (as asked)"
+
+
+def hf_dir(d, generation):
+    """A directory detect_format calls Hugging Face's, with this generation_config.json."""
+    import json
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (d / "generation_config.json").write_text(json.dumps(generation))
+    return d
+
+
+def test_the_models_settings_come_from_generation_config_gguf_metadata_and_the_run(tmp_path):
+    from handgrad.interop.common import ConvertError
+    from handgrad.interop.load import model_sampling, write_generation_config
+    from helpers import tiny_run
+    source = "the model's generation_config.json"
+    got = model_sampling(hf_dir(tmp_path / "hf", {"do_sample": True, "temperature": 0.6, "top_p": 0.9,
+                                                  "top_k": 20.0, "eos_token_id": 2, "bos_token_id": 1}))
+    assert got == ({"temperature": 0.6, "top_p": 0.9, "top_k": 20}, source)
+    # transformers' greedy search unless do_sample is true: token ids alone, do_sample false whatever
+    # temperature says, sampling fields without do_sample; its repetition penalty stays
+    assert model_sampling(hf_dir(tmp_path / "ids", {"bos_token_id": 1, "eos_token_id": 2})) == (
+        {"temperature": 0}, source)
+    assert model_sampling(hf_dir(tmp_path / "greedy", {"do_sample": False, "temperature": 0.6})) == (
+        {"temperature": 0}, source)
+    assert model_sampling(hf_dir(tmp_path / "unsaid", {"temperature": 0.6, "top_k": 5, "repetition_penalty": 1.3})) == (
+        {"temperature": 0, "repetition_penalty": 1.3}, source)
+    with pytest.raises(ConvertError, match=r"bad/generation_config.json: the model's generation_config.json: top_p"):
+        model_sampling(hf_dir(tmp_path / "bad", {"do_sample": True, "top_p": 2}))
+    assert model_sampling(tmp_path / "hf-without") is None
+    assert model_sampling(tmp_path / "nothing") is None and model_sampling("gpt2") is None
+
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_float32("general.sampling.temp", 0.7)
+    w.add_int32("general.sampling.top_k", 20)
+    w.add_float32("general.sampling.penalty_repeat", 1.1)  # llama.cpp's last-64-tokens penalty: not read
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert model_sampling(tmp_path / "m.gguf") == ({"temperature": 0.7, "top_k": 20},
+                                                   "the GGUF's general.sampling.* metadata")
+
+    run = tiny_run(tmp_path / "run")
+    assert model_sampling(run) is None
+    write_generation_config(run, ({"temperature": 0, "repetition_penalty": 1.2}, source))
+    assert model_sampling(run) == ({"temperature": 0, "repetition_penalty": 1.2}, source)
+    assert model_sampling(next((run / "ckpt").iterdir())) == model_sampling(run)  # one checkpoint: its run's
+
+
+def test_sample_and_chat_draw_with_the_models_settings_under_the_flags(tmp_path, capsys, monkeypatch):
+    """A run whose generation_config.json says greedy: `sample` is greedy unless --temperature says
+    otherwise, and then the other settings are llama.cpp's; `chat` says so on its first line."""
+    from handgrad.cli import main as handgrad_main
+    from handgrad.interop.load import write_generation_config
+    from helpers import tiny_run
+    run = tiny_run(tmp_path / "run")
+    write_generation_config(run, ({"temperature": 0, "top_k": 3}, "the model's generation_config.json"))
+    model, tok, _ = handgrad.sample.load_run(str(run))
+    ids = tok.encode("hello there")
+    argv = ["sample", "--run", str(run), "--prompt", "hello there", "--max-new-tokens", "12"]
+    assert handgrad_main(argv) == 0
+    out = capsys.readouterr().out
+    greedy = generate(model, [ids], 12, temperature=0, vocab=tok.vocab_size)[0]
+    assert out == tok.decode(greedy.tolist()) + f"\n{SEPARATOR}\n"
+    assert handgrad_main(argv + ["--temperature", "1.5", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    hot = generate(model, [ids], 12, 1.5, 40, 0.95, np.random.default_rng(3), min_p=0.05, vocab=tok.vocab_size)[0]
+    assert out == tok.decode(hot.tolist()) + f"\n{SEPARATOR}\n" and not np.array_equal(hot, greedy)
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert handgrad_main(["chat", "--run", str(run)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == ("sampling: greedy, temperature 0 (from the model's generation_config.json)")
+    assert handgrad_main(["chat", "--run", str(run), "--temperature", "0.5", "--top-k", "0"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == ("sampling: temperature 0.5, top_k off, top_p 0.95, min_p 0.05 (temperature, top_k as asked; "
+                     "the rest llama.cpp's defaults)")

@@ -6,6 +6,7 @@ object naming the field; a client that leaves mid-stream frees its stream at onc
 in headless Chromium sends a message and shows the streamed reply; bad flags are one line."""
 import json
 import os
+import re
 import shutil
 import socket
 import threading
@@ -241,7 +242,8 @@ def test_chat_greedy_equals_sample_chat_streamed_or_not(served, run, prompt, n, 
 def test_completions_n_seed_and_stop(served, run):
     model, tok, _ = load_run(str(run))
     ids = tok.encode("the quick brown")
-    ref = generate(model, [ids], 20, temperature=0.8, rng=np.random.default_rng(7), vocab=tok.vocab_size)[0, len(ids):]
+    ref = generate(model, [ids], 20, 0.8, 40, 0.95, np.random.default_rng(7), min_p=0.05,  # top_k, top_p, min_p:
+                   vocab=tok.vocab_size)[0, len(ids):]                                      # llama.cpp's defaults
     eot = tok.eot_id
     ref = ref[:list(ref).index(eot)] if eot is not None and eot in ref else ref
     r = served.client.completions.create(model="tiny", prompt="the quick brown", max_tokens=20, temperature=0.8,
@@ -261,12 +263,52 @@ def test_completions_n_seed_and_stop(served, run):
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
 
 
+def test_a_request_samples_with_its_fields_else_the_models_settings(run, tmp_path):
+    """A model whose generation_config.json says greedy: a request that sets no sampling field is
+    greedy; one that sets temperature draws with it and llama.cpp's other defaults; a
+    repetition_penalty field penalizes as generate does."""
+    from starlette.testclient import TestClient
+    from handgrad.interop.load import write_generation_config
+    own = tmp_path / "own"
+    shutil.copytree(run, own)
+    write_generation_config(own, ({"temperature": 0}, "the model's generation_config.json"))
+    server, engine = build(build_parser().parse_args(["serve", "--run", str(own)]))
+    model, tok, _ = load_run(str(own))
+    ids = tok.encode("the quick brown")
+
+    def text(ref):
+        ref = ref[0, len(ids):].tolist()
+        return tok.decode(ref[:ref.index(tok.eot_id)] if tok.eot_id in ref else ref)
+    engine.start()
+    try:
+        with TestClient(server.app()) as client:
+            def complete(**fields):
+                r = client.post("/v1/completions", json={"prompt": "the quick brown", "max_tokens": 12, **fields})
+                return r.json()["choices"][0]["text"]
+            greedy = text(generate(model, [ids], 12, temperature=0, vocab=tok.vocab_size))
+            assert complete() == greedy
+            hot = text(generate(model, [ids], 12, 1.5, 40, 0.95, np.random.default_rng(3), min_p=0.05,
+                                vocab=tok.vocab_size))
+            assert complete(temperature=1.5, seed=3) == hot != greedy
+            penalized = text(generate(model, [ids], 12, temperature=0, repetition_penalty=3.0, vocab=tok.vocab_size))
+            assert complete(repetition_penalty=3.0) == penalized != greedy
+    finally:
+        engine.stop()
+
+
 def test_models_health_and_page(served):
     assert [m.id for m in served.client.models.list().data] == ["tiny"]
     health = httpx.get(served.url + "/health").json()
     assert health["status"] == "ok" and health["slots"] == 4 and health["context"] == 96
     page = httpx.get(served.url + "/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"] and "tiny" in page.text
+    # its icon rides in the page (so no /favicon.ico request), and each turn is labelled by CSS
+    import urllib.parse
+    import xml.etree.ElementTree as ET
+    icon = re.search(r'<link rel="icon" href="data:image/svg\+xml,([^"]+)">', page.text)
+    assert icon and ET.fromstring(urllib.parse.unquote(icon.group(1))).tag == "{http://www.w3.org/2000/svg}svg"
+    assert '.user::before { content: "You"; }' in page.text and '.assistant::before { content: "Assistant"; }' \
+        in page.text
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -281,6 +323,9 @@ def test_models_health_and_page(served):
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 41}, 400, "max_tokens"),  # over --max-tokens
     ({"messages": [{"role": "user", "content": "hi"}], "n": 5}, 400, "n"),  # over --max-streams
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, 400, "top_k"),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, 400, "min_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, 400, "repetition_penalty"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": [1]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
     ({"messages": [{"role": "user", "content": "hi " * 200}]}, 400, "messages"),  # longer than the context
@@ -375,6 +420,35 @@ def test_bad_flags_are_one_line(run, capsys):
         assert says in err and len(err.splitlines()) == 1, err
 
 
+def test_each_request_is_one_log_line_unless_quiet(run, monkeypatch, capsys):
+    """`handgrad serve` logs every request once on stderr, when its response has ended (method, path,
+    status, tokens generated, milliseconds), with uvicorn's own access log off; --quiet logs none.
+    uvicorn.run is replaced by Starlette's test client over the app serve hands it."""
+    from starlette.testclient import TestClient
+    handed = {}
+
+    def requests(app, **kwargs):
+        handed.update(kwargs)
+        with TestClient(app) as client:
+            assert client.get("/health").status_code == 200
+            r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5, "temperature": 0})
+            handed["tokens"] = r.json()["usage"]["completion_tokens"]
+            assert client.get("/v1/nothing").status_code == 404
+    monkeypatch.setattr(uvicorn, "run", requests)
+    logged = {}
+    for quiet in (False, True):
+        capsys.readouterr()
+        assert cli(["serve", "--run", str(run), *(["--quiet"] if quiet else [])]) == 0
+        err = capsys.readouterr().err.splitlines()
+        assert err[1].startswith("serving on http://127.0.0.1:8000/")  # the two lines at the start
+        logged[quiet] = err[2:]
+    assert handed["access_log"] is False and 1 <= handed["tokens"] <= 5
+    assert [re.sub(r" \d+ ms$", " N ms", line) for line in logged[False]] == [
+        "GET /health 200 0 tokens N ms", f"POST /v1/completions 200 {handed['tokens']} tokens N ms",
+        "GET /v1/nothing 404 0 tokens N ms"]
+    assert logged[True] == []
+
+
 # ---------------------------------------------------------------- the chat page, in a real browser
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
@@ -402,6 +476,9 @@ def test_chat_page_in_headless_chromium(served, run, tmp_path, capsys):
             lambda d: d.find_elements(By.CSS_SELECTOR, ".assistant[data-done='1']"))[0]
         assert reply.get_attribute("textContent") == ref  # the streamed reply, as sample --chat gives it
         assert driver.execute_script("return messages.length") == 2
+        labels = driver.execute_script("return [...document.querySelectorAll('.msg')].map("
+                                       "m => getComputedStyle(m, '::before').content)")
+        assert labels == ['"You"', '"Assistant"']  # shown beside each turn, not part of its text
         driver.find_element(By.ID, "reset").click()
         assert driver.find_elements(By.CSS_SELECTOR, ".msg") == []
         assert driver.execute_script("return messages.length") == 0

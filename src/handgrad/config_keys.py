@@ -55,8 +55,9 @@ KEYS = {
         "grad_clip": "Largest global gradient norm (a larger gradient is scaled down to it); 0: no clipping",
         "eval_interval": "Steps between validation losses (and eval_tasks' scores), and at the last step; 0: none",
         "eval_steps": "Validation batches per evaluation",
-        "eval_tasks": ("Comma-separated benchmark JSONL files or directories (handgrad eval's layout), "
-                       "scored at each evaluation", "none (the validation loss alone)"),
+        "eval_tasks": ("Comma-separated benchmarks, as handgrad eval --tasks takes them: standard task names "
+                       "(arc_easy, piqa, ...) or JSONL files or directories; scored at each evaluation",
+                       "none (the validation loss alone)"),
         "eval_limit": ("Rows of each of eval_tasks scored at each evaluation", "every row"),
         "loss_chunk": ("Rows (of batch_size x block_size) whose logits the loss forms at once: the head's memory is "
                        "loss_chunk x vocab_size instead of the whole batch's, for one more head product", "all rows"),
@@ -142,7 +143,13 @@ def markdown():
            "the defaults below, `--preset NAME` (its values are in the last table), `--config FILE` (TOML, JSON "
            "or YAML, with a `[model]` and a `[train]` table), then `--model.KEY V` and `--train.KEY V` flags. "
            "`handgrad train --help` lists the same keys and descriptions; with `--preset NAME --help` it shows "
-           "that preset's values.", ""]
+           "that preset's values.", "",
+           "A flag is never abbreviated, and an unknown key is an error (exit status 2, one line) naming the key "
+           "it most likely meant: `--train.max_step 5` gives `unrecognized arguments: --train.max_step 5 (did "
+           "you mean --train.max_steps?)`. A file's unknown keys are named together, in one line naming the "
+           "file: `run.toml: 2 unknown config keys: train.max_step (did you mean train.max_steps?), "
+           "model.n_layers (did you mean model.n_layer?)`. These mistakes are reported before `--out`'s: a "
+           "RUN_DIR that already holds checkpoints, or nothing to `--resume`.", ""]
     for section in SECTIONS:
         out += [f"## {section}.*", "", "| key | type | default | description |", "|---|---|---|---|"]
         for sec, name, typ, default in keys():

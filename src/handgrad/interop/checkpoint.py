@@ -7,7 +7,9 @@
     optim.safetensors   AdamW's moments: exp_avg.{name} and exp_avg_sq.{name}
     state.json          step, config, optimizer scalars, every RNG state, the data position,
                         the SHA-256 of both tensor files (checked on load) and a CRC-32 of every
-                        tensor (to name the damaged tensor when a file's SHA-256 does not match)
+                        tensor (to name the damaged tensor when a file's SHA-256 does not match);
+                        a llama run started from a pretrained model, that model's context_length
+                        (its exports give it: a RoPE model is not cut to the block_size it trained on)
 
 Each is written into a temporary directory, fsynced, then renamed into place, so a checkpoint
 directory either is complete or does not exist. Nothing is ever pickled.

@@ -2,12 +2,15 @@
 each holds and what its export is) written out in another, a LoRA adapter alone (--format peft) or
 folded into its base (--merge). save_pretrained picks the writer: a foreign format's lies beside its
 reader (hf.py, hf_llama.py, llmc.py, llama2c.py, gguf.py, peft.py), a handgrad run's here
-(write_handgrad: a run directory holding one weights-only checkpoint).
+(write_handgrad: a run directory holding one weights-only checkpoint). A llama run started from a
+pretrained model is written with that model's context length (what its checkpoint records), not the
+block_size it trained on: RoPE has no table of positions that training on short blocks would cut.
 
 A command (docs/ARCHITECTURE.md, "The layers"): nothing in the package imports it but cli.py;
 training and sampling load their models through load.py.
 """
 import shutil
+from dataclasses import replace
 
 from ..data.sources import DataError
 from ..data.tokenizer import load_tokenizer
@@ -106,8 +109,9 @@ def add_arguments(parser):
                              "and tokenizer.bin: ./run DST/model.bin -z DST/tokenizer.bin; gguf writes one file "
                              "llama.cpp and ollama run (llama-family models)")
     parser.add_argument("--gguf-type", default="f32", choices=GGUF_TYPES,
-                        help="GGUF output: the 2-D weights in f32 (default), bf16 or q8_0 (blocks of 32, one scale); "
-                             "norms and biases stay f32")
+                        help="GGUF output: the 2-D weights in f32 (default), f16, bf16 or q8_0 (blocks of 32, one "
+                             "scale: 8.5 bits a weight; a matrix whose rows are not whole blocks is f16); norms and "
+                             "biases stay f32, as llama.cpp's convert_hf_to_gguf.py writes them")
     parser.add_argument("--llmc-dtype", default=None, choices=["float32", "bfloat16"],
                         help="llm.c output: version 3 (float32, the default) or 5 (bfloat16)")
     parser.add_argument("--merge", action="store_true",
@@ -141,6 +145,9 @@ def _adapter_or_merged(args, config, weights, info):
 def main(args):
     config, weights, info = load_pretrained(args.src, merge=False)
     weights = _adapter_or_merged(args, config, weights, info)
+    context = info.get("context_length")  # a llama run's: its --init-from model's context length
+    if context and context > config.block_size and args.format != "peft":
+        config = replace(config, block_size=context)  # RoPE: training on shorter blocks cut nothing from it
     info["path"] = str(args.src)
     if args.llmc_dtype:  # else an llm.c source keeps its version, and anything else gets 3 (float32)
         info["llmc_version"] = 3 if args.llmc_dtype == "float32" else 5

@@ -20,8 +20,10 @@ dequantize.
 
 Out: what llama.cpp's convert_hf_to_gguf.py writes for LlamaForCausalLM / Qwen2ForCausalLM:
 the same keys, tensor names and q/k row order, the tokenizer (gguf_tokenizer.write_gguf_tokenizer),
-`--gguf-type` f32 (every tensor float32), bf16 or q8_0 (the 2-D weights in that type, norms and
-biases float32, as the converter leaves them), and a scaled model's rope_freqs.weight (float32). The file is written to a temporary sibling and
+`--gguf-type` f32 (every tensor float32), f16, bf16 or q8_0 (the 2-D weights in that type, norms and
+biases float32, as the converter leaves them; under q8_0 a matrix whose rows are not whole blocks of
+32 is f16, the converter's fallback), `{arch}.context_length` the config's block_size (convert gives
+a fine-tuned run its base model's), and a scaled model's rope_freqs.weight (float32). The file is written to a temporary sibling and
 renamed, so a failed write leaves nothing that looks valid.
 
 The q/k row permutation. Hugging Face's Llama rotates the two halves of each head (`rotate_half`:
@@ -54,8 +56,8 @@ from .gguf_vocab import write_gguf_tokenizer
 
 
 ARCHS = ("llama", "qwen2")
-GGUF_TYPES = ("f32", "bf16", "q8_0")  # convert --gguf-type
-FILE_TYPE = {"f32": 0, "bf16": 32, "q8_0": 7}  # general.file_type (llama.cpp's LlamaFileType)
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # convert --gguf-type
+FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}  # general.file_type (llama.cpp's LlamaFileType)
 GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
           "output.weight": "lm_head.weight"}
 PER_BLOCK = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
@@ -271,22 +273,22 @@ def read_gguf(path):
 
 # ---------------------------------------------------------------- out
 def _encode(w, gguf_type):
-    """(array to write, its GGML type) for one float32 tensor: 1-D ones stay float32, as
-    convert_hf_to_gguf.py leaves norms and biases."""
+    """(array to write, its GGML type) for one float32 tensor, as convert_hf_to_gguf.py chooses: 1-D
+    ones (norms, biases) stay float32; under q8_0 a matrix whose rows are not whole blocks of 32 is
+    written as f16, the converter's fallback when gguf's quantizer refuses it."""
     from gguf import GGMLQuantizationType as Q
     w = np.ascontiguousarray(w, dtype=np.float32)
     if gguf_type == "f32" or w.ndim < 2:
         return w, Q.F32
+    if gguf_type == "f16" or (gguf_type == "q8_0" and w.shape[-1] % 32):
+        return w.astype(np.float16), Q.F16  # gguf.quants.quantize's F16: a plain cast, to nearest even
     if gguf_type == "bf16":  # round to nearest even, as gguf's and PyTorch's bf16
         bits = w.view(np.uint32)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         nan = np.isnan(w)  # kept NaN (sign and payload's top bits, the quiet bit set)
         rounded[nan] = ((bits[nan] & 0xFFFF0000) | 0x00400000) >> 16
         return rounded.view(np.uint8).reshape(*w.shape[:-1], w.shape[-1] * 2), Q.BF16
-    if w.shape[-1] % 32:
-        raise ConvertError(f"--gguf-type q8_0: a row of {w.shape[-1]} values is not a whole number of Q8_0 "
-                           f"blocks of 32; use --gguf-type bf16 or f32")
-    return quantize_q8_0(w), Q.Q8_0
+    return quantize_q8_0(w), Q.Q8_0  # gguf.quants.quantize's Q8_0, byte for byte (tests/test_gguf.py)
 
 
 def write_gguf(dst, config, weights, tokenizer=None, gguf_type="f32", name=None):

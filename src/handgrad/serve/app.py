@@ -11,16 +11,21 @@ fields are checked here, each mistake naming its field:
 Routes: POST /v1/chat/completions, POST /v1/completions (stream true/false: server-sent events
 as OpenAI sends them, ending in `data: [DONE]`), GET /v1/models, GET /health, and the chat page
 at / (serve/page.html). Fields: max_tokens (max_completion_tokens), temperature, top_p, top_k,
-seed, stop (a string or up to 4), n, stream, stream_options.include_usage; other fields are
-ignored, as OpenAI-compatible servers do. Text is cut at a stop string and the sequence cancelled;
-streamed text holds back only what could still become a stop string.
+min_p, repetition_penalty, seed, stop (a string or up to 4), n, stream,
+stream_options.include_usage; other fields are ignored, as OpenAI-compatible servers do. A
+sampling field left out is the model's own setting, else llama.cpp's default (models/sampling.py's
+resolve_sampling, as `sample` and `chat` resolve their flags). Text is cut at a stop string and
+the sequence cancelled; streamed text holds back only what could still become a stop string.
+Server.app(log=...) adds the request log, one line per request (AccessLog).
 """
 import asyncio
 import json
+import sys
 import time
 import uuid
 from pathlib import Path
 
+from ..models.sampling import FIELDS, resolve_sampling
 from ..sample import TextStream
 from ..data.sources import DataError
 from .engine import Busy, Sequence
@@ -35,6 +40,7 @@ except ImportError:  # the optional extra: serve/command.py says what to install
 
 PAGE = Path(__file__).with_name("page.html")
 CHUNK_WAIT_S = 0.25  # how often a non-streaming request checks that its client is still there
+SEQUENCES = "handgrad.sequences"  # in a request's ASGI scope: the sequences it decoded, for AccessLog
 
 
 class ApiError(Exception):
@@ -85,8 +91,10 @@ def sampling_fields(data, limits):
     name = "max_completion_tokens" if data.get("max_tokens") is None and "max_completion_tokens" in data \
         else "max_tokens"
     return dict(max_tokens=_number(data, name, None, 1, limits.max_tokens, integer=True), max_tokens_field=name,
-                temperature=_number(data, "temperature", 1.0, 0, 2),
-                top_p=_number(data, "top_p", None, 1e-9, 1), top_k=_number(data, "top_k", None, 1, 2 ** 31, True),
+                temperature=_number(data, "temperature", None, 0, 2),
+                top_p=_number(data, "top_p", None, 1e-9, 1), top_k=_number(data, "top_k", None, 0, 2 ** 31, True),
+                min_p=_number(data, "min_p", None, 0, 1),
+                repetition_penalty=_number(data, "repetition_penalty", None, 1e-9, 100),
                 seed=_number(data, "seed", None, -2 ** 63, 2 ** 64 - 1, integer=True),
                 n=_number(data, "n", 1, 1, limits.max_streams, integer=True), stop=_stop(data), stream=stream,
                 include_usage=options.get("include_usage", False))
@@ -179,15 +187,50 @@ class Text:
         return out
 
 
+# ---------------------------------------------------------------- the request log
+def stderr_line(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+class AccessLog:
+    """ASGI middleware: one line per HTTP request once its response has ended (a stream's last
+    event sent, or its client gone), `POST /v1/chat/completions 200 31 tokens 840 ms`: the method,
+    path, status, the tokens generated for it (its sequences, left in the scope under SEQUENCES by
+    the completions routes) and the milliseconds from its arrival. uvicorn's own access log is off
+    (serve/command.py), so each request has this one line."""
+
+    def __init__(self, app, log):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [500]  # 500: the app raised before it answered
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            tokens = sum(len(seq.tokens) for seq in scope.get(SEQUENCES, ()))
+            ms = (time.perf_counter() - start) * 1000
+            self.log(f"{scope['method']} {scope['path']} {status[0]} {tokens} tokens {ms:.0f} ms")
+
+
 # ---------------------------------------------------------------- the server
 class Server:
-    """The model, its tokenizer and chat format, the engine and the limits, behind the routes."""
+    """The model, its tokenizer and chat format, the engine and the limits, behind the routes;
+    sampling: the model's own settings (interop/load.py's model_sampling), under a request's fields."""
 
-    def __init__(self, engine, tokenizer, chat_format, name, limits):
+    def __init__(self, engine, tokenizer, chat_format, name, limits, sampling=None):
         self.engine, self.tokenizer, self.fmt, self.name, self.limits = engine, tokenizer, chat_format, name, limits
+        self.sampling = sampling
         self.created = int(time.time())
 
-    def app(self):
+    def app(self, log=None):
+        """The ASGI app; with log (a function of one line, e.g. stderr_line), wrapped in AccessLog."""
         routes = [Route("/", self.page), Route("/health", self.health), Route("/v1/models", self.models),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"])]
@@ -199,7 +242,8 @@ class Server:
 
         async def api_error(request, exc):
             return _error_response(exc)
-        return Starlette(routes=routes, exception_handlers={HTTPException: http_error, ApiError: api_error})
+        app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, ApiError: api_error})
+        return AccessLog(app, log) if log is not None else app
 
     async def page(self, request):
         return HTMLResponse(PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", self.name))
@@ -231,6 +275,7 @@ class Server:
         return await self._complete(request, prompts, fields, "prompt", chat=False)
 
     def _sequences(self, prompts, f, field, stop_ids, emit):
+        sampling = resolve_sampling(self.sampling, **{k: f[k] for k in FIELDS}).kwargs()
         seqs = []
         for prompt in prompts:
             room = self.engine.length - len(prompt)
@@ -246,8 +291,8 @@ class Server:
             for j in range(f["n"]):
                 seed = None if f["seed"] is None else (f["seed"] + j) % 2 ** 64
                 index = len(seqs)
-                seqs.append(Sequence(prompt, max_tokens, f["temperature"], f["top_k"], f["top_p"], seed, stop_ids,
-                                     emit=lambda token, i=index: emit(i, token)))
+                seqs.append(Sequence(prompt, max_tokens, seed=seed, stop_ids=stop_ids,
+                                     emit=lambda token, i=index: emit(i, token), **sampling))
         if len(seqs) > self.limits.max_streams:
             raise ApiError(400, f"{len(seqs)} choices in one request; the server decodes at most "
                                 f"{self.limits.max_streams} at once", "n")
@@ -265,6 +310,7 @@ class Server:
         if self.tokenizer.eot_id is not None:
             stop_ids.add(int(self.tokenizer.eot_id))
         seqs = self._sequences(prompts, f, field, stop_ids, emit)
+        request.scope.setdefault(SEQUENCES, []).extend(seqs)  # AccessLog counts their tokens
         try:
             self.engine.submit(seqs)
         except Busy as e:

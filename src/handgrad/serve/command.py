@@ -3,16 +3,16 @@
 Loads what `--run` names as `sample` does (sample.py's load_run), starts the decoding engine
 (serve/engine.py) and serves serve/app.py's routes with uvicorn. The HTTP stack is the optional
 `serve` extra (Starlette, uvicorn); without it the command says what to install.
-Binds to 127.0.0.1 unless --host says otherwise.
+Binds to 127.0.0.1 unless --host says otherwise. Logs one line per request on stderr unless --quiet.
 """
 import sys
 from types import SimpleNamespace
 
 from ..data.chat import load_chat_format
 from ..data.sources import DataError
-from ..models.sampling import SampleError
-from ..sample import add_chat_model_arguments, add_dtype_argument, load_run
-from .app import Server, Starlette
+from ..models.sampling import SampleError, resolve_sampling
+from ..sample import add_chat_model_arguments, add_dtype_argument, load_run, run_sampling
+from .app import Server, Starlette, stderr_line
 from .engine import Engine
 
 DEFAULT_CONTEXT = 2048  # positions per stream unless the model's block_size is smaller
@@ -41,6 +41,9 @@ def add_arguments(parser):
     parser.add_argument("--max-body", type=int, default=1 << 20, metavar="BYTES",
                         help="the largest request body (default 1 MiB); more gets 413")
     add_dtype_argument(parser)
+    parser.add_argument("--quiet", action="store_true",
+                        help="no request log (default: one line per request on stderr: method, path, status, "
+                             "tokens generated, milliseconds)")
 
 
 def _check(args, block_size):
@@ -70,6 +73,7 @@ def build(args):
     if Starlette is None:
         raise SampleError(NO_HTTP_STACK)
     model, tokenizer, tok_path = load_run(args.run, args.tokenizer)
+    sampling = run_sampling(args.run)  # the model's own; a request's fields go over them
     context, limits = _check(args, model.config.block_size)
     try:
         fmt = load_chat_format(tok_path)
@@ -78,7 +82,7 @@ def build(args):
     engine = Engine(model, slots=args.max_streams, length=context, max_waiting=args.max_waiting,
                     vocab=tokenizer.vocab_size, dtype=args.dtype)
     name = args.name or str(args.run).rstrip("/").split("/")[-1]
-    return Server(engine, tokenizer, fmt, name, limits), engine
+    return Server(engine, tokenizer, fmt, name, limits, sampling=sampling), engine
 
 
 def main(args):
@@ -92,12 +96,15 @@ def main(args):
     kv = engine.cache.k.nbytes * 2 / 2 ** 20
     print(f"{server.name}: {engine.model.num_params:,} parameters; {engine.slots} streams of {engine.length} "
           f"positions ({kv:.0f} MiB of KV cache); chat template: "
-          f"{'yes' if server.fmt is not None else 'none (/v1/completions only)'}", file=sys.stderr)
+          f"{'yes' if server.fmt is not None else 'none (/v1/completions only)'}; sampling where a request sets "
+          f"none: {resolve_sampling(server.sampling).describe()}", file=sys.stderr)
     print(f"serving on http://{args.host}:{args.port}/ (the chat page) and http://{args.host}:{args.port}/v1",
           file=sys.stderr)
     engine.start()
     try:
-        uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning",
+        # the request log is handgrad's (AccessLog), so uvicorn's own access log stays off
+        uvicorn.run(server.app(log=None if args.quiet else stderr_line), host=args.host, port=args.port,
+                    log_level="warning", access_log=False,
                     limit_concurrency=args.max_streams + args.max_waiting + 64, timeout_graceful_shutdown=2)
     finally:
         engine.stop()

@@ -56,13 +56,15 @@ class Busy(RuntimeError):
 
 class Sequence:
     """One completion to decode: its prompt ids, how long it may grow, its sampling settings (as
-    models/decode.py's sample_logits takes them; seed None: fresh entropy) and the ids that end it."""
+    models/sampling.py's sample_logits takes them, the server's resolved ones; seed None: fresh
+    entropy) and the ids that end it."""
 
     def __init__(self, prompt, max_tokens, temperature=1.0, top_k=None, top_p=None, seed=None, stop_ids=(),
-                 emit=None):
+                 emit=None, min_p=None, repetition_penalty=None):
         self.prompt = [int(i) for i in prompt]
         self.max_tokens = int(max_tokens)
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             repetition_penalty=repetition_penalty)
         self.rng = np.random.default_rng(seed)
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         self.emit = emit if emit is not None else (lambda token: None)
@@ -228,7 +230,8 @@ class Engine:
 
     def _take(self, seq, logits):
         """Sample the sequence's next token from its logits (1, V) and report it, or its end."""
-        token = int(sample_logits(logits[:, :self.vocab], rng=seq.rng, **seq.sampling)[0])
+        seen = [seq.prompt + seq.tokens] if seq.sampling["repetition_penalty"] not in (None, 1) else None
+        token = int(sample_logits(logits[:, :self.vocab], rng=seq.rng, seen=seen, **seq.sampling)[0])
         self.tokens += 1
         if token in seq.stop_ids:
             self._end(seq, "stop")

@@ -6,6 +6,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..backends.cpu import onednn, set_threads
+from ..backends.cpu.compiles import announce_compiles
 from ..config import RUN_PRESETS, SECTIONS, ConfigError, load_run_config
 from ..config_keys import help_line
 from ..interop.load import load_pretrained
@@ -50,7 +51,9 @@ def pretrained_config(path, config, overrides, data_dir=None):
     architecture keys come from the model (an override that disagrees is an error); model.block_size
     may be smaller than the model's, never larger. Unless a preset, file or flag sets it, it is the
     block size chat data was prepared for, else min(the model's, 1024), as transformers' run_clm.py
-    chooses (a published model's 32,768 positions would not fit a CPU's batch)."""
+    chooses (a published model's 32,768 positions would not fit a CPU's batch). A llama-family model's
+    context length (its own block_size, or the one a handgrad run recorded) goes on in
+    info["context_length"]: the run records it and its exports give it (convert)."""
     pre, weights, info = load_pretrained(path, merge=False)  # an adapter's base; info["adapter"] the adapter
     if "block_size" not in config.given:
         meta = Path(data_dir or "") / "meta.json"
@@ -72,6 +75,8 @@ def pretrained_config(path, config, overrides, data_dir=None):
             raise ConfigError(f"model.block_size: {config.model.block_size} is above the --init-from model's "
                               f"{pre.block_size}; use at most {pre.block_size}")
         config.model.block_size = pre.block_size
+    if arch == "llama":  # RoPE, no table of positions: the run keeps the model's context, whatever it trains on
+        info["context_length"] = info.get("context_length") or pre.block_size
     return config, weights, info
 
 
@@ -99,6 +104,7 @@ def main(args):
         raise TrainError("--init-from starts a new run from pretrained weights; --resume continues one: "
                          "pass only one of them")
     config = resolve_config(run_dir, args.preset, args.config, overrides, args.resume)
+    announce_compiles()
     init_from = None
     if args.init_from is not None:
         config, weights, info = pretrained_config(args.init_from, config, overrides, args.data)

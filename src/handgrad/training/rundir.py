@@ -2,7 +2,7 @@
 the checks that the data fits the run before anything is written."""
 import json
 
-from ..config import ConfigError, load_run_config, read_config_file
+from ..config import ConfigError, RunConfig, apply_sources, load_run_config, read_config_file
 from ..data.sources import DataError
 from ..data.tokenizer import TOKENIZER_FILE, GPT2Tokenizer, copy_tokenizer, load_tokenizer
 from ..files import OutputLock, write_atomic
@@ -20,11 +20,13 @@ def resolve_config(run_dir, preset=None, config_file=None, overrides=None, resum
     """A fresh run's config (preset, file, overrides), or with resume the saved config with any
     preset, file and overrides applied on top; the architecture cannot change on resume."""
     saved = run_dir / "config.json"
-    if not resume:
+    if not resume:  # a mistake in the preset, file or flags is the first error, before the run directory's
+        config = load_run_config(preset, config_file, overrides)
         if list_checkpoints(run_dir):
             raise TrainError(f"{run_dir}: already holds checkpoints; pass --resume to continue, "
                              f"or choose another --out")
-        return load_run_config(preset, config_file, overrides)
+        return config
+    apply_sources(RunConfig(), preset, config_file, overrides)  # keys and types; the ranges once on the saved config
     if not saved.is_file():
         raise TrainError(f"{saved}: missing; nothing to resume in {run_dir} (drop --resume to start a run)")
     try:
