@@ -5,24 +5,11 @@ message) with the model's chat template and add_generation_prompt, as `sample --
 one turn (data/chat.py's ChatFormat), and decodes the reply with models/decode.py's generate until
 the template's end-of-turn token, streamed through sample.py's TextStream. So a first turn is what
 `sample --chat` gives for the same prompt, seed and flags. The conversation is prefilled again
-each turn (the KV cache lives for one reply). Both sample with the same settings: the flags given,
-else the model's own, else llama.cpp's defaults (sample.py's resolve_run_sampling); the first line
-says which.
+each turn (the KV cache lives for one reply).
 
-Context. A turn needs its prompt plus `room` tokens for the reply within block_size, room being
---max-new-tokens but at most half of block_size. Where the prompt is too long, the oldest turns
-(a user message and its reply; the system message stays) leave the model's view until it fits, and
-one line says how many left. They stay in the conversation that /save writes. A reply that runs
-past block_size goes on under generate's window policy.
-
-Commands (HELP): /reset, /system TEXT, /save FILE, /help. Ctrl-C during a reply stops it: the part
-written so far stays in the conversation (it is what the user saw); a reply with no text yet is
-dropped with its user message, as is an empty reply (chats.jsonl refuses empty assistant turns).
-Ctrl-D (end of input) leaves with status 0.
-
-The loop reads lines from `inp` and writes to `out` (stdin and stdout by default), so tests drive
-it with streams. When the input is not a terminal, each line read is echoed after the prompt, so
-a piped session's output reads as it would on a terminal.
+Commands (HELP): /reset, /system TEXT, /save FILE, /help; Ctrl-D (end of input) leaves with status 0.
+The loop reads lines from `inp` and writes to `out` (stdin and stdout by default), so tests drive it
+with streams.
 """
 import argparse
 import json
@@ -65,7 +52,9 @@ class TooLong(ValueError):
 
 class Chat:
     """A conversation with one model: its system message, its turns (messages[start:] in view) and
-    how its replies are sampled. Writes everything it shows to `out`."""
+    how its replies are sampled. Writes everything it shows to `out`. Replies sample as `sample` does:
+    the flags given, else the model's own, else llama.cpp's defaults (sample.py's
+    resolve_run_sampling); the first line says which."""
 
     def __init__(self, model, tokenizer, fmt, out, system=None, max_new_tokens=200, sampling=None, seed=1337,
                  dtype="float32"):
@@ -88,7 +77,12 @@ class Chat:
     def prompt_ids(self, user):
         """(ids asking for the reply to `user`, turns dropped from view): the fewest oldest turns
         dropped so that the prompt and room for the reply fit block_size. TooLong where none fits;
-        DataError where the template refuses the conversation. Nothing changes until it fits."""
+        DataError where the template refuses the conversation. Nothing changes until it fits.
+
+        A turn needs its prompt plus `room` tokens for the reply within block_size, room being
+        --max-new-tokens but at most half of block_size. Dropped turns (a user message and its reply;
+        the system message stays) leave only the model's view: /save still writes them. A reply that
+        runs past block_size goes on under generate's window policy."""
         turn = [{"role": "user", "content": user}]
         for start in range(self.start, len(self.messages) + 1, 2):
             ids = self.fmt.prompt_ids(self._with_system(self.messages[start:] + turn))
@@ -123,7 +117,10 @@ class Chat:
         return reply, "end" if len(reply) < len(new) else "length"
 
     def turn(self, user):
-        """One exchange: the reply to `user`, streamed, then the turn kept (or not, said why)."""
+        """One exchange: the reply to `user`, streamed, then the turn kept (or not, said why). A reply
+        stopped by Ctrl-C keeps the part written so far (it is what the user saw); a reply with no
+        text yet is dropped with its user message, as is an empty reply (chats.jsonl refuses empty
+        assistant turns)."""
         ids, dropped = self.prompt_ids(user)
         if dropped:
             self.say(f"({dropped} oldest turn{'s' * (dropped > 1)} dropped to fit the {self.block_size}-token "
@@ -182,7 +179,9 @@ class Chat:
 
 
 def _read(inp, out):
-    """The next line typed (without its newline), or None at the end of the input."""
+    """The next line typed (without its newline), or None at the end of the input. When the input
+    is not a terminal the line is echoed after the prompt, so a piped session's output reads as it
+    would on a terminal."""
     if inp is sys.stdin and out is sys.stdout and inp.isatty():
         try:
             import readline  # noqa: F401  (line editing and history for input())

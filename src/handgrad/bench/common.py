@@ -155,7 +155,7 @@ class TorchProcess:
     """A worker process for a benchmark's PyTorch side that imports torch before anything of
     handgrad's, as a user's own PyTorch script runs. In one process with handgrad's kernels, torch's
     small parallel regions ran several times slower (two OpenMP pools on the same cores; measured
-    in bench/eval.py's docstring), which flatters handgrad. It runs `function()` of `module`, which
+    in bench/eval.py's tf_worker), which flatters handgrad. It runs `function()` of `module`, which
     reads `setup`, loads what it times and says so (ready()); then it reads one JSON command per
     line from stdin (commands()) and answers each with one JSON line (reply()); nothing is pickled.
     The constructor returns once it is ready, so its loading overlaps nothing that is timed."""

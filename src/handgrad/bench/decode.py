@@ -2,42 +2,14 @@
 transformers' `generate`, in one run on the same weights.
 
 Decoding one token reads every weight it uses once, so at batch 1 its speed is bounded by memory
-bandwidth: bound (tok/s) = bandwidth / weight bytes read per token. Reported, in order:
-
-* bandwidth: a STREAM triad, a[i] = b[i] + s c[i] over three float32 arrays of TRIAD_MIB each (far
-  past the last-level cache), parallel over the threads the kernels run on (Numba's prange, in the
-  pool handgrad's kernels use); TRIAD_REPEATS passes in each turn of the timed rows (so the bound and
-  the decode speed are measured under the same conditions), the best pass reported as STREAM does,
-  the median beside it (on a shared machine the two differ by 10-30%: both fractions are given).
-  Bytes are STREAM's count, 3 arrays x 4 bytes x n: b and c read, a written, the write-allocate read
-  of a not counted (counted, it is 4/3 of this).
-* weight bytes per token: the bytes of the parameter buffer one decode step is handed, found by
-  running one step with every op's array arguments noted (ParamReads): each linear's whole matrix,
-  biases, norms, the lm_head's V x C matrix; an embedding table contributes the rows of the tokens
-  fed (a tied table is the lm_head too, so counted whole, once). The KV cache and RoPE's tables are
-  not weights and not counted.
-* handgrad: models/decode.py's `generate`, temperature 0, after a warm-up call (no Numba compile in
-  the timing); the time from the first new token to the last, so (N - 1) decode steps, each its
-  token's forward and argmax; the prefill is not timed. Best of --repeat runs (median beside it).
-* transformers: the same weights in transformers' own LlamaForCausalLM (torch_ref.hf_llama, SDPA
-  attention) or GPT2LMHeadModel (interop/hf.hf_config), float32, `generate(do_sample=False,
-  use_cache=True)`, timed the same way through a streamer; torch on the same threads, in a process
-  of its own that imports torch first (bench/common.py's TorchProcess: in one process with
-  handgrad's kernels torch's small parallel regions ran several times slower). Both sides'
-  greedy tokens are compared before anything is timed, and the count that agree is reported (the
-  JSON holds handgrad's, `tokens`, to compare another engine's by hand: the prompt is
-  numpy.random.default_rng(0).integers(0, V, (BATCH, prompt_tokens))[0]).
-* a batch row: `generate` on B = BATCH prompts at once, tokens/s over all rows.
-* a bf16 row: `generate --dtype bfloat16` at batch 1 (bf16 copies of the matrices: bf16_bytes a
-  token), its ratio over float32 and the fraction of its own bound.
-* serving rows (bench/streams.py): serve's engine decoding 1, then BATCH sequences at once (each
-  its own prompt, the prompts prefilled together, then batched steps), tokens/s over all of them.
+bandwidth: bound (tok/s) = bandwidth / weight bytes read per token. The bandwidth is a STREAM triad
+(`Triad`), the bytes are those one decode step is handed (`weight_bytes`), and the rows compared
+with the bound are handgrad's `generate`, transformers' `generate` on the same weights, a batch row,
+a bf16 row and serve's engine (`bench_decode` lists them). Both sides' greedy tokens are compared
+before anything is timed.
 
 --profile adds one decode step's time by op (and the part inside BLAS), the BLAS calls' weight
-bytes over their time (the GEMV bandwidth), and the time outside BLAS per op call. A Llama-family
-step runs as one op (llama_decode_forward), so the profile runs the op-by-op path (the same kernels
-and products, one op call each) and then the step as generate runs it, untimed inside: that step's
-time less the op path's products is what the fused step spends besides them.
+bytes over their time (the GEMV bandwidth), and the time outside BLAS per op call (`profile_step`).
 """
 import json
 import time
@@ -70,9 +42,15 @@ def _triad_kernel(a, b, c, s):
 
 
 class Triad:
-    """STREAM's triad over three float32 arrays of `mib` MiB each, checked once when made; run()
-    times `repeats` more passes, result() reports over every pass so far: {"gb_s": best,
-    "median_gb_s", ...}, GB = 1e9 bytes, 3 x 4 x n bytes a pass (write-allocate not counted)."""
+    """STREAM's triad, a[i] = b[i] + s c[i], over three float32 arrays of `mib` MiB each (far past the
+    last-level cache), checked once when made; run() times `repeats` more passes, result() reports
+    over every pass so far: {"gb_s": best, "median_gb_s", ...}, GB = 1e9 bytes.
+
+    It runs parallel over the threads, and in the pool, handgrad's kernels use (Numba's prange), and
+    bench_decode runs `repeats` passes in each turn of the timed rows, so the bound and the decode
+    speed are measured under the same conditions. The best pass is reported as STREAM does, the median beside
+    it (on a shared machine the two differ by 10-30%). Bytes are STREAM's count, 3 x 4 x n a pass: b
+    and c read, a written, the write-allocate read of a not counted (counted, it is 4/3 of this)."""
 
     def __init__(self, mib=TRIAD_MIB):
         self.mib, n = mib, mib * 2 ** 20 // 4
@@ -123,8 +101,8 @@ def _arrays(a):
 
 class ParamReads:
     """A backend module whose ops note, while `on`, the bytes of `flat` (the parameter buffer) their
-    array arguments (or the arrays in them: _arrays) cover. encoder_forward's table (its third argument) reads only the rows of the
-    token ids it is given (its second)."""
+    array arguments (or the arrays in them: _arrays) cover. encoder_forward's table (its third
+    argument) reads only the rows of the token ids it is given (its second)."""
 
     def __init__(self, ops, flat):
         self._ops, self._flat = ops, _span(flat)
@@ -164,7 +142,10 @@ class ParamReads:
 
 def weight_bytes(model):
     """{"bytes": parameter bytes one decode step (batch 1) reads, "tensors": {name: bytes}}, found
-    by running a one-token prefill and one step with the ops noting what they are handed."""
+    by running a one-token prefill and one step with the ops noting what they are handed (ParamReads):
+    each linear's whole matrix, biases, norms, the lm_head's V x C matrix; an embedding table
+    contributes the rows of the tokens fed (a tied table is the lm_head too, so counted whole, once).
+    The KV cache and RoPE's tables are not weights and not counted."""
     ops = model.ops
     reads = model.ops = ParamReads(ops, model.params)
     try:
@@ -185,7 +166,8 @@ def weight_bytes(model):
 
 # ---------------------------------------------------------------- the two sides
 def _handgrad_decode(model, prompt, n, dtype="float32"):
-    """(new tokens (B, n), seconds of its n - 1 decode steps) of greedy `generate`."""
+    """(new tokens (B, n), seconds of its n - 1 decode steps) of greedy `generate`: the time from the
+    first new token to the last, each step its token's forward and argmax; the prefill is not timed."""
     marks = []
     out = generate(model, prompt, n, temperature=0, on_token=lambda step, ids: marks.append(time.perf_counter()),
                    dtype=dtype)
@@ -238,7 +220,9 @@ def _transformers_decode(tf, torch, prompt, n):
 def tf_decode_worker():
     """transformers' side, in a TorchProcess (bench/common.py): setup {preset, run, threads, prompt
     (1, T0), n}: the same weights (_model) in transformers' class; then each command a greedy
-    `generate`, answered with {tokens, seconds}."""
+    `generate`, answered with {tokens, seconds}. torch runs in a process of its own that imports
+    torch first: in one process with handgrad's kernels torch's small parallel regions ran several
+    times slower."""
     import torch
     lines = commands()
     setup = next(lines)  # the first line
@@ -264,7 +248,8 @@ def profile_step(model, prompt, steps):
     blas_s}}, "blas": {"calls", "s", "weight_bytes"}}, per step, averaged over `steps` steps after
     the prompt (the positions the timed rows decode at); op by op (a Llama cache's fused step, one
     op, would show nothing inside it). "plain_step_s": the same steps untimed, as generate runs
-    them ("fused": through llama_decode_forward)."""
+    them ("fused": through llama_decode_forward); that time less the op path's products is what the
+    fused step spends besides them."""
     ops, gemm = model.ops, blas.gemm
     prof = model.ops = Profiler(ops)
     weights = {"calls": 0, "s": 0.0, "weight_bytes": 0}
@@ -325,7 +310,21 @@ def _rate(seconds, tokens):
 
 def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_tokens=PROMPT_TOKENS,
                  repeat=REPEAT, threads=None, as_json=False, profile=False):
-    """Measure, check, time and report (module docstring); returns 0."""
+    """Measure, check, time and report; returns 0. The rows, each against the triad's bound:
+
+    * handgrad: models/decode.py's `generate`, temperature 0, after a warm-up call (no Numba compile
+      in the timing); best of `repeat` runs, median beside it.
+    * transformers: the same weights in transformers' LlamaForCausalLM (torch_ref.hf_llama, SDPA
+      attention) or GPT2LMHeadModel, float32, `generate(do_sample=False, use_cache=True)`, timed the
+      same way through a streamer, on the same threads (tf_decode_worker). The count of greedy tokens
+      that agree is reported; the JSON holds handgrad's, `tokens`, to compare another engine's by
+      hand (the prompt is numpy.random.default_rng(0).integers(0, V, (BATCH, prompt_tokens))[0]).
+    * a batch row: `generate` on B = BATCH prompts at once, tokens/s over all rows.
+    * a bf16 row: `generate --dtype bfloat16` at batch 1 (bf16 copies of the matrices: bf16_bytes a
+      token), its ratio over float32 and the fraction of its own bound.
+    * serving rows (bench/streams.py): serve's engine decoding 1, then BATCH sequences at once (each
+      its own prompt, the prompts prefilled together, then batched steps), tokens/s over all of them.
+    """
     if new_tokens < 2:
         raise SystemExit(f"bench decode: --new-tokens {new_tokens}: give at least 2 (the steps after the first "
                          f"token are timed)")

@@ -1,28 +1,16 @@
 """`handgrad bench eval`: `handgrad eval`'s scorer beside a straightforward transformers scorer, in
 one run, on the same model, rows and threads; rows/s of each and whether they agree row by row.
 
-The transformers side is what a user writes first: transformers' own model class (the Hugging Face
-directory, or the GGUF file through transformers' GGUF loader), float32, batch 1, one forward per
-choice over context + continuation, the continuation's log-probabilities summed from
-log_softmax(logits) in float64. It tokenizes with transformers' tokenizer, context and
-" " + choice apart, as lm-evaluation-harness does, and puts no bos before the context unless
-handgrad's bos policy does (eval/score.bos_policy), so both score the same token sequences: that
-is checked pair by pair. A pair its tokenizer splits otherwise (transformers' GGUF loader rebuilds
-SmolLM2's tokenizer without its tokenizer.json's digit split, so " \n\n\n\n\n33" splits differently)
-is scored on handgrad's tokens, so the models are still compared, and its row is counted
-(`rows_tokenized_otherwise`).
+The transformers side is what a user writes first (_tf_score): transformers' own model class (the
+Hugging Face directory, or the GGUF file through transformers' GGUF loader), float32, batch 1, one
+forward per choice over context + continuation, log_softmax summed in float64, tokenized as
+lm-evaluation-harness does and with handgrad's bos policy, so both score the same token sequences.
+handgrad's side is eval/score.Scorer exactly as `handgrad eval` runs it, in this process.
 
-handgrad's side is eval/score.Scorer with its default batch, exactly as `handgrad eval` runs it,
-in this process. The transformers side runs in a worker process of its own that imports torch
-before anything of handgrad's (tf_worker), as a user's transformers script runs: in one process
-with handgrad's kernels, torch's many small parallel regions ran 4.6x slower (COPA's first 100
-rows, 2 threads, AMD EPYC: 168.6 s against 36.7 s), which had inflated this benchmark's ratio. The
-two take turns task by task, each with this machine's threads (torch's, and handgrad's BLAS and
-Numba pools, set to the same count).
-
-Reported per task and in all: rows/s of each side, the ratio, the rows whose prediction (acc's
-argmax; acc_norm's for multiple choice; the greedy match for language modelling) differs, and the
-largest log-probability difference.
+The non-obvious idea: the transformers side runs in a worker process that imports torch before
+anything of handgrad's (tf_worker), as a user's script would. The two take turns task by task, each
+with this machine's threads. Reported per task and in all: rows/s of each side, their ratio, the rows
+whose prediction differs, and the largest log-probability difference.
 """
 import json
 import time
@@ -65,7 +53,10 @@ def _tf_score(model, tok, torch, task, encoded, bos, otherwise=None):
     """Each row's continuation log-probabilities and greedy matches, one forward per pair, batch 1.
     A pair that transformers' tokenizer splits otherwise than handgrad's (a GGUF file's tokenizer as
     transformers' GGUF loader rebuilds it need not be the model's own: SmolLM2's digits) is scored on
-    handgrad's tokens, so the models are still compared, and its row's line goes into `otherwise`."""
+    handgrad's tokens, so the models are still compared, and its row's line goes into `otherwise`.
+    Context and " " + choice are tokenized apart, as lm-evaluation-harness does, with no bos before the
+    context unless handgrad's bos policy puts one (eval/score.bos_policy). A row's prediction is acc's
+    argmax (acc_norm's for multiple choice; the greedy match for language modelling)."""
     out = []
     for row, e in zip(task.rows, encoded):
         lps, greedy = [], []
@@ -94,7 +85,11 @@ def tf_worker():
     """The transformers side, in a TorchProcess: setup {run, threads, bos}; then per command a task
     {source, limit, seqs} (source: the task's JSONL file or standard name, read again here from its
     file or the cache; seqs: handgrad's token sequences, checked against transformers' tokenizer),
-    answered with {seconds, logprobs, greedy}."""
+    answered with {seconds, logprobs, greedy}.
+
+    A process of its own, torch imported first: in one process with handgrad's kernels, torch's many
+    small parallel regions ran 4.6x slower (COPA's first 100 rows, 2 threads, AMD EPYC: 168.6 s
+    against 36.7 s). torch's threads, and handgrad's BLAS and Numba pools, are set to one count."""
     import torch
     lines = commands()
     setup = next(lines)  # the first line

@@ -1,18 +1,11 @@
 """`handgrad bench ops --device gpu`: each gpu op beside PyTorch eager, torch.compile and (for
 attention) scaled_dot_product_attention, in the same run, on the same tensors.
 
-Rows: layernorm, GELU with its bias fused, causal attention (the flash kernels), fused softmax +
-cross-entropy at GPT-2's widths; RMSNorm, RoPE, grouped-query attention (beside SDPA with
-enable_gqa, which reads the kv heads without repeating them), the same with RoPE fused into its
-kernels (as the model trains: torch rotates first) and SwiGLU at the Llama family's
-(smollm2-135m's); each forward and backward; AdamW over a GPT-2-sized flat buffer. Before a row is
-timed, handgrad's output and gradients are checked against PyTorch eager's (a row that disagrees
-stops the run with an error: a benchmark of a wrong kernel measures nothing).
-
-Timing: on CUDA with CUDA events around `repeat` back-to-back calls (one synchronisation per
-measurement, not per call); torch's backward is timed call by call, each after an untimed forward,
-since autograd needs a fresh graph per backward. The matmuls are cuBLAS on both sides, so they are not
-rows here: the whole step is `handgrad bench train`'s business.
+Rows (bench_ops_gpu lists them) cover GPT-2's and the Llama family's ops, each forward and backward,
+and AdamW over a GPT-2-sized flat buffer. Before a row is timed, handgrad's output and gradients are
+checked against PyTorch eager's: a row that disagrees stops the run with an error, since a benchmark
+of a wrong kernel measures nothing. The matmuls are cuBLAS on both sides, so they are not rows here:
+the whole step is `handgrad bench train`'s business (results: docs/PERFORMANCE.md, GPU).
 
 Without CUDA, under TRITON_INTERPRET=1, the same code runs at tiny shapes on CPU tensors: that
 checks the bench end to end (the tests do), but its times measure Triton's interpreter and mean
@@ -48,7 +41,10 @@ def _compiled(torch, fn, enabled):
 
 
 def bench_row(cls, ops, torch, shape, dtype, repeat, compile_torch):
-    """Check, then time one op; two result rows (fwd, bwd)."""
+    """Check, then time one op; two result rows (fwd, bwd). On CUDA the timing is CUDA events around
+    `repeat` back-to-back calls (one synchronisation per measurement, not per call); torch's backward
+    is timed call by call, each after an untimed forward, since autograd needs a fresh graph per
+    backward."""
     tdtype = getattr(torch, dtype)
     row = cls(ops, torch, shape, tdtype)
     host = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
@@ -109,7 +105,11 @@ def bench_adamw(ops, torch, shape, repeat):
 
 
 def bench_ops_gpu(repeat, as_json, dtype="bfloat16", compile_torch=True):
-    """`handgrad bench ops --device gpu`: every row, then a table or JSON."""
+    """`handgrad bench ops --device gpu`: every row, then a table or JSON. Rows: layernorm, GELU with
+    its bias fused, causal attention (the flash kernels), fused softmax + cross-entropy at GPT-2's
+    widths; RMSNorm, RoPE, grouped-query attention (beside SDPA with enable_gqa, which reads the kv
+    heads without repeating them), the same with RoPE fused into its kernels (as the model trains:
+    torch rotates first) and SwiGLU at the Llama family's (smollm2-135m's); AdamW (bench_adamw)."""
     from ..backends.gpu.common import GPUUnavailable, device, interpreting
     from ..torch_ref import require_torch
     torch = require_torch()

@@ -1,23 +1,14 @@
 """`handgrad bench learn`: does handgrad learn like PyTorch does?
 
 Trains handgrad and PyTorch (torch_ref.TorchGPT for GPT-2, transformers' LlamaForCausalLM for
-`--preset llama-char`; float32, eager) side by side from the same
-initial weights on the same batches, with the same AdamW, warmup + cosine schedule and clipping,
-and records both train-loss curves and both val losses at every evaluation. Writes
-OUT/learn-{preset}.json and OUT/learn-{preset}.png, and prints a table.
+`--preset llama-char`; float32, eager) side by side from the same initial weights on the same
+batches, with the same AdamW, warmup + cosine schedule and clipping, and records both train-loss
+curves and both val losses at every evaluation. Writes OUT/learn-{preset}.json and
+OUT/learn-{preset}.png, and prints a table.
 
-`--lora R` (Llama presets) is the LoRA learning check: handgrad first pretrains the preset's model on
-one corpus (shakespeare, byte tokenizer: every corpus shares its 256 ids), then fine-tunes rank-R
-adapters on every linear of every block (alpha 2R) on another corpus (the Python standard library),
-side by side with PEFT's LoRA on transformers' LlamaForCausalLM holding the same pretrained weights
-and the same initial adapters. It records the fine-tuning corpus' val loss before and after (LoRA
-must lower it), both fine-tuning curves, and the pretraining corpus' val loss before and after
-(what the adapters cost the old corpus). Writes OUT/learn-{preset}-lora{R}.json and .png.
-
-`--dtype bfloat16` is the mixed-precision learning check: handgrad's bf16 run (train.dtype =
-bfloat16 on the cpu), PyTorch's under torch.autocast("cpu", dtype=torch.bfloat16), and handgrad's
-float32 run, three sides on the same batches from the same weights; it records how far each bf16
-curve ends from handgrad's float32 one. Writes OUT/learn-{preset}-bf16.json and .png.
+Two more checks share the same side-by-side loop: `--lora R` (Llama presets), handgrad's LoRA against
+PEFT's on a second corpus (run_learn_lora), and `--dtype bfloat16`, handgrad's bf16 run and PyTorch's
+autocast against handgrad's float32 one (run_learn).
 """
 import dataclasses
 import json
@@ -117,6 +108,10 @@ def _write(result, record, out_dir, name, title):
 
 def run_learn(preset="shakespeare-char", steps=None, data_dir=None, out_dir="docs", source="shakespeare",
               tokenizer="char", dtype="float32"):
+    """The float32 learning check; with dtype "bfloat16" the mixed-precision one: handgrad's bf16 run
+    (train.dtype = bfloat16 on the cpu), PyTorch's under torch.autocast("cpu", dtype=torch.bfloat16),
+    and handgrad's float32 run, three sides on the same batches from the same weights, recording how
+    far each bf16 curve ends from handgrad's float32 one (OUT/learn-{preset}-bf16.json and .png)."""
     from ..torch_ref import require_torch
     require_torch()
     overrides = {"train.max_steps": steps} if steps else None
@@ -172,8 +167,16 @@ LORA_FINETUNE_STEPS = 500
 
 def run_learn_lora(rank, preset="llama-char", steps=None, pretrain_steps=None, data_dir=None, finetune_data=None,
                    out_dir="docs"):
-    """The LoRA learning check (module docstring). steps: fine-tuning steps (default
-    LORA_FINETUNE_STEPS); pretrain_steps: default the preset's train.max_steps."""
+    """The LoRA learning check. steps: fine-tuning steps (default LORA_FINETUNE_STEPS);
+    pretrain_steps: default the preset's train.max_steps.
+
+    handgrad first pretrains the preset's model on one corpus (shakespeare, byte tokenizer: every
+    corpus shares its 256 ids), then fine-tunes rank-R adapters on every linear of every block (alpha
+    2R) on another corpus (the Python standard library), side by side with PEFT's LoRA on transformers'
+    LlamaForCausalLM holding the same pretrained weights and the same initial adapters. It records the
+    fine-tuning corpus' val loss before and after (LoRA must lower it), both fine-tuning curves, and the
+    pretraining corpus' val loss before and after (what the adapters cost the old corpus). Writes
+    OUT/learn-{preset}-lora{R}.json and .png."""
     from ..torch_ref import require_torch
     require_torch()
     config = load_run_config(preset)

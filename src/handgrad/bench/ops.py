@@ -1,19 +1,14 @@
 """`handgrad bench`: time handgrad's ops beside PyTorch CPU eager, on this machine, in one run.
 
-`handgrad bench ops` measures the machine's sgemm peak (float32 matmul on handgrad's BLAS), then times, for
-the same float32 shapes in the same process:
+`handgrad bench ops` measures the machine's sgemm peak (float32 matmul on handgrad's BLAS), then
+times, for the same float32 shapes in the same process, matmul N x N x N (handgrad's linear_forward
+without bias vs torch.matmul, in GFLOP/s) and the forward and backward of a model's blocks: GPT-2's
+attention and feed-forward blocks, and Llama's RMSNorm-linear, attention and SwiGLU blocks where
+the backend has their ops.
 
-* matmul N x N x N (handgrad's linear_forward without bias vs torch.matmul), in GFLOP/s;
-* an attention block (c_attn linear -> causal attention -> c_proj linear) forward and backward;
-* a feed-forward block (c_fc linear -> bias+GELU -> c_proj linear) forward and backward.
-
-Every row is checked against torch before it is timed (a mismatch exits non-zero). Timing warms
-up both sides (this also compiles or loads the Numba kernels), then alternates chunks of handgrad
-and torch repeats and reports the median of each. All of handgrad's buffers are allocated before
-timing; torch runs as a user would run it (eager autograd, gradients reset to None between steps,
-outside the timed region). Thread counts are left as they are and reported in the header, with
-the CPU that other processes used meanwhile (on a shared 2-core machine that decides the result).
-"""
+Every row is checked against torch before it is timed (a mismatch exits non-zero). Thread counts
+are left as they are and reported in the header, with the CPU that other processes used meanwhile
+(on a shared 2-core machine that decides the result)."""
 import json
 import time
 
@@ -296,7 +291,11 @@ class SwiGLUBlock(_Block):
 
 
 def bench_block(cls, label, ops, torch, T, repeat):
-    """Check, then time forward and backward of one block; two result rows (fwd, bwd)."""
+    """Check, then time forward and backward of one block; two result rows (fwd, bwd). The timing
+    warms up both sides (this also compiles or loads the Numba kernels), then alternates chunks of
+    handgrad and torch repeats and reports the median of each. All of handgrad's buffers are
+    allocated before timing; torch runs as a user would run it (eager autograd, gradients reset to
+    None between steps, outside the timed region)."""
     block = cls(ops, torch, T, np.random.default_rng(T))
     name = f"{label} T={T}"
     err = block.check(name)

@@ -7,14 +7,9 @@ products of a training step, x (N, C) and g (N, OC) over the N = B T tokens:
     input gradient   dx = g W^T          (N, OC) @ (OC, C), W read transposed
     weight gradient  dW = x^T g          (C, N) @ (N, OC), x read transposed
 
-each timed on MKL's sgemm (float32; blas.blas_gemm, what handgrad runs on Intel's CPUs), oneDNN's matmul in float32,
-and oneDNN's matmul with bf16 operands and float32 accumulation (onednn.py; the operands narrowed
-beforehand, outside the timing: what `train.dtype = "bfloat16"` will feed it). Each result is
-checked first: float32 against float64 at 1e-4 of the largest value, bf16 against float64 products
-of the same bf16 operands at 1e-4. The sides alternate in chunks (common.race), and the row's
-GFLOP/s is 2 N C OC over its median time. The totals weigh each product by the time it takes, as a
-step does (the lm_head's counted once per step like the others).
-"""
+each timed on MKL's sgemm, oneDNN's float32 matmul and oneDNN's matmul with bf16 operands
+(time_product), checked before it is timed. The totals weigh each product by the time it takes,
+as a step does (the lm_head's counted once per step like the others)."""
 import json
 import time
 
@@ -60,7 +55,14 @@ def _bf16(x):
 
 
 def time_product(M, K, N, trans_a=False, trans_b=False, seed=0):
-    """{side: median seconds} of one (M, K) @ (K, N) product on each side, checked first."""
+    """{side: median seconds} of one (M, K) @ (K, N) product on each side, checked first.
+
+    The sides: MKL's sgemm (float32; blas.blas_gemm, what handgrad runs on Intel's CPUs), oneDNN's
+    matmul in float32, and oneDNN's matmul with bf16 operands and float32 accumulation (onednn.py;
+    the operands narrowed beforehand, outside the timing: what `train.dtype = "bfloat16"` feeds it).
+    float32 is checked against float64 at 1e-4 of the largest value, bf16 against float64 products
+    of the same bf16 operands at 1e-4. The sides alternate in chunks (common.race); a row's GFLOP/s
+    is 2 M K N over its median time."""
     rng = np.random.default_rng(seed)
     a, b = _operands(rng, M, K, N, trans_a, trans_b)
     a16, b16 = _bf16(a), _bf16(b)

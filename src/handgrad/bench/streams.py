@@ -17,7 +17,7 @@ from ..serve.engine import Engine, Sequence
 class EngineRows:
     """One engine (rows = the most streams timed), reused by every timed turn, driven on the
     caller's thread (Engine.drain): the bench's other rows run their kernels there too, and a
-    second thread's OpenMP pool would slow both (serve/engine.py's docstring)."""
+    second thread's OpenMP pool would slow both (serve/engine.py's _passing)."""
 
     def __init__(self, model, streams, length, dtype="float32"):
         self.engine = Engine(model, slots=streams, length=length, max_waiting=streams, dtype=dtype)

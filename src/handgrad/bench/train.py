@@ -2,28 +2,14 @@
 
 A step is what `handgrad train` does per optimizer step with one micro-batch: zero the gradients,
 forward, backward, global gradient norm and clipping, AdamW. The PyTorch side is the same model
-(same weights, same batches, fp32) as its users run it: for GPT-2 nanoGPT's torch.addmm linears,
-scaled_dot_product_attention, F.layer_norm, F.gelu, F.cross_entropy; for the Llama family
-(`--preset llama-mid,smollm2-135m`) transformers' own LlamaForCausalLM with SDPA attention over
-grouped heads; then clip_grad_norm_ and torch.optim.AdamW(fused=True).
+(same weights, same batches) as its users run it (bench_shape says which).
 
-With `--dtype bfloat16` the handgrad side is its cpu mixed precision (train.dtype=bfloat16: bf16
-products on oneDNN, float32 everything else), the PyTorch side the same model's forward under
-`torch.autocast("cpu", dtype=torch.bfloat16)` (PyTorch's own CPU bf16, oneDNN's products), and a
-third worker runs handgrad in float32 for the speedup over it.
-
-Each side runs in its own worker process, so each one's peak resident memory is its own and the
-handgrad process never imports torch (training on CPU does not need it). The parent measures the
-sgemm peak, starts both workers, warms both up, then alternates chunks of timed steps between them
-(only one works at a time), and finally compares the two loss sequences step by step: a benchmark
-whose two sides do not compute the same thing exits non-zero before it reports a time.
-
-Workers (bench/train_worker.py) speak JSON lines over their stdin/stdout; nothing is pickled.
-
-For the big shapes (issue 39's table): --recompute block (handgrad's train.recompute block; on
-the PyTorch side transformers' gradient checkpointing), --loss-chunk N (handgrad's train.loss_chunk;
-PyTorch has none), and --sequential, the sides one at a time where they do not fit in memory together.
-"""
+Each side runs in its own worker process (bench/train_worker.py, JSON lines over stdin/stdout,
+nothing pickled), so each one's peak resident memory is its own and the handgrad process never
+imports torch. The parent measures the sgemm peak, starts the workers, warms them up, then
+alternates chunks of timed steps between them (only one works at a time), and finally compares the
+loss sequences step by step: a benchmark whose sides do not compute the same thing exits non-zero
+before it reports a time."""
 import json
 import os
 import subprocess
@@ -210,9 +196,15 @@ def _in_turn(names, spec, steps, profile):
 
 def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=False, recompute="none", loss_chunk=0,
                 sequential=False):
-    """Warm up, then alternate timed chunks of the sides; one result dict. lora_rank: the LoRA row
+    """Warm up, then alternate timed chunks of the sides; one result dict.
+
+    The PyTorch side runs fp32 as its users do: for GPT-2 nanoGPT's torch.addmm linears,
+    scaled_dot_product_attention, F.layer_norm, F.gelu, F.cross_entropy; for the Llama family
+    (`--preset llama-mid,smollm2-135m`) transformers' own LlamaForCausalLM with SDPA attention over
+    grouped heads; then clip_grad_norm_ and torch.optim.AdamW(fused=True). lora_rank: the LoRA row
     (handgrad's LoRA, PyTorch + PEFT's, handgrad's full step beside them). dtype bfloat16: handgrad's
-    bf16 step, PyTorch's autocast bf16 step, handgrad's float32 step (with lora_rank: each with the
+    bf16 step (train.dtype=bfloat16: bf16 products on oneDNN, float32 everything else), PyTorch's
+    under torch.autocast("cpu", dtype=torch.bfloat16), handgrad's float32 step (with lora_rank: each with the
     adapters, PyTorch's through PEFT). compile: one more side, PyTorch's under torch.compile, its
     compile time apart from its steps and its losses checked against eager's. recompute "block":
     handgrad's train.recompute block, transformers' gradient checkpointing on the PyTorch side;

@@ -1,43 +1,17 @@
 """`handgrad bench train --device gpu`: whole bf16 training steps on one GPU, handgrad's Triton step
 beside PyTorch eager and torch.compile, in this one process.
 
-Three sides start from the same weights (the family's init_params) and step through the same random
-token batches:
+The sides start from the same weights (the family's init_params) and step through the same random
+token batches: handgrad (_Handgrad, the step `handgrad train --device gpu --train.dtype bfloat16`
+runs), graph (the same step captured as a CUDA graph: graph against handgrad is what the Python
+launches cost), eager and compile (_Torch, the model as PyTorch's users run it). Before anything is
+timed, every side's warm-up losses must agree with handgrad's to LOSS_RTOL (_check); then the sides
+alternate in chunks of timed steps (_time), and the median step is reported.
 
-- handgrad: the step `handgrad train --device gpu --train.dtype bfloat16` runs on one process: the
-  family's model on the gpu backend with bf16 activations (float32 weights, gradients and AdamW
-  state), stepped by training/device_loop.py's DeviceLoop (forward, backward, global norm,
-  clipping, AdamW, nothing read back to the host). It runs eagerly, launch by launch, as train does
-  by default (train.cuda_graph false);
-- graph (on CUDA only): the same step with `train.cuda_graph true`, captured after one eager step and
-  replayed: the same kernels without the host's launches, so graph against handgrad is what the
-  Python launches cost (the interpreter cannot capture, so there it is left out);
-- eager: the same model in PyTorch as its users run it (bench/train.py's PyTorch side): for GPT-2
-  torch_ref.TorchGPT(fast=True) (addmm linears, scaled_dot_product_attention), for the Llama family
-  transformers' own LlamaForCausalLM with SDPA attention; the forward under
-  torch.autocast(<device>, dtype=torch.bfloat16), clip_grad_norm_, torch.optim.AdamW (fused on
-  CUDA); no host read per step either (the losses are read back after each chunk);
-- compile: the same PyTorch model under torch.compile (the model; the optimizer step stays eager).
-  Its first steps trace and compile the forward and the backward: that time is `compile_s`, reported
-  apart from the step time (`--no-compile` leaves this side out).
-
-Before anything is timed, each side runs WARMUP_STEPS untimed steps, and their losses must agree
-with handgrad's to LOSS_RTOL (the same computation up to bf16 rounding); a side that disagrees stops
-the run with one line naming the preset, the step and both losses. Then the sides alternate in
-CHUNKS chunks of timed steps, each step between two CUDA events; a step's time is the GPU's from
-the end of the step before (the host queues ahead), the median over the timed steps is reported.
-Every loss, timed steps included, must be finite.
-
-Reported per preset and side: ms per step, tok/s, TFLOP/s from the family's flops_per_token (the
-model's FLOPs, causal attention as half, as `handgrad train` counts them), MFU against the card's
-bf16 peak as measured here (a bf16 torch.matmul of PEAK_N^3, median of PEAK_REPEAT after warm-up),
-and the peak GPU memory each side added (torch.cuda.max_memory_allocated over its build and warm-up,
-less what was allocated before it); the ratios handgrad/eager and handgrad/compile (`ratio_vs_eager`,
-`ratio_vs_compile`) are of tok/s (> 1: handgrad faster).
-
-Without CUDA, under TRITON_INTERPRET=1, the same code runs at tiny shapes on CPU tensors (autocast
-"cpu"): it checks the bench end to end (the tests do), but its times measure Triton's interpreter
-and mean nothing, and the report says so.
+Reported per preset and side: ms per step, tok/s, TFLOP/s from the family's flops_per_token (as
+`handgrad train` counts them), MFU against the card's measured bf16 peak (bf16_peak), the peak GPU
+memory each side added, and the tok/s ratios handgrad/eager and handgrad/compile (> 1: handgrad
+faster). Under TRITON_INTERPRET=1 it runs at tiny shapes on CPU tensors; its times measure the interpreter.
 """
 import gc
 import json
@@ -78,7 +52,12 @@ PEAK_REPEAT = 10
 # ---------------------------------------------------------------- the sides
 class _Handgrad:
     """handgrad's gpu step in bf16, as `handgrad train --device gpu` runs it on one process (with
-    cuda_graph, as `--train.cuda_graph true` does)."""
+    cuda_graph, as `--train.cuda_graph true` does).
+
+    The family's model on the gpu backend with bf16 activations (float32 weights, gradients and AdamW
+    state), stepped by training/device_loop.py's DeviceLoop: forward, backward, global norm, clipping,
+    AdamW, nothing read back to the host. Eager by default, launch by launch; with cuda_graph the step
+    is captured after one eager step and replayed (CUDA only: the interpreter cannot capture)."""
 
     def __init__(self, family, config, t, flat, dev, cuda_graph=False):
         self.name = "graph" if cuda_graph else "handgrad"
@@ -101,7 +80,13 @@ class _Handgrad:
 
 class _Torch:
     """The same model in PyTorch eager (compiled=False) or under torch.compile, bf16 autocast
-    (bench/torch_side.py's TorchSide); its losses read back once a chunk."""
+    (bench/torch_side.py's TorchSide); its losses read back once a chunk.
+
+    For GPT-2 torch_ref.TorchGPT(fast=True) (addmm linears, scaled_dot_product_attention), for the
+    Llama family transformers' LlamaForCausalLM with SDPA attention; clip_grad_norm_ and
+    torch.optim.AdamW (fused on CUDA). Under torch.compile only the model is compiled (the optimizer
+    step stays eager); the first steps' tracing and compiling are `compile_s`, apart from the step
+    time (`--no-compile` leaves this side out)."""
 
     def __init__(self, family, config, t, flat, dev, compiled):
         self.name = "compile" if compiled else "eager"
@@ -171,7 +156,10 @@ def _check(name, side, got, ref=(), first=1):
 
 def bench_preset(name, steps, compile_torch, torch, dev, peak):
     """Build the sides one after another (each one's memory and warm-up measured as it comes),
-    check their warm-up losses against handgrad's, then time them in alternating chunks."""
+    check their warm-up losses against handgrad's, then time them in alternating chunks.
+
+    A side's memory is torch.cuda.max_memory_allocated over its build and warm-up, less what was
+    allocated before it."""
     cuda = dev.type == "cuda"
     rc, B, T, V = _run_config(name, not cuda, steps)
     family = get_family(rc.model.arch)
@@ -230,7 +218,10 @@ def _start(name, make, tokens, clock, torch, cuda, out, checked):
 
 def _time(name, sides, clock, steps):
     """steps timed steps of each side, in CHUNKS alternating chunks; {side: [seconds per step]}.
-    Every loss must be finite."""
+    Every loss must be finite.
+
+    Each step lies between two CUDA events, so its time is the GPU's from the end of the step before
+    (the host queues ahead)."""
     times = {side.name: [] for side, _ in sides}
     done, chunk = 0, min(-(-steps // CHUNKS), DeviceLoop.HISTORY)  # handgrad's losses are read after each chunk
     while done < steps:

@@ -10,9 +10,8 @@ The non-obvious idea, the assistant mask: the template is applied prefix by pref
 assistant turn k, messages[:k] rendered with add_generation_prompt=True ends where the turn's text
 begins, and messages[:k+1] ends where it ends; a token is an assistant token when its character span
 overlaps such a turn, up to its first end-of-turn token (ChatFormat.encode). So any prefix-stable
-template works, with no per-model rule for where replies start.
-
-Batches are whole conversations, one per row, padded rather than packed (ChatDataset).
+template works, with no per-model rule for where replies start. Batches are whole conversations,
+one per row, padded rather than packed (ChatDataset).
 """
 import json
 from pathlib import Path

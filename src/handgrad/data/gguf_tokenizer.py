@@ -3,43 +3,14 @@ file (handgrad's `hf` kind), and a tokenizer written into a GGUF as llama.cpp's 
 
 In: `gguf_tokenizer_parts(path_or_reader) -> (tokenizer.json text, tokenizer_config, where)`;
 data/tokenizer.py's `tokenizer_from_gguf` makes the HFTokenizer of them (`load_tokenizer` calls it for
-any file that starts with the magic b"GGUF"). The tokenizer is rebuilt as llama.cpp tokenizes, in Hugging
-Face's terms (transformers' GGUF loader, integrations/gguf/gguf_tokenizer_mapping.py, does the same
-and differs where noted):
-
-* `tokenizer.ggml.model` "gpt2": byte-level BPE over `tokens` and `merges`, split first by the
-  pre-tokenizer `tokenizer.ggml.pre` names (PRE_TOKENIZERS; llama.cpp's regexes, written as the
-  models' own tokenizer.json writes them): "smollm" and the StarCoder family isolate every digit and
-  then split by GPT-2's regex; "gpt-2" and its family by GPT-2's regex; "llama-bpe" (Llama 3), "qwen2",
-  "gpt-4o" and theirs by their own regexes (Llama 3's family also ignores merges for a word that is
-  a whole token). "default", or no key: GPT-2's regex, as transformers reads it (llama.cpp's own
-  "default" splits otherwise and warns that quality suffers). Any other name is refused, naming the
-  key: a wrong split gives wrong ids without any error. transformers splits "smollm" by GPT-2's regex
-  alone, so it disagrees with llama.cpp (and with SmolLM2's own tokenizer.json) where a digit
-  follows two or more spaces: "x  1" is [x, ĠĠ, 1] here, [x, Ġ, Ġ, 1] there.
-* "llama": SentencePiece BPE with byte fallback (<0xXX> tokens): spaces become "▁", and with
-  `tokenizer.ggml.add_space_prefix` (default true) each stretch of text between added tokens gets a
-  leading "▁" as llama.cpp adds one (a Prepend normalizer: Hugging Face's own Llama 2 tokenizer.json;
-  transformers uses Metaspace "first", which ignores add_space_prefix, adds no "▁" after a special
-  token and none before text that starts with a space). Merges are `tokenizer.ggml.merges` where the
-  file has them, else rebuilt from `scores` as transformers rebuilds them (every split of a token
-  into two tokens, best score first).
-* any other model ("bert", "t5", "rwkv", ...): refused, naming the key and its value.
-Only the metadata is read (`read_gguf_metadata`, one memory map; gguf.GGUFReader, also accepted,
-takes seconds over a tokenizer's 100,000 strings): a file cut short before the end of its metadata
-is refused in one line, one cut in its tensors still gives its tokenizer.
-
-Token types (llama.cpp's: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte):
-control and unknown tokens are special added tokens, user-defined ones plain added tokens (both
-matched whole in text, as llama.cpp matches them; handgrad's encode keeps special ones as text).
-The tokenizer_config (`HFTokenizer.config`): bos_token, eos_token, unk_token, pad_token (the token
-strings of `tokenizer.ggml.{bos,eos,unknown,padding}_token_id`, where the file has them), add_bos_token
-and add_eos_token (the file's `tokenizer.ggml.add_bos_token` / `add_eos_token`, else llama.cpp's
-defaults: BOS for "llama" and for Llama 3's pre-tokenizer family, no EOS), chat_template
-(`tokenizer.chat_template`). So eot_id is the file's eos. The tokenizer's post-processor puts BOS
-first when add_bos_token (for tools that encode with special tokens; handgrad never does).
-
+any file that starts with the magic b"GGUF"). "gpt2" files become byte-level BPE (`_byte_level`),
+"llama" files SentencePiece BPE with byte fallback (`_sentencepiece`); any other model is refused.
 Out: interop/gguf_vocab.py writes a tokenizer into a GGUF file, with this module's tables.
+
+The non-obvious idea: the tokenizer is rebuilt as llama.cpp tokenizes, not as transformers' GGUF
+loader (integrations/gguf/gguf_tokenizer_mapping.py) rebuilds it; the two differ in how some
+pre-tokenizers split and where SentencePiece adds its "▁", and a wrong split gives wrong ids without
+any error. So an unknown pre-tokenizer name is refused rather than guessed.
 """
 import mmap
 import struct
@@ -140,7 +111,8 @@ def read_gguf_metadata(path) -> dict:
 
 def read_gguf_header(path, tensors=False):
     """(metadata, tensor infos) of a GGUF file, read through a memory map without its tensors' bytes
-    (gguf.GGUFReader takes seconds over the 100,000 strings of a tokenizer; this, a tenth of one).
+    (gguf.GGUFReader takes seconds over the 100,000 strings of a tokenizer; this, a tenth of one), so
+    a file cut short in its tensors still gives its tokenizer.
     The metadata: {key: str, int, float, bool or a list of them}; with tensors=True the infos
     [(name, dims with the contiguous one first, GGML type, byte offset in the file)], else [].
     DataError, in one line, for a file that is not GGUF version 2 or 3 or that ends inside its header."""
@@ -196,7 +168,14 @@ def _metadata(path_or_reader) -> tuple[dict, str]:
 
 def gguf_tokenizer_parts(path_or_reader) -> tuple[str, dict, str]:
     """The tokenizer in a GGUF file's metadata (a path or a gguf.GGUFReader): (its Hugging Face
-    tokenizers JSON, its tokenizer_config, the file's name for errors); see the module docstring."""
+    tokenizers JSON, its tokenizer_config, the file's name for errors).
+
+    The tokenizer_config (`HFTokenizer.config`): bos_token, eos_token, unk_token, pad_token (the token
+    strings of `tokenizer.ggml.{bos,eos,unknown,padding}_token_id`, where the file has them), add_bos_token
+    and add_eos_token (the file's `tokenizer.ggml.add_bos_token` / `add_eos_token`, else llama.cpp's
+    defaults: BOS for "llama" and for Llama 3's pre-tokenizer family, no EOS), chat_template
+    (`tokenizer.chat_template`). So eot_id is the file's eos. A `tokenizer.ggml.model` other than
+    "gpt2" or "llama" ("bert", "t5", "rwkv", ...) is refused, naming the key and its value."""
     meta, where = _metadata(path_or_reader)
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
@@ -279,7 +258,16 @@ def split_merge(merge: str) -> tuple[str, str]:
 
 
 def _byte_level(tokens, merges, pre):
-    """A byte-level BPE (tokenizers.Tokenizer) over the file's tokens and merges, split as `pre` says."""
+    """A byte-level BPE (tokenizers.Tokenizer) over the file's tokens and merges, split as `pre` says.
+
+    `pre` is `tokenizer.ggml.pre`, read through PRE_TOKENIZERS (llama.cpp's regexes, written as the
+    models' own tokenizer.json writes them): "smollm" and the StarCoder family isolate every digit and
+    then split by GPT-2's regex; "gpt-2" and its family by GPT-2's regex; "llama-bpe" (Llama 3), "qwen2",
+    "gpt-4o" and theirs by their own regexes (Llama 3's family also ignores merges for a word that is a
+    whole token); "default", or no key, by GPT-2's regex as transformers reads it (llama.cpp's own
+    "default" splits otherwise). transformers splits "smollm" by GPT-2's regex alone, so it disagrees
+    with llama.cpp (and SmolLM2's tokenizer.json) where a digit follows two or more spaces: "x  1" is
+    [x, ĠĠ, 1] here, [x, Ġ, Ġ, 1] there."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     split, ignore_merges, _ = PRE_TOKENIZERS[pre]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[split_merge(m) for m in merges],
@@ -312,7 +300,13 @@ def _merges_from_scores(tokens, scores) -> list[tuple[str, str]]:
 
 def _sentencepiece(tokens, merges, space_prefix: bool, unk):
     """SentencePiece's BPE as llama.cpp runs it: " " -> "▁" (and a leading "▁" with space_prefix),
-    merges, byte fallback; decoding undoes each."""
+    merges, byte fallback (<0xXX> tokens); decoding undoes each.
+
+    space_prefix is `tokenizer.ggml.add_space_prefix` (default true): each stretch of text between
+    added tokens gets a leading "▁", as llama.cpp adds one (a Prepend normalizer, as Hugging Face's own
+    Llama 2 tokenizer.json has; transformers uses Metaspace "first", which ignores add_space_prefix, adds
+    no "▁" after a special token and none before text that starts with a space). `merges` are the
+    file's `tokenizer.ggml.merges` where it has them, else `_merges_from_scores`."""
     from tokenizers import Tokenizer, decoders, models, normalizers
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token=unk,
                                fuse_unk=True, byte_fallback=True))
@@ -325,7 +319,8 @@ def _sentencepiece(tokens, merges, space_prefix: bool, unk):
 
 def _add_tokens(tok, tokens, types):
     """Control and unknown tokens as special added tokens, user-defined ones as plain added tokens
-    (each keeps its id: every token is in the model's vocabulary)."""
+    (each keeps its id: every token is in the model's vocabulary). Both are matched whole in text, as
+    llama.cpp matches them; handgrad's encode keeps special ones as text."""
     from tokenizers import AddedToken
     special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN)]
     plain = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
@@ -334,7 +329,8 @@ def _add_tokens(tok, tokens, types):
 
 
 def _post_processor(tok, config):
-    """BOS first (and EOS last) when the config says to add them, as Hugging Face's Llama files do."""
+    """BOS first (and EOS last) when the config says to add them, as Hugging Face's Llama files do
+    (for tools that encode with special tokens; handgrad never does)."""
     from tokenizers import processors
     bos, eos = config.get("bos_token"), config.get("eos_token")
     first = [bos] if bos is not None and config["add_bos_token"] else []

@@ -1,40 +1,17 @@
 """`handgrad prepare`: tokenize a corpus into llm.c token shards (data/shards.py reads them back
 for training, as `Dataset`).
 
-A prepared DATA_DIR holds:
+A prepared DATA_DIR holds `train_000000.bin`, ... and `val_000000.bin`, ...: token shards in llm.c's
+format (a 256 x int32 header, magic 20240520, then uint16 tokens; uint32 shards, magic 20240801, for
+a vocabulary above 65,536 ids; see shards.py), at most SHARD_TOKENS tokens each, none for an empty
+split; `tokenizer.json` (and a Hugging Face tokenizer's `tokenizer_config.json`); and `meta.json`:
+the sources as given, the tokenizer, vocab_size, eot_id, token counts, the split settings, the shard
+names, the format and the handgrad version. `--format chat` adds the mask of assistant tokens and
+where each conversation starts (data/chat.py describes that directory).
 
-* `train_000000.bin`, `train_000001.bin`, ... and `val_000000.bin`, ...: token shards in llm.c's
-  format (dev/data/data_common.py): a header of 256 little-endian int32, [0] = 20240520 (magic),
-  [1] = 1 (version: uint16 tokens), [2] = the token count, the rest 0; then the tokens as
-  little-endian uint16. A vocabulary above 65,536 ids uses llm.c's uint32 shards instead (magic
-  20240801, version 7; see shards.py). At most SHARD_TOKENS tokens per shard; an empty split has
-  no shards.
-* `tokenizer.json`: the tokenizer (see tokenizer.py); for a Hugging Face model's tokenizer (kind
-  hf) also its `tokenizer_config.json`.
-* `meta.json`: the sources as given, the tokenizer, vocab_size, eot_id, token counts, the split
-  settings, the shard names, the format and the handgrad version.
-
-The tokenizer (--tokenizer) is one of char, byte, bpe, gpt2 (built here), or a path that
-load_tokenizer reads: a Hugging Face model directory or its tokenizer.json, a GGUF model file (kind
-hf: the corpus in that model's vocabulary), a published model's name (interop/published.py:
-`smollm2-135m-instruct`), or another data or run directory (its tokenizer, reused).
-
-How the corpus becomes shards: the documents (see sources.py) are tokenized one by one, without
-special tokens, shuffled with the seed, and joined with the tokenizer's separator between
-consecutive documents (Tokenizer.separator: the end-of-text token of bpe and gpt2, the model's
-end-of-sequence token for hf, "\\n\\n" for char and byte; nothing for an hf tokenizer with no
-end-of-sequence token, which main() notes). The last `val_fraction` of that token stream (rounded
-down, at least one token when the fraction is above 0) is the val split, the rest the train split.
-The same sources, options and seed give a byte-identical DATA_DIR.
-
-`--format chat` reads one chats.jsonl of conversations instead, renders them with the --tokenizer
-model's chat template and stores, beside the token shards, the mask of assistant tokens (the only
-ones the loss counts) and where each conversation starts: data/chat.py describes that directory.
-
-Everything is written into a hidden temporary directory beside DATA_DIR, which is renamed into
-place only when complete, so a failure never leaves a DATA_DIR that looks valid. DATA_DIR must
-not exist yet, or be empty.
-"""
+The same sources, options and seed give a byte-identical DATA_DIR, and it is written into a hidden
+temporary directory renamed into place only when complete, so a failure never leaves a DATA_DIR that
+looks valid. DATA_DIR must not exist yet, or be empty."""
 import argparse
 import glob
 import json
@@ -126,8 +103,11 @@ def _check_options(out: Path, tokenizer: str, vocab_size, val_fraction, seed) ->
 
 
 def _build_tokenizer(name: str, documents, vocab_size) -> Tokenizer:
-    """The tokenizer --tokenizer names: char and bpe read the corpus (`documents()`, an iterator of
-    Document) once to build their vocabulary; a path is loaded (load_tokenizer)."""
+    """The tokenizer --tokenizer names: char, byte, bpe or gpt2, built here (char and bpe read the
+    corpus, `documents()`, an iterator of Document, once to build their vocabulary), or a path that
+    load_tokenizer reads: a Hugging Face model directory or its tokenizer.json, a GGUF model file
+    (kind hf: the corpus in that model's vocabulary), a published model's name
+    (`smollm2-135m-instruct`), or another data or run directory (its tokenizer, reused)."""
     if name not in TOKENIZER_NAMES:
         return load_tokenizer(Path(name).expanduser())
     if name == "byte":
@@ -142,7 +122,13 @@ def _build_tokenizer(name: str, documents, vocab_size) -> Tokenizer:
 
 def _token_stream(tok: Tokenizer, documents, seed: int, sources) -> tuple[np.ndarray, int]:
     """(the shuffled token stream, documents joined by tok.separator(), as the shards' token type
-    (shards.token_dtype); the number of documents)."""
+    (shards.token_dtype); the number of documents).
+
+    Documents are tokenized one by one without special tokens, shuffled with the seed, and joined
+    with the tokenizer's separator: the end-of-text token of bpe and gpt2, the model's
+    end-of-sequence token for hf, "\\n\\n" for char and byte, nothing for an hf tokenizer without
+    one (main() notes it). The caller takes the last `val_fraction` of the stream (rounded down, at
+    least one token when the fraction is above 0) as the val split."""
     dtype = token_dtype(tok.vocab_size)
     arrays = []
     for batch in _batched(_progress(documents(), "tokenizing"), ENCODE_BATCH):

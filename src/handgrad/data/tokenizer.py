@@ -1,37 +1,15 @@
 """Tokenizers: text <-> token ids, and their one file, `tokenizer.json`, in a data or run directory.
 
 Five kinds, each a `Tokenizer` with `name`, `vocab_size`, `eot_id`, `encode`, `decode`, `save`:
-
-* `char`: one id per character; the vocabulary is the sorted set of the corpus's characters plus
-  "\\n" (the document separator). File: {"type": "char", "chars": [...]}.
-* `byte`: one id per UTF-8 byte, 256 ids. File: {"type": "byte"}.
-* `bpe`: byte-level BPE trained on the corpus with Hugging Face `tokenizers` (GPT-2's
-  pre-tokenizer regex, all 256 bytes in the base alphabet, "<|endoftext|>" as id 0). File: the
-  Hugging Face `tokenizer.json` itself, so other tools can load it (it has no top-level "type").
-* `gpt2`: GPT-2's BPE through `tiktoken` (optional, imported only here); "<|endoftext|>" = 50256.
-  File: {"type": "gpt2"}.
-* `hf`: any other Hugging Face tokenizers file, e.g. a Llama, SmolLM2 or Qwen2 model's
-  `tokenizer.json` (`HFTokenizer`; `.hf` is the `tokenizers.Tokenizer`, `.config` the model
-  directory's `tokenizer_config.json` or {}). vocab_size counts the added tokens (a model's
-  embedding may be larger: Qwen2 pads). `eot_id` is the model's end-of-sequence token: the
-  tokenizer_config.json's `eos_token`, else config.json's then generation_config.json's
-  `eos_token_id`, else a special token named <|endoftext|>, </s>, <|end_of_text|> or <|im_end|>,
-  else None. Files: the `tokenizer.json` as it came, and `tokenizer_config.json` (with `eos_token`
-  filled in where it came from elsewhere, and a `chat_template.jinja` beside the model folded in
-  as `chat_template`).
-
-`save(dir)` writes `dir/tokenizer.json` (hf: and `tokenizer_config.json`); `load_tokenizer(dir)`
-reads it back (also a model directory, a tokenizer.json path, or a GGUF file: data/gguf_tokenizer.py);
-`copy_tokenizer` copies them from a data directory into a run directory. A Hugging Face file is bpe when it is a byte-level BPE whose
-one added token is <|endoftext|> (handgrad's own, and GPT-2's), char or byte when it is their
-to_hf_json() form, otherwise hf. `to_hf_json()` is the tokenizer as Hugging
-Face tokenizers' own `tokenizer.json` with the same ids (char: a WordLevel model over one piece per
-character; byte: byte-level pieces, one per byte, no merges; bpe: its own file; gpt2: none, it
-travels as GPT-2's vocab.json + merges.txt), and `tokenizer_from_json` reads those forms back.
+`char` (one id per character), `byte` (one per UTF-8 byte), `bpe` (byte-level BPE trained on the
+corpus with Hugging Face `tokenizers`), `gpt2` (GPT-2's BPE through `tiktoken`) and `hf` (any other
+Hugging Face tokenizers file, e.g. a Llama, SmolLM2 or Qwen2 model's). `save(dir)` writes
+`dir/tokenizer.json` (hf: and `tokenizer_config.json`); `load_tokenizer(dir)` reads it back (also a
+model directory, a tokenizer.json path, or a GGUF file: data/gguf_tokenizer.py); `copy_tokenizer`
+copies them from a data directory into a run directory.
 
 Text is always encoded as plain text, without added special tokens: a literal "<|endoftext|>" (or,
-for hf, "</s>", "<|im_end|>", ... any special token) in a document stays text, not that token. `decode` never fails on ids that form invalid UTF-8 (it writes U+FFFD) but rejects ids
-outside [0, vocab_size).
+for hf, "</s>", "<|im_end|>", ... any special token) in a document stays text, not that token.
 """
 import json
 import shutil
@@ -65,6 +43,8 @@ class Tokenizer:
         raise NotImplementedError
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids`; never fails on ids that form invalid UTF-8 (it writes U+FFFD) but rejects
+        ids outside [0, vocab_size)."""
         raise NotImplementedError
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -82,7 +62,8 @@ class Tokenizer:
         `tokenizers.Tokenizer.from_str` and transformers' PreTrainedTokenizerFast load), giving the
         same ids for every text and the same text for every id sequence (but for a literal
         "<|endoftext|>" in a bpe tokenizer's text: Hugging Face reads it as the special token);
-        None where there is no such form."""
+        None where there is no such form (gpt2: it travels as GPT-2's vocab.json + merges.txt).
+        `tokenizer_from_json` reads these forms back as the same kind."""
         return None
 
     def save(self, data_dir) -> Path:
@@ -103,7 +84,8 @@ class Tokenizer:
 
 
 class CharTokenizer(Tokenizer):
-    """One id per character: id i is `chars[i]`, chars sorted by code point."""
+    """One id per character: id i is `chars[i]`, chars sorted by code point. File:
+    {"type": "char", "chars": [...]}."""
 
     name, eot_id = "char", None
 
@@ -154,7 +136,7 @@ class CharTokenizer(Tokenizer):
 
 
 class ByteTokenizer(Tokenizer):
-    """One id per UTF-8 byte."""
+    """One id per UTF-8 byte, 256 ids. File: {"type": "byte"}."""
 
     name, vocab_size, eot_id = "byte", 256, None
 
@@ -182,7 +164,11 @@ class ByteTokenizer(Tokenizer):
 
 
 class BPETokenizer(Tokenizer):
-    """Byte-level BPE over a Hugging Face `tokenizers.Tokenizer` with "<|endoftext|>" as a special token."""
+    """Byte-level BPE over a Hugging Face `tokenizers.Tokenizer` with "<|endoftext|>" as a special token.
+    Trained here with GPT-2's pre-tokenizer regex, all 256 bytes in the base alphabet and
+    "<|endoftext|>" as id 0. File: the Hugging Face `tokenizer.json` itself, so other tools can load
+    it (it has no top-level "type"); a Hugging Face file is read as bpe when it is a byte-level BPE
+    whose one added token is <|endoftext|> (_is_bpe)."""
 
     name = "bpe"
 
@@ -223,7 +209,8 @@ class BPETokenizer(Tokenizer):
 
 
 class GPT2Tokenizer(Tokenizer):
-    """GPT-2's tokenizer from `tiktoken` (50257 ids, "<|endoftext|>" = 50256)."""
+    """GPT-2's tokenizer from `tiktoken` (optional, imported only here; 50257 ids, "<|endoftext|>" =
+    50256). File: {"type": "gpt2"}."""
 
     name = "gpt2"
     VOCAB_SIZE = 50257
@@ -255,7 +242,10 @@ class GPT2Tokenizer(Tokenizer):
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face tokenizers file as it came (`text`), with the model's tokenizer_config.json
-    (`config`) and the eos_token_id's of its config.json / generation_config.json (`eos_ids`)."""
+    (`config`, or {}) and the eos_token_id's of its config.json / generation_config.json (`eos_ids`).
+    `.hf` is the `tokenizers.Tokenizer`. vocab_size counts the added tokens (a model's embedding may be
+    larger: Qwen2 pads). Files: the `tokenizer.json` as it came, and `tokenizer_config.json`
+    (saved_config)."""
 
     name = "hf"
 
@@ -274,6 +264,9 @@ class HFTokenizer(Tokenizer):
         self.eot_id = self._find_eot(eos_ids, where)
 
     def _find_eot(self, eos_ids, where) -> int | None:
+        """The model's end-of-sequence token: the config's `eos_token`, else the first usable id of
+        `eos_ids`, else a special token named <|endoftext|>, </s>, <|end_of_text|> or <|im_end|>,
+        else None."""
         eos = self.config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str) and eos:

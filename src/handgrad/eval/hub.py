@@ -1,32 +1,14 @@
 """The standard zero-shot tasks by name (`--tasks arc_easy,piqa`): the Hugging Face datasets that
 lm-evaluation-harness's task YAMLs name, each row turned into a row of llm-foundry's JSONL layout
-(eval/tasks.py) by the harness's own prompt for that task, so a named task scores as the harness
-scores it, and exactly as a JSONL file holding the same rows would.
+(eval/tasks.py) by the harness's own prompt for that task (Named), so a named task scores as the
+harness scores it, and exactly as a JSONL file holding the same rows would.
 
-A task is one split of one dataset (NAMED). Its file is the Hub's parquet conversion of that split,
+The non-obvious idea: a task's file is the Hub's parquet conversion of its split,
 `{config}/{split}/0000.parquet` on the dataset's `refs/convert/parquet` branch, which the Hub keeps
 for every dataset, whatever form its own repository holds. It is fetched once with urllib into
 $HANDGRAD_CACHE/eval (default ~/.cache/handgrad/eval) and read with pyarrow (the `eval` extra).
 HF_ENDPOINT replaces https://huggingface.co, as it does for huggingface_hub. Offline, a task file
 placed where the cache keeps it is read as if fetched; or pass a JSONL file instead of the name.
-
-The rows, 0-shot, in the split's order (the harness's doc_to_text -> query or contexts,
-doc_to_choice -> choices, doc_to_target -> gold; the harness puts its " " delimiter before each
-choice, as eval/tasks.py does):
-
-  arc_easy, arc_challenge  "Question: {question}\\nAnswer:"; choices.text; choices.label.index(answerKey)
-  boolq           "{passage}\\nQuestion: {question}?\\nAnswer:"; "no", "yes"; label
-  copa            the premise without its last character (its period) + " because" (cause) or
-                  " therefore" (effect); " " + each choice with its first letter lower-cased (the
-                  harness's choices carry a space of their own, so it scores them after two); label
-  hellaswag       "{activity_label}: {ctx_a} {ctx_b capitalized}"; endings; label; each text cleaned
-                  of WikiHow's bracketed artifacts as the harness's preprocess cleans it
-  lambada_openai  language modelling: the text up to its last " ", then its last word
-  piqa            "Question: {goal}\\nAnswer:"; sol1, sol2; label
-  siqa            "Q: {context} {question}\\nA:"; answerA, answerB, answerC; label - 1 (the
-                  harness's social_iqa)
-  winogrande      schema: the sentence up to its "_" followed by each option; the rest after the
-                  "_", stripped; answer - 1
 """
 import os
 import re
@@ -101,6 +83,24 @@ def _winogrande(r):
 
 @dataclass(frozen=True)
 class Named:
+    """A standard task: one split of one dataset, and how a row of it becomes a row, 0-shot, in the
+    split's order (the harness's doc_to_text -> query or contexts, doc_to_choice -> choices,
+    doc_to_target -> gold; the harness's " " delimiter goes before each choice, as in eval/tasks.py):
+
+      arc_easy, arc_challenge  "Question: {question}\\nAnswer:"; choices.text; choices.label.index(answerKey)
+      boolq           "{passage}\\nQuestion: {question}?\\nAnswer:"; "no", "yes"; label
+      copa            the premise without its last character (its period) + " because" (cause) or
+                      " therefore" (effect); " " + each choice with its first letter lower-cased (the
+                      harness's choices carry a space of their own, so it scores them after two); label
+      hellaswag       "{activity_label}: {ctx_a} {ctx_b capitalized}"; endings; label; each text cleaned
+                      of WikiHow's bracketed artifacts as the harness's preprocess cleans it
+      lambada_openai  language modelling: the text up to its last " ", then its last word
+      piqa            "Question: {goal}\\nAnswer:"; sol1, sol2; label
+      siqa            "Q: {context} {question}\\nA:"; answerA, answerB, answerC; label - 1 (the
+                      harness's social_iqa)
+      winogrande      schema: the sentence up to its "_" followed by each option; the rest after the
+                      "_", stripped; answer - 1
+    """
     repo: str  # the dataset the harness's YAML names (dataset_path)
     config: str  # its dataset_name ("default" where it names none)
     split: str  # the split the harness scores

@@ -2,38 +2,15 @@
 with the work a row's pairs share done once.
 
 A pair is tokenized as two texts, the continuation apart from its context, and concatenated:
-seq = bos? + ctx + cont. The model reads seq[:-1]; the continuation's score is the sum over its
-tokens of log softmax(logits) at the position before each (float64), and it is `greedy` when each
-of its tokens is the argmax there (ties to the lowest id). The full vocabulary is used, padding rows
-of an embedding included, as the harness does with a Hugging Face model.
+seq = bos? + ctx + cont (`encode_task`). The model reads seq[:-1]; the continuation's score is the
+sum of its tokens' log-probabilities over the full vocabulary (`_logprob`), as the harness scores a
+Hugging Face model.
 
-bos: when the tokenizer's config sets add_bos_token (HFTokenizer.config: a Llama 2 tokenizer's, a
-GGUF file's tokenizer.ggml.add_bos_token) its bos token is put before every context, as its
-tokenizer would encode the text; otherwise nothing is (GPT-2, SmolLM2). An empty context then starts
-from the end-of-text token, as the harness starts one.
-
-Truncation, as the harness: a seq longer than block_size + 1 tokens keeps its last block_size + 1
-(the model reads block_size), cut from the left of the context; the whole continuation always stays
-(one longer than block_size is an error). Such rows are counted (`Encoded.truncated`).
-
-Sharing the query. The pairs of a row usually begin with the same tokens (a multiple-choice row:
-its whole query; a schema row: the context options' common start). Those P tokens are run once, a
-prefill into a KV cache, and every pair goes on from there: its cache rows are copied from the
-query's (KVCache.load_rows) and its remaining tokens fed in an extend, which returns the logits of
-the positions scored only (the lm_head runs on nothing else). On ARC-Easy with SmolLM2's tokenizer
-(query 24 tokens, 4 choices of 4.4 on average) a row runs 24 + 4 x 3.4 = 38 positions where one
-forward per choice runs 4 x (24 + 4.4 - 1) = 110, and the lm_head on 18 positions instead of 110;
-the whole of ARC-Easy runs 95,620 positions where one forward per choice runs 263,096. The report
-counts both for every run.
-
-Batching. A forward costs more than its positions: it streams every weight from memory once,
-whatever its rows (SmolLM2 on one core: ~30 positions' worth, FORWARD_COST). So rows with the same
-P are scored together, up to --batch-size pairs: their queries in one prefill, their pairs in
-extends of pairs of similar lengths, right-padded (a causal model's padding after a token never
-changes that token's logits, and padded positions are not scored), the pairs split into extends
-where a forward more costs less than the padding it saves (_partition). A language-modelling row
-has one pair and nothing to share: it runs in one extend from an empty cache (P = 0), batched with
-rows of any length.
+Sharing the query: the pairs of a row usually begin with the same P tokens (a multiple-choice row:
+its whole query). Those are run once, a prefill into a KV cache, and every pair goes on from there
+in an extend that returns the logits of the scored positions only (`Scorer`). Rows with the same P
+are batched, since a forward streams every weight once whatever its rows; the positions saved per
+task are in docs/PERFORMANCE.md, Evaluation.
 """
 import math
 from dataclasses import dataclass
@@ -67,7 +44,11 @@ class RowScore:
 
 
 def bos_policy(tokenizer):
-    """(the id put before every context or None, a sentence saying what was chosen and why)."""
+    """(the id put before every context or None, a sentence saying what was chosen and why).
+
+    When the tokenizer's config sets add_bos_token (HFTokenizer.config: a Llama 2 tokenizer's, a GGUF
+    file's tokenizer.ggml.add_bos_token) its bos token goes before every context, as its tokenizer
+    would encode the text; otherwise nothing does (GPT-2, SmolLM2)."""
     cfg = getattr(tokenizer, "config", None) or {}
     if not cfg.get("add_bos_token"):
         return None, "none (the tokenizer does not set add_bos_token)"
@@ -81,7 +62,12 @@ def bos_policy(tokenizer):
 
 
 def encode_task(task, tokenizer, block_size, bos):
-    """Every row of task as Encoded, its texts tokenized in one batch."""
+    """Every row of task as Encoded, its texts tokenized in one batch.
+
+    An empty context starts from the end-of-text token, as the harness starts one. Truncation, as the
+    harness: a seq longer than block_size + 1 tokens keeps its last block_size + 1 (the model reads
+    block_size), cut from the left of the context; the whole continuation always stays (one longer
+    than block_size is an error). Such rows are counted (`Encoded.truncated`)."""
     texts = sorted({t for r in task.rows for t in r.contexts + r.continuations})
     try:
         ids = dict(zip(texts, tokenizer.encode_batch(texts)))
@@ -131,7 +117,12 @@ def _extend_len(e, P):
 class Scorer:
     """Scores Encoded rows with a model (a LoRA model through its adapters, models/decode.py's KVCache),
     keeping two KV caches between calls: the queries' and their pairs'. `positions` counts the
-    positions it ran (padding included), `naive_positions` those one forward per pair would run."""
+    positions it ran (padding included), `naive_positions` those one forward per pair would run.
+
+    A pair's cache rows are copied from its query's (KVCache.load_rows) and its remaining tokens fed
+    in an extend; the lm_head runs on the scored positions only. On ARC-Easy with SmolLM2's tokenizer
+    (query 24 tokens, 4 choices of 4.4 on average) a row runs 24 + 4 x 3.4 = 38 positions where one
+    forward per choice runs 4 x (24 + 4.4 - 1) = 110, and the lm_head on 18 positions instead of 110."""
 
     def __init__(self, model, batch_size=64):
         self.model = model
@@ -142,7 +133,9 @@ class Scorer:
 
     def batches(self, encoded):
         """Lists of row indices to score together: the same P, at most batch_size pairs (a row
-        with more is a batch of its own) and the MAX_TOKENS and MAX_LOGITS bounds."""
+        with more is a batch of its own) and the MAX_TOKENS and MAX_LOGITS bounds. A forward costs
+        more than its positions (it streams every weight once, whatever its rows: FORWARD_COST), so
+        rows are batched wherever the bounds allow."""
         P = [shared_prefix(e) for e in encoded]
         order = sorted(range(len(encoded)), key=lambda i: (P[i], _extend_len(encoded[i], P[i]), i))
         max_scored = max(1, MAX_LOGITS // self.V)
@@ -196,7 +189,9 @@ class Scorer:
 
     def _score_batch(self, es, P, prefix, branch):
         """Score rows es, all of shared prefix P: their queries in one prefill, then their pairs'
-        remaining tokens in extends of pairs of similar lengths (_partition)."""
+        remaining tokens in extends of pairs of similar lengths (_partition), right-padded: a causal
+        model's padding after a token never changes that token's logits, and padded positions are
+        not scored."""
         owner = [r for r, e in enumerate(es) for _ in e.seqs]
         seqs = [s for e in es for s in e.seqs]
         n_ctx = [n for e in es for n in e.n_ctx]
@@ -315,8 +310,9 @@ def _partition(lengths, cost):
 
 
 def _logprob(logits, targets):
-    """(sum of log softmax(logits)[t, targets[t]], whether every target is its row's argmax), in
-    float64; logits (T, V)."""
+    """(sum of log softmax(logits)[t, targets[t]], whether every target is its row's argmax, ties to
+    the lowest id), in float64; logits (T, V), the full vocabulary, an embedding's padding rows
+    included, as the harness does with a Hugging Face model."""
     x = np.asarray(logits, np.float64)
     m = x.max(axis=1)
     lse = m + np.log(np.exp(x - m[:, None]).sum(axis=1))

@@ -11,14 +11,8 @@ Three kinds of row, told apart by their keys:
                     correct when greedy decoding after the context gives every token of
                     " " + continuation.
 
-Every row becomes `len(contexts)` (context, continuation) pairs; `gold` is the index of the right
-one (0 for a language-modelling row, which has one pair). Keys beyond these are ignored. A file
-holds rows of one kind; a mistake raises DataError naming the file and the line.
-
-`--tasks` also takes the standard tasks' names (arc_easy, piqa, ...: eval/hub.py), whose rows come
-from the Hugging Face datasets lm-evaluation-harness reads, in this same layout and through the same
-parse_row.
-"""
+`--tasks` also takes the standard tasks' names (arc_easy, piqa, ...: eval/hub.py), read from the
+Hugging Face datasets lm-evaluation-harness reads, in this same layout and through the same parse_row."""
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +114,10 @@ def _gold(obj, n, key):
 
 
 def parse_row(obj, line):
-    """A Row from one decoded JSON line, or ValueError saying what is wrong with it."""
+    """A Row from one decoded JSON line, or ValueError saying what is wrong with it (read_task
+    names the file and the line). Every row becomes `len(contexts)` (context, continuation) pairs;
+    `gold` is the index of the right one (0 for a language-modelling row, which has one pair). Keys
+    beyond the layout's are ignored."""
     if not isinstance(obj, dict):
         raise ValueError(f"a row must be a JSON object, got {type(obj).__name__}")
     kind = _kind(obj)
@@ -137,7 +134,8 @@ def parse_row(obj, line):
 
 
 def read_task(path, limit=None):
-    """The Task in a JSONL file: its first `limit` rows (all when None), blank lines skipped."""
+    """The Task in a JSONL file: its first `limit` rows (all when None), blank lines skipped. A file
+    holds rows of one kind; a mistake raises DataError naming the file and the line."""
     path = Path(path)
     rows, kind = [], None
     try:

@@ -2,14 +2,11 @@
 
     model.safetensors   the weights, under model.state_dict()'s Hugging Face names; a LoRA run's
                         only what trains (model.layout: its adapters, and norms or embeddings where
-                        trained), its frozen base named in state.json's "base" by where it came from
-                        and the SHA-256 of its weights (models/lora.py's base_digest)
+                        trained), its frozen base named in state.json's "base"
     optim.safetensors   AdamW's moments: exp_avg.{name} and exp_avg_sq.{name}
     state.json          step, config, optimizer scalars, every RNG state, the data position,
                         the SHA-256 of both tensor files (checked on load) and a CRC-32 of every
-                        tensor (to name the damaged tensor when a file's SHA-256 does not match);
-                        a llama run started from a pretrained model, that model's context_length
-                        (its exports give it: a RoPE model is not cut to the block_size it trained on)
+                        tensor (to name the damaged tensor when a file's SHA-256 does not match)
 
 Each is written into a temporary directory, fsynced, then renamed into place, so a checkpoint
 directory either is complete or does not exist. Nothing is ever pickled.
@@ -113,7 +110,10 @@ def save_checkpoint(run_dir, step, model, optimizer, state):
     """Write checkpoint `step` atomically (prune_checkpoints then removes the oldest).
 
     `state` is a JSON-able dict (config, RNG states, data position); step and the optimizer's
-    scalars are added here. Returns the checkpoint's directory.
+    scalars are added here. Returns the checkpoint's directory. A LoRA run's state names its frozen
+    base in "base" by where it came from and the SHA-256 of its weights (models/lora.py's
+    base_digest); a llama run started from a pretrained model records that model's context_length
+    (its exports give it: a RoPE model is not cut to the block_size it trained on).
     """
     weights = {n: model.ops.to_numpy(model.p[n]) for n in model.layout}  # views on the cpu: no copy of the weights
     moments = {f"exp_avg.{n}": a for n, a in _split(model.ops.to_numpy(optimizer.m), model).items()}

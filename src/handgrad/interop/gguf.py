@@ -1,43 +1,17 @@
 """GGUF model files (llama.cpp, ollama, LM Studio) in and out, as handgrad's llama family.
 
-A GGUF file is a header of typed key/value metadata, a table of tensors (name, shape with the
-contiguous dimension first, type, offset) and the tensors' bytes, read here through one memory map
-by handgrad's own header reader (data/gguf_tokenizer.py; ggml-org's `gguf` package writes them,
-and its GGUFReader, which the tests use, spends seconds on a tokenizer's strings). Two architectures map onto the llama family: `llama` (SmolLM2,
-TinyLlama, Llama 2/3.x) and `qwen2` (q/k/v biases).
+A GGUF file is typed key/value metadata, a table of tensors (name, shape with the contiguous dimension
+first, type, offset) and their bytes, read through one memory map. `llama` (SmolLM2, TinyLlama, Llama
+2/3.x) and `qwen2` (q/k/v biases) map onto the family; read_gguf and write_gguf say the rest.
 
-In: the config from `{arch}.*` keys; each tensor dequantized to float32 by handgrad's own code
-(gguf_quants.py: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K) only when a consumer
-reads it (`GGUFTensor`: the model's load_state_dict copies each one into its flat buffer in turn,
-so the file stays a memory map and no second float32 copy of the model is ever held); tied when
-there is no `output.weight`. The tokenizer is the file itself (data/gguf_tokenizer.py builds the
-Hugging Face tokenizer, chat template included, from the `tokenizer.*` keys). A `rope_freqs.weight`
-tensor, llama.cpp's form of Llama 3.x's rope scaling, becomes config.rope_* (_rope_scaling says when).
-Refused, in one line naming the key or tensor: another architecture, a LoRA-adapter GGUF, scaled RoPE
-of another kind (rope.scaling.type, rope_freqs not Llama 3.x's), experts, heads
-whose width is not n_embd / n_head, a tensor handgrad has no place for, a tensor type it cannot
-dequantize.
-
-Out: what llama.cpp's convert_hf_to_gguf.py writes for LlamaForCausalLM / Qwen2ForCausalLM:
-the same keys, tensor names and q/k row order, the tokenizer (gguf_tokenizer.write_gguf_tokenizer),
-`--gguf-type` f32 (every tensor float32), f16, bf16 or q8_0 (the 2-D weights in that type, norms and
-biases float32, as the converter leaves them; under q8_0 a matrix whose rows are not whole blocks of
-32 is f16, the converter's fallback), `{arch}.context_length` the config's block_size (convert gives
-a fine-tuned run its base model's), and a scaled model's rope_freqs.weight (float32). The file is written to a temporary sibling and
-renamed, so a failed write leaves nothing that looks valid.
-
-The q/k row permutation. Hugging Face's Llama rotates the two halves of each head (`rotate_half`:
-dimension i pairs with i + hs/2); llama.cpp's `llama` architecture rotates adjacent pairs (2i with
-2i + 1). The converter reorders the rows of q_proj and k_proj (per head; k with n_kv_head heads)
-so that llama.cpp's pairs are Hugging Face's pairs:
+The q/k row permutation. Hugging Face's Llama rotates the two halves of each head (`rotate_half`: i
+pairs with i + hs/2); llama.cpp's `llama` rotates adjacent pairs (2i with 2i + 1), so its converter
+reorders q_proj's and k_proj's rows per head (k with n_kv_head heads):
 
     permute(W) = W.reshape(H, 2, hs/2, C).swapaxes(1, 2).reshape(H hs, C)
 
-GGUF row h hs + 2 i + j is Hugging Face row h hs + j hs/2 + i (i < hs/2, j in {0, 1}). Its inverse
-reshapes the GGUF rows as (H, hs/2, 2, C) and swaps back: row h hs + j hs/2 + i of the result is
-GGUF row h hs + 2 i + j. `qwen2` is written unpermuted (llama.cpp rotates it NeoX-style, halves).
-A wrong inverse still runs and produces fluent-looking nonsense, so tests compare logits with
-transformers' own GGUF loader.
+GGUF row h hs + 2 i + j is Hugging Face row h hs + j hs/2 + i (i < hs/2, j in {0, 1}); `qwen2` is unpermuted.
+A wrong inverse still runs and writes fluent nonsense, so tests compare logits with transformers' GGUF loader.
 """
 import os
 import re
@@ -93,7 +67,7 @@ def gguf_name(name):
 
 
 def permute_rows(w, n_head):
-    """llama.cpp's order of q/k rows from Hugging Face's (see the module docstring)."""
+    """llama.cpp's order of q/k rows from Hugging Face's (the module docstring's permute)."""
     hs = w.shape[0] // n_head
     return w.reshape(n_head, 2, hs // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -236,7 +210,15 @@ def gguf_config(path, meta, tensors):
 
 def read_gguf(path):
     """(LlamaConfig, {param_spec name: GGUFTensor}, info) from a GGUF file; every tensor is checked
-    (name, type, shape) before any is dequantized."""
+    (name, type, shape) before any is dequantized.
+
+    The config comes from the `{arch}.*` keys; each tensor is dequantized to float32 by gguf_quants.py
+    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K) only when the model's load_state_dict
+    copies it into its flat buffer, so no second float32 copy of the model is held; tied when there is
+    no `output.weight`. A `rope_freqs.weight` becomes config.rope_* (_rope_scaling). Refused, in one
+    line naming the key or tensor: another architecture, a LoRA-adapter GGUF, scaled RoPE of another
+    kind, experts, heads whose width is not n_embd / n_head, a tensor handgrad has no place for, a
+    tensor type it cannot dequantize. The tokenizer is the file itself (data/gguf_tokenizer.py)."""
     meta, tensors = open_gguf(path)
     config, arch = gguf_config(path, meta, tensors)
     tensors = {name: t for name, t in tensors.items() if name != ROPE_FREQS}  # in config.rope_* now
@@ -293,7 +275,12 @@ def _encode(w, gguf_type):
 
 def write_gguf(dst, config, weights, tokenizer=None, gguf_type="f32", name=None):
     """dst, a GGUF file of config and weights (+ the tokenizer, a path load_tokenizer reads), as
-    convert_hf_to_gguf.py writes the model. Returns (dst, one line saying what was written)."""
+    convert_hf_to_gguf.py writes the model. Returns (dst, one line saying what was written).
+
+    The converter's keys, tensor names and q/k row order for LlamaForCausalLM / Qwen2ForCausalLM;
+    gguf_type f32, f16, bf16 or q8_0 (_encode); `{arch}.context_length` the config's block_size (the
+    converter gives a fine-tuned run its base model's); a scaled model's rope_freqs.weight in float32.
+    Written to a temporary sibling and renamed, so a failed write leaves nothing that looks valid."""
     from gguf import GGUFWriter
     if gguf_type not in GGUF_TYPES:
         raise ConvertError(f"--gguf-type {gguf_type}: choose from {', '.join(GGUF_TYPES)}")

@@ -1,21 +1,12 @@
 """GGUF tokenizers out: `write_gguf_tokenizer(writer, tok, vocab_size=None)` adds the `tokenizer.*` keys to a
-gguf.GGUFWriter as llama.cpp's convert_hf_to_gguf.py writes them: tokens in id order (ids with no
-token, and ids up to vocab_size, the model's embedding rows, as "[PAD{id}]", unused), token_type
-(added special tokens, and added ones that look special such as <|...|>, control; other added
-tokens user-defined), bos/eos/unk/pad ids from the tokenizer's config (eos: its eot_id), add_bos_token
-/ add_eos_token (the config's, else whether the post-processor adds them), the chat template.
-* A byte-level BPE (handgrad's bpe: <|endoftext|> becomes bos and eos too, as for GPT-2; GPT-2's,
-  SmolLM2's, Llama 3's, Qwen2's tokenizer.json): model "gpt2", merges, and the pre-tokenizer's name,
-  found by comparing the tokenizer.json's pre-tokenizer with PRE_TOKENIZERS (llama.cpp's converter
-  compares the ids of a test text instead); one it does not know is refused. add_space_prefix false.
-* A SentencePiece-style BPE (Metaspace or Prepend/Replace "▁", byte fallback): model "llama",
-  scores (-rank of the merge that makes a token; -1e9 for tokens no merge makes, so that llama.cpp,
-  which merges by score and ignores the merges, merges them last), token types (its unk_token
-  unknown, <0xXX> byte), add_space_prefix, and the merges too (transformers and tokenizer_from_gguf
-  use them, so they read back the same merges; a Metaspace "first" tokenizer reads back with
-  llama.cpp's "▁" after special tokens and before a leading space).
-* Anything else (char, byte, gpt2 through tiktoken, WordPiece, Unigram): refused, naming the kind.
-"""
+gguf.GGUFWriter as llama.cpp's convert_hf_to_gguf.py writes them.
+
+Two kinds have a GGUF form: a byte-level BPE (model "gpt2": GPT-2's, SmolLM2's, Llama 3's, Qwen2's
+and handgrad's bpe) and a SentencePiece-style BPE (model "llama"); anything else is refused, naming
+the kind. Two things are not copied but derived: a byte-level BPE's pre-tokenizer name, found by
+comparing its tokenizer.json's pre-tokenizer with PRE_TOKENIZERS (llama.cpp's converter compares
+the ids of a test text instead), and a SentencePiece BPE's scores, made from its merges so that
+llama.cpp, which merges by score and ignores the merges, merges in the same order."""
 import json
 
 from ..data.gguf_tokenizer import (BYTE, CONTROL, DIGITS, GPT2_SPLIT, NO_MERGE_SCORE, NORMAL, PRE_TOKENIZERS, SPECIAL_IDS,
@@ -25,9 +16,23 @@ from ..data.tokenizer import EOT_TEXT
 
 
 def write_gguf_tokenizer(writer, tok, vocab_size: int | None = None) -> None:
-    """Add `tok`'s tokenizer.* keys to a gguf.GGUFWriter as convert_hf_to_gguf.py writes them (see
-    the module docstring); `vocab_size`, the model's embedding rows, pads the token list to that
-    length. DataError for a tokenizer llama.cpp has no form for."""
+    """Add `tok`'s tokenizer.* keys to a gguf.GGUFWriter as convert_hf_to_gguf.py writes them;
+    `vocab_size`, the model's embedding rows, pads the token list to that length. DataError for a
+    tokenizer llama.cpp has no form for (char, byte, gpt2 through tiktoken, WordPiece, Unigram).
+
+    Written: tokens in id order (ids with no token, and ids up to vocab_size, as "[PAD{id}]",
+    unused); token_type (added special tokens, and added ones that look special such as <|...|>,
+    control; other added tokens user-defined); bos/eos/unk/pad ids from the tokenizer's config (eos:
+    its eot_id); add_bos_token / add_eos_token (the config's, else whether the post-processor adds
+    them); the chat template.
+    * A byte-level BPE (handgrad's bpe: <|endoftext|> becomes bos and eos too, as for GPT-2): model
+      "gpt2", merges, the pre-tokenizer's name (_pre_name; one it does not know is refused),
+      add_space_prefix false.
+    * A SentencePiece-style BPE (Metaspace or Prepend/Replace "▁", byte fallback): model "llama",
+      scores (_scores), token types (its unk_token unknown, <0xXX> byte), add_space_prefix, and the
+      merges too (transformers and tokenizer_from_gguf use them, so they read back the same merges;
+      a Metaspace "first" tokenizer reads back with llama.cpp's "▁" after special tokens and before
+      a leading space)."""
     from tokenizers import Tokenizer
     doc = tok.to_hf_json()
     model = (doc or {}).get("model") or {}

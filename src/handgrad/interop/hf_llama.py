@@ -2,16 +2,10 @@
 handgrad's llama family (models/llama.py), whose parameter names and [out, in] layouts are Hugging
 Face's own: the weights go in and out under their names, untouched.
 
-In: config.json's fields map to config.LlamaConfig (hidden_size -> n_embd, num_hidden_layers ->
-n_layer, num_attention_heads -> n_head, num_key_value_heads -> n_kv_head, intermediate_size ->
-ffn_hidden, rope_theta (or transformers 5's rope_parameters.rope_theta), rms_norm_eps -> norm_eps,
-tie_word_embeddings, max_position_embeddings -> block_size, vocab_size; Qwen2 -> qkv_bias), a field
-missing from it taking transformers' default for the class. What the family cannot express is
-refused with one line naming the field: another activation, scaled RoPE other than Llama 3's
-(rope_type llama3, taken as LLAMA3_ROPE maps it), sliding windows in
-effect, biases other than Qwen2's q/k/v, a head_dim other than hidden_size / num_attention_heads,
-a tied model whose stored lm_head differs from its embedding. rotary_emb.inv_freq buffers are
-ignored; a tied model's stored lm_head.weight (equal to the embedding) is dropped.
+In: config.json's fields map to config.LlamaConfig (llama_config), a field missing from it taking
+transformers' default for the class; what the family cannot express is refused with one line naming
+the field. rotary_emb.inv_freq buffers are ignored; a tied model's stored lm_head.weight (equal to
+the embedding) is dropped.
 
 Out: what save_pretrained writes (model.safetensors in float32, no lm_head.weight when tied,
 config.json, generation_config.json) for LlamaForCausalLM, or Qwen2ForCausalLM when the model has
@@ -75,7 +69,14 @@ def _cannot(cfg_path, field, value, what, has):
 
 
 def llama_config(cfg, cfg_path, kind):
-    """config.LlamaConfig from a config.json dict, or the ConvertError naming the field it cannot take."""
+    """config.LlamaConfig from a config.json dict, or the ConvertError naming the field it cannot take.
+
+    hidden_size -> n_embd, num_hidden_layers -> n_layer, num_attention_heads -> n_head,
+    num_key_value_heads -> n_kv_head, intermediate_size -> ffn_hidden, rope_theta (or transformers 5's
+    rope_parameters.rope_theta), rms_norm_eps -> norm_eps, tie_word_embeddings,
+    max_position_embeddings -> block_size, vocab_size; Qwen2 -> qkv_bias. Refused: another activation,
+    scaled RoPE other than Llama 3's (rope_type llama3, taken as LLAMA3_ROPE maps it), sliding windows
+    in effect, biases other than Qwen2's q/k/v, a head_dim other than hidden_size / num_attention_heads."""
     missing = [k for k in SIZES if cfg.get(k) is None]
     if missing:
         raise ConvertError(f"{cfg_path}: field {missing[0]} is missing")
@@ -124,7 +125,8 @@ def llama_config(cfg, cfg_path, kind):
 def read_hf_llama(path):
     """(LlamaConfig, weights under param_spec's names, info) from a Hugging Face Llama or Qwen2
     directory: the weights from model.safetensors or the shards its index lists, float32, float16
-    or bfloat16 on disk, float32 here."""
+    or bfloat16 on disk, float32 here. A tied model whose stored lm_head differs from its embedding
+    is refused."""
     d, cfg_path, cfg = read_hf_config(path)
     kind = llama_kind(cfg)
     if kind is None:

@@ -1,49 +1,16 @@
-"""Any format in, a model out: format detection and the readers of Hugging Face GPT-2 directories
-(hf.py) and Llama / Qwen2 ones (hf_llama.py), llm.c model files (llmc.py), llama2.c model files
-(llama2c.py), PEFT adapters (peft.py) and handgrad runs (here, through checkpoint.py); what
-`from_pretrained`, `handgrad train --init-from`, `handgrad sample` and `handgrad convert` load with.
+"""Any format in, a model out: format detection and the readers behind `from_pretrained`,
+`handgrad train --init-from`, `handgrad sample` and `handgrad convert` (hf.py, hf_llama.py, llmc.py,
+llama2c.py, gguf.py, peft.py, and handgrad runs through checkpoint.py).
 
 Every format is read into one common form, (config, weights): the config a family's architecture
 config (GPTConfig or LlamaConfig), the weights a dict of float32 arrays under the family's
 param_spec names and layouts (llama: Hugging Face LlamaForCausalLM's own; gpt2: Hugging Face
-GPT-2's: Conv1D weights [in, out], no `transformer.` prefix, no lm_head), and written from it by
-`handgrad convert` (convert.py):
-
-* **hf**: a directory with config.json (model_type "gpt2") and model.safetensors (or shards
-  listed in model.safetensors.index.json). On import a `transformer.` key prefix is optional, the
-  `attn.bias` / `attn.masked_bias` buffers are ignored and a stored lm_head.weight must equal wte
-  (GPT-2 ties them). float32, float16 and bfloat16 tensors are read. An export is what
-  GPT2LMHeadModel.save_pretrained writes, and GPT2LMHeadModel.from_pretrained loads it, with the
-  run's tokenizer where transformers.AutoTokenizer loads it (hf.py: export_hf_tokenizer) and
-  bos/eos ids only where that tokenizer has an end-of-text token. A directory whose config.json
-  names LlamaForCausalLM or Qwen2ForCausalLM is a llama-family model (hf_llama.py: the fields it
-  maps, the ones it refuses); a llama run exports as one of those two (Qwen2 when it has q/k/v
-  biases), with generation_config.json, and an imported directory's tokenizer files byte for byte.
-* **llmc**: llm.c's model file (train_gpt2.c's gpt2_build_from_checkpoint): a 256 x int32 header
-  (magic 20240326, version 3 = float32 or 5 = bfloat16, maxT, V, L, NH, C, Vp), then the tensors
-  in llm.c's order with nn.Linear's [out, in] layout and wte padded to Vp rows (padding ignored on
-  import, zero on export).
-* **llama2c**: llama2.c's model file (run.c's legacy format: 7 x int32 header, float32 tensors, q/k
-  rows in interleaved-pair RoPE order; detected by its header and exact size), a Llama model. An
-  export is a directory: model.bin, and with a tokenizer llama2.c's tokenizer.bin and handgrad's
-  tokenizer.json (`./run DST/model.bin -z DST/tokenizer.bin`); see llama2c.py.
-* **gguf**: a GGUF file (llama.cpp, ollama, LM Studio) of architecture llama or qwen2, its tensors
-  dequantized when the model reads them and its tokenizer read from the file (gguf.py).
-* **handgrad**: a run directory (its newest checkpoint) or a checkpoint directory; an export is a
-  run directory holding one weights-only checkpoint (step 0), so `handgrad sample --run DST` and
-  `handgrad train --init-from DST` take it.
+GPT-2's: Conv1D weights [in, out], no `transformer.` prefix, no lm_head). `handgrad convert`
+(convert.py) writes every format from that form, so no reader knows about any writer.
 
 A published model's name (published.py: `smollm2-135m-instruct`) stands for its file wherever a
-path is taken, unless a file or directory of that name exists.
-
-A model's own sampling settings (model_sampling: temperature, top_k, top_p, min_p,
-repetition_penalty) are read from a Hugging Face directory's generation_config.json, a GGUF's
-general.sampling.* keys, or a run's RUN_DIR/generation_config.json, which `train --init-from`
-writes from the model it starts from; `sample`, `chat` and `serve` sample with them where the user
-sets none (models/sampling.py's resolve_sampling).
-
-Nothing is ever unpickled: a pytorch_model.bin is refused with the command that converts it.
-"""
+path is taken, unless a file or directory of that name exists. Nothing is ever unpickled: a
+pytorch_model.bin is refused with the command that converts it."""
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -70,7 +37,20 @@ from .published import PUBLISHED, model_ref, resolve_model
 # ---------------------------------------------------------------- detection and the common form
 def detect_format(path):
     """'hf', 'llmc', 'llama2c', 'gguf', 'peft' or 'handgrad' for a path (or a published model's
-    name), or a ConvertError saying what it is not."""
+    name), or a ConvertError saying what it is not.
+
+    * hf: a directory with config.json and model.safetensors (or shards listed in
+      model.safetensors.index.json); GPT-2 (hf.py: a `transformer.` prefix optional, the attn.bias
+      buffers ignored, a stored lm_head.weight must equal wte) or, where config.json names
+      LlamaForCausalLM or Qwen2ForCausalLM, the llama family (hf_llama.py). float32, float16 and
+      bfloat16 tensors are read.
+    * llmc: llm.c's model file: a 256 x int32 header (magic 20240326, version 3 = float32 or
+      5 = bfloat16), tensors in nn.Linear's [out, in] layout, wte padded to Vp rows.
+    * llama2c: llama2.c's legacy model file (7 x int32 header, q/k rows in interleaved-pair RoPE
+      order), told by its header and exact size, or a directory holding one as model.bin.
+    * gguf: a GGUF file of architecture llama or qwen2, dequantized as the model reads it (gguf.py).
+    * peft: a PEFT adapter directory; handgrad: a run directory (its newest checkpoint) or a
+      checkpoint directory."""
     path = Path(resolve_model(path))
     if not path.exists():
         raise ConvertError(f"{path}: no such file or directory")
@@ -299,8 +279,10 @@ def model_sampling(path):
     they were read from. Read from a Hugging Face directory's generation_config.json (do_sample
     false: temperature 0, greedy); a GGUF's general.sampling.* metadata; a handgrad run's
     RUN_DIR/generation_config.json (`train --init-from` writes the model's there); a PEFT adapter's
-    own generation_config.json, else its base's. llm.c and llama2.c files carry none. A value that
-    sample_logits cannot take is a ConvertError naming the file and the key."""
+    own generation_config.json, else its base's. llm.c and llama2.c files carry none. `sample`,
+    `chat` and `serve` sample with these where the user sets none (models/sampling.py's
+    resolve_sampling). A value that sample_logits cannot take is a ConvertError naming the file
+    and the key."""
     if str(path) in PUBLISHED and not Path(path).exists():  # a published GGUF carries none: its entry says
         p = PUBLISHED[str(path)]
         return _checked(dict(p.sampling), path, p.sampling_source)

@@ -8,20 +8,9 @@ linear by its path inside a block ("self_attn.q_proj", "attn.c_proj"), so GPT-2'
 told apart. Norms or embeddings trained beside the adapters (train.lora_train_norms /
 lora_train_embeddings) are PEFT's modules_to_save, their tensors under `base_model.model.` + name.
 
-What handgrad reads back is what it writes: LoRA (not DoRA, not rsLoRA), one rank and alpha for
-every module, bias "none"; anything else is refused with a line naming the key.
-
-The base model. base_model_name_or_path holds what PEFT users expect: a published model's Hugging
-Face id (`HuggingFaceTB/SmolLM2-135M-Instruct` for `smollm2-135m-instruct`, published.py), else the
-base's path relative to the adapter directory, so an adapter moves with its base. Beside it, in
-adapter_model.safetensors' metadata (which PEFT does not read, so its config loads without a
-warning), handgrad records the SHA-256 of the base's weights (models/lora.py: weights_digest, at
-the block_size it records too) and the base's absolute path. Reading an adapter back, a relative
-path is looked up beside the adapter (then in the working directory), a Hugging Face id of a
-published model stands for that model, and the recorded absolute path is the last resort (for an
-adapter moved without its base, while base_model_name_or_path is the one exported); the base found
-must have the recorded digest. Adapters that name their base by an absolute path (handgrad's older
-exports) load as before.
+What handgrad reads back is what it writes (read_peft_config). The base model is named as PEFT users
+expect it (base_name), while handgrad records beside it, where PEFT does not read, what finds and
+checks the base (recorded_base, resolve_base).
 """
 import json
 import os
@@ -56,7 +45,8 @@ def is_peft(path):
 def base_name(base_path, dst):
     """base_model_name_or_path of an adapter written to dst over the base recorded as base_path (a
     published model's name, or a path): the published model's Hugging Face id, else base_path
-    relative to dst; None for no path (a random base)."""
+    relative to dst, so an adapter moves with its base; None for no path (a random base). E.g.
+    `HuggingFaceTB/SmolLM2-135M-Instruct` for `smollm2-135m-instruct` (published.py)."""
     if not base_path:
         return None
     if _published(base_path):
@@ -106,7 +96,8 @@ def write_peft(dst, arch, lora, tensors, base_path=None, tied=False, base_sha256
 
 def read_peft_config(path):
     """adapter_config.json as (LoRAConfig-ready fields, base_model_name_or_path), refusing what
-    handgrad's LoRA cannot express."""
+    handgrad's LoRA cannot express: anything but LoRA (not DoRA, not rsLoRA) with one rank and alpha
+    for every module and bias "none" is refused with a line naming the key."""
     f = Path(path) / CONFIG_FILE
     try:
         doc = json.loads(f.read_text(encoding="utf-8"))
@@ -178,9 +169,11 @@ def read_peft(path, fields, arch, config):
 
 
 def recorded_base(path):
-    """What the adapter at path records of its base beside base_model_name_or_path (the module
-    docstring): {"sha256", "block_size", "path", "name"}, those it has; {} for an adapter PEFT wrote
-    (or a weights file read_peft will refuse)."""
+    """What the adapter at path records of its base beside base_model_name_or_path: {"sha256",
+    "block_size", "path", "name"}, those it has; {} for an adapter PEFT wrote (or a weights file
+    read_peft will refuse). They live in adapter_model.safetensors' metadata, which PEFT does not
+    read, so its config loads without a warning: the SHA-256 of the base's weights (models/lora.py:
+    weights_digest, at the recorded block_size) and the base's absolute path."""
     from safetensors import safe_open
     try:
         with safe_open(str(Path(path) / WEIGHTS_FILE), framework="numpy") as f:
@@ -198,7 +191,8 @@ def resolve_base(path, base, recorded=None):
     or relative to the adapter, then to the working directory), a published model (its Hugging Face
     id or name), or, while base_model_name_or_path is still the one exported, the absolute path
     recorded beside it (`recorded`: recorded_base's; an adapter moved without its base); else a
-    ConvertError saying what to do."""
+    ConvertError saying what to do. The base found must then have the recorded digest (interop/load.py
+    checks it)."""
     where = Path(path) / CONFIG_FILE
     if not base:
         raise ConvertError(f"{where}: base_model_name_or_path is empty; set it to the base model's directory")

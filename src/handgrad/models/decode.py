@@ -1,36 +1,17 @@
 """Decoding: sampling tokens from a GPT with incremental decoding through a KV cache (used by
-`handgrad sample`, sample.py, and by the samples printed during training).
+`handgrad sample`, sample.py, by the samples printed during training, and through KVCache's extend,
+load_rows and step_rows by `handgrad eval` and `handgrad serve`).
 
-The prompt is run once (the prefill), which fills every layer's cache of keys and values. After
-that each new token costs one position's work: its embedding, then per block layernorm, the qkv
-linear for one row, one query attending over the cached keys (attention_decode_forward), c_proj,
-the MLP and the two residual adds; then ln_f and logits = x @ wte^T for that one row. The math is
-the training forward's: the same parameter views (model.p) and the same backend ops.
+The prompt is run once (the prefill), which fills every layer's cache of keys and values; after that
+each new token costs one position's work, with the training forward's parameter views (model.p) and
+backend ops. Context policy: positions are learned (wpe has block_size rows), so a full cache cannot
+slide by one position: every cached key and value would change. When the window is full the cache
+re-prefills its newest `keep = block_size // 2` tokens (at least 1) at positions [0, keep) and goes
+on incrementally: one prefill of `keep` tokens per `block_size - keep` new tokens, every token
+predicted from between `keep` and block_size tokens of context (nanoGPT's sliding window recomputes
+block_size tokens for every new token instead).
 
-Context policy. Positions are learned (wpe has block_size rows), so a full cache cannot slide by one
-position: every cached key and value would change. When the window holds block_size tokens and
-one more must be fed, the cache keeps the newest `keep = block_size // 2` tokens (at least 1) and
-re-prefills them at positions [0, keep); decoding then goes on incrementally. That is one prefill
-of `keep` tokens per `block_size - keep` new tokens, and every token is predicted from between
-`keep` and block_size tokens of context. (nanoGPT's sliding window recomputes block_size tokens for
-every new token instead.) A prompt longer than block_size is cropped to its newest block_size
-tokens for the prefill, as nanoGPT's generate crops its context; the output keeps the whole prompt.
-
-Scoring (`handgrad eval`, eval/score.py) uses two more calls: `extend(idx)` feeds several tokens
-per row at once, each attending over the cache and the new tokens before it, and returns the
-logits of every new position (or of the positions asked for); `load_rows(src, rows, length)` fills
-the cache's rows with rows of another cache, so a query prefilled once is continued by each of its
-choices; `resize(B, length)` re-shapes a cache's storage for another batch (B rows of `length`
-positions, no more positions in all than it was made with), so one cache serves batches of every
-shape.
-
-Serving (`handgrad serve`, serve/engine.py) uses two more: `load_row(b, src, row)` copies a prompt
-prefilled in row `row` of another cache (the engine's prefill cache) into row b, and `step_rows(tokens, slots, positions)` runs one
-decoding step over sequences at different positions, each in its own row: one set of linears over
-all of them, RoPE and the attention with a position and a cache row per sequence.
-
-Shapes: B batch (samples), T time, C n_embd, NH heads, hs = C / NH, L layers, V vocab.
-"""
+Shapes: B batch (samples), T time, C n_embd, NH heads, hs = C / NH, L layers, V vocab."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -98,9 +79,10 @@ class KVCache:
         self.resize(B, Tmax)
 
     def resize(self, B, length):
-        """Empty the cache and hold B rows of `length` positions from now on, in the storage it was
-        made with (B * length at most the rows times the length it was made for; length at most
-        block_size). self.k, self.v are (L, B, heads, length, hs) views; each layer's k[l] is contiguous."""
+        """Empty the cache and hold B rows of `length` positions from now on (so one cache serves
+        batches of every shape), in the storage it was made with (B * length at most the rows times
+        the length it was made for; length at most block_size). self.k, self.v are
+        (L, B, heads, length, hs) views; each layer's k[l] is contiguous."""
         if B < 1 or not 1 <= length <= self.block_size or B * length > self.capacity:
             raise ValueError(f"a cache of {self.capacity} positions holds B rows of length <= "
                              f"{self.block_size} with B * length <= {self.capacity}, got {B} x {length}")
@@ -111,7 +93,7 @@ class KVCache:
     def load_rows(self, src, rows, length):
         """resize(len(rows), length), then fill row i with the n cached positions of src's row
         rows[i] (src: a cache of the same model); afterwards self.n = src.n. A query prefilled once
-        in src is so continued by each of its choices here."""
+        in src is so continued by each of its choices here (eval/score.py)."""
         n, idx = src.n, np.asarray(rows, np.int64)
         if not n <= length:
             raise ValueError(f"{n} cached positions do not fit {length}")
@@ -319,7 +301,8 @@ class KVCache:
 
     def load_row(self, b, src, row=0):
         """Fill row b of this cache with the src.n cached positions of src's row `row` (src: a cache
-        of the same model, e.g. the one a new sequence's prompt was prefilled in)."""
+        of the same model, e.g. the serving engine's prefill cache, where a new sequence's prompt was
+        prefilled)."""
         n = src.n
         if not 0 <= b < self.B or n > self.length:
             raise ValueError(f"row {b} of {self.B} rows of {self.length} positions cannot take {n} positions")

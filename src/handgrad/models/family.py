@@ -1,24 +1,8 @@
 """What a model family is, and what every family shares.
 
-A family (GPT-2 in models/gpt2.py, Llama in models/llama.py) is one module that turns an architecture config into
-parameters, a forward and a backward pass, and decoding, by calling the backend's ops. It
-provides, as a `Family` record (models/__init__.py lists them by `model.arch`):
-
-    arch             the name `model.arch` picks it by ("gpt2", "llama")
-    config           its architecture dataclass (config.py; vocab_size and block_size included)
-    param_spec       config -> the one ordered list of (name, shape) that lays out the flat
-                     parameter and gradient buffers, checkpoints and state_dict(); the names are
-                     the Hugging Face ones (models/gpt2.py says which prefix is dropped)
-    num_params       config -> the number of parameters, counted without building param_spec
-    init_params      (config, seed[, into]) -> the initial weights as one flat float32 array (NumPy
-                     only, so a PyTorch reference can start from them), or into the model (initialise)
-    flops_per_token  (config, T) -> training FLOPs per token, for MFU
-    model            the model class; its instances satisfy `CausalLM` below
-    activations      the class of every buffer one forward/backward of shape (B, T) needs,
-                     `activations(ops, config, B, T, dtype)`, then `.alloc_grads(ops, config, dtype)`
-                     (training/memory.py counts its bytes by handing it an allocator that only counts)
-    kv_cache         the class that holds its keys and values for decoding (models/decode.py)
-    hf_architecture  the `architectures` entry of a Hugging Face config.json for it
+A family (GPT-2 in models/gpt2.py, Llama in models/llama.py) is one module that turns an architecture
+config into parameters, a forward and a backward pass, and decoding, by calling the backend's ops. It
+provides them as a `Family` record (models/__init__.py lists them by `model.arch`).
 
 Everything that is not a family's own math is shared: the flat buffers (`flat_layout`,
 `flat_views` below), the optimizer (training/optim.py, over the flat buffers), checkpoints
@@ -42,6 +26,24 @@ RECOMPUTE = CHOICES["train.recompute"]  # none: every block's activations kept; 
 
 @dataclass(frozen=True)
 class Family:
+    """What a family module provides:
+
+        arch             the name `model.arch` picks it by ("gpt2", "llama")
+        config           its architecture dataclass (config.py; vocab_size and block_size included)
+        param_spec       config -> the one ordered list of (name, shape) that lays out the flat
+                         parameter and gradient buffers, checkpoints and state_dict(); the names are
+                         the Hugging Face ones (models/gpt2.py says which prefix is dropped)
+        num_params       config -> the number of parameters, counted without building param_spec
+        init_params      (config, seed[, into]) -> the initial weights as one flat float32 array (NumPy
+                         only, so a PyTorch reference can start from them), or into the model (initialise)
+        flops_per_token  (config, T) -> training FLOPs per token, for MFU
+        model            the model class; its instances satisfy `CausalLM` below
+        activations      the class of every buffer one forward/backward of shape (B, T) needs,
+                         `activations(ops, config, B, T, dtype)`, then `.alloc_grads(ops, config, dtype)`
+                         (training/memory.py counts its bytes by handing it an allocator that only counts)
+        kv_cache         the class that holds its keys and values for decoding (models/decode.py)
+        hf_architecture  the `architectures` entry of a Hugging Face config.json for it
+    """
     arch: str
     config: type
     param_spec: Callable

@@ -10,10 +10,6 @@ Liger-Kernel's fused linear cross-entropy does: the head costs what the whole pa
 (an evaluation; a trained lm_head, whose gradient a zero_grad between forward and backward must not
 lose) the backward forms each chunk's logits again, one more product of the lm_head's forward size.
 Memory for the head is loss_chunk x V instead of B T V, and the hidden state's gradient (B, T, C).
-
-Head is mixed into models/family.py's FlatModel: the families call head_forward and head_backward
-where the whole path's linear and cross-entropy were; FlatModel.forward and forward_staged call
-head_logits and head_loss. The activations' `logits` is (1, loss_chunk, V) when chunked.
 """
 import numpy as np
 
@@ -40,6 +36,10 @@ def head_buffers(a, ops, B, T, C, V, dtype, products, logit_rows):
 
 
 class Head:
+    """Mixed into models/family.py's FlatModel: the families call head_forward and head_backward
+    where the whole path's linear and cross-entropy were; FlatModel.forward and forward_staged call
+    head_logits and head_loss. The activations' `logits` is (1, loss_chunk, V) when chunked."""
+
     def head_forward(self, a, x, W, dW):
         """The logits x (B, T, C) @ W (C, V) into a.logits; with loss_chunk, nothing yet: head_loss
         and head_backward form them loss_chunk rows at a time (head_chunks). dW: W's gradient (its

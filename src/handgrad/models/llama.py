@@ -4,12 +4,8 @@ lives in the ops (rmsnorm, rmsnorm_linear, rope, gqa_attention, swiglu, linear, 
 crossentropy).
 
 A block: x + o_proj(attn(rope(qkv(rmsnorm(x))))), then x + down(silu(gate(h)) * up(h)) with
-h = rmsnorm(x); a final RMSNorm and the lm_head (tied to embed_tokens or its own).
-
-Parameter names and shapes are Hugging Face Llama's (nn.Linear weights [out, in]). The spec lays
-q_proj, k_proj and v_proj's weights (and biases) side by side, and gate_proj with up_proj, so each
-group is one contiguous [out, in] matrix in the flat buffer: one GEMM computes the fused qkv
-(B, T, (NH + 2 NKV) hs) and the fused gate|up (B, T, 2 H) that swiglu takes.
+h = rmsnorm(x); a final RMSNorm and the lm_head (tied to embed_tokens or its own). Parameter names
+and shapes are Hugging Face Llama's, with q/k/v and gate/up each laid out as one matrix (param_spec).
 
 Shapes: B batch, T time, C n_embd, NH query heads, NKV key/value heads, hs head size, H
 ffn_hidden, V vocab, L layers.
@@ -26,7 +22,11 @@ from .params import byte_view, kept_copy
 
 
 def param_spec(config):
-    """The one ordered list of (name, shape): Hugging Face LlamaForCausalLM's names and layouts."""
+    """The one ordered list of (name, shape): Hugging Face LlamaForCausalLM's names and layouts
+    (nn.Linear weights [out, in]). q_proj, k_proj and v_proj's weights (and biases) lie side by side,
+    and gate_proj with up_proj, so each group is one contiguous [out, in] matrix in the flat buffer:
+    one GEMM computes the fused qkv (B, T, (NH + 2 NKV) hs) and the fused gate|up (B, T, 2 H) that
+    swiglu takes."""
     C, V, H, hs = config.n_embd, config.vocab_size, config.ffn_hidden, config.head_dim
     q, kv = config.n_head * hs, config.n_kv_head * hs
     spec = [("model.embed_tokens.weight", (V, C))]

@@ -1,27 +1,16 @@
 """LoRA inside a family's model: which tensors train, where the adapters live, and the adapter
-records the ops take (backends' lora.py says what one holds).
+records the ops take (backends' lora.py, lora_forward, says what one holds).
 
-A model built with `lora=LoRAConfig(...)` (FlatModel) keeps two flat buffers:
-
-    flat_params / flat_grad   what trains, laid out by model.spec: the adapters, and the norms or
-                              the embeddings where train_norms / train_embeddings say so
-    frozen_params             the base weights that do not train: no gradient buffer, no AdamW
-                              moments, and no weight-gradient product in the backward
-    frozen16                  with bf16 products (train.dtype bfloat16 on the cpu): the frozen
-                              matrices, held as bf16 only (frozen_params keeps the vectors)
-
-model.p still names every tensor (base and adapter), model.g only the trained ones. The adapters
-are PEFT's tensors under PEFT's names without its `base_model.model.` prefix: for each targeted
-linear `{module}.lora_A.weight` (r, in) and `{module}.lora_B.weight` (out, r), in block order
-right after the block's own tensors, so each block's trained tensors are one contiguous range of
-the flat buffers (the data-parallel gradient buckets). lora_A is initialised as PEFT does
-(kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))), lora_B at zero: a new adapter leaves
-the model's outputs unchanged.
+A model built with `lora=LoRAConfig(...)` (FlatModel) keeps two flat buffers: flat_params /
+flat_grad, what trains (the adapters, and the norms or the embeddings where train_norms /
+train_embeddings say so), laid out by model.spec; and frozen_params, the base weights, with no
+gradient buffer, no AdamW moments and no weight-gradient product in the backward (with bf16
+products on the cpu, frozen16 holds the frozen matrices as bf16 only). model.p still names every
+tensor, model.g only the trained ones.
 
 A family says which linears can carry adapters: LORA_MODULES, {short name: (module path in a
 block, fused group)}. A fused group is one product of the family's forward (Llama's q|k|v and
-gate|up are one matrix each); its adapters sit on the group's output columns in module order.
-"""
+gate|up are one matrix each); its adapters sit on the group's output columns in module order."""
 import hashlib
 import re
 from types import SimpleNamespace
@@ -47,7 +36,12 @@ def _module_shape(model_cls, base, module):
 def split_spec(model_cls, config, lora):
     """(trained spec, frozen spec, adapters) for a LoRA model of this family: the param_spec tensors
     that train or stay frozen, the adapters inserted after each block's tensors, and per block the
-    adapters as [(short, group, module, lo, hi)] (lo:hi its columns of the group's product)."""
+    adapters as [(short, group, module, lo, hi)] (lo:hi its columns of the group's product).
+
+    The adapters are PEFT's tensors under PEFT's names without its `base_model.model.` prefix: for
+    each targeted linear `{module}.lora_A.weight` (r, in) and `{module}.lora_B.weight` (out, r), right
+    after the block's own tensors, so each block's trained tensors are one contiguous range of the
+    flat buffers (the data-parallel gradient buckets)."""
     base = model_cls.param_spec(config)
     shapes = dict(base)
     unknown = [t for t in lora.targets if t not in model_cls.LORA_MODULES]
@@ -92,7 +86,8 @@ def group_widths(model_cls, config):
 
 def initial_adapters(lora_blocks, rank, seed):
     """{name: array} of new adapters, as PEFT initialises them: lora_A ~ U(-1/sqrt(in), 1/sqrt(in))
-    (kaiming_uniform_(a=sqrt(5))), lora_B = 0. NumPy only (a PyTorch side can start from them)."""
+    (kaiming_uniform_(a=sqrt(5))), lora_B = 0, so a new adapter leaves the model's outputs unchanged.
+    NumPy only (a PyTorch side can start from them)."""
     rng, out = np.random.default_rng([seed, 0x10A]), {}
     for blocks in lora_blocks:
         for t in blocks:

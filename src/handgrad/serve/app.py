@@ -1,22 +1,15 @@
 """`handgrad serve`'s HTTP side: OpenAI's chat-completions and completions protocol over the
 engine (serve/engine.py), on Starlette (ASGI, run by uvicorn: serve/command.py).
 
-Why Starlette: it is the ASGI toolkit FastAPI is built on, small, well kept, and streams a response
-from an async generator while listening for the client's disconnect (which cancels the generator:
-the sequence's row is freed before the engine's next step). FastAPI's request models would answer a
-bad field with its own 422 shape; OpenAI's clients expect a 400 with OpenAI's error object, so the
-fields are checked here, each mistake naming its field:
-    {"error": {"message": ..., "type": "invalid_request_error", "param": FIELD, "code": null}}
+Routes: POST /v1/chat/completions, POST /v1/completions (stream true/false: server-sent events as
+OpenAI sends them, ending in `data: [DONE]`), GET /v1/models, GET /health, and the chat page at /
+(serve/page.html). Server.app(log=...) adds the request log, one line per request (AccessLog).
 
-Routes: POST /v1/chat/completions, POST /v1/completions (stream true/false: server-sent events
-as OpenAI sends them, ending in `data: [DONE]`), GET /v1/models, GET /health, and the chat page
-at / (serve/page.html). Fields: max_tokens (max_completion_tokens), temperature, top_p, top_k,
-min_p, repetition_penalty, seed, stop (a string or up to 4), n, stream,
-stream_options.include_usage; other fields are ignored, as OpenAI-compatible servers do. A
-sampling field left out is the model's own setting, else llama.cpp's default (models/sampling.py's
-resolve_sampling, as `sample` and `chat` resolve their flags). Text is cut at a stop string and
-the sequence cancelled; streamed text holds back only what could still become a stop string.
-Server.app(log=...) adds the request log, one line per request (AccessLog).
+Why Starlette and not FastAPI: it streams a response from an async generator while listening for
+the client's disconnect (which cancels the generator: the sequence's row is freed before the
+engine's next step), and FastAPI's request models would answer a bad field with their own 422 shape
+where OpenAI's clients expect a 400 with OpenAI's error object. So the fields are checked here, each
+mistake naming its field (sampling_fields, ApiError).
 """
 import asyncio
 import json
@@ -44,7 +37,8 @@ SEQUENCES = "handgrad.sequences"  # in a request's ASGI scope: the sequences it 
 
 
 class ApiError(Exception):
-    """A request the server refuses: an HTTP status and OpenAI's error object."""
+    """A request the server refuses: an HTTP status and OpenAI's error object,
+        {"error": {"message": ..., "type": "invalid_request_error", "param": FIELD, "code": null}}."""
 
     def __init__(self, status, message, param=None, kind="invalid_request_error", code=None):
         super().__init__(message)
@@ -79,7 +73,12 @@ def _stop(data):
 
 
 def sampling_fields(data, limits):
-    """The fields both completions routes take, checked: a dict of them."""
+    """The fields both completions routes take, checked: a dict of them. Fields: max_tokens
+    (max_completion_tokens), temperature, top_p, top_k, min_p, repetition_penalty, seed, stop (a
+    string or up to 4), n, stream, stream_options.include_usage; other fields are ignored, as
+    OpenAI-compatible servers do. A sampling field left out is the model's own setting, else
+    llama.cpp's default (models/sampling.py's resolve_sampling, as `sample` and `chat` resolve their
+    flags)."""
     if "model" in data and not isinstance(data["model"], str):
         raise ApiError(400, "'model' must be a string", "model")
     stream = data.get("stream", False)
@@ -152,7 +151,8 @@ async def read_json(request, max_body):
 # ---------------------------------------------------------------- text out of tokens
 class Text:
     """A choice's text as its tokens come: decoded incrementally (a character split across tokens is
-    held back until complete), cut at the first stop string."""
+    held back until complete), cut at the first stop string (and the sequence then cancelled);
+    streamed text holds back only what could still become a stop string."""
 
     def __init__(self, decode, stops):
         self.stream, self.stops = TextStream(decode), stops  # decodes only the ids since the last complete character

@@ -1,43 +1,15 @@
 """The serving engine: many sequences decoded together, one batched step at a time.
 
-One thread owns the model. It holds a KV cache of `slots` rows (models/decode.py), one per sequence
-being decoded, and a prefill cache of one row's positions, which new prompts are prefilled in,
-several at once as rows of it. Its loop:
+One thread owns the model and a KV cache of `slots` rows (models/decode.py), one per sequence being
+decoded. Each turn it admits waiting sequences into free rows (their prompts prefilled together,
+right-padded, in a one-row prefill cache, then copied into their rows), frees the rows of sequences
+that ended or were cancelled, and runs one KVCache.step_rows over every active sequence; new
+sequences join between steps, and nothing waits for a batch to drain.
 
-1. admit: while a row is free and a sequence waits, take it; prefill the prompts taken together,
-   right-padded to the longest (causal attention: a row's positions never see the padding after
-   them), in groups of similar length (at most PAD_WASTE times the positions their prompts hold, and
-   no more than one row's: the prefill cache holds `length` positions in all), copy
-   each prompt's keys and values into its free row (KVCache.load_row) and sample its first token
-   from the logits at its own last position;
-2. free the rows of sequences that ended or were cancelled (a client that went away: at once,
-   between two steps);
-3. step: one KVCache.step_rows over every active sequence, each fed its newest token at its own
-   position: the linears read each weight once for all of them, the attention runs per sequence
-   over its own row. Then each sequence samples its next token with its own settings and its own
-   random generator.
-
-New sequences join between steps; nothing waits for a batch to drain. Row i of a step computes
-what a decoding step of that sequence alone computes (the attention and RoPE are its own; the
-linears are the same sums over a batch of rows), so a greedy sequence gets the tokens `sample`
-gives it, whatever else is decoding beside it (tests/test_serve.py checks it).
-
-A sequence reports through its `emit` callback, called on the engine's thread: emit(token_id) for
-each new token, then emit(None) once when it ends, with `finish` set to "stop" (an end id was
-sampled: it is not emitted), "length" (max_tokens), "cancelled" or "error". The server turns those
-into text and HTTP (serve/app.py). Limits are the caller's: a prompt plus max_tokens must fit the
-cache's length (submit refuses otherwise), and at most `max_waiting` sequences wait for a row
-(submit raises Busy beyond that).
-
-Threads and OpenMP. Numba's OpenMP layer (and MKL's, oneDNN's: one GNU OpenMP) gives every thread
-that launches a parallel kernel its own pool of workers, for as long as that thread lives; with
-more workers than cores, GNU OpenMP's workers sleep between two kernels instead of spinning, and a
-decode step launches ~120. Measured on the 2-core AMD EPYC Zen 5 (SmolLM2-135M, one stream):
-79-84 tok/s with the engine's thread the only one that ran a kernel, 51-57 once the main thread
-had run one too (docs/PERFORMANCE.md). So the engine's kernels run on one thread: its own (start),
-or the caller's (drain, with no thread started); what the constructor computes (a bf16 copy of
-the weights, a LoRA model's merged weights) runs on a thread that ends with it (_passing).
-"""
+Row i of a step computes what a decoding step of that sequence alone computes (the attention and
+RoPE are its own; the linears are the same sums over a batch of rows), so a greedy sequence gets the
+tokens `sample` gives it, whatever decodes beside it (tests/test_serve.py checks it). All kernels
+run on one thread, the engine's or drain's caller's: see _passing."""
 import collections
 import sys
 import threading
@@ -57,7 +29,12 @@ class Busy(RuntimeError):
 class Sequence:
     """One completion to decode: its prompt ids, how long it may grow, its sampling settings (as
     models/sampling.py's sample_logits takes them, the server's resolved ones; seed None: fresh
-    entropy) and the ids that end it."""
+    entropy) and the ids that end it.
+
+    It reports through `emit`, called on the engine's thread: emit(token_id) for each new token,
+    then emit(None) once when it ends, with `finish` set to "stop" (an end id was sampled: it is not
+    emitted), "length" (max_tokens), "cancelled" or "error". The server turns those into text and
+    HTTP (serve/app.py)."""
 
     def __init__(self, prompt, max_tokens, temperature=1.0, top_k=None, top_p=None, seed=None, stop_ids=(),
                  emit=None, min_p=None, repetition_penalty=None):
@@ -245,7 +222,8 @@ class Engine:
 def _groups(admit, capacity):
     """admit [(row, seq)] in groups prefilled together: by prompt length, a sequence joining the
     group before it while the group's padded positions (its size times the longest prompt) stay
-    within PAD_WASTE times its prompts' positions and within capacity (the prefill cache's)."""
+    within PAD_WASTE times its prompts' positions and within capacity (the prefill cache's). Padding
+    goes after each prompt, which causal attention never lets the prompt's positions see."""
     groups, total = [], 0
     for row, seq in sorted(admit, key=lambda rs: len(rs[1].prompt)):
         n = len(seq.prompt)
@@ -260,8 +238,16 @@ def _groups(admit, capacity):
 
 
 def _passing(fn):
-    """fn()'s result, computed on a thread that ends with it (so that any OpenMP pool its kernels
-    make ends too: the module docstring)."""
+    """fn()'s result, computed on a thread that ends with it, so that any OpenMP pool its kernels
+    make ends too.
+
+    Numba's OpenMP layer (and MKL's, oneDNN's: one GNU OpenMP) gives every thread that launches a
+    parallel kernel its own pool of workers for as long as that thread lives; with more workers than
+    cores they sleep between kernels instead of spinning, and a decode step launches ~120. On the
+    2-core AMD EPYC Zen 5, SmolLM2-135M decoded one stream at 79-84 tok/s with one launching thread
+    and 51-57 with two (docs/PERFORMANCE.md, Serving several streams). So the engine's kernels run on
+    one thread, and what its constructor computes (a bf16 copy of the weights, a LoRA model's merged
+    weights) runs here."""
     out = []
     thread = threading.Thread(target=lambda: out.append(fn()), name="handgrad-engine-setup")
     thread.start()

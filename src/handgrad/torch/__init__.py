@@ -2,19 +2,16 @@
 
 One rung per layer, as in the rest of handgrad: the backend op (handgrad.backends.<device>'s
 x_forward / x_backward, writing into preallocated arrays) -> XFunction (checks and converts tensors,
-allocates outputs and gradients, saves what the backward needs) -> x(...) and the module X, a
-drop-in for the torch, nanoGPT, transformers or PEFT module its docstring names (LayerNorm, Linear,
-LayerNormLinear, GELU, CausalSelfAttention, CrossEntropyLoss; RMSNorm, SwiGLU, apply_rope, grouped
-CausalSelfAttention; LoRALinear).
+allocates outputs and gradients, saves what the backward needs) -> x(...) and the module X, a drop-in
+for the torch, nanoGPT, transformers or PEFT module its docstring names (docs/PYTHON.md has the table).
 
 The non-obvious idea, the weight layout: handgrad's ops take GPT-2's Conv1D layout W [in, out]
 (out = x @ W), the modules keep nn.Linear's [out, in] and hand the ops the view weight.T, which BLAS
 reads in place. So nn.Linear, nanoGPT and Hugging Face state_dicts load unchanged.
 
 The backend follows the tensors' device: CPU tensors (float32, float64 for gradcheck) on the cpu
-backend; CUDA tensors (float32, bfloat16) on the gpu backend for the Llama family's Functions,
-lora_linear and linear (the other GPT-2 Functions refuse them). No double backward: the backwards
-are hand-written kernels (once_differentiable). docs/PYTHON.md has the modules' table.
+backend; CUDA tensors (float32, bfloat16) on the gpu backend for the Llama family's Functions, lora_linear
+and linear (the other GPT-2 Functions refuse them). No double backward: the backwards are hand-written.
 """
 from .common import FLOATS, backend_for  # noqa: F401
 from .functions import (CausalAttentionFunction, CrossEntropyFunction, GELUFunction, LayerNormFunction,  # noqa: F401

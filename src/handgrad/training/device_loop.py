@@ -1,30 +1,14 @@
 """The gpu backend's training step with no host sync, and its CUDA graphs (`train.cuda_graph`).
 
-The host queues GPU work and runs ahead of it. Every value it reads back (a float(loss), the
-gradient norm that clipping needs, the NaN check) makes it wait until the GPU has drained the
-queue. Trainer.train_step on the cpu reads all three every step; here they stay on the device:
-
-- each micro-batch's loss is added into a float64 device scalar;
-- global_norm's result, clipping, the NaN/inf check, the learning rate (a device table of the
-  schedule, indexed by the device's step count) and AdamW's bias corrections are formed by
-  prepare_update, one single-program kernel, into the scalars adamw_update reads;
-- a step whose loss or norm is not finite is skipped on the device. AdamW's step count and
-  moments stay as they were, as on the cpu. With train.on_nan stop, every later step is skipped
-  too, until the host reads the fault and stops the run;
-- each step's (loss, grad_norm) lands in a device ring. The host reads the ring back in one copy
-  when it logs, evaluates, samples or checkpoints, or when the ring is full (`read`).
-
-The only host-to-device traffic is the token ids. They go through page-locked buffers
-(ops.upload_tokens) once per micro-batch.
-
-With cuda_graph the step is captured after one eager step, as two or three CUDA graphs sharing a
-memory pool:
-- the first micro-batch (zero_grad, forward, backward writing the weight gradients);
-- further micro-batches (backward adding into them), present when grad_accum_steps > 1;
-- the update (norm, prepare_update, AdamW).
-Each later step stages a micro-batch's tokens into the captured activations and replays the
-graphs: a few launches instead of hundreds of kernel launches from Python.
-"""
+The host queues GPU work and runs ahead of it; every value it reads back (a float(loss), the
+gradient norm that clipping needs, the NaN check) makes it wait until the GPU has drained the queue.
+Trainer.train_step on the cpu reads all three every step; here they stay on the device: the losses
+add into a device scalar, one kernel (prepare_update) forms clipping, the NaN/inf check, the learning
+rate and AdamW's bias corrections, a step that is not finite is skipped on the device, and each
+step's (loss, grad_norm) lands in a device ring that the host reads in one copy when it needs them.
+The only host-to-device traffic is the token ids, through page-locked buffers (ops.upload_tokens)
+once per micro-batch. With cuda_graph the step is replayed as two or three captured graphs: a few
+launches instead of hundreds of kernel launches from Python."""
 import contextlib
 
 from ..config import ConfigError
@@ -66,7 +50,13 @@ class DeviceLoop:
 
     # ---------------------------------------------------------------- one step
     def step(self, batches):
-        """Queue one optimizer step over the (x, y) micro-batches; nothing is read back."""
+        """Queue one optimizer step over the (x, y) micro-batches; nothing is read back. Each
+        micro-batch's loss is added into a float64 device scalar; prepare_update, one single-program
+        kernel, turns global_norm's result into clipping, the NaN/inf check, the learning rate (a
+        device table of the schedule, indexed by the device's step count) and AdamW's bias
+        corrections, the scalars adamw_update reads. A step whose loss or norm is not finite is
+        skipped on the device, AdamW's step count and moments left as they were, as on the cpu;
+        with train.on_nan stop every later step is skipped too, until the host reads the fault."""
         if len(batches) != self.t.grad_accum_steps:
             raise ValueError(f"{len(batches)} micro-batches, expected train.grad_accum_steps "
                              f"{self.t.grad_accum_steps}")
@@ -134,7 +124,11 @@ class DeviceLoop:
 
     def _capture(self, x, y):
         """Capture the step's graphs over activations of the batch's shape, holding them (the model
-        may move to others, e.g. to sample). The eager step before has compiled every kernel and
+        may move to others, e.g. to sample): two or three graphs sharing a memory pool, the first
+        micro-batch (zero_grad, forward, backward writing the weight gradients), further ones
+        (backward adding into them; only when grad_accum_steps > 1) and the update (norm,
+        prepare_update, AdamW). Later steps stage a micro-batch's tokens into the captured
+        activations and replay them. The eager step before has compiled every kernel and
         made every workspace; the activations are filled (tokens staged, gradient buffers made)
         before capture, so nothing in the graphs allocates them or reads garbage."""
         import torch
@@ -162,7 +156,8 @@ class DeviceLoop:
         return len(self.unread) >= self.HISTORY
 
     def read(self):
-        """Wait for the queued steps and read their results back in one copy. Returns ([(step,
+        """Wait for the queued steps and read their results back in one copy (the host calls it
+        when it logs, evaluates, samples or checkpoints, or when the ring is full). Returns ([(step,
         loss, grad_norm)] of the steps not read before, oldest first, NaN or inf where a step was
         skipped for it; whether a fault under train.on_nan stop has frozen the weights). Also brings
         opt.t (AdamW's steps applied) up to date."""

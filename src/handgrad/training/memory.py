@@ -3,18 +3,12 @@ line) when the machine cannot hold it.
 
 The count per process: the flat parameter and gradient buffers (float32), AdamW's two moments
 (float32; a 1/world_size slice under ZeRO-1), every activation buffer of one (batch_size,
-block_size) forward and backward (counted by handing the family's Activations class an allocator
-that only adds up sizes, so the count follows the model's own buffers), the ops' scratch buffers
-(Activations.scratch_bytes), and the runtime itself (Python, NumPy, Numba's compiled kernels, the BLAS), a
-constant measured on this project's machines: the peak resident memory of a `tiny` run (0.1M
-parameters), 270 MB on the 2-core Intel Xeon (see tests/test_memory.py, which checks the whole
-count against measured runs).
-
-Sampling (train.sample_interval) and task evaluation (train.eval_tasks) between steps hold more on
-top, counted as the part `decoding`: a KV cache and its buffers, and in a LoRA run the adapters'
-scratch (a LoRA model decodes through its adapters, beside its base as it holds it: no merged copy,
-which would be a float32 model, 1.84 GiB for qwen2.5-0.5b). Only the main process samples and
-scores.
+block_size) forward and backward, the ops' scratch buffers (Activations.scratch_bytes), and the
+runtime itself (Python, NumPy, Numba's compiled kernels, the BLAS). The activations are counted by
+handing the family's Activations class an allocator that only adds up sizes, so the count follows
+the model's own buffers. The runtime is a measured constant, RUNTIME_BYTES: the peak resident memory
+of a `tiny` run (0.1M parameters), 270 MB on the 2-core Intel Xeon (tests/test_memory.py checks the
+whole count against measured runs).
 """
 import math
 import os
@@ -108,7 +102,9 @@ def _decoding_bytes(family, config, lora, bf16_base, sample_tokens, eval_tasks):
     KV cache (one row of the prompt and sample_tokens positions, fed one position a call) and the
     task scorer's two caches (eval/score.py: each at most MAX_TOKENS positions a call and MAX_LOGITS
     logits; a bound, reached by batches of long rows), and in a LoRA run the adapters' scratch for
-    the rows of one call (_adapter_bytes)."""
+    the rows of one call (_adapter_bytes). A LoRA model decodes through its adapters, beside its base
+    as it holds it: no merged copy, which would be a float32 model (1.84 GiB for qwen2.5-0.5b). Only
+    the main process samples and scores."""
     cache = family.model.KV_CACHE
     sampling = scoring = 0
     if sample_tokens:

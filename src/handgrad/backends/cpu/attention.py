@@ -10,12 +10,6 @@ rows: a block of query rows is multiplied only with the keys up to its last row,
 upper triangle is mostly never computed (T = 256: 10/16 of the full products). On numpy's
 OpenBLAS the products go through blas.gemm over (B, NH) on strided views, the softmax after.
 Both read the operands where they lie, without copies.
-
-Dropout on the probabilities (dropout_p > 0, training): y = (P * M / (1 - p)) v, M the keep mask of
-the whole (B, NH, T, T) tensor P from dropout.py's Philox (element ((b*NH + h)*T + t)*T + s, so
-`keep_mask((B, NH, T, T), p, seed)` in NumPy and the gpu backend draw the same one). A row's mask
-is drawn by keep_row into a short row of multipliers (0 or 1/(1-p)) right after its softmax, and
-regenerated in the backward, never stored. att keeps P undropped (the softmax backward needs it).
 """
 import math
 
@@ -360,6 +354,9 @@ def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0):
     Overwrites out and att (B, NH, T, T), the softmax probabilities kept for the backward (zero
     above the diagonal). dropout_p > 0 (training): out = (P * M / (1 - p)) v with M the keep mask
     `dropout.keep_mask((B, NH, T, T), dropout_p, seed)`; att still holds P undropped.
+    M is dropout.py's Philox (element ((b*NH + h)*T + t)*T + s, the same in NumPy and on the gpu
+    backend): a row's mask is drawn by keep_row into a short row of multipliers (0 or 1/(1-p)) right
+    after its softmax, and regenerated in the backward, never stored.
     """
     B, T, C3 = qkv.shape
     C = C3 // 3

@@ -1,38 +1,16 @@
 """The CPU backend's matrix products: one function, `gemm`, over one BLAS.
 
-Two BLAS are supported:
-* "mkl": Intel oneMKL's cblas_sgemm / cblas_dgemm from the `mkl` wheel (a dependency on Linux
-  x86-64), called from Numba: ~1 us per call from Python, as numpy.matmul, where ctypes costs ~6.
-  It is the BLAS PyTorch's CPU build links, and on the 2-core Xeon this project is measured on it
-  is 15-30% faster than OpenBLAS on the skinny shapes a GPT's linears have.
-* "numpy": numpy.matmul, that is the OpenBLAS numpy's wheels bundle.
+Two BLAS: "mkl", Intel oneMKL's cblas_sgemm / cblas_dgemm from the `mkl` wheel (a dependency on Linux
+x86-64), called from Numba at ~1 us a call (ctypes costs ~6); it is the BLAS PyTorch's CPU build links,
+15-30% faster than OpenBLAS on a GPT's skinny linears on the 2-core Xeon. "numpy": numpy.matmul, that
+is the OpenBLAS numpy's wheels bundle. The choice is made once per process: HANDGRAD_BLAS=mkl|numpy if
+set (mkl without the package is an error), otherwise mkl when installed; `name()` says which runs.
 
-The choice is made once per process: HANDGRAD_BLAS=mkl|numpy if set (mkl without the package is an
-error), otherwise mkl when the package is installed. `name()` says which one runs.
-
-Float32 products of two 2-D operands go to oneDNN's matmul instead (onednn.gemm) where MKL would not
-use the CPU: a CPU with AVX-512 that is not Intel's (AMD Zen 4 and 5), where MKL's sgemm dispatches
-to its AVX2 code. On the 2-core AMD EPYC Zen 5 (`handgrad bench products --preset smollm2-135m`) a
-training step's products run at 209 GFLOP/s on MKL and 454 on oneDNN; on the
-Intel Xeon (AMX) oneDNN's were 0.66-0.95x MKL's, so float32 stays on MKL there (docs/PERFORMANCE.md).
-HANDGRAD_BLAS=onednn asks for it on any CPU (oneDNN must be installed); HANDGRAD_BLAS=mkl or numpy
-keeps every product on that BLAS. Tiny products (under ONEDNN_MIN_WORK multiply-adds: oneDNN's call
-costs ~8 us through ctypes, MKL's ~1) and batched ones (attention's heads) stay on the BLAS.
-`float32_library()` says which runs the float32 products.
-
-Few rows (decoding: one row per sequence, SMALL_M at most; a short prompt's prefill, few_rows'
-SHORT_M) times a weight passed as the transpose of a contiguous (N, K) matrix (every Llama linear
-and every tied lm_head) take neither: a Numba kernel (few_rows.small_m_nt) reads each weight row
-once for all the rows, which is what a decode step's speed is made of (memory bandwidth). Measured
-on the 2-core AMD EPYC (AVX2) with SmolLM2-135M's four weight shapes, 2 threads, one run: MKL's
-sgemm 14.3 ms at 1 row and 31.1 at 8, this kernel 6.9 and 10.8 (docs/PERFORMANCE.md). Within a batch every row is computed by the same code (each element's sum in
-one order, whatever tile takes it), so a sequence's logits are the same bits in a batch of any size
-from 2 up; alone (one row, its accumulators chained) they agree to float32 rounding.
-
-`gemm(a, b, c, beta)` computes c = a @ b + beta * c over the last two axes, with leading batch
-axes (up to two: attention's (B, NH, T, hs) head views) broadcast between a, b and c. Operands may
-be strided views as long as one of their last two axes has unit stride (a transposed view is
-passed to BLAS as a transpose flag, never copied); c's last axis must have unit stride.
+The non-obvious idea: a product goes where it is fastest, and gemm decides per call. Few rows times a
+transposed weight (decoding) go to a Numba kernel that reads each weight row once; 2-D float32 products
+go to oneDNN where MKL would leave the CPU's AVX-512 unused (_mkl_without_avx512,
+`float32_library()`); bf16 operands go to oneDNN, or are widened to float32 where the CPU has no bf16
+multiply (widen.py); the rest, and anything under HANDGRAD_BLAS=mkl or numpy, stays on the BLAS.
 """
 import ctypes
 import os
@@ -72,7 +50,13 @@ def _choose():
 
 def _mkl_without_avx512():
     """Whether MKL would leave this CPU's AVX-512 unused (not Intel's, has AVX-512F) while oneDNN,
-    which dispatches on the CPU's features alone, is installed."""
+    which dispatches on the CPU's features alone, is installed.
+
+    That is AMD Zen 4 and 5, where MKL's sgemm dispatches to its AVX2 code: on the 2-core AMD EPYC
+    Zen 5 a training step's products run at 209 GFLOP/s on MKL and 454 on oneDNN (`handgrad bench
+    products --preset smollm2-135m`); on the Intel Xeon (AMX) oneDNN's ran at 0.66-0.95x MKL's, so
+    float32 stays on MKL there (docs/PERFORMANCE.md, Float32 training). HANDGRAD_BLAS=onednn asks
+    for oneDNN on any CPU."""
     flags = onednn.cpu_flags()
     return "avx512f" in flags and onednn.cpu_vendor() not in ("GenuineIntel", None) \
         and onednn.library_path() is not None
@@ -434,9 +418,22 @@ def _gemm_to_bf16(a, b, c):
 
 
 def gemm(a, b, c, beta=0.0):
-    """c = a @ b + beta * c, in place (c is never reallocated); see the module docstring.
+    """c = a @ b + beta * c, in place (c is never reallocated), over the last two axes, with leading
+    batch axes (up to two: attention's (B, NH, T, hs) head views) broadcast between a, b and c.
+    Operands may be strided views with one of their last two axes of unit stride (a transposed view
+    goes to BLAS as a transpose flag, never copied); c's last axis must have unit stride.
+
     bf16 operands (uint16 bit patterns, 2-D) go to oneDNN (onednn.gemm), c float32; a bf16 c
-    (uint16, beta 0: the lm_head's logits in bf16 training) makes the products bf16's too."""
+    (uint16, beta 0: the lm_head's logits in bf16 training) makes the products bf16's too.
+    Few rows (decoding: SMALL_M at most; a short prefill, few_rows' SHORT_M) times a weight passed as
+    the transpose of a contiguous (N, K) matrix (every Llama linear, every tied lm_head) go to
+    few_rows.small_m_nt, which reads each weight row once for all the rows: on the 2-core AMD EPYC
+    (AVX2), SmolLM2-135M's four weight shapes take 14.3 ms on MKL's sgemm at 1 row and 31.1 at 8,
+    6.9 and 10.8 on the kernel (docs/PERFORMANCE.md, Decoding). Its rows are computed by the same
+    code whatever the batch, so a sequence's logits are the same bits in a batch of any size from 2
+    up; alone (one row) they agree to float32 rounding. 2-D float32 products of at least
+    ONEDNN_MIN_WORK multiply-adds go to oneDNN where float32_library() says so (its call costs ~8 us
+    through ctypes, MKL's ~1); batched ones stay on the BLAS."""
     if c.dtype == np.uint16:
         if beta:
             raise ValueError("blas.gemm: a bf16 c is written, not added to (beta 0)")

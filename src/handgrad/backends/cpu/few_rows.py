@@ -3,18 +3,15 @@ products of decoding (one row per sequence), and a short prompt's prefill (SHORT
 sends them here (`takes`); llama_decode.py calls small_m_nt itself. They read every weight once,
 so they run at the speed of memory, not of the multiply-adds.
 
-The weight rows are read once for all of a's rows, float32 or bf16 (uint16, widened exactly). The
-work is a tile's (_tiles, written in LLVM IR so its accumulators stay in registers): TILE_M rows of
-a by TILE_N weight rows (AVX-512 4 x 4; AVX2 4 x 2, or 4 x WIDE_N past TILE_M rows and for bf16),
-the next tile's weight lines prefetched in the same loop so the fetch overlaps the arithmetic.
+The weight rows are read once for all of a's rows, float32 or bf16 (uint16, widened exactly), in
+tiles of TILE_M rows of a by TILE_N weight rows (_tiles: AVX-512 4 x 4; AVX2 4 x 2, or 4 x WIDE_N
+past TILE_M rows and for bf16), the next tile's weight lines prefetched in the same loop.
 
 The non-obvious idea: a thread draws more from memory reading several long sequential streams than
 one. So one row alone reads ROW_STREAMS weight rows at once, each from its own stretch of its share
-(_rows_far: rows n, n + gap, n + 2 gap, ...; 1.18x a plain one-stream read on the AMD EPYC Zen 3,
-where neighbouring rows side by side read at 0.71-0.77x), and float32 past TILE_M rows does the same
-with its tile's rows (_far). Every element's sum runs in one order whatever path takes it, so a
-row's result does not depend on the batch (docs/PERFORMANCE.md, "Where the time goes").
-"""
+(_rows_far: 1.18x a plain one-stream read on the AMD EPYC Zen 3), and float32 past TILE_M rows does
+the same with its tile's rows (_far). Every element's sum runs in one order whatever path takes it,
+so a row's result does not depend on the batch (docs/PERFORMANCE.md, Decoding)."""
 from math import gcd
 
 import numpy as np
@@ -291,9 +288,10 @@ def nt_rows(a, wt, c, lo, hi):
     repeat row N - 1; lo a multiple of SHARE_N, and hi too unless it is N, so no tile reaches past hi
     but at N). Rows of a go TILE_M to a tile, the last M % TILE_M on a tile of their height, so none
     is worked twice; the weight rows:
-    - one row alone: ROW_STREAMS at once (_rows_far, its streams each a quarter of [lo, hi)), the
-      rows left over one at a time (_row): the same sums either way, within float32 rounding of a
-      batch's (its accumulators are chained);
+    - one row alone: ROW_STREAMS at once (_rows_far, its streams each a quarter of [lo, hi), rows
+      n, n + gap, n + 2 gap, ...; neighbouring rows side by side read at 0.71-0.77x one stream on
+      the AMD EPYC Zen 3), the rows left over one at a time (_row): the same sums either way,
+      within float32 rounding of a batch's (its accumulators are chained);
     - bf16 weights: WIDE_N at once, in order, each tile prefetching the next tile's as it works;
     - float32, up to TILE_M rows (any rows on AVX-512): TILE_N at once, the same;
     - float32, more rows (FAR_ROWS): WIDE_N at once, each from its own third of [lo, hi) (far), prefetched

@@ -1,40 +1,17 @@
 """Grouped-query causal self-attention (Llama's) on a fused qkv (B, T, (NH + 2*NKV)*hs).
 
-Layout (rope.py's): a row holds the NH query heads, then the NKV key heads, then the NKV value
-heads, each head hs contiguous values. Query head h reads key/value head g = h // G, G = NH // NKV:
-consecutive query heads share a kv head, as transformers' repeat_kv (and repeat_interleave) pair
-them. NKV = NH is multi-head attention (and then the layout is attention.py's (B, T, 3C));
-NKV = 1 is multi-query. k and v are never repeated in memory: every product reads head g in place.
+A row holds the NH query heads, then the NKV key heads, then the NKV value heads (rope.py's layout),
+each head hs contiguous values. Query head h reads kv head g = h // G, G = NH // NKV, as transformers'
+repeat_kv pairs them; k and v are never repeated in memory. NKV = NH is attention.py's multi-head case.
 
 Per query head h:  S = q_h k_g^T / sqrt(hs),  P = softmax(S, S[t, s] = -inf for s > t),  y_h = P v_g.
 
-What the forward keeps for the backward is the logsumexp of every score row, lse (B, NH, T) in
-qkv's dtype, not the probabilities (B, NH, T, T) attention.py keeps: the backward recomputes P
-block by block as exp(S * scale - lse), so the saved state is linear in T (the scratch is a
-workspace, shared by every layer).
-
-On MKL, as in attention.py, Numba kernels run heads in parallel, each thread calling MKL on its
-own thread, in causal blocks of CAUSAL_BLOCK query rows: block [r0, r1) multiplies only keys
-[0, r1). The forward runs one item per query head (B*NH); the backward one per kv head (B*NKV),
-looping over its G query heads inside, so that the dk and dv sums over the group have one writer
-(no races, no partials); it stacks the group's rows of each block, so that dk and dv take the
-whole group's share in one product each. Scratch: (B*NH, CAUSAL_BLOCK, T) for the scores (shared
-by both directions) and as much for dP in the backward, reused by every layer. On numpy's
-OpenBLAS the products go through blas.gemm over (B, NKV) on strided views, one query head of each
-group at a time, with (B, NKV, T, T) scratch.
-
-Dropout on the probabilities (dropout_p > 0, training), as in attention.py:
-y_h = (P * M / (1 - p)) v_g, M the keep mask of the whole (B, NH, T, T) probabilities
-(`dropout.keep_mask((B, NH, T, T), p, seed)`, element ((b*NH + h)*T + t)*T + s). The forward masks
-a row in place in the scores scratch right after its softmax (the logsumexp is taken first, from P
-undropped); the backward draws the row's mask again when it recomputes the row. It is never stored.
-
-RoPE (`rope=(cos, sin)`, the gpu op's argument): q and k come in before the rotation. The forward
-rotates them in place in qkv (rope.py's kernel, positions [0, T)), one pass, and attends; the
-backward, given qkv as the forward left it, takes the rotated q's and k's gradients back through
-R^T in place in dqkv. That is RoPE's own cost and no more: no copy, no second rotation. The gpu's
-kernels rotate the tiles as they load them and leave qkv unchanged; on either backend the backward
-takes the qkv the forward was given, as the forward left it.
+The forward keeps the logsumexp of every score row, lse (B, NH, T), not the probabilities (B, NH, T, T)
+attention.py keeps: the backward recomputes P block by block as exp(S * scale - lse), so the saved state
+is linear in T. On MKL, as in attention.py, Numba kernels run in parallel in causal blocks of
+CAUSAL_BLOCK query rows, each thread calling MKL on its own thread: the forward one item per query head,
+the backward one per kv head looping over its G query heads, so that the group's dk and dv sums have
+one writer (no races, no partials). On numpy's OpenBLAS the products go through blas.gemm over (B, NKV).
 """
 import math
 
@@ -245,7 +222,10 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=
     dropout_p > 0 (training): out_h = (P * M / (1 - p)) v_g with M the keep mask
     `dropout.keep_mask((B, NH, T, T), dropout_p, seed)`.
     rope=(cos, sin) (rope_cache's tables): q and k come in before RoPE and are rotated here, in place
-    in qkv (what the backward then takes; the gpu op leaves qkv unchanged).
+    in qkv (what the backward then takes; the gpu op leaves qkv unchanged): one pass, RoPE's own cost.
+    Dropout masks a row in place in the scores scratch right after its softmax (the logsumexp taken
+    first, from P undropped); the backward draws the row's mask again, so it is never stored.
+    Scratch, reused by every layer: (B*NH, CAUSAL_BLOCK, T) scores on MKL, (B, NKV, T, T) on OpenBLAS.
     """
     hs = _head_size(qkv, n_head, n_kv_head)
     B, T, _ = qkv.shape

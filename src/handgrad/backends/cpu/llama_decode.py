@@ -1,35 +1,17 @@
 """One decoding step through every block of a Llama-family model (Llama, Qwen2, SmolLM2), in one
 call: the op `llama_decode_forward`.
 
-Decoding a token reads every weight once and does little else, so at batch 1 a step's speed is the
-memory bandwidth's (bench decode) plus whatever the work between the products costs. Run op by op
-(models/llama.py's `_blocks`, as a prefill runs), a step is 9 op calls a layer, each paying Python,
-argument checks and Numba's dispatch: 20-50 us a call beside 1-13 us of arithmetic (SmolLM2-135M on
-the 2-core EPYC: attention's op 53 us against its kernel's 13, RoPE's 14 against 1.6), 7-8 ms of a
-36 ms step. Here the whole step is one Numba function that calls the same kernels the ops call, in
-the same order, on the same buffers: the products (few_rows.nt_rows), rmsnorm, RoPE, the decode
-attention (decode_attend.attend_head), SwiGLU, the residual adds. Its results are the op path's bit
-for bit (tests/test_llama_decode.py): every product element and every head is computed by the same
-code whichever thread runs it.
+Decoding a token reads every weight once and does little else, so a step run op by op (models/llama.py's
+`_blocks`, as a prefill runs) pays more in Python, argument checks and Numba's dispatch than in the
+work between its products. Here the whole step is one Numba function that calls the same kernels the
+ops call, in the same order, on the same buffers: the products (few_rows.nt_rows), rmsnorm, RoPE, the
+decode attention (decode_attend.attend_head), SwiGLU, the residual adds. Its results are the op
+path's bit for bit (tests/test_llama_decode.py): every product element and every head is computed by
+the same code whichever thread runs it.
 
 The step is one parallel region (team.py): the threads stay in it from the first block to the last
-and meet at barriers, rather than opening a region for each of the 120 products as the op calls do.
-Each member multiplies its share of every weight's rows (at batch 1 as few_rows' ROW_STREAMS
-streams, each a stretch of the share) and attends with its share of the query heads; the small work
-between (norms, RoPE, the cache's appends, residual adds, SwiGLU) each member does for its share of
-the batch's rows (at one row member 0 does it while the others wait; split by rows, an 8-row step is
-1.04x float32 and 1.07x bf16 against one member doing all of it, on the 2-core AMD EPYC Zen 3);
-before each wait a member prefetches the first rows of its next share (with bf16 weights at one row,
-of each of its streams) and the cached keys and values its heads read next. One region a step
-against one region a product: 1.11x at batch 1 on the 2-core Zen 5 (docs/PERFORMANCE.md, "Where the
-time goes").
-
-Per block l, for rows b (each its own position pos[b] and cache row rows[b]):
-    xn = rmsnorm(x; norm1[l]);  qkv = xn @ Wqkv[l] (+ bqkv[l]);  RoPE on qkv's q and k heads at pos[b]
-    k, v -> cache slot pos[b];  atty = softmax(q K^T / sqrt(hs)) V over positions [0, pos[b]]
-    x += atty @ Wo[l];  xn = rmsnorm(x; norm2[l]);  gu = xn @ Wgu[l];  x += silu(g) * u @ Wdown[l]
-With bf16 weights (uint16, `--dtype bfloat16`) each product's input is rounded to bf16 and widened
-(exact) first, as blas.gemm does for a bf16 operand.
+and meet at barriers, rather than opening a region for each of the 120 products as the op calls do
+(what that gains: docs/PERFORMANCE.md, Decoding).
 """
 import math
 
@@ -142,8 +124,12 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
                    table, wlike, vlike, has_bias, bf16, k_cache, v_cache, pos, rows, cos, sin, NH, NKV, eps):
     """Member me of `team` through every block: the products split by weight rows, the attention by
     (row, query head), the rest (norms, RoPE, the cache's appends, residual adds, SwiGLU) by rows
-    of the batch (at one row all on member 0, while the others wait at the barrier after it).
-    Before each wait a member asks for the memory it reads next (_product, _warm_cache)."""
+    of the batch (at one row all on member 0, while the others wait at the barrier after it;
+    split by rows, an 8-row step is 1.04x float32 and 1.07x bf16 against one member doing all of it
+    on the 2-core AMD EPYC Zen 3). At batch 1 a member reads its share of each weight's rows as
+    few_rows' ROW_STREAMS streams. Before each wait a member asks for the memory it reads next: the
+    first rows of its next share and the cached keys and values its heads read next (_product,
+    _warm_cache)."""
     B, C = x.shape
     L, _, _, _, hs = k_cache.shape
     H = h.shape[1]
@@ -272,6 +258,15 @@ def llama_decode_forward(x, layers, k_cache, v_cache, pos, rows, cos, sin, n_hea
     llama_decode_layers made it ready, once. k_cache, v_cache (L, R, NKV, Tmax, hs): every layer's
     cache, positions [0, pos[b]) of row rows[b] filled; slot pos[b] is written. cos, sin (T_max,
     hs): RoPE's tables (rope_cache). Inference only: nothing is saved.
+
+    Per block l, for rows b (each its own position pos[b] and cache row rows[b]):
+        xn = rmsnorm(x; norm1[l]);  qkv = xn @ Wqkv[l] (+ bqkv[l]);  RoPE on qkv's q and k heads at pos[b]
+        k, v -> cache slot pos[b];  atty = softmax(q K^T / sqrt(hs)) V over positions [0, pos[b]]
+        x += atty @ Wo[l];  xn = rmsnorm(x; norm2[l]);  gu = xn @ Wgu[l];  x += silu(g) * u @ Wdown[l]
+    With bf16 weights (uint16, `--dtype bfloat16`) each product's input is rounded to bf16 and widened
+    (exact) first, as blas.gemm does for a bf16 operand. Run op by op, the same step costs 20-50 us
+    of dispatch a call beside 1-13 us of arithmetic, 7-8 ms of a 36 ms SmolLM2-135M step on the
+    2-core AMD EPYC.
     """
     L, R, NKV, Tmax, hs = k_cache.shape
     lay = llama_decode_layers(layers)

@@ -3,34 +3,16 @@
     out = inp @ W [+ b] + s * (inp @ A) @ B,    s = alpha / r,
 
 with inp (B, T, C), W (C, OC), b (OC), A (C, r), B (r, OC), all in GPT-2's Conv1D layout as the
-other ops take them. Hugging Face / PEFT hold nn.Linear's weight (OC, C), lora_A.weight (r, C) and
-lora_B.weight (OC, r): pass their transposed views `.T` (BLAS reads them in place, no copy), and
-the adapter's gradients through the same views.
+other ops take them (PEFT's nn.Linear weights pass as their transposed views `.T`, read in place).
+W and b are frozen: the backward computes the input gradient through W but never W's own gradient,
+so a LoRA linear costs two of a linear's three products plus the adapter's thin ones
+(2 N r (C + OC) FLOPs each way, against 2 N C OC for one full product). The forward keeps
+xs = s * (inp @ A), (B, T, r): r numbers per token.
 
-W and b are frozen: the backward computes the input gradient through W but never W's own
-gradient, so a LoRA linear costs two of a linear's three products plus the adapter's thin ones
-(2 N r (C + OC) FLOPs each way, against 2 N C OC for one full product).
-
-What the forward keeps for the backward is xs = s * (inp @ A), (B, T, r): r numbers per token.
-
-Two forms:
-* `lora_linear_forward` / `lora_linear_backward`: one linear and its one adapter (handgrad.torch's
-  LoRALinear); an adapter dropout is the caller's, passed in as `adapter_inp`.
-* `lora_forward` / `lora_backward`: the adapters of a linear the caller computes itself, the models'
-  form. rmsnorm_linear_forward and layernorm_linear_forward take a list of them (`adapters=`) and
-  add them onto their product from the normalised input they hold in scratch anyway, so an adapter
-  keeps the fusion; after a plain linear_forward the model calls lora_forward itself. Each adapter covers output columns
-  [lo, hi) of the product: a fused q|k|v or gate|up matrix carries one adapter per projection, as
-  PEFT's separate q_proj, k_proj, v_proj layers would. An adapter is any object with
-
-      lo, hi          its output columns
-      lora_a, lora_b  (C, r) and (r, hi - lo) views (PEFT's lora_A.weight.T, lora_B.weight.T)
-      scale           alpha / r
-      xs              (B, T, r) buffer: the forward writes s * dropout(inp) @ A, the backward reads it
-      dropout, seed   PEFT's lora_dropout on the adapter's input: p (0: none) and the mask's seed
-                      (backends' dropout_seed); the backward regenerates the mask, nothing stored
-      dlora_a, dlora_b  (C, r) and (r, hi - lo) gradient views, accumulated into (backward only)
-"""
+Two forms: `lora_linear_forward` / `lora_linear_backward`, one linear and its one adapter
+(handgrad.torch's LoRALinear); `lora_forward` / `lora_backward`, the adapters of a product the
+caller computes itself, the models' form, which the fused norm-and-linear ops apply from the
+normalised input they hold anyway, so an adapter keeps the fusion."""
 import numpy as np
 
 from .common import rows, workspace
@@ -86,8 +68,11 @@ def _adapter_backward(g, a2, xs2, lora_b, dlora_a, dlora_b, scale, beta, gs=None
 def lora_linear_forward(out, xs, inp, weight, bias, lora_a, lora_b, scale, adapter_inp=None):
     """out (B, T, OC) = inp @ weight (C, OC) [+ bias] + scale * (adapter_inp @ lora_a (C, r)) @ lora_b (r, OC).
 
-    adapter_inp defaults to inp. Overwrites out and xs (B, T, r) = scale * adapter_inp @ lora_a,
-    which the backward needs. bias may be None.
+    adapter_inp defaults to inp (an adapter dropout is the caller's, applied to what it passes).
+    Overwrites out and xs (B, T, r) = scale * adapter_inp @ lora_a, which the backward needs. bias
+    may be None. Hugging Face / PEFT hold weight (OC, C), lora_A.weight (r, C) and lora_B.weight
+    (OC, r): pass their `.T` views (BLAS reads them in place, no copy), and the gradients through
+    the same views.
     """
     linear_forward(out, inp, weight, bias)
     _adapter_forward(rows(out), rows(inp if adapter_inp is None else adapter_inp), lora_a, lora_b, rows(xs), scale)
@@ -150,8 +135,20 @@ def _stack_a(adapters, dtype):
 
 
 def lora_forward(out, inp, adapters):
-    """out[..., lo:hi] += s * (dropout(inp) @ A) @ B for each adapter (see the module docstring),
-    onto the frozen product the caller wrote into out (B, T, OC); writes each adapter's xs.
+    """out[..., lo:hi] += s * (dropout(inp) @ A) @ B for each adapter, onto the frozen product the
+    caller wrote into out (B, T, OC); writes each adapter's xs. rmsnorm_linear_forward and
+    layernorm_linear_forward take the same list (`adapters=`); after a plain linear_forward the model
+    calls this itself. Each adapter covers output columns [lo, hi): a fused q|k|v or gate|up matrix
+    carries one adapter per projection, as PEFT's separate q_proj, k_proj, v_proj layers would. An
+    adapter is any object with
+
+        lo, hi          its output columns
+        lora_a, lora_b  (C, r) and (r, hi - lo) views (PEFT's lora_A.weight.T, lora_B.weight.T)
+        scale           alpha / r
+        xs              (B, T, r) buffer: the forward writes s * dropout(inp) @ A, the backward reads it
+        dropout, seed   PEFT's lora_dropout on the adapter's input: p (0: none) and the mask's seed
+                        (backends' dropout_seed); the backward regenerates the mask, nothing stored
+        dlora_a, dlora_b  (C, r) and (r, hi - lo) gradient views, accumulated into (backward only)
 
     Adapters on one input (q, k and v on the normalised x; gate and up) form their xs in one
     product, x @ [A_1 | ... | A_k], reading x once instead of k times (N 1,024, C 576, r 8: 0.21

@@ -2,27 +2,14 @@
 PyTorch's own CPU bf16 uses), and the float32 -> bf16 narrowing that feeds them.
 
 oneDNN comes from the `onednn-cpu-gomp` wheel (a CPU-only build on GNU OpenMP, no headers) and is
-called through its C API with ctypes:
+called through its C API with ctypes (_Library): the engine and stream once per process, a matmul
+primitive once per shape, strides, dtype and beta, then a call is three data handles, an execute and
+a wait. `gemm` multiplies bf16 (uint16 bit patterns) or float32 with float32 sums, as blas.gemm does;
+`to_bf16` narrows with round-to-nearest-even, as PyTorch's `tensor.to(torch.bfloat16)` does.
 
-    engine, stream            created once per process (dnnl_engine_create / dnnl_stream_create)
-    matmul primitive          created once per shape, strides, dtype and beta, then cached
-                              (dnnl_matmul_primitive_desc_create + dnnl_primitive_create)
-    a call                    three dnnl_memory_set_data_handle, dnnl_primitive_execute, dnnl_stream_wait
-
-`gemm(a, b, c, beta)` computes c = a @ b + beta * c with a and b bf16 (held as uint16 arrays of the
-bf16 bit patterns) or float32, c float32, accumulated in float32 by oneDNN. Like blas.gemm, a and
-b may be transposed views (one of their two axes with unit stride); c is C-contiguous in its rows.
-beta is oneDNN's sum post-op (dst = op(a, b) + beta * dst).
-
-`to_bf16(x, out)` narrows float32 to bf16 with round-to-nearest-even, as PyTorch's
-`tensor.to(torch.bfloat16)` and the hardware's VCVTNEPS2BF16 do (NaN stays NaN, a quiet one).
-
-`bf16_path()` says what the CPU multiplies bf16 with: "amx" (AMX-BF16 tiles, Intel Sapphire
-Rapids and later), "avx512_bf16" (AVX512_BF16's dot products, AMD Zen 4, Intel Cooper Lake), or
-None (no hardware bf16: oneDNN has no bf16 matmul there, so blas.gemm widens bf16 operands to
-float32, exactly, and multiplies them on the float32 BLAS; the rounding is bf16's, the speed float32's
-at best). `products_path()` is what the products use in this process: bf16_path() where oneDNN is
-installed, else None (widened too, with `bf16_note()`'s line to say so).
+The non-obvious idea: oneDNN has a bf16 matmul only where the CPU multiplies bf16 (`bf16_path()`:
+AMX tiles or AVX512_BF16's dot products). Elsewhere blas.gemm widens bf16 operands to float32,
+exactly, and multiplies them on the float32 BLAS (widen.py): bf16's rounding, float32's speed at best.
 """
 import ctypes
 import functools
@@ -64,7 +51,9 @@ def library_path():
 
 
 def bf16_path(flags=None):
-    """"amx", "avx512_bf16" or None: the CPU's bf16 multiply (flags: /proc/cpuinfo's, read if None)."""
+    """"amx", "avx512_bf16" or None: the CPU's bf16 multiply (flags: /proc/cpuinfo's, read if None).
+    "amx": AMX-BF16 tiles (Intel Sapphire Rapids and later); "avx512_bf16": AVX512_BF16's dot
+    products (AMD Zen 4, Intel Cooper Lake); None: no hardware bf16, and no oneDNN bf16 matmul."""
     if flags is None:
         flags = cpu_flags()
     if "amx_bf16" in flags:
@@ -125,7 +114,13 @@ def set_threads(n):
 
 
 class _Library:
-    """The loaded library, its engine and stream, and the cache of matmul primitives."""
+    """The loaded library, its engine and stream, and the cache of matmul primitives.
+
+    engine, stream       created once per process (dnnl_engine_create / dnnl_stream_create)
+    matmul primitive     created once per shape, strides, dtype and beta, then cached
+                         (dnnl_matmul_primitive_desc_create + dnnl_primitive_create)
+    a call               three dnnl_memory_set_data_handle, dnnl_primitive_execute, dnnl_stream_wait
+    """
 
     def __init__(self, path):
         # oneDNN runs its products on GNU OpenMP, whose threads by default spin after each parallel
@@ -244,7 +239,8 @@ def gemm(a, b, c, beta=0.0):
     """c (M, N) = a (M, K) @ b (K, N) + beta * c, float32 accumulation. a and b: both bf16 (uint16)
     or both float32, any strides with a unit one; c: float32 with unit stride along its rows, or
     with bf16 operands and beta 0 bf16 (uint16), the float32 sums rounded to bf16 as they are
-    stored (as torch autocast's bf16 products give their outputs)."""
+    stored (as torch autocast's bf16 products give their outputs). beta is oneDNN's sum post-op
+    (dst = op(a, b) + beta * dst); a transposed a or b is read in place, as blas.gemm reads it."""
     if a.ndim != 2 or b.ndim != 2 or c.ndim != 2:
         raise ValueError("onednn.gemm: 2-D operands only")
     (M, K), (K2, N) = a.shape, b.shape
@@ -304,7 +300,9 @@ def round_bf16(x, out=None):
 
 
 def to_bf16(x, out=None):
-    """float32 x (C-contiguous) as bf16 bit patterns (uint16, the same shape), into out if given."""
+    """float32 x (C-contiguous) as bf16 bit patterns (uint16, the same shape), into out if given:
+    round-to-nearest-even, as PyTorch's `tensor.to(torch.bfloat16)` and the hardware's VCVTNEPS2BF16
+    do (NaN stays NaN, a quiet one)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if out is None:
         out = np.empty(x.shape, np.uint16)

@@ -7,12 +7,6 @@ Each head's vector x (hs,) is split in halves x1 = x[:hs/2], x2 = x[hs/2:], and 
     y = x * cos[p] + rotate_half(x) * sin[p],  rotate_half(x) = cat(-x2, x1)
 that is  y1 = x1 cos - x2 sin,  y2 = x2 cos + x1 sin  (transformers' apply_rotary_pos_emb).
 
-Layout: the ops take a (B, T, NH*hs) array whose rows hold NH heads of hs contiguous values, any
-row stride: a slice of the fused qkv buffer (B, T, (NH + 2*NKV)*hs), whose columns are the q heads
-[0, NH*hs), then the k heads [NH*hs, (NH+NKV)*hs), then the v heads (q_proj, k_proj and v_proj's
-outputs side by side). q and k take the same rotation per head, so one call on
-qkv[:, :, :(NH+NKV)*hs] with n_head = NH + NKV rotates both, in place.
-
 This is not llama2.c's (Meta's original) convention, which rotates interleaved pairs
 (x[2i], x[2i+1]); Hugging Face checkpoints of Llama have their q and k weights permuted to this one.
 """
@@ -155,11 +149,16 @@ def _check(name, out, inp, cos, sin, n_head, offset):
 def rope_forward(out, inp, cos, sin, n_head, offset=0):
     """out = RoPE(inp) for positions [offset, offset + T).
 
-    inp, out: (B, T, n_head*hs) with unit column stride and any row stride (slices of the fused
-    qkv buffer, see the module docstring); out may be inp (in place). cos, sin: (T_max, hs) from
-    rope_cache. offset: the absolute position of row t = 0 (the KV cache's position when decoding),
-    or one such position per row b (sequences at different positions: `handgrad serve`'s batched step).
+    inp, out: (B, T, n_head*hs) with unit column stride and any row stride, rows holding n_head heads
+    of hs contiguous values; out may be inp (in place). cos, sin: (T_max, hs) from rope_cache.
+    offset: the absolute position of row t = 0 (the KV cache's position when decoding), or one such
+    position per row b (sequences at different positions: `handgrad serve`'s batched step).
     Overwrites out.
+
+    inp is usually a slice of the fused qkv buffer (B, T, (NH + 2*NKV)*hs), whose columns are the q
+    heads [0, NH*hs), then the k heads [NH*hs, (NH+NKV)*hs), then the v heads (q_proj, k_proj and
+    v_proj's outputs side by side). q and k take the same rotation per head, so one call on
+    qkv[:, :, :(NH+NKV)*hs] with n_head = NH + NKV rotates both, in place.
     """
     rope_forward_kernel(out, inp, cos, sin, n_head, _check("rope_forward", out, inp, cos, sin, n_head, offset))
 

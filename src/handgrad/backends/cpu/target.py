@@ -4,21 +4,10 @@ LLVM's tuning for Intel's AVX-512 cores (Skylake-X through Sapphire and Emerald 
 may detect as "rocketlake") carries `prefer-256-bit`: loops vectorise on 256-bit ymm registers,
 against the frequency drop that 512-bit code caused on the first AVX-512 parts. The kernels here
 are short, compute-bound loops (the exp of softmax, cross-entropy and SwiGLU, the sums of the
-norms, AdamW): on zmm registers they take half the instructions. Measured on the 2-core Xeon
-(Emerald Rapids class; docs/PERFORMANCE.md): `llama-mid`'s kernels outside the
-products 199.5 -> 178.0 ms per step (the cross-entropy backward 18.4 -> 10.5), a serial SwiGLU
-pass 0.175 -> 0.132 ms, a `bench train` step shorter in each of 10 back-to-back pairs (3-11%), every
-`bench ops` row within its noise.
-
-So, where the CPU has AVX-512F, Numba's target features are the host's plus `-prefer-256-bit`.
-This has to happen before Numba builds its code generator, which it does at the first `@njit`
-decoration in the process: the backend's `__init__` imports this module before any kernel module.
-A user's own NUMBA_CPU_NAME or NUMBA_CPU_FEATURES is left as it is, as is a process that had
-already compiled Numba code before importing handgrad; `vector_bits()` says what was done. The
-results do not depend on it beyond the last bits of float64 reductions (their partial sums follow
-the vector width, docs in mathfn.py); Numba's cache keys on the features, so each setting keeps
-its own compiled kernels.
-"""
+norms, AdamW): on zmm registers they take half the instructions. So, where the CPU has AVX-512F,
+Numba's target features are the host's plus `-prefer-256-bit`. This has to happen before Numba
+builds its code generator, at the first `@njit` decoration in the process: the backend's
+`__init__` imports this module before any kernel module."""
 import os
 
 import numba
@@ -28,7 +17,14 @@ _PREFER_YMM = "prefer-256-bit"
 
 
 def _widen():
-    """Numba's features += -prefer-256-bit on an AVX-512 host; True when it was set here."""
+    """Numba's features += -prefer-256-bit on an AVX-512 host; True when it was set here.
+
+    On the 2-core Emerald Rapids class Xeon it takes `llama-mid`'s kernels outside the products from
+    199.5 to 178.0 ms per step (docs/PERFORMANCE.md, Float32 training). A user's own NUMBA_CPU_NAME or
+    NUMBA_CPU_FEATURES is left as it is, as is a process that had already compiled Numba code. The
+    results do not depend on it beyond the last bits of float64 reductions (their partial sums follow
+    the vector width, docs in mathfn.py); Numba's cache keys on the features, so each setting keeps
+    its own compiled kernels."""
     if "NUMBA_CPU_NAME" in os.environ or "NUMBA_CPU_FEATURES" in os.environ:
         return False
     if "_toplevel_target_context" in vars(registry.cpu_target):  # a cached_property, once read

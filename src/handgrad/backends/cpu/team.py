@@ -4,20 +4,9 @@ region per step costs a fork and a join each time and every step's memory stream
 
 Numba's prange has no barrier and no atomics, so both are here: a few atomic operations on an int64
 array (`sync`, SYNC_SLOTS long, zeroed before each region) written in LLVM IR through Numba
-intrinsics, and on them
-
-* `team_start(sync, T)`: called once by each of the region's T iterations (`for t in prange(T)`,
-  T = numba.get_num_threads()). Numba hands each thread one iteration, so the T normally run at
-  once and form a team (TEAM). Should one iteration be made to wait for another that runs only
-  after it on the same thread (a parallel region run serially), waiting would never end: so the
-  first to arrive waits at most SPIN_LIMIT polls, then claims the region for itself alone (SOLO:
-  it does every thread's part) and the others, arriving, leave (LEAVE). The choice is one
-  compare-and-swap, so exactly one of TEAM and SOLO is taken.
-* `barrier(sync, team)`: no member passes until all `team` have arrived (a counter and a
-  generation: the last to arrive resets the counter, then advances the generation the others
-  poll). Its atomics are sequentially consistent, so what a member wrote before it is seen by
-  every member after it.
-"""
+intrinsics, and on them `team_start` (who forms the team) and `barrier`. The one non-obvious
+danger is a region run serially, where a thread waiting for an iteration queued behind it on the
+same thread would wait forever: team_start bounds that wait and lets one iteration do all the work."""
 import platform
 
 from llvmlite import ir
@@ -85,8 +74,15 @@ def spin_pause(typingctx):
 
 @njit(cache=True)
 def team_start(sync, T, limit=SPIN_LIMIT):
-    """This iteration's part in a region of T: TEAM, SOLO or LEAVE (the module docstring); the
-    first to arrive polls at most `limit` times for the rest."""
+    """This iteration's part in a region of T: TEAM, SOLO or LEAVE; called once by each of the
+    region's T iterations (`for t in prange(T)`, T = numba.get_num_threads()).
+
+    Numba hands each thread one iteration, so the T normally run at once and form a team (TEAM).
+    Should one iteration wait for another that runs only after it on the same thread (a parallel
+    region run serially), waiting would never end: so the first to arrive polls at most `limit`
+    times for the rest, then claims the region for itself alone (SOLO: it does every thread's part)
+    and the others, arriving, leave (LEAVE). The choice is one compare-and-swap, so exactly one of
+    TEAM and SOLO is taken."""
     if T == 1:
         return SOLO
     if atomic_add(sync, ARRIVED, 1) == T - 1:  # the last to arrive: every iteration is running
@@ -102,7 +98,10 @@ def team_start(sync, T, limit=SPIN_LIMIT):
 
 @njit(cache=True)
 def barrier(sync, team):
-    """Wait until all `team` members have called it (returns at once for a team of one)."""
+    """Wait until all `team` members have called it (returns at once for a team of one): a counter
+    and a generation, the last to arrive resetting the counter, then advancing the generation the
+    others poll. Its atomics are sequentially consistent, so what a member wrote before it is seen
+    by every member after it."""
     if team == 1:
         return
     gen = atomic_load(sync, GEN)

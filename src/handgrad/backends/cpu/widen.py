@@ -9,10 +9,7 @@ elements at most (blas.WIDEN_TILE), a float32 operand passed as views of itself.
 least _MIN_BLOCK wide where the dimension allows (skinnier ones slow the BLAS); K is cut only when it
 is too long for that, its blocks accumulated into c (the first with the caller's beta, then 1).
 A tile is widened from the operand's memory order (a transposed view's block as its base's block,
-handed to the BLAS transposed), so the reads are contiguous rows.
-
-A bf16 c (the lm_head's logits in bf16 training) is formed by narrowed_gemm: the float32 sums of a
-block of rows at a time in scratch, each narrowed into c.
+handed to the BLAS transposed), so the reads are contiguous rows. A bf16 c is narrowed_gemm's.
 """
 import numpy as np
 from numba import prange
@@ -140,9 +137,10 @@ def bf16_out_scratch_bytes(N):
 
 
 def narrowed_gemm(a, b, c, gemm):
-    """c (bf16, uint16) = a @ b through the float32-c `gemm` (blas's bf16 products), a block of
-    _out_rows rows at a time into float32 scratch, each narrowed into c: within a bf16 ulp of the
-    whole product narrowed (the BLAS may sum a block of rows in another order)."""
+    """c (bf16, uint16; the lm_head's logits in bf16 training) = a @ b through the float32-c `gemm`
+    (blas's bf16 products), a block of _out_rows rows at a time into float32 scratch, each narrowed
+    into c: within a bf16 ulp of the whole product narrowed (the BLAS may sum a block of rows in
+    another order)."""
     M, N = c.shape
     step = _out_rows(N)
     tile = workspace("gemm_bf16_out", (min(M, step), N), np.float32)

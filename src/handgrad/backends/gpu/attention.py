@@ -5,15 +5,13 @@ Per head, as in the CPU op:  S = q k^T * scale (scale = 1/sqrt(hs)),  P = softma
 for s > t),  y = P v. Unlike the CPU op, P (T x T) is never stored: the forward streams key blocks
 through an online softmax (running row max m and row sum l in float32) and saves only the row
 logsumexp L = m + log(l) (natural log, of the scaled scores) in `att` (B, NH, T); the backward
-recomputes P = exp(S - L) block by block. The plain torch reference is `reference` in
-tests/test_gpu_attention.py: softmax(q k^T * scale + causal mask) @ v.
+recomputes P = exp(S - L) block by block. The plain torch reference: tests/test_gpu_attention.py's `reference`.
 
-The kernels are grouped-query attention's (gqa_attention.py): GPT-2's qkv is its layout with as
-many kv heads as query heads, and these ops launch them so. They work in base 2 (exp2 of scores
-prescaled by scale * log2(e)); each program owns one
-(batch, head) and one block of rows, so no two programs write the same element (no atomics: the
-backward is deterministic). Inputs are float32 or bfloat16; tl.dot accumulates in float32 (float32
-operands in full precision, not TF32) and results are stored in the tensors' dtype.
+The kernels are grouped-query attention's (gqa_attention.py), launched with as many kv heads as query
+heads. They work in base 2 (exp2 of scores prescaled by scale * log2(e)); each program owns one (batch,
+head) and one block of rows, so no two programs write the same element (no atomics: the backward is
+deterministic). Inputs are float32 or bfloat16; tl.dot accumulates in float32 (float32 operands in full
+precision, not TF32) and results are stored in the tensors' dtype.
 """
 import torch
 

@@ -3,21 +3,15 @@ NKV key/value heads, query head h using kv head g = h // G, G = NH / NKV; flash 
 forward and backward (attention.py's docstring has the method; GPT-2's attention is the case
 NKV = NH, and its ops launch these kernels).
 
-The columns of qkv are the q heads [0, NH*hs), the k heads [NH*hs, (NH+NKV)*hs) and the v heads
-after them (q_proj, k_proj and v_proj's outputs side by side). k and v are never repeated in
-memory: a query head's program reads its group's kv head.
-
-With `rope=(cos, sin)` q and k are the projections before RoPE: the kernels rotate each tile as
-they load it (rope.load_rotated) and the backward takes dq and dk back through the inverse
-rotation as it stores them (rope.store_unrotated), so neither direction makes a pass of its own
-over q and k; without it, RoPE has been applied. With dropout_p > 0 the probabilities are dropped
-as the cpu op drops them: element ((b*NH + h)*T + t)*T + s of dropout.keep_mask((B, NH, T, T), p,
-seed), drawn in the kernels from the same Philox words (dropout.keep_tile) in the forward and again
-in the backward, never stored.
-The forward saves the row logsumexp (float32, (B, NH, T)); the backward recomputes P from it. dK
-and dV are summed over each group inside one program per (key block, b, kv head), which walks the
-G query heads of its group: no atomics, deterministic. Reference (what the tests compare to):
-softmax(q k^T / sqrt(hs) + causal mask) @ v with k and v repeated per group, in float64.
+The columns of qkv are the q heads, the k heads and the v heads (q_proj, k_proj and v_proj's outputs
+side by side); k and v are never repeated in memory. With `rope=(cos, sin)` the kernels rotate q and k
+as they load a tile and take dq and dk back through the inverse rotation as they store them, so
+neither direction makes a pass of its own over q and k. Dropout draws the cpu op's mask in the kernels
+from the same Philox words (dropout.keep_tile), in the forward and again in the backward.
+The forward saves the row logsumexp (float32, (B, NH, T)). dK and dV are summed over each group inside
+one program per (key block, b, kv head), which walks the G query heads of its group: no atomics,
+deterministic. Reference (what the tests compare to): softmax(q k^T / sqrt(hs) + causal mask) @ v with
+k and v repeated per group, in float64.
 """
 from typing import NamedTuple
 

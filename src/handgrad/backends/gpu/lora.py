@@ -10,9 +10,7 @@ adapter's float32 gradients take the bf16 products through matmul_accumulate, as
 
 The two forms are the cpu's: lora_linear_forward / lora_linear_backward for one linear and its
 adapter (handgrad.torch's LoRALinear), and lora_forward / lora_backward for the adapters the
-models hang on their products' output columns (the fused norm + linear ops call them on the
-normalised input they hold in scratch); an adapter record is described in the cpu file. An
-adapter's dropout draws the cpu's mask (dropout.py) and is drawn again in the backward.
+models hang on their products' output columns; an adapter record is described in the cpu file.
 """
 import torch
 
@@ -85,7 +83,9 @@ def _adapter_input(x2, ad):
 
 def lora_forward(out, inp, adapters):
     """out[..., lo:hi] += s * (dropout(inp) @ A) @ B for each adapter, onto the frozen product the
-    caller wrote into out (B, T, OC); writes each adapter's xs = s dropout(inp) A."""
+    caller wrote into out (B, T, OC); writes each adapter's xs = s dropout(inp) A. The fused norm +
+    linear ops call it on the normalised input they hold in scratch. An adapter's dropout draws the
+    cpu's mask (dropout.py) and is drawn again in the backward."""
     x2, out2 = rows(inp), rows(out)
     for ad in adapters:
         _adapter_forward(out2[:, ad.lo:ad.hi], _adapter_input(x2, ad), ad.lora_a, ad.lora_b, rows(ad.xs), ad.scale)
