@@ -1,5 +1,6 @@
 """What every format reader and writer shares: the error type, the check of a weights dict
 against the model's spec, and writing a directory whole (into a temporary one, then renamed)."""
+import json
 import os
 import shutil
 from pathlib import Path
@@ -63,3 +64,13 @@ def publish_dir(tmp, dst):
     os.rename(tmp, dst)
     return dst
 
+
+def read_json_object(f):
+    """The JSON object in file f; a ConvertError naming f where it cannot be read or is not an object."""
+    try:
+        doc = json.loads(Path(f).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{f}: cannot read it as JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConvertError(f"{f}: expected a JSON object")
+    return doc

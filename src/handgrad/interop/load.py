@@ -24,7 +24,7 @@ from ..models.family import flat_layout, flat_views
 from ..models.lora import base_digest, split_spec, weights_digest
 from ..models.sampling import FIELDS, SampleError, check_sampling
 from .checkpoint import CheckpointError, load_model, load_weights, read_state, resolve
-from .common import ConvertError, check_weights, make_config
+from .common import ConvertError, check_weights, make_config, read_json_object
 from .gguf import read_gguf
 from .hf import read_hf
 from .hf_llama import is_hf_llama, read_hf_llama
@@ -322,12 +322,7 @@ def read_generation_config(directory):
     f = Path(directory) / GENERATION_CONFIG
     if not f.is_file():
         return None
-    try:
-        doc = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{f}: cannot read it as JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ConvertError(f"{f}: expected a JSON object")
+    doc = read_json_object(f)
     settings = {k: doc[k] for k in FIELDS if doc.get(k) is not None}
     if doc.get("do_sample") is not True:
         # transformers' generate() searches greedily unless do_sample is true, whatever temperature,

@@ -21,7 +21,7 @@ import numpy as np
 from ..config import LoRAConfig
 from ..files import save_safetensors
 from ..models import get_family
-from .common import ConvertError, prepare_dir, publish_dir
+from .common import ConvertError, prepare_dir, publish_dir, read_json_object
 from .published import PUBLISHED, published_name
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -99,12 +99,7 @@ def read_peft_config(path):
     handgrad's LoRA cannot express: anything but LoRA (not DoRA, not rsLoRA) with one rank and alpha
     for every module and bias "none" is refused with a line naming the key."""
     f = Path(path) / CONFIG_FILE
-    try:
-        doc = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{f}: cannot read it as JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ConvertError(f"{f}: expected a JSON object")
+    doc = read_json_object(f)
     if doc.get("peft_type") != "LORA":
         raise ConvertError(f"{f}: peft_type {doc.get('peft_type')!r}; handgrad reads LoRA adapters (LORA) only")
     for key, ok in (("use_dora", False), ("use_rslora", False), ("bias", "none")):
