@@ -18,7 +18,10 @@ CONFIGS = {
     "gpt2": GPTConfig(block_size=16, vocab_size=101, n_layer=1, n_head=2, n_embd=32),  # lm_head tied to wte
     "llama": LlamaConfig(block_size=16, vocab_size=101, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=96,
                          tie_embeddings=False),
+    "qwen3": LlamaConfig(block_size=16, vocab_size=101, n_layer=1, n_head=4, n_kv_head=2, n_embd=48, head_dim=16,
+                         ffn_hidden=96, qk_norm=True),
 }
+ARCH = {"gpt2": "gpt2", "llama": "llama", "qwen3": "llama"}  # model.arch of each
 B, T = 3, 7  # 21 rows: chunks of 5 leave a last one of 1
 
 
@@ -40,7 +43,7 @@ def _batch(V, seed=0):
 
 
 def _step(family, backend, loss_chunk, dtype="float32", lora=None):
-    cls = get_family(family).model
+    cls = get_family(ARCH[family]).model
     lora = LoRAConfig(rank=4, alpha=8.0, targets=tuple(cls.LORA_MODULES)) if lora else None
     model = cls(CONFIGS[family], backend=backend, seed=1, dtype=dtype, lora=lora, loss_chunk=loss_chunk)
     idx, targets = _batch(CONFIGS[family].vocab_size)
@@ -76,7 +79,7 @@ def test_a_training_forward_forms_the_heads_gradient_with_the_same_bits(family, 
     nothing, and with a trained lm_head (full) the backward does it all as before."""
     if backend == "gpu":
         pytest.importorskip("gpu_helpers")
-    cls = get_family(family).model
+    cls = get_family(ARCH[family]).model
     cfg = LoRAConfig(rank=4, alpha=8.0, targets=tuple(cls.LORA_MODULES)) if lora else None
     idx, targets = _batch(CONFIGS[family].vocab_size)
     out = []
@@ -130,8 +133,8 @@ def test_crossentropy_mean_is_one_calls_mean():
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_the_memory_count_holds_a_chunk_of_logits(family):
     config = CONFIGS[family]
-    whole = estimate(get_family(family), config, 8, 16)["activations"]
-    chunked = estimate(get_family(family), config, 8, 16, loss_chunk=32)["activations"]
+    whole = estimate(get_family(ARCH[family]), config, 8, 16)["activations"]
+    chunked = estimate(get_family(ARCH[family]), config, 8, 16, loss_chunk=32)["activations"]
     assert whole - chunked == (8 * 16 - 32) * config.vocab_size * 4
 
 

@@ -16,8 +16,12 @@ LLAMA = LlamaConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_kv_head
 QWEN2 = LlamaConfig(block_size=16, vocab_size=65, n_layer=1, n_head=4, n_kv_head=1, n_embd=64, ffn_hidden=96,
                     qkv_bias=True, tie_embeddings=False)
 
+# Qwen3: q/k norms per head, head_dim 16 with n_embd 48 (q 64 wide), 4 on 2 kv heads, untied
+QWEN3 = LlamaConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_kv_head=2, n_embd=48, head_dim=16,
+                    ffn_hidden=96, qk_norm=True, tie_embeddings=False)
 
-@pytest.mark.parametrize("config", [LLAMA, QWEN2], ids=["llama", "qwen2"])
+
+@pytest.mark.parametrize("config", [LLAMA, QWEN2, QWEN3], ids=["llama", "qwen2", "qwen3"])
 def test_one_step_and_adamw_steps_against_transformers(config):
     assert_rows(check_model_step(config, B=2, T=13, backend="gpu"), "gpu llama, one step")
     assert_rows(check_model_adamw(config, B=1, T=9, steps=4, backend="gpu"), "gpu llama, AdamW steps")
@@ -28,7 +32,7 @@ def _batch(config, B, T, seed=0):
     return rng.integers(0, config.vocab_size, (B, T)), rng.integers(0, config.vocab_size, (B, T))
 
 
-@pytest.mark.parametrize("config, B, T", [(LLAMA, 2, 7), (QWEN2, 1, 16)]
+@pytest.mark.parametrize("config, B, T", [(LLAMA, 2, 7), (QWEN2, 1, 16), (QWEN3, 2, 5)]
                          + ([(LlamaConfig(2048, 49152, 4, 9, 576, 3, 1536, 100000.0), 2, 1024)] if REAL_GPU else []))
 def test_gpu_and_cpu_backends_agree(config, B, T):
     """The same weights and batch on both backends: loss, logits and every gradient."""
@@ -45,11 +49,13 @@ def test_bf16_error_is_a_small_multiple_of_torch_autocast():
     assert_bf16_model_within_autocast(Llama(LLAMA, backend="gpu", seed=3, dtype="bfloat16"), TorchLlama, idx, targets)
 
 
-def test_kv_cache_sampling_on_the_gpu_matches_the_cpu():
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_kv_cache_sampling_on_the_gpu_matches_the_cpu(qk_norm):
     """generate() through the grouped KV cache (RoPE at the cache offset, a window re-prefill past
     block_size) gives the cpu model's tokens with the same weights, greedy and sampled."""
     from handgrad.models.decode import generate
-    config = LlamaConfig(block_size=8, vocab_size=65, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=96)
+    config = LlamaConfig(block_size=8, vocab_size=65, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=96,
+                         qk_norm=qk_norm)
     cpu, gpu = Llama(config, backend="cpu", seed=5), Llama(config, backend="gpu", seed=5)
     prompt = np.array([[1, 2, 3], [4, 5, 6]])
     for kwargs in (dict(temperature=0), dict(temperature=1.0, top_k=10, rng=7)):

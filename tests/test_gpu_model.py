@@ -115,14 +115,14 @@ def test_kv_cache_sampling_on_the_gpu_matches_the_cpu():
     """generate() on a gpu model (attention_decode_forward through the cache, a window re-prefill
     past block_size) gives the cpu model's tokens with the same weights: greedy, and sampled with
     the same seed (the logits agree to ~1e-6, far from any sampling boundary here)."""
-    from handgrad.models.decode import KVCache, generate
+    from handgrad.models.decode import generate
     config = GPTConfig(block_size=8, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
     cpu, gpu = GPT(config, backend="cpu", seed=5), GPT(config, backend="gpu", seed=5)
     prompt = np.array([[1, 2, 3], [4, 5, 6]])
     for kwargs in (dict(temperature=0), dict(temperature=1.0, top_k=10, rng=7)):
         ids = [generate(m, prompt, 9, **kwargs) for m in (cpu, gpu)]  # 12 > block_size: a re-prefill
         np.testing.assert_array_equal(ids[1], ids[0])
-    caches = [KVCache(m, 2) for m in (cpu, gpu)]
+    caches = [m.KV_CACHE(m, 2) for m in (cpu, gpu)]
     logits = [c.prefill(prompt) for c in caches]
     np.testing.assert_allclose(logits[1], logits[0], rtol=0, atol=2e-5)
     logits = [c.step(np.array([7, 8])) for c in caches]

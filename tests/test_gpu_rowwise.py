@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, empty, on_device, randn, reference
 
+from handgrad.backends import gpu
 from handgrad.backends.gpu import encoder as E
 from handgrad.backends.gpu import gelu as G
 from handgrad.backends.gpu import layernorm as LN
-from handgrad.backends.gpu import layernorm_linear as LNL
 from handgrad.backends.gpu import linear as L
 from handgrad.backends.gpu import residual as RES
 
@@ -309,13 +309,13 @@ def test_layernorm_linear(B, T, C, OC, bias, dbias, acc):
     xd, lwd, lbd, wd = on_device(x), on_device(lw), on_device(lb), on_device(w)
     bd = on_device(b) if bias else None
     out, mean, rstd = empty(B, T, OC), empty(B, T), empty(B, T)
-    LNL.layernorm_linear_forward(out, mean, rstd, xd, lwd, lbd, wd, bd)
+    gpu.layernorm_linear_forward(out, mean, rstd, xd, lwd, lbd, wd, bd)
     assert_close(out, ref, "layernorm_linear out", atol=gemm_atol(ref), rtol=1e-5)
 
     starts = [randn(*t.shape, seed=10 + i) for i, t in enumerate(inputs)]
     g = [on_device(s) for s in starts]
     g_b = g[4] if bias and dbias else None
-    LNL.layernorm_linear_backward(g[0], g[1], g[2], g[3], g_b, on_device(dout), xd, lwd, lbd, mean, rstd, wd, acc)
+    gpu.layernorm_linear_backward(g[0], g[1], g[2], g[3], g_b, on_device(dout), xd, lwd, lbd, mean, rstd, wd, acc)
     names = ["dinp", "dln_weight", "dln_bias", "dweight", "dbias"]
     for i, name in enumerate(names[:len(inputs)]):
         if i == 4 and g_b is None:
@@ -335,7 +335,7 @@ def test_layernorm_linear_bf16():
     ref = linear_ref(ln_ref(x, lw, lb), w, b)
     torch_bf16 = linear_ref(ln_ref(*(t.to(BF16) for t in (x, lw, lb))), w.to(BF16), b.to(BF16))
     out, mean, rstd = empty(B, T, OC, dtype=BF16), empty(B, T), empty(B, T)
-    LNL.layernorm_linear_forward(out, mean, rstd, on_device(x, BF16), on_device(lw), on_device(lb), on_device(w),
+    gpu.layernorm_linear_forward(out, mean, rstd, on_device(x, BF16), on_device(lw), on_device(lb), on_device(w),
                                  on_device(b))
     assert_bf16_close(out, ref, torch_bf16, "layernorm_linear out bf16")
 

@@ -191,7 +191,8 @@ def test_train_init_from_an_hf_llama_directory(char_llama, capsys):
     assert state["model_config"] == dict(block_size=16, vocab_size=hf_cfg["vocab_size"], n_layer=L, n_head=NH,
                                          n_embd=C, n_kv_head=NKV, ffn_hidden=H, rope_theta=500000.0, norm_eps=1e-5,
                                          tie_embeddings=False, qkv_bias=False, rope_factor=0.0, rope_low_freq_factor=1.0,
-                                         rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)
+                                         rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192,
+                                         head_dim=C // NH, qk_norm=False)
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     x, y = Dataset(data, "train").get_batch(2, 16, np.random.Generator(np.random.PCG64([1337, 1])))
     logits = _reference(d)(torch.from_numpy(x.astype(np.int64))).logits

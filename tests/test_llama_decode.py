@@ -118,9 +118,9 @@ def test_one_thread_and_a_team_give_the_same_bits(dtype):
         np.testing.assert_array_equal(got, want)
 
 
-def test_gpu_op_agrees_with_the_cpu_op():
-    """The gpu backend's llama_decode_forward (its ops one after another; Triton's interpreter without
-    CUDA) against the cpu's, through step_rows on Qwen2's shape (qkv bias)."""
+def test_the_gpu_block_agrees_with_the_cpu_op():
+    """The gpu backend's decoding step (the family's block, op by op; Triton's interpreter without
+    CUDA) against the cpu's fused op, through step_rows on Qwen2's shape (qkv bias)."""
     pytest.importorskip("triton")
     config = LlamaConfig(block_size=16, vocab_size=65, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=96,
                          qkv_bias=True, tie_embeddings=False)  # the gpu attention's head size: a power of two >= 16

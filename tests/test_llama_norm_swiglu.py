@@ -15,7 +15,7 @@ import torch
 
 from handgrad.backends.cpu.linear import linear_backward, linear_forward
 from handgrad.backends.cpu.rmsnorm import rmsnorm_backward, rmsnorm_forward
-from handgrad.backends.cpu.rmsnorm_linear import rmsnorm_linear_backward, rmsnorm_linear_forward
+from handgrad.backends.cpu import rmsnorm_linear_backward, rmsnorm_linear_forward
 from handgrad.backends.cpu.swiglu import swiglu_backward, swiglu_forward
 from handgrad import torch_ref
 from handgrad.verify import TOL32, TOL64, compare

@@ -1,4 +1,4 @@
-"""model.dropout in both families (models/family.py: drop, drop_grad, attention_dropout), against
+"""model.dropout in both families (models/dropout.py: drop, drop_grad, attention_dropout), against
 float64 PyTorch references written here that take the model's weights and apply the same masks
 (dropout.keep_mask with model.dropout_seed(layer, site)) at the same places: the embedding output
 (layer -1, SITE_EMBED), each block's attention probabilities (SITE_ATTN, mask (B, NH, T, T)), its

@@ -18,6 +18,8 @@ MODELS = {
     "gpt2": (GPT, GPTConfig(block_size=16, vocab_size=67, n_layer=3, n_head=3, n_embd=48)),
     "llama": (Llama, LlamaConfig(block_size=16, vocab_size=67, n_layer=3, n_head=6, n_kv_head=2, n_embd=48,
                                  ffn_hidden=80, qkv_bias=True)),
+    "qwen3": (Llama, LlamaConfig(block_size=16, vocab_size=67, n_layer=3, n_head=6, n_kv_head=2, n_embd=48,
+                                 head_dim=10, ffn_hidden=80, qk_norm=True)),
 }
 
 
@@ -38,7 +40,7 @@ def _gradients(cls, config, recompute, backend="cpu", **kwargs):
 @pytest.mark.parametrize("kind", ["plain", "dropout", "lora", "bf16", "bf16 lora"])
 def test_the_same_gradients_bit_for_bit(arch, kind):
     cls, config = MODELS[arch]
-    lora = LoRAConfig(rank=4, alpha=8, dropout=0.1, targets=tuple(get_family(arch).model.LORA_MODULES))
+    lora = LoRAConfig(rank=4, alpha=8, dropout=0.1, targets=tuple(cls.LORA_MODULES))
     kwargs = {"plain": {}, "dropout": {"dropout": 0.1}, "lora": {"lora": lora}, "bf16": {"dtype": "bfloat16"},
               "bf16 lora": {"lora": lora, "dtype": "bfloat16"}}[kind]
     (loss0, g0), (loss1, g1) = (_gradients(cls, config, r, **kwargs) for r in ("none", "block"))

@@ -13,7 +13,7 @@ import handgrad.sample
 from handgrad import GPT, GPTConfig
 from handgrad.backends.cpu import attention_decode_forward, attention_forward
 from handgrad.sample import SEPARATOR, TextStream, add_arguments, main
-from handgrad.models.decode import KVCache, SampleError, generate, sample_logits
+from handgrad.models.decode import SampleError, generate, sample_logits
 
 
 def random_model(config, seed=0, scale=0.3):
@@ -153,7 +153,7 @@ def test_cache_logits_equal_full_recompute(B, T0, block_size):
     model = random_model(config)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, config.vocab_size, (B, T0))
-    cache = KVCache(model, B)
+    cache = model.KV_CACHE(model, B)
     logits = cache.prefill(ids).copy()
     n_new = 3 * block_size + 2
     lengths = window_lengths(T0, n_new, block_size)

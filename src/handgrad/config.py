@@ -40,7 +40,8 @@ class GPTConfig:
 @dataclass(frozen=True)
 class LlamaConfig:
     """A Llama-style architecture: pre-norm blocks with RMSNorm, rotary positions (Hugging Face's
-    rotate_half convention), a SwiGLU MLP, grouped-query attention, no biases but Qwen2's q/k/v."""
+    rotate_half convention), a SwiGLU MLP, grouped-query attention, no biases but Qwen2's q/k/v;
+    Qwen3's per-head RMSNorm of q and k (qk_norm) and a head width of its own (head_dim)."""
 
     block_size: int = 2048  # longest sequence the model accepts (RoPE has no table limit; training's T)
     vocab_size: int = 32000  # rows of embed_tokens
@@ -57,35 +58,37 @@ class LlamaConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    head_dim: int = 0  # width of one attention head; 0: n_embd / n_head (Qwen3 sets its own: 128 at n_embd 1024, 16 heads)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k, before RoPE (Qwen3)
 
     def __post_init__(self):
+        derived = self.head_dim == 0
+        if derived:  # the derived width, stored: every reader sees one number
+            _check_heads(self.n_embd, self.n_head)
+            object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden",
-                     "rope_original_max_position_embeddings"):
+                     "rope_original_max_position_embeddings", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"model.{name} must be an integer, got {value!r}")
             if value <= 0:
                 raise ValueError(f"model.{name} must be positive, got {value}")
-        _check_heads(self.n_embd, self.n_head)
         if self.n_head % self.n_kv_head:
             raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head "
                              f"({self.n_kv_head}); pick n_kv_head from the divisors of n_head")
-        if (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"model.n_embd / model.n_head = {self.n_embd // self.n_head} must be even (RoPE rotates "
-                             f"pairs); pick another n_head")
+        if self.head_dim % 2:
+            width = f"model.n_embd / model.n_head = {self.head_dim}" if derived else f"model.head_dim = {self.head_dim}"
+            raise ValueError(f"{width} must be even (RoPE rotates pairs); pick another "
+                             f"{'n_head' if derived else 'head_dim'}")
         for name in ("rope_theta", "norm_eps"):
             if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
                 raise ValueError(f"model.{name} must be a positive number, got {getattr(self, name)!r}")
         if self.rope_factor < 0 or self.rope_factor and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
             raise ValueError(f"model.rope_factor {self.rope_factor!r} (llama3 RoPE scaling) needs factor > 0 and 0 < "
                              f"rope_low_freq_factor < rope_high_freq_factor, got {self.rope_scaling[1:3]}")
-        for name in ("tie_embeddings", "qkv_bias"):
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
-
-    @property
-    def head_dim(self):
-        return self.n_embd // self.n_head
 
     @property
     def rope_scaling(self):  # None, or (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
@@ -150,6 +153,8 @@ class ModelSection:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    head_dim: int = 0
+    qk_norm: bool = False
     dropout: float = 0.0
 
 

@@ -38,6 +38,9 @@ KEYS = {
         "rope_high_freq_factor": "Llama 3.x's RoPE scaling: high_freq_factor, above rope_low_freq_factor",
         "rope_original_max_position_embeddings": "Llama 3.x's RoPE scaling: the context length the model was "
                                                  "pretrained at, before the scaling",
+        "head_dim": ("Width of one attention head (Qwen3: 128, with q's width n_head x head_dim not n_embd)",
+                     "n_embd / n_head"),
+        "qk_norm": "An RMSNorm over each head's q and k after their projections, before RoPE (Qwen3)",
         "dropout": ("Training only: dropout on the attention probabilities, each residual branch and the "
                     "embeddings, as nanoGPT's", "no dropout"),
     },

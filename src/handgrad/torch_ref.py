@@ -166,19 +166,25 @@ def quiet_transformers():
 
 
 def hf_llama(config, dtype=torch.float32, attn_implementation="eager"):
-    """transformers' LlamaForCausalLM (Qwen2ForCausalLM where the q/k/v projections have biases) for
-    a handgrad LlamaConfig, randomly initialised: load handgrad's state_dict into it."""
+    """transformers' LlamaForCausalLM (Qwen2ForCausalLM where the q/k/v projections have biases,
+    Qwen3ForCausalLM where q and k are normalised per head) for a handgrad LlamaConfig, randomly initialised: load handgrad's state_dict into it."""
     import transformers
     names = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     scaling = None if config.rope_scaling is None else dict(zip(names, ("llama3", *config.rope_scaling)))  # Llama 3's
     common = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.ffn_hidden,
                   num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
-                  num_key_value_heads=config.n_kv_head, max_position_embeddings=config.block_size,
+                  num_key_value_heads=config.n_kv_head, head_dim=config.head_dim,
+                  max_position_embeddings=config.block_size,
                   rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta,
                   tie_word_embeddings=config.tie_embeddings, attn_implementation=attn_implementation,
                   rope_scaling=scaling)
     with quiet_transformers():
-        if config.qkv_bias:
+        if config.qk_norm:
+            if config.qkv_bias:
+                raise ValueError("transformers' Qwen3 has no q/k/v biases; qk_norm with qkv_bias has no reference class")
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+                **common, attention_bias=False, use_sliding_window=False))
+        elif config.qkv_bias:
             model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False))
         else:
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=False,

@@ -1,17 +1,20 @@
-"""Decoding: sampling tokens from a GPT with incremental decoding through a KV cache (used by
+"""Decoding: sampling tokens from a model with incremental decoding through a KV cache (used by
 `handgrad sample`, sample.py, by the samples printed during training, and through KVCache's extend,
 load_rows and step_rows by `handgrad eval` and `handgrad serve`).
 
 The prompt is run once (the prefill), which fills every layer's cache of keys and values; after that
 each new token costs one position's work, with the training forward's parameter views (model.p) and
-backend ops. Context policy: positions are learned (wpe has block_size rows), so a full cache cannot
-slide by one position: every cached key and value would change. When the window is full the cache
-re-prefills its newest `keep = block_size // 2` tokens (at least 1) at positions [0, keep) and goes
-on incrementally: one prefill of `keep` tokens per `block_size - keep` new tokens, every token
-predicted from between `keep` and block_size tokens of context (nanoGPT's sliding window recomputes
-block_size tokens for every new token instead).
+backend ops. Context policy: every cached key and value depends on its absolute position (GPT-2's
+learned wpe rows, Llama's RoPE), so a full cache cannot slide by one position: all of them would
+change. When the window is full the cache re-prefills its newest `keep = block_size // 2` tokens (at
+least 1) at positions [0, keep) and goes on incrementally: one prefill of `keep` tokens per
+`block_size - keep` new tokens, every token predicted from between `keep` and block_size tokens of
+context (nanoGPT's sliding window recomputes block_size tokens for every new token instead).
 
-Shapes: B batch (samples), T time, C n_embd, NH heads, hs = C / NH, L layers, V vocab."""
+The cache is every family's; the layers it runs are the family's (GPTKVCache in models/gpt2.py,
+LlamaKVCache in models/llama.py).
+
+Shapes: B batch (samples), T time, C n_embd, NH heads, hs head size, L layers, V vocab."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,16 +29,43 @@ DTYPES = ("float32", "bfloat16")
 
 
 # ---------------------------------------------------------------- the cache and the forward passes
+class DecodeBlock:
+    """What a family's block_forward reads and writes when decoding, beside the buffers (the
+    cache's scratch s for this call's (B, T), one set for every block; the family's subclass says
+    which is which, the residual stream s.x updated in place): the cache's weights (float32, or
+    bf16 copies of the matrices), its adapters beside each product, and no dropout. `attend` is the
+    cache's attention for this call (a prefill's causal one, writing the cache, or a step's over
+    it) and pos the tokens' first position (or each row's)."""
+
+    def __init__(self, cache, s, attend, pos):
+        self.cache, self.s, self.attend_cache, self.pos = cache, s, attend, pos
+        self.p = self.w = cache.p
+        self.proj = s.proj
+
+    def adapters(self, l, group, x):
+        return self.cache._adapters(l, group, x)
+
+    def lora(self, out, inp, l, group):
+        self.cache._lora(out, inp, l, group)
+
+    def drop(self, x, l, site):
+        pass
+
+
 class KVCache:
     """Every layer's keys and values for the tokens in the context window, and every buffer a
-    prefill or a decode step needs, allocated once.
+    prefill or a decode step needs, allocated once. The cache policy, the buffers and the calls
+    (prefill, step, step_rows, extend, advance) are every family's; a family's subclass provides its
+    layers (the methods under "what a family provides", which raise NotImplementedError here) and is
+    its model's KV_CACHE.
 
-    k, v: (L, B, NH, length, hs); positions [0, n) are filled. `length` is block_size unless the
-    caller knows the sequence stays shorter (generate passes T0 + max_new_tokens - 1). dtype: the
-    weights the products read (DTYPES; bfloat16: bf16 copies made here, or taken from `share`, another
-    cache of the same model and dtype, as serve's engine shares them between its two). `keep` is
-    how many of the newest tokens are re-prefilled when the window is full (see the module
-    docstring). `prefills` and `steps` count the calls, so tests can see how each logit was made.
+    k, v: (L, B, heads, length, hs), (heads, hs) the family's kv_shape (kv_heads, where given, the
+    heads); positions [0, n) are filled. `length` is block_size unless the caller knows the sequence
+    stays shorter (generate passes T0 + max_new_tokens - 1). dtype: the weights the products read
+    (DTYPES; bfloat16: bf16 copies made here, or taken from `share`, another cache of the same model
+    and dtype, as serve's engine shares them between its two). `keep` is how many of the newest
+    tokens are re-prefilled when the window is full (see the module docstring). `prefills` and
+    `steps` count the calls, so tests can see how each logit was made.
     """
 
     def __init__(self, model, B, length=None, kv_heads=None, dtype="float32", share=None):
@@ -62,8 +92,8 @@ class KVCache:
         if not 1 <= Tmax <= cfg.block_size:
             raise ValueError(f"length must be in [1, {cfg.block_size}] (block_size), got {length}")
         self.keep = max(1, cfg.block_size // 2)
-        hs = self.C // self.NH
-        heads = self.NH if kv_heads is None else kv_heads  # a grouped-query family caches fewer heads
+        heads, hs = self.kv_shape(cfg)  # a grouped-query family caches fewer heads than it queries
+        heads = heads if kv_heads is None else kv_heads
         self.heads, self.hs, self.capacity = heads, hs, B * Tmax  # capacity: rows x positions
         self._k = self.ops.zeros((self.L * B * heads * Tmax * hs,))
         self._v = self.ops.zeros((self.L * B * heads * Tmax * hs,))
@@ -111,38 +141,70 @@ class KVCache:
             self._views.clear()
         return store[name]
 
-    # ------------------------------------------------------------ GPT-2's layers (a family overrides these)
+    # ------------------------------------------------------------ what a family provides
+    # (GPT-2's: models/gpt2.py's GPTKVCache; Llama's: models/llama.py's LlamaKVCache)
     @staticmethod
     def buffer_widths(config):
-        """The blocks' buffers, as widths per position (1: a (B, T) statistic)."""
-        C = config.n_embd
-        return {"x": C, "ln": C, "qkv": 3 * C, "atty": C, "proj": C, "fch": 4 * C, "fch_gelu": 4 * C,
-                "mean": 1, "rstd": 1}
+        """The blocks' buffers, as widths per position (1: a (B, T) statistic): {name: width}, each
+        viewed by _bufs as a contiguous (B, T, width) array ((B, T) for width 1). "x" is the
+        residual stream (C); the rest is the family's."""
+        raise NotImplementedError
 
     @staticmethod
-    def head_widths(config):  # the final norm's buffers
-        return {"norm": config.n_embd, "mean": 1, "rstd": 1}
+    def head_widths(config):
+        """The final norm's buffers, as buffer_widths: "norm", the normalised x the lm_head reads,
+        and the norm's statistics."""
+        raise NotImplementedError
 
     @staticmethod
-    def kv_shape(config):  # (heads cached, head size) per layer
-        return config.n_head, config.n_embd // config.n_head
-
-    def _final_norm(self, h, x):
-        """h.norm = ln_f(x), x (B, T, C)."""
-        self.ops.layernorm_forward(h.norm, h.mean, h.rstd, x, self.p["ln_f.weight"], self.p["ln_f.bias"])
-
-    def _lm_head(self):
-        """The (V, C) weight of the logits (GPT-2's is tied to wte)."""
-        return self.p["wte.weight"]
+    def kv_shape(config):
+        """(heads cached, head size) per layer."""
+        raise NotImplementedError
 
     def _bf16_params(self):
         """model.p with the matrices a decode step multiplies as bf16 copies (uint16), each laid out
         so that the view the layers pass is the transpose of a contiguous (out, in) matrix (the
-        few-row product's layout: backends/cpu/blas.py). Embeddings and vectors stay float32."""
-        to = self.ops.to_bf16
-        return {name: to(np.ascontiguousarray(w.T)).T if w.ndim == 2 and name not in ("wte.weight", "wpe.weight")
-                and w.dtype != np.uint16 and ".lora_" not in name else w for name, w in self.model.p.items()}
+        few-row product's layout: backends/cpu/blas.py); the rest as they are."""
+        raise NotImplementedError
 
+    def _lm_head(self):
+        """The (V, C) weight of the logits, from self.p."""
+        raise NotImplementedError
+
+    def _final_norm(self, h, x):
+        """h.norm = the final norm of x (B, T, C), its statistics in h's other head_widths buffers."""
+        raise NotImplementedError
+
+    def _embed(self, s, pos):
+        """s.x = the embeddings of s.idx (B, T) at positions [pos, pos + T)."""
+        raise NotImplementedError
+
+    def _embed_rows(self, s, positions):
+        """s.x[i] = the embedding of s.idx[i] at position positions[i] (one position per row)."""
+        raise NotImplementedError
+
+    def _attention_state_shape(self, T):
+        """The shape of the attention op's state (scratch) for a prefill of T positions."""
+        raise NotImplementedError
+
+    def _attend_prefill(self, att, T):
+        """attend(l, atty, qkv) for a prefill of T positions: full causal attention (att: its state,
+        _att_state), keys and values copied into the cache."""
+        raise NotImplementedError
+
+    def _attend_step(self, pos, rows=None):
+        """attend(l, atty, qkv) for one position pos: its query over the cached keys. With rows
+        (step_rows), query row i is at position pos[i] of cache row rows[i]."""
+        raise NotImplementedError
+
+    def _blocks(self, s, attend, pos):
+        """The residual stream s.x (B, T, C) through every block, in place. attend(l, atty, qkv)
+        is the attention: full causal for a prefill, one query over the cache for a step. pos: the
+        position of s.x's first row, or (step_rows) an array of each row's position. The products
+        read self.p (and add the adapters through _adapters or _lora)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ shared by the families' layers
     def _adapters(self, l, group, x):
         """Block l's `group` adapters (() without any), each xs on scratch for x's rows."""
         ads = self.adapters[l].get(group, ()) if self.adapters else ()
@@ -158,35 +220,6 @@ class KVCache:
         if self.adapters:
             self.ops.lora_forward(out, inp, self._adapters(l, group, inp))
 
-    def _embed(self, s, pos):
-        """s.x = the embeddings of s.idx at positions [pos, pos + T)."""
-        T = s.x.shape[1]
-        self.ops.encoder_forward(s.x, s.idx, self.p["wte.weight"], self.p["wpe.weight"][pos:pos + T])
-
-    def _attention_state_shape(self, T):
-        return self.ops.attention_state_shape(self.B, self.NH, T)  # cpu (B, NH, T, T); gpu (B, NH, T)
-
-    def _attend_prefill(self, att, T):
-        """attend(l, atty, qkv) for a prefill of T positions: full causal attention, keys and values
-        copied into the cache."""
-        ops, B, NH, C = self.ops, self.B, self.NH, self.C
-        hs = C // NH
-
-        def attend(l, atty, qkv):
-            ops.attention_forward(atty, att, qkv, NH)
-            self.k[l, :, :, :T] = qkv[:, :, C:2 * C].reshape(B, T, NH, hs).swapaxes(1, 2)
-            self.v[l, :, :, :T] = qkv[:, :, 2 * C:].reshape(B, T, NH, hs).swapaxes(1, 2)
-        return attend
-
-    def _attend_step(self, pos, rows=None):
-        """attend(l, atty, qkv) for one position pos: its query over the cached keys. With rows
-        (step_rows), query row i is at position pos[i] of cache row rows[i]."""
-        ops, NH = self.ops, self.NH
-
-        def attend(l, atty, qkv):
-            ops.attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, NH, rows=rows)
-        return attend
-
     def _bufs(self, T, B=None):
         """Contiguous (B, T, ...) views of the flat storage, made once per (B, T); B defaults to the
         cache's rows (step_rows feeds fewer)."""
@@ -200,29 +233,6 @@ class KVCache:
             s.idx = idx[:B * T].reshape(B, T)
             self._views[(B, T)] = s
         return s
-
-    def _blocks(self, s, attend, pos):
-        """The residual stream s.x (B, T, C) through every block, in place. attend(l, atty, qkv)
-        is the attention: full causal for a prefill, one query over the cache for a step. pos: the
-        position of s.x's first row, or (step_rows) an array of each row's position (GPT-2's positions
-        are already in its embedding)."""
-        ops, p = self.ops, self.p
-        for l in range(self.L):
-            h = f"h.{l}."
-            ops.layernorm_forward(s.ln, s.mean, s.rstd, s.x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
-            ops.linear_forward(s.qkv, s.ln, p[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"])
-            self._lora(s.qkv, s.ln, l, "c_attn")
-            attend(l, s.atty, s.qkv)
-            ops.linear_forward(s.proj, s.atty, p[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
-            self._lora(s.proj, s.atty, l, "c_proj")
-            ops.residual_forward(s.x, s.x, s.proj)
-            ops.layernorm_forward(s.ln, s.mean, s.rstd, s.x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
-            ops.linear_forward(s.fch, s.ln, p[h + "mlp.c_fc.weight"], None)
-            self._lora(s.fch, s.ln, l, "c_fc")
-            ops.gelu_forward(s.fch_gelu, s.fch, p[h + "mlp.c_fc.bias"])  # adds the bias into fch
-            ops.linear_forward(s.proj, s.fch_gelu, p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
-            self._lora(s.proj, s.fch_gelu, l, "mlp.c_proj")
-            ops.residual_forward(s.x, s.x, s.proj)
 
     def _decode_blocks(self, s, pos, rows=None):
         """One decoding step's blocks: s.x (B, 1, C) in place, row i at position pos (or pos[i]) of
@@ -292,12 +302,6 @@ class KVCache:
         self._decode_blocks(s, positions, slots)
         self.steps += N
         return self._head(s.x)[:, 0]
-
-    def _embed_rows(self, s, positions):
-        """s.x[i] = the embedding of s.idx[i] at position positions[i] (one position per row)."""
-        for i, pos in enumerate(positions.tolist()):
-            self.ops.encoder_forward(s.x[i:i + 1], s.idx[i:i + 1], self.p["wte.weight"],
-                                     self.p["wpe.weight"][pos:pos + 1])
 
     def load_row(self, b, src, row=0):
         """Fill row b of this cache with the src.n cached positions of src's row `row` (src: a cache

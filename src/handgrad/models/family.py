@@ -1,14 +1,14 @@
 """What a model family is, and what every family shares.
 
 A family (GPT-2 in models/gpt2.py, Llama in models/llama.py) is one module that turns an architecture
-config into parameters, a forward and a backward pass, and decoding, by calling the backend's ops. It
-provides them as a `Family` record (models/__init__.py lists them by `model.arch`).
+config into parameters, a forward and a backward pass, and decoding, by calling the backend's ops. Its
+model class carries all of it; `Family.of(model class)` is the record the rest of handgrad reads
+(models/__init__.py lists them by `model.arch`).
 
 Everything that is not a family's own math is shared: the flat buffers (`flat_layout`,
 `flat_views` below), the optimizer (training/optim.py, over the flat buffers), checkpoints
 (interop/checkpoint.py, by param_spec names), sampling (models/decode.py) and data parallelism.
 """
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -17,7 +17,10 @@ import numpy as np
 from ..backends import get_backend
 from ..config import CHOICES
 from . import lora as lora_parts
+from .bf16_copies import BF16Copies
+from .dropout import Dropout
 from .head import Head
+from .lora_layout import LoRALayout
 from .params import flat_layout, flat_views, initialise  # noqa: F401 (initialise: the families')
 
 
@@ -26,23 +29,24 @@ RECOMPUTE = CHOICES["train.recompute"]  # none: every block's activations kept; 
 
 @dataclass(frozen=True)
 class Family:
-    """What a family module provides:
+    """What a family provides, read off its model class by Family.of (the class attribute in brackets):
 
-        arch             the name `model.arch` picks it by ("gpt2", "llama")
-        config           its architecture dataclass (config.py; vocab_size and block_size included)
-        param_spec       config -> the one ordered list of (name, shape) that lays out the flat
+        arch             [ARCH] the name `model.arch` picks it by ("gpt2", "llama")
+        config           [CONFIG] its architecture dataclass (config.py; vocab_size and block_size included)
+        param_spec       [param_spec] config -> the one ordered list of (name, shape) that lays out the flat
                          parameter and gradient buffers, checkpoints and state_dict(); the names are
                          the Hugging Face ones (models/gpt2.py says which prefix is dropped)
-        num_params       config -> the number of parameters, counted without building param_spec
-        init_params      (config, seed[, into]) -> the initial weights as one flat float32 array (NumPy
+        num_params       [count_params] config -> the number of parameters, counted without building
+                         param_spec (the class's name differs: a model's num_params is its trained count)
+        init_params      [init_params] (config, seed[, into]) -> the initial weights as one flat float32 array (NumPy
                          only, so a PyTorch reference can start from them), or into the model (initialise)
-        flops_per_token  (config, T) -> training FLOPs per token, for MFU
-        model            the model class; its instances satisfy `CausalLM` below
-        activations      the class of every buffer one forward/backward of shape (B, T) needs,
+        flops_per_token  [flops_per_token] (config, T) -> training FLOPs per token, for MFU
+        model            the model class itself; its instances satisfy `CausalLM` below
+        activations      [ACTIVATIONS] the class of every buffer one forward/backward of shape (B, T) needs,
                          `activations(ops, config, B, T, dtype)`, then `.alloc_grads(ops, config, dtype)`
                          (training/memory.py counts its bytes by handing it an allocator that only counts)
-        kv_cache         the class that holds its keys and values for decoding (models/decode.py)
-        hf_architecture  the `architectures` entry of a Hugging Face config.json for it
+        kv_cache         [KV_CACHE] the class that holds its keys and values for decoding (models/decode.py)
+        hf_architecture  [HF_ARCHITECTURE] the `architectures` entry of a Hugging Face config.json for it
     """
     arch: str
     config: type
@@ -54,6 +58,13 @@ class Family:
     activations: type
     kv_cache: type
     hf_architecture: str
+
+    @classmethod
+    def of(cls, model):
+        """The record of the family whose model class (a FlatModel subclass) is `model`."""
+        return cls(arch=model.ARCH, config=model.CONFIG, param_spec=model.param_spec, num_params=model.count_params,
+                   init_params=model.init_params, flops_per_token=model.flops_per_token, model=model,
+                   activations=model.ACTIVATIONS, kv_cache=model.KV_CACHE, hf_architecture=model.HF_ARCHITECTURE)
 
 
 class CausalLM(Protocol):
@@ -81,13 +92,18 @@ class CausalLM(Protocol):
     def grads(self): ...                                # {name: array} of the gradients
 
 
-class FlatModel(Head):
+class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
     """What every family's model shares: the flat parameter and gradient buffers laid out by
     param_spec, state_dict and load_state_dict, zero_grad, token checks, the activations of the
-    last (B, T), and forward(). A family's model (models/gpt2.py's GPT) is a subclass giving:
+    last (B, T), and forward(). Mixed in: the head (models/head.py), where the frozen tensors of a
+    LoRA model lie (models/lora_layout.py), the bf16 copy of the weights (models/bf16_copies.py)
+    and dropout (models/dropout.py). A family's model (models/gpt2.py's GPT) is a subclass giving:
 
+        ARCH, HF_ARCHITECTURE its model.arch name and Hugging Face's (Family's arch, hf_architecture)
         CONFIG, ACTIVATIONS   its config class and its Activations class
-        param_spec, init_params   (staticmethods) the family's functions
+        KV_CACHE              its decoding cache class (models/decode.py)
+        param_spec, init_params, count_params, flops_per_token   (staticmethods) the family's
+                              functions (Family's fields of those names; count_params: num_params)
         WRITTEN_FIRST         name suffixes of the weight matrices whose gradient the first backward
                               after zero_grad() writes by one GEMM (see zero_grad)
         _grad_buckets()       (start, end) gradient ranges in the order backward() completes them
@@ -102,7 +118,7 @@ class FlatModel(Head):
         `grad` are their first num_params elements.
         dtype: "float32", or "bfloat16" mixed precision, float32 weights, gradients, optimizer
         state and statistics in both backends. On the gpu the activations are bf16; on the cpu
-        the matrix products take bf16 operands (a bf16 copy of the weights, `params16`, and each
+        the matrix products take bf16 operands (a bf16 copy of the weights, `flat_params16`, and each
         product's input narrowed by the kernel that writes it) and accumulate in float32 through
         oneDNN (a CPU without AVX512_BF16 or AMX: widened to float32 for the float32 BLAS), everything
         else staying float32. With lora, the frozen base matrices are held as bf16 only (`frozen16`).
@@ -120,50 +136,17 @@ class FlatModel(Head):
             raise ValueError(f"config must be a handgrad {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-        self.bf16_products = dtype == "bfloat16" and backend == "cpu"
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {dropout!r}")
+        self._init_dropout(dropout)
         if loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0 rows (0: all of them), got {loss_chunk!r}")
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+        self.config, self.ops, self.backend, self.lora = config, get_backend(backend), backend, lora
         self.dtype, self.loss_chunk, self.recompute = dtype, int(loss_chunk), recompute
-        self.config = config
-        self.ops = get_backend(backend)
-        self.backend = backend
-        self.lora, self.dropout = lora, float(dropout)
-        self.training, self.dropout_key = False, (0, 0, 0)
-        if lora is None:
-            self.spec, frozen, self.lora_blocks = self.param_spec(config), [], []
-        else:
-            self.spec, frozen, self.lora_blocks = lora_parts.split_spec(type(self), config, lora)
-        self.layout, self.num_params = flat_layout(self.spec)
-        padded = -(-self.num_params // buffer_multiple) * buffer_multiple
-        self.flat_params = self.ops.zeros((padded,))
-        self.flat_grad = self.ops.zeros((padded,))
-        self.params, self.grad = self.flat_params[:self.num_params], self.flat_grad[:self.num_params]
-        # bf16 products (cpu) with LoRA: the frozen matrices held only as bf16 (`frozen16`: they never
-        # change, so no float32 copy), the frozen vectors (norms, biases) float32 in frozen_params
-        frozen16 = [(n, s) for n, s in frozen if len(s) >= 2] if self.bf16_products else []
-        self.frozen_layout, n_frozen = flat_layout([(n, s) for n, s in frozen if not (frozen16 and len(s) >= 2)])
-        self.frozen_params = self.ops.zeros((n_frozen,))
-        self.frozen16_layout, n16 = flat_layout(frozen16)
-        self.frozen16 = self.ops.zeros((n16,), np.uint16) if frozen16 else None
-        self.num_frozen = n_frozen + n16
-        self.base_sha256 = None  # a bf16 base's weights_digest, of the float32 weights it was narrowed from
-        trained = flat_views(self.params, self.layout)
-        self.p = flat_views(self.frozen_params, self.frozen_layout)
-        self.p.update(flat_views(self.frozen16, self.frozen16_layout) if frozen16 else {})
-        self.p = {name: self.p.get(name, trained.get(name)) for name, _ in self.param_spec(config)}
-        self.p.update((name, view) for name, view in trained.items() if name not in self.p)  # the adapters
-        self.g = flat_views(self.grad, self.layout)
-        # bf16 products (cpu): the trained weights narrowed to bf16, refreshed by AdamW's pass
-        # (params_bf16) or, when stale (weights_changed), by the next forward; frozen16 as it is
-        self.flat_params16 = self.ops.empty((padded,), np.uint16) if self.bf16_products else None
-        self.p16 = {**self.p, **flat_views(self.flat_params16, self.layout)} if self.bf16_products else self.p
-        self._weights16_fresh = False
-        self._acts = None
-        self._ready_for_backward = False
+        self.bf16_products = dtype == "bfloat16" and backend == "cpu"
+        padded = self._init_buffers(buffer_multiple)
+        self._init_bf16_copies(padded)
+        self._acts, self._ready_for_backward = None, False
         self._grads_zero = True  # the gradient buffer starts at zero
         # the gradients that backward adds into even on its first pass after zero_grad(); the weight
         # matrices listed in WRITTEN_FIRST are overwritten by it instead (see zero_grad)
@@ -176,37 +159,29 @@ class FlatModel(Head):
             self.weights_changed()
         self.adapters = lora_parts.adapter_records(self) if lora is not None else []
 
+    def _init_buffers(self, buffer_multiple):
+        """model.spec, what trains, laid out in flat_params and flat_grad (zero-padded to a multiple
+        of buffer_multiple; returns that length), the frozen tensors in theirs (models/lora_layout.py);
+        p and g naming the tensors."""
+        if self.lora is None:
+            self.spec, frozen, self.lora_blocks = self.param_spec(self.config), [], []
+        else:
+            self.spec, frozen, self.lora_blocks = lora_parts.split_spec(type(self), self.config, self.lora)
+        self.layout, self.num_params = flat_layout(self.spec)
+        padded = -(-self.num_params // buffer_multiple) * buffer_multiple
+        self.flat_params = self.ops.zeros((padded,))
+        self.flat_grad = self.ops.zeros((padded,))
+        self.params, self.grad = self.flat_params[:self.num_params], self.flat_grad[:self.num_params]
+        self._init_frozen(frozen)
+        self.g = flat_views(self.grad, self.layout)
+        return padded
+
     # ----------------------------------------------------------------- parameters
-    def weights_changed(self):
-        """Say that the float32 weights were written outside the optimizer (loaded, broadcast,
-        gathered): a bf16 model narrows them again before its next forward."""
-        self._weights16_fresh = False
-
-    def weights16_updated(self):
-        """Say that the bf16 copy matches the float32 weights again (AdamW wrote both)."""
-        self._weights16_fresh = True
-
-    def _narrow_weights(self):
-        if self.bf16_products and not self._weights16_fresh:
-            self.ops.to_bf16(self.flat_params, self.flat_params16)
-            self._weights16_fresh = True
-
-    def narrowed(self, x, buf, l=None):
-        """x as a bf16 product's input: narrowed into buf (buf[l] if l is given), or x itself where
-        buf is None (float32 products)."""
-        if buf is None:
-            return x
-        out = buf if l is None else buf[l]
-        self.ops.to_bf16(x, out)
-        return out
-
     def _init_weights(self, seed):
         """init_params' weights into the parameter views on the cpu (no second copy); the gpu's via the host."""
         self.weights_changed()
         if self.backend == "cpu":
-            digest = hashlib.sha256() if self.frozen16 is not None else None
-            self.init_params(self.config, seed, into=self.p.__getitem__, digest=digest)
-            self.base_sha256 = digest and digest.hexdigest()
+            self._draw_weights(seed)
         else:
             host = self.init_params(self.config, seed)
             for name, value in flat_views(host, flat_layout(self.param_spec(self.config))[0]).items():
@@ -244,17 +219,6 @@ class FlatModel(Head):
             ad.dropout = self.lora.dropout if self.training else 0.0
             ad.seed = self.dropout_seed(l, lora_parts.SITE_LORA + ad.index)
         return ads
-
-    def set_training(self, training, step=0, micro_step=0, seed=0):
-        """Dropout on (training, with the masks of optimizer step `step`, micro-batch `micro_step`,
-        keyed by the run's `seed`) or off (evaluation, sampling)."""
-        self.training = bool(training)
-        self.dropout_key = (int(seed), int(step), int(micro_step))
-
-    def dropout_seed(self, layer, site):
-        """The 64-bit seed of one dropout mask: (the run's seed, step, micro-step, layer, site)."""
-        seed, step, micro = self.dropout_key
-        return self.ops.dropout_seed(seed, step, micro, layer, site)
 
     def plain(self):
         """A model of the same family and backend without adapters, computing what this one does
@@ -313,21 +277,7 @@ class FlatModel(Head):
                                  f"expected {tuple(view.shape)}")
             if not np.issubdtype(arr.dtype, np.floating):
                 raise ValueError(f"load_state_dict: {name} has dtype {arr.dtype}, expected a float type")
-        base, wanted = set(self.base_names), set(want)
-        digest = hashlib.sha256() if self.frozen16 is not None and wanted.issuperset(base) else None
-        if self.frozen16 is not None and wanted.intersection(base):
-            self.base_sha256 = None
-        for name in [n for n in self.p if n in wanted]:  # param_spec's order: the digest's
-            arr, view = np.asarray(state[name], dtype=np.float32), self.p[name]
-            if digest is not None and name in base:
-                digest.update(f"{name}:{tuple(view.shape)};".encode())
-                digest.update(np.ascontiguousarray(arr).data)
-            if view.dtype == np.uint16:  # a frozen bf16 matrix: narrowed
-                self.ops.to_bf16(arr, view)
-            else:
-                view[...] = self.ops.from_numpy(arr)
-        if digest is not None:
-            self.base_sha256 = digest.hexdigest()
+        self._write_weights(state, want)
         self.weights_changed()
 
     def zero_grad(self):
@@ -382,33 +332,6 @@ class FlatModel(Head):
         return a
 
     # ----------------------------------------------------------------- what the families call
-    # dropout sites (dropout_seed's `site`; models/lora.py numbers the adapters' from SITE_LORA)
-    SITE_EMBED, SITE_ATTN, SITE_ATTN_OUT, SITE_MLP_OUT = 0, 1, 2, 3
-
-    def _dropping(self):
-        return self.training and self.dropout > 0
-
-    def drop(self, x, layer, site):
-        """model.dropout in place on x (a residual branch's output, the embeddings) while training."""
-        if self._dropping():
-            self.ops.dropout_forward(x, x, self.dropout, self.dropout_seed(layer, site))
-
-    def drop_grad(self, a, dx, layer, site):
-        """The gradient entering a branch that drop() dropped: dx through the same mask (into a
-        scratch buffer; dx, the residual stream's gradient, goes on unchanged), or dx itself."""
-        if not self._dropping():
-            return dx
-        if a.dbranch is None or a.dbranch.shape != dx.shape:
-            a.dbranch = self.ops.empty(dx.shape, dx.dtype)
-        self.ops.dropout_backward(a.dbranch, dx, self.dropout, self.dropout_seed(layer, site))
-        return a.dbranch
-
-    def attention_dropout(self, layer):
-        """The attention ops' dropout keywords for block `layer`'s probabilities ({} when off)."""
-        if not self._dropping():
-            return {}
-        return {"dropout_p": self.dropout, "seed": self.dropout_seed(layer, self.SITE_ATTN)}
-
     def lora_linear(self, out, inp, a, l, group):
         """Add block l's `group` adapters onto the frozen product in out (no-op without any)."""
         ads = self.lora_adapters(a, l, group)
@@ -425,24 +348,6 @@ class FlatModel(Head):
         """The transposed gradient view of an [out, in] weight, or None where it is frozen."""
         g = self.g.get(name)
         return None if g is None else g.T
-
-    def fused_view(self, first, last, grads=False, bf16=False):
-        """The [out, in] matrix (or vector) of param_spec's consecutive tensors first .. last, in the
-        buffer that holds them; grads=True: its gradient, None where frozen; bf16=True: in the bf16
-        copy of the weights (`params16`; the float32 weights without bf16 products)."""
-        if first in self.layout:
-            buf, layout = (self.grad if grads else self.params), self.layout
-            if bf16 and self.bf16_products:
-                buf = self.flat_params16[:self.num_params]
-        elif grads:
-            return None
-        elif first in self.frozen_layout:
-            buf, layout = self.frozen_params, self.frozen_layout
-        else:
-            buf, layout = self.frozen16, self.frozen16_layout
-        o = layout[first][0]
-        end = layout[last][0] + int(np.prod(layout[last][1]))
-        return buf[o:end].reshape((-1, *layout[first][1][1:]))
 
     def _act_dtype(self):
         if self.dtype == "bfloat16" and not self.bf16_products:
@@ -494,4 +399,24 @@ class FlatModel(Head):
         self._acts = a
         self._ready_for_backward = True
         return loss
+
+
+class TrainingBlock:
+    """What a family's block_forward reads and writes in a training forward, beside the buffers
+    (which the family's subclass finds in the activations a): the weights (norms and biases
+    float32 in p, the products' matrices in w: their bf16 copies with bf16 products), the model's
+    adapters beside each product (their inputs kept for the backward), and dropout. The same block
+    runs for decoding with models/decode.py's DecodeBlock instead."""
+
+    def __init__(self, model, a):
+        self.model, self.a, self.p, self.w, self.proj = model, a, model.p, model.p16, a.proj
+
+    def adapters(self, l, group, x):
+        return self.model.lora_adapters(self.a, l, group)
+
+    def lora(self, out, inp, l, group):
+        self.model.lora_linear(out, inp, self.a, l, group)
+
+    def drop(self, x, l, site):
+        self.model.drop(x, l, site)
 

@@ -7,8 +7,8 @@ import math
 import numpy as np
 
 from ..config import GPTConfig
-from .decode import KVCache
-from .family import Family, FlatModel, initialise
+from .decode import DecodeBlock, KVCache
+from .family import Family, FlatModel, TrainingBlock, initialise
 from .head import head_buffers
 from .params import kept_copy
 
@@ -167,10 +167,11 @@ class GPT(FlatModel):
     >>> loss = model.forward(idx, targets); model.zero_grad(); model.backward()
     """
 
-    CONFIG, ACTIVATIONS, KV_CACHE = GPTConfig, Activations, KVCache
+    ARCH, HF_ARCHITECTURE = "gpt2", "GPT2LMHeadModel"
+    CONFIG, ACTIVATIONS = GPTConfig, Activations  # and KV_CACHE, GPTKVCache: set below it
     WRITTEN_FIRST = WRITTEN_FIRST
-    param_spec = staticmethod(param_spec)
-    init_params = staticmethod(init_params)
+    param_spec, init_params = staticmethod(param_spec), staticmethod(init_params)
+    count_params, flops_per_token = staticmethod(num_params), staticmethod(flops_per_token)
     # LoRA (models/lora.py): train.lora_targets' names -> (module in a block, its product); "c_proj"
     # is attention's, as PEFT's target_modules=["c_proj"] would also match the MLP's: here that one
     # is "mlp.c_proj"
@@ -196,38 +197,44 @@ class GPT(FlatModel):
         ops, p, w = self.ops, self.p, self.p16  # w: the products' weights
         ops.encoder_forward(a.encoded, a.idx, p["wte.weight"], p["wpe.weight"])
         self.drop(a.encoded, -1, self.SITE_EMBED)
-        x = a.encoded
+        x, r = a.encoded, GPTTraining(self, a)
         for l in range(self.config.n_layer):
-            self._block_forward(a, l, x)
+            self.block_forward(r, l, x)
             x = a.res3[l]
         ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p["ln_f.weight"], p["ln_f.bias"])
         self.head_forward(a, a.lnf, w["wte.weight"].T, self.grad_t("wte.weight"))
 
-    def _block_forward(self, a, l, x):
-        """Block l from its input x (B, T, C) to a.res3[l], its buffers in slot a.slot(l) (the
-        backward runs it again under train.recompute block: the same kernels on the same inputs,
-        dropout's masks from the same seeds, so the same bits)."""
-        ops, p, w, NH, s = self.ops, self.p, self.p16, self.config.n_head, a.slot(l)  # w: the products' weights
-        h = f"h.{l}."
-        ops.layernorm_linear_forward(a.qkv[s], a.ln1_mean[s], a.ln1_rstd[s], x,
-                                     p[h + "ln_1.weight"], p[h + "ln_1.bias"],
+    def block_forward(self, r, l, x):
+        """Block l, as every caller runs it: the training forward (r a GPTTraining over the
+        activations; the backward runs it again under train.recompute block: the same kernels on the
+        same inputs, dropout's masks from the same seeds, so the same bits), a prefill, an extension
+        and a decoding step (r the cache's GPTDecoding). x is the block's input (B, T, C), its
+        output r.res3(l):
+
+            res2 = x + drop(c_proj(attend(c_attn(ln_1(x)))))
+            res3 = res2 + drop(mlp.c_proj(gelu(c_fc(ln_2(res2)))))
+
+        r says where each buffer is, which weights the products read (float32 or their bf16
+        copies), the adapters beside each product, dropout (training only) and the attention (over
+        the block's own q, k, v in training, over the cache in decoding)."""
+        ops, p, w, h = self.ops, r.p, r.w, f"h.{l}."
+        ops.layernorm_linear_forward(r.qkv(l), *r.ln_stats(l, 1), x, p[h + "ln_1.weight"], p[h + "ln_1.bias"],
                                      w[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"],
-                                     adapters=self.lora_adapters(a, l, "c_attn"))
-        y, y16 = a.o_input(s)
-        ops.attention_forward(y, a.att[s], a.qkv[s], NH, **self.attention_dropout(l))
-        c_in = self.narrowed(y, y16)
-        ops.linear_forward(a.proj, c_in, w[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
-        self.lora_linear(a.proj, c_in, a, l, "c_proj")
-        self.drop(a.proj, l, self.SITE_ATTN_OUT)
-        ops.residual_forward(a.res2[s], x, a.proj)
-        ops.layernorm_linear_forward(a.fch[s], a.ln2_mean[s], a.ln2_rstd[s], a.res2[s],
-                                     p[h + "ln_2.weight"], p[h + "ln_2.bias"],
-                                     w[h + "mlp.c_fc.weight"], None, adapters=self.lora_adapters(a, l, "c_fc"))
-        ops.gelu_forward(a.fch_gelu[0], a.fch[s], p[h + "mlp.c_fc.bias"])  # fch becomes c_fc's output + bias
-        ops.linear_forward(a.proj, a.fch_gelu[0], w[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
-        self.lora_linear(a.proj, a.fch_gelu[0], a, l, "mlp.c_proj")
-        self.drop(a.proj, l, self.SITE_MLP_OUT)
-        ops.residual_forward(a.res3[l], a.res2[s], a.proj)
+                                     adapters=r.adapters(l, "c_attn", x))
+        y = r.attend(l)  # c_proj's input
+        ops.linear_forward(r.proj, y, w[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
+        r.lora(r.proj, y, l, "c_proj")
+        r.drop(r.proj, l, self.SITE_ATTN_OUT)
+        x2 = r.res2(l)
+        ops.residual_forward(x2, x, r.proj)
+        fch = r.fch(l)
+        ops.layernorm_linear_forward(fch, *r.ln_stats(l, 2), x2, p[h + "ln_2.weight"], p[h + "ln_2.bias"],
+                                     w[h + "mlp.c_fc.weight"], None, adapters=r.adapters(l, "c_fc", x2))
+        ops.gelu_forward(r.fch_gelu, fch, p[h + "mlp.c_fc.bias"])  # fch becomes c_fc's output + bias
+        ops.linear_forward(r.proj, r.fch_gelu, w[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
+        r.lora(r.proj, r.fch_gelu, l, "mlp.c_proj")
+        r.drop(r.proj, l, self.SITE_MLP_OUT)
+        ops.residual_forward(r.res3(l), x2, r.proj)
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss.
@@ -261,7 +268,7 @@ class GPT(FlatModel):
             x = a.res3[l - 1] if l > 0 else a.encoded
             s = a.slot(l)
             if a.recompute:  # only the block inputs were kept: run the block again
-                self._block_forward(a, l, x)
+                self.block_forward(GPTTraining(self, a), l, x)
             else:  # gelu's output is one slot: form it again from the kept pre-activation (bias added)
                 ops.gelu_forward(a.fch_gelu[0], a.fch[s])
             # MLP: res3 = res2 + drop(c_proj(gelu(c_fc(ln_2(res2))))); dres holds d res3
@@ -298,6 +305,135 @@ class GPT(FlatModel):
         ready(*next(buckets))
 
 
-FAMILY = Family(arch="gpt2", config=GPTConfig, param_spec=param_spec, num_params=num_params, init_params=init_params,
-                flops_per_token=flops_per_token, model=GPT, activations=Activations, kv_cache=KVCache,
-                hf_architecture="GPT2LMHeadModel")
+class GPTTraining(TrainingBlock):
+    """Block l's buffers in a training forward: all in slot a.slot(l) (one set under recompute) but
+    res3, every block's output; GELU's output one slot (the backward forms it again)."""
+
+    def __init__(self, model, a):
+        super().__init__(model, a)
+        self.fch_gelu = a.fch_gelu[0]
+
+    def qkv(self, l):
+        return self.a.qkv[self.a.slot(l)]
+
+    def ln_stats(self, l, which):
+        a, s = self.a, self.a.slot(l)
+        return (a.ln1_mean[s], a.ln1_rstd[s]) if which == 1 else (a.ln2_mean[s], a.ln2_rstd[s])
+
+    def res2(self, l):
+        return self.a.res2[self.a.slot(l)]
+
+    def res3(self, l):
+        return self.a.res3[l]
+
+    def fch(self, l):
+        return self.a.fch[self.a.slot(l)]
+
+    def attend(self, l):
+        """Causal attention of block l's q, k, v, dropout on its probabilities while training;
+        returns its output as c_proj reads it (narrowed to bf16 with bf16 products)."""
+        m, a, s = self.model, self.a, self.a.slot(l)
+        y, y16 = a.o_input(s)
+        m.ops.attention_forward(y, a.att[s], a.qkv[s], m.config.n_head, **m.attention_dropout(l))
+        return m.narrowed(y, y16)
+
+
+class GPTDecoding(DecodeBlock):
+    """Block l's buffers when decoding: the cache's scratch (res2 and res3 are the residual stream
+    s.x, updated in place); the cache's attention (the positions are in the embedding)."""
+
+    def __init__(self, cache, s, attend, pos):
+        super().__init__(cache, s, attend, pos)
+        self.fch_gelu = s.fch_gelu
+
+    def qkv(self, l):
+        return self.s.qkv
+
+    def ln_stats(self, l, which):
+        return self.s.mean, self.s.rstd
+
+    def res2(self, l):
+        return self.s.x
+
+    res3 = res2
+
+    def fch(self, l):
+        return self.s.fch
+
+    def attend(self, l):
+        self.attend_cache(l, self.s.atty, self.s.qkv)
+        return self.s.atty
+
+
+class GPTKVCache(KVCache):
+    """GPT-2's layers for decoding (the cache and its policy are KVCache's, models/decode.py): every
+    head cached, the positions in the embedding (wpe), each block through GPT.block_forward
+    (without dropout), the adapters beside each product."""
+
+    @staticmethod
+    def buffer_widths(config):
+        C = config.n_embd
+        return {"x": C, "qkv": 3 * C, "atty": C, "proj": C, "fch": 4 * C, "fch_gelu": 4 * C,
+                "mean": 1, "rstd": 1}
+
+    @staticmethod
+    def head_widths(config):
+        return {"norm": config.n_embd, "mean": 1, "rstd": 1}
+
+    @staticmethod
+    def kv_shape(config):
+        return config.n_head, config.n_embd // config.n_head
+
+    def _bf16_params(self):
+        """As KVCache's; the embeddings (wte, also the lm_head: KVCache narrows its own copy) and
+        the vectors stay float32."""
+        to = self.ops.to_bf16
+        return {name: to(np.ascontiguousarray(w.T)).T if w.ndim == 2 and name not in ("wte.weight", "wpe.weight")
+                and w.dtype != np.uint16 and ".lora_" not in name else w for name, w in self.model.p.items()}
+
+    def _lm_head(self):
+        return self.p["wte.weight"]  # tied to the token embedding
+
+    def _final_norm(self, h, x):
+        self.ops.layernorm_forward(h.norm, h.mean, h.rstd, x, self.p["ln_f.weight"], self.p["ln_f.bias"])
+
+    def _embed(self, s, pos):
+        T = s.x.shape[1]
+        self.ops.encoder_forward(s.x, s.idx, self.p["wte.weight"], self.p["wpe.weight"][pos:pos + T])
+
+    def _embed_rows(self, s, positions):
+        for i, pos in enumerate(positions.tolist()):
+            self.ops.encoder_forward(s.x[i:i + 1], s.idx[i:i + 1], self.p["wte.weight"],
+                                     self.p["wpe.weight"][pos:pos + 1])
+
+    def _attention_state_shape(self, T):
+        return self.ops.attention_state_shape(self.B, self.NH, T)  # cpu (B, NH, T, T); gpu (B, NH, T)
+
+    def _attend_prefill(self, att, T):
+        ops, B, NH, C = self.ops, self.B, self.NH, self.C
+        hs = C // NH
+
+        def attend(l, atty, qkv):
+            ops.attention_forward(atty, att, qkv, NH)
+            self.k[l, :, :, :T] = qkv[:, :, C:2 * C].reshape(B, T, NH, hs).swapaxes(1, 2)
+            self.v[l, :, :, :T] = qkv[:, :, 2 * C:].reshape(B, T, NH, hs).swapaxes(1, 2)
+        return attend
+
+    def _attend_step(self, pos, rows=None):
+        ops, NH = self.ops, self.NH
+
+        def attend(l, atty, qkv):
+            ops.attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, NH, rows=rows)
+        return attend
+
+    def _blocks(self, s, attend, pos):
+        """The residual stream s.x (B, T, C) through every block (GPT.block_forward), in place."""
+        r = GPTDecoding(self, s, attend, pos)
+        for l in range(self.L):
+            self.model.block_forward(r, l, s.x)
+
+
+GPT.KV_CACHE = GPTKVCache  # Family.of(GPT) below reads it
+
+
+FAMILY = Family.of(GPT)

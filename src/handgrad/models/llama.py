@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..config import LlamaConfig
-from .decode import KVCache
-from .family import Family, FlatModel, initialise
+from .decode import DecodeBlock, KVCache
+from .family import Family, FlatModel, TrainingBlock, initialise
 from .head import head_buffers
 from .params import byte_view, kept_copy
 
@@ -38,6 +38,8 @@ def param_spec(config):
         if config.qkv_bias:
             spec += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                      (p + "self_attn.v_proj.bias", (kv,))]
+        if config.qk_norm:  # side by side too: one (NH + NKV) x hs normalisation reads them as one gain per head kind
+            spec += [(p + "self_attn.q_norm.weight", (hs,)), (p + "self_attn.k_norm.weight", (hs,))]
         spec += [(p + "self_attn.o_proj.weight", (C, q)), (p + "post_attention_layernorm.weight", (C,)),
                  (p + "mlp.gate_proj.weight", (H, C)), (p + "mlp.up_proj.weight", (H, C)),
                  (p + "mlp.down_proj.weight", (C, H))]
@@ -51,7 +53,8 @@ def num_params(config):
     """sum of param_spec's sizes, without building it."""
     C, V, H, hs = config.n_embd, config.vocab_size, config.ffn_hidden, config.head_dim
     qkv = (config.n_head + 2 * config.n_kv_head) * hs
-    per_block = 2 * C + qkv * C + (qkv if config.qkv_bias else 0) + C * config.n_head * hs + 3 * H * C
+    per_block = (2 * C + qkv * C + (qkv if config.qkv_bias else 0) + (2 * hs if config.qk_norm else 0)
+                 + C * config.n_head * hs + 3 * H * C)
     return V * C * (1 if config.tie_embeddings else 2) + config.n_layer * per_block + C
 
 
@@ -80,6 +83,43 @@ def flops_per_token(config, T):
                    if len(s) == 2 and (config.tie_embeddings or name != "model.embed_tokens.weight"))
     attn = 3 * 2 * 2 * config.n_layer * config.n_head * config.head_dim * (T + 1) / 2
     return 6 * n_matmul + attn
+
+
+def qk_norm_forward(ops, qkv, rstd, pre, q_gain, k_gain, c):
+    """Qwen3's q_norm and k_norm, in place on qkv (B, T, QKV) as its projection wrote it: each query
+    head's hs values RMS-normalised with the gain q_gain (hs,), each key head's with k_gain, before
+    RoPE. rstd: (NH + NKV, B T), one per head and row. pre: (B, T, (NH + NKV) hs), where the
+    un-normalised q|k are copied first for the backward; None (decoding) keeps nothing.
+
+    A head's slice of every row of qkv is a (B T, hs) matrix with row stride QKV, so the per-head
+    norm is rmsnorm's own op, called once per head on that strided view: no op of its own, the same
+    kernels on both backends."""
+    hs, NH, NQK = c.head_dim, c.n_head, c.n_head + c.n_kv_head
+    x2 = qkv.reshape(-1, qkv.shape[-1])
+    src = x2 if pre is None else pre.reshape(-1, NQK * hs)
+    if pre is not None:
+        src[...] = x2[:, :NQK * hs]
+    for h in range(NQK):
+        cols = slice(h * hs, (h + 1) * hs)
+        ops.rmsnorm_forward(x2[:, cols], rstd[h], src[:, cols], q_gain if h < NH else k_gain, c.norm_eps)
+
+
+def qk_norm_backward(ops, dqkv, dq_gain, dk_gain, scratch, pre, q_gain, k_gain, rstd, c):
+    """qk_norm_forward's gradient, in place in dqkv's q|k columns: they hold the gradient of the
+    normalised q and k (the attention's backward wrote it, before RoPE) and leave holding that of the
+    un-normalised ones, the projection's output. Each head is rmsnorm_backward's row case (its
+    docstring derives it); the gains' gradients dq_gain, dk_gain (None: frozen) add up over their
+    heads, in head order. scratch: (B, T, (NH + NKV) hs), the incoming gradient's copy, since
+    rmsnorm_backward adds into the buffer it reads from here."""
+    hs, NH, NQK = c.head_dim, c.n_head, c.n_head + c.n_kv_head
+    d2, g2, x2 = dqkv.reshape(-1, dqkv.shape[-1]), scratch.reshape(-1, NQK * hs), pre.reshape(-1, NQK * hs)
+    g2[...] = d2[:, :NQK * hs]
+    d2[:, :NQK * hs] = 0
+    for h in range(NQK):
+        cols = slice(h * hs, (h + 1) * hs)
+        q = h < NH
+        ops.rmsnorm_backward(d2[:, cols], dq_gain if q else dk_gain, g2[:, cols], x2[:, cols],
+                             q_gain if q else k_gain, rstd[h])
 
 
 class Activations:
@@ -114,6 +154,10 @@ class Activations:
         # qkv is one slot, and without recompute each block keeps its own narrowed (qkv16)
         self.qkv = e(1 if bf16 else L, B, T, QKV)
         self.qkv16 = x16(NL, B, T, QKV) if bf16 and not recompute else None
+        NQK = (NH + config.n_kv_head) * config.head_dim
+        # Qwen3's qk_norm: the un-normalised q|k and a rstd per head, kept per block (one slot under recompute)
+        self.qk_pre = e(L, B, T, NQK) if config.qk_norm else None
+        self.rstd_qk = f32(L, NH + config.n_kv_head, B * T) if config.qk_norm else None
         self.att = f32(NL, *ops.gqa_attention_state_shape(B, NH, T))  # one logsumexp per score row
         self.atty = e(1 if bf16 else NL, B, T, NH * config.head_dim)  # attention output before o_proj
         self.atty16 = x16(NL, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input
@@ -171,6 +215,7 @@ class Activations:
         self.datty = e(B, T, config.n_head * config.head_dim)
         self.dqkv = e(B, T, QKV)
         self.dres16, self.dqkv16 = x16(B, T, C), x16(B, T, QKV)  # narrowed for the products' backward
+        self.dqk = e(B, T, (config.n_head + config.n_kv_head) * config.head_dim) if config.qk_norm else None
         if bf16:  # gu's float32 scratch's bytes (__init__): dh, then dgu narrowed by swiglu's backward
             self.dh = byte_view(self._mlp_bytes, np.float32, (B, T, H))
             self.dgu = byte_view(self._mlp_bytes, np.uint16, (B, T, 2 * H), offset=4 * B * T * H)
@@ -187,10 +232,11 @@ class Llama(FlatModel):
     >>> loss = model.forward(idx, targets); model.zero_grad(); model.backward()
     """
 
-    CONFIG, ACTIVATIONS = LlamaConfig, Activations
+    ARCH, HF_ARCHITECTURE = "llama", "LlamaForCausalLM"
+    CONFIG, ACTIVATIONS = LlamaConfig, Activations  # KV_CACHE: set below LlamaKVCache
     WRITTEN_FIRST = WRITTEN_FIRST
-    param_spec = staticmethod(param_spec)
-    init_params = staticmethod(init_params)
+    param_spec, init_params = staticmethod(param_spec), staticmethod(init_params)
+    count_params, flops_per_token = staticmethod(num_params), staticmethod(flops_per_token)
     # LoRA (models/lora.py): train.lora_targets' names -> (module in a block, the fused product it is part of)
     LORA_MODULES = {"q": ("self_attn.q_proj", "qkv"), "k": ("self_attn.k_proj", "qkv"),
                     "v": ("self_attn.v_proj", "qkv"), "o": ("self_attn.o_proj", "o"),
@@ -238,40 +284,60 @@ class Llama(FlatModel):
         ops, p, w, c = self.ops, self.p, self.p16, self.config  # w: the products' weights
         ops.encoder_forward(a.encoded, a.idx, p["model.embed_tokens.weight"])
         self.drop(a.encoded, -1, self.SITE_EMBED)
-        x = a.encoded
+        x, r = a.encoded, LlamaTraining(self, a)
         for l in range(c.n_layer):
-            self._block_forward(a, l, x)
+            self.block_forward(r, l, x)
             x = a.res3[l]
         ops.rmsnorm_forward(a.normf, a.rstdf, x, p["model.norm.weight"], c.norm_eps)
         self.head_forward(a, a.normf, w[self.lm_head].T, self.grad_t(self.lm_head))
 
-    def _block_forward(self, a, l, x):
-        """Block l from its input x (B, T, C) to a.res3[l], its inner buffers in slot a.slot(l)
-        (the backward forms those again under train.recompute block: _block_recompute)."""
-        ops, w, c = self.ops, self.p16, self.config  # w: the products' weights
-        h = f"model.layers.{l}."
-        self._qkv_forward(a, l, x)
-        qkv, rope = self._attention_input(a, l)
-        y, y16 = a.o_input(l)
-        ops.gqa_attention_forward(y, a.att[l], qkv, c.n_head, c.n_kv_head, rope=rope, **self.attention_dropout(l))
-        o_in = self.narrowed(y, y16)
-        ops.linear_forward(a.proj, o_in, w[h + "self_attn.o_proj.weight"].T)
-        self.lora_linear(a.proj, o_in, a, l, "o")
-        self.drop(a.proj, l, self.SITE_ATTN_OUT)
-        ops.residual_forward(a.res2[l], x, a.proj)
-        self._mlp_forward(a, l)
-        ops.linear_forward(a.proj, a.h[0], w[h + "mlp.down_proj.weight"].T)
-        self.lora_linear(a.proj, a.h[0], a, l, "down")
-        self.drop(a.proj, l, self.SITE_MLP_OUT)
-        ops.residual_forward(a.res3[l], a.res2[l], a.proj)
+    def block_forward(self, r, l, x):
+        """Block l, as every caller runs it: the training forward (r a LlamaTraining over the
+        activations), a prefill, an extension and a decoding step (r the cache's LlamaDecoding). x is
+        the block's input (B, T, C), its output r.res3(l):
 
-    def _qkv_forward(self, a, l, x):
-        """qkv[slot] (q, k before RoPE) and rstd1 from block l's input x."""
-        p, fp, fw, c, s = self.p, self.fp, self.fw, self.config, a.slot(l)
-        norm = p[f"model.layers.{l}.input_layernorm.weight"]
-        self.ops.rmsnorm_linear_forward(a.attention_qkv(l)[0], a.rstd1[s], x, norm,
-                                        fw.qkv[l].T, fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
-                                        adapters=self.lora_adapters(a, l, "qkv"))
+            res2 = x + drop(o_proj(attend(qk_norm(qkv(rmsnorm(x))))))
+            res3 = res2 + drop(down(swiglu(gate|up(rmsnorm(res2)))))
+
+        r says where each buffer is, which weights the products read (float32 or their bf16 copies),
+        the adapters beside each product, dropout (training only) and the attention: RoPE and the
+        causal attention over the block's own q, k, v in training, over the cache in decoding."""
+        ops, c, h = self.ops, self.config, f"model.layers.{l}."
+        self.qkv_half(r, l, x)
+        y = r.attend(l)  # o_proj's input
+        ops.linear_forward(r.proj, y, r.w[h + "self_attn.o_proj.weight"].T)
+        r.lora(r.proj, y, l, "o")
+        r.drop(r.proj, l, self.SITE_ATTN_OUT)
+        ops.residual_forward(r.res2(l), x, r.proj)
+        hidden = self.mlp_half(r, l)
+        ops.linear_forward(r.proj, hidden, r.w[h + "mlp.down_proj.weight"].T)
+        r.lora(r.proj, hidden, l, "down")
+        r.drop(r.proj, l, self.SITE_MLP_OUT)
+        ops.residual_forward(r.res3(l), r.res2(l), r.proj)
+
+    def qkv_half(self, r, l, x):
+        """r.qkv(l) = q|k|v of rmsnorm(x) (q and k before RoPE; with qk_norm normalised per head, the
+        un-normalised kept in r.qk_pre(l) where the backward needs them) and r.rstd1(l)."""
+        ops, c, h = self.ops, self.config, f"model.layers.{l}."
+        qkv = r.qkv(l)
+        ops.rmsnorm_linear_forward(qkv, r.rstd1(l), x, r.p[h + "input_layernorm.weight"], r.fw.qkv[l].T,
+                                   r.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
+                                   adapters=r.adapters(l, "qkv", x))
+        if c.qk_norm:
+            qk_norm_forward(ops, qkv, r.rstd_qk(l), r.qk_pre(l), r.p[h + "self_attn.q_norm.weight"],
+                            r.p[h + "self_attn.k_norm.weight"], c)
+
+    def mlp_half(self, r, l):
+        """gate|up of rmsnorm(res2) into r.gate_up(l) (narrowed to bf16 where r keeps it so), r.rstd2(l),
+        and swiglu's output r.h, which it returns: down_proj's input."""
+        ops, c, x = self.ops, self.config, r.res2(l)
+        gu, g_in = r.gate_up(l)
+        ops.rmsnorm_linear_forward(gu, r.rstd2(l), x, r.p[f"model.layers.{l}.post_attention_layernorm.weight"],
+                                   r.fw.gu[l].T, None, c.norm_eps, adapters=r.adapters(l, "gu", x))
+        if g_in is not gu:  # bf16 products: gate|up kept narrowed
+            ops.to_bf16(gu, g_in)
+        ops.swiglu_forward(r.h, g_in)
+        return r.h
 
     def _attention_input(self, a, l):
         """(qkv as block l's attention forward takes it, the rope it applies): the fresh qkv and RoPE
@@ -286,17 +352,6 @@ class Llama(FlatModel):
         ops.round_bf16(qkv, out=qkv16)
         return qkv, None
 
-    def _mlp_forward(self, a, l):
-        """gu (and gu16), rstd2 and h = swiglu(gu) from block l's res2."""
-        gu, g_in = a.gate_up(l)
-        self.ops.rmsnorm_linear_forward(gu, a.rstd2[a.slot(l)], a.res2[l],
-                                        self.p[f"model.layers.{l}.post_attention_layernorm.weight"],
-                                        self.fw.gu[l].T, None, self.config.norm_eps,
-                                        adapters=self.lora_adapters(a, l, "gu"))
-        if a.gu16 is not None:  # bf16 products: gate|up kept narrowed
-            self.ops.to_bf16(gu, g_in)
-        self.ops.swiglu_forward(a.h[0], g_in)
-
     def _block_recompute(self, a, l, x):
         """Under train.recompute block, what block l's backward reads and the forward did not keep,
         formed again from the block's input x by the forward's own kernels (the same bits, dropout's
@@ -306,11 +361,11 @@ class Llama(FlatModel):
         the backward needs of them (att's logsumexps, o_proj's input, res2) is kept for every block,
         and their outputs feed nothing the backward reads. In products, a LoRA step's second forward
         is qkv and gate|up only: 0.65 of a block's (qwen2.5-0.5b), without attention's scores."""
-        c = self.config
-        self._qkv_forward(a, l, x)
+        c, r = self.config, LlamaTraining(self, a)
+        self.qkv_half(r, l, x)
         qkv, rope = self._attention_input(a, l)
         self.ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope)  # (rope None: rotated already)
-        self._mlp_forward(a, l)
+        self.mlp_half(r, l)
 
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss
@@ -365,6 +420,10 @@ class Llama(FlatModel):
             # dq, dk before RoPE; out: the forward's output where it is kept (the cpu's op does not read it)
             ops.gqa_attention_backward(a.dqkv, a.datty, qkv, a.att[l], NH, NKV, out=y if y16 is None else None,
                                        rope=(self.cos, self.sin), **self.attention_dropout(l))
+            if c.qk_norm:
+                qk_norm_backward(ops, a.dqkv, g.get(h + "self_attn.q_norm.weight"), g.get(h + "self_attn.k_norm.weight"),
+                                 a.dqk, a.qk_pre[s], p[h + "self_attn.q_norm.weight"], p[h + "self_attn.k_norm.weight"],
+                                 a.rstd_qk[s], c)
             ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), _t(fg.qkv[l]),
                                         fg.qkv_bias[l] if c.qkv_bias else None, self.narrowed(a.dqkv, a.dqkv16), x,
                                         p[h + "input_layernorm.weight"], a.rstd1[s], fw.qkv[l].T, acc,
@@ -381,6 +440,91 @@ def _t(x):
     return None if x is None else x.T
 
 
+class LlamaTraining(TrainingBlock):
+    """Block l's buffers in a training forward: its inner ones in slot a.slot(l) (one set under
+    recompute), res2 and res3 every block's own (the backward reads them); the attention over the
+    block's own q, k, v, its logsumexps kept."""
+
+    def __init__(self, model, a):
+        super().__init__(model, a)
+        self.fw, self.qkv_bias, self.h = model.fw, getattr(model.fp, "qkv_bias", None), a.h[0]
+
+    def qkv(self, l):
+        return self.a.attention_qkv(l)[0]
+
+    def rstd1(self, l):
+        return self.a.rstd1[self.a.slot(l)]
+
+    def rstd2(self, l):
+        return self.a.rstd2[self.a.slot(l)]
+
+    def rstd_qk(self, l):
+        return self.a.rstd_qk[self.a.slot(l)]
+
+    def qk_pre(self, l):
+        return self.a.qk_pre[self.a.slot(l)]
+
+    def res2(self, l):
+        return self.a.res2[l]
+
+    def res3(self, l):
+        return self.a.res3[l]
+
+    def gate_up(self, l):
+        return self.a.gate_up(l)
+
+    def attend(self, l):
+        """Grouped-query causal attention of block l's q, k, v (RoPE inside the op, or applied and
+        rounded first with bf16 products: Llama._attention_input), dropout on its probabilities
+        while training; returns its output as o_proj reads it (narrowed to bf16 with bf16 products)."""
+        m, a, c = self.model, self.a, self.model.config
+        qkv, rope = m._attention_input(a, l)
+        y, y16 = a.o_input(l)
+        m.ops.gqa_attention_forward(y, a.att[l], qkv, c.n_head, c.n_kv_head, rope=rope, **m.attention_dropout(l))
+        return m.narrowed(y, y16)
+
+
+class LlamaDecoding(DecodeBlock):
+    """Block l's buffers when decoding: the cache's scratch (res2 and res3 are the residual stream
+    s.x, updated in place); RoPE at the tokens' positions, then the cache's attention."""
+
+    def __init__(self, cache, s, attend, pos):
+        super().__init__(cache, s, attend, pos)
+        c = cache.model.config
+        self.fw, self.qkv_bias = cache.fp, getattr(cache.fp, "qkv_bias", None)
+        self.h, self.n_rot = s.h, c.n_head + c.n_kv_head
+        self._rstd_qk = s.rstd_qk.reshape(self.n_rot, -1) if c.qk_norm else None
+
+    def qkv(self, l):
+        return self.s.qkv
+
+    def rstd1(self, l):
+        return self.s.rstd
+
+    rstd2 = rstd1
+
+    def rstd_qk(self, l):
+        return self._rstd_qk
+
+    def qk_pre(self, l):
+        return None  # nothing is kept for a backward
+
+    def res2(self, l):
+        return self.s.x
+
+    res3 = res2
+
+    def gate_up(self, l):
+        return self.s.gu, self.s.gu
+
+    def attend(self, l):
+        ops, m, s = self.cache.ops, self.cache.model, self.s
+        qk = s.qkv[:, :, :self.n_rot * m.config.head_dim]
+        ops.rope_forward(qk, qk, m.cos, m.sin, self.n_rot, self.pos)
+        self.attend_cache(l, s.atty, s.qkv)
+        return s.atty
+
+
 class LlamaKVCache(KVCache):
     """The keys (after RoPE at their absolute positions) and values of every layer, n_kv_head
     heads each, for decoding; the context policy is KVCache's (models/decode.py)."""
@@ -393,7 +537,8 @@ class LlamaKVCache(KVCache):
         self.fp = model.fp  # the fused q/k/v and gate/up matrices (bf16 copies: _bf16_params)
         self._layers = None  # _decode_blocks' weight views, made on its first call
         super().__init__(model, B, length, kv_heads=c.n_kv_head, dtype=dtype, share=share)
-        self.fused = self.fused and not self.adapters  # adapters: op by op, each product's beside it
+        # op by op: adapters (each product's beside it), Qwen3's qk_norm (not in the fused kernel), the gpu
+        self.fused = self.fused and not self.adapters and not c.qk_norm and model.backend == "cpu"
 
     def _bf16_params(self):
         """As KVCache's: o_proj, down_proj and the fused q/k/v and gate/up (self.fp) as bf16 copies,
@@ -406,8 +551,9 @@ class LlamaKVCache(KVCache):
 
     @staticmethod
     def buffer_widths(c):
-        return {"x": c.n_embd, "qkv": (c.n_head + 2 * c.n_kv_head) * c.head_dim, "atty": c.n_head * c.head_dim,
-                "proj": c.n_embd, "gu": 2 * c.ffn_hidden, "h": c.ffn_hidden, "rstd": 1}
+        widths = {"x": c.n_embd, "qkv": (c.n_head + 2 * c.n_kv_head) * c.head_dim, "atty": c.n_head * c.head_dim,
+                  "proj": c.n_embd, "gu": 2 * c.ffn_hidden, "h": c.ffn_hidden, "rstd": 1}
+        return {**widths, "rstd_qk": c.n_head + c.n_kv_head} if c.qk_norm else widths
 
     @staticmethod
     def kv_shape(c):
@@ -420,27 +566,11 @@ class LlamaKVCache(KVCache):
         self._embed(s, 0)  # the positions enter through RoPE
 
     def _blocks(self, s, attend, pos):
-        """The residual stream s.x (B, T, C) through every block, in place; positions start at pos (an int), or
-        are pos[i] for row i (an array: step_rows)."""
-        ops, p, fp, c = self.ops, self.p, self.fp, self.model.config
-        rot = (c.n_head + c.n_kv_head) * c.head_dim
+        """The residual stream s.x (B, T, C) through every block (Llama.block_forward), in place;
+        positions start at pos (an int), or are pos[i] for row i (an array: step_rows)."""
+        r = LlamaDecoding(self, s, attend, pos)
         for l in range(self.L):
-            h = f"model.layers.{l}."
-            ops.rmsnorm_linear_forward(s.qkv, s.rstd, s.x, p[h + "input_layernorm.weight"], fp.qkv[l].T,
-                                       fp.qkv_bias[l] if c.qkv_bias else None, c.norm_eps,
-                                       adapters=self._adapters(l, "qkv", s.x))
-            qk = s.qkv[:, :, :rot]
-            ops.rope_forward(qk, qk, self.model.cos, self.model.sin, c.n_head + c.n_kv_head, pos)
-            attend(l, s.atty, s.qkv)
-            ops.linear_forward(s.proj, s.atty, p[h + "self_attn.o_proj.weight"].T)
-            self._lora(s.proj, s.atty, l, "o")
-            ops.residual_forward(s.x, s.x, s.proj)
-            ops.rmsnorm_linear_forward(s.gu, s.rstd, s.x, p[h + "post_attention_layernorm.weight"], fp.gu[l].T,
-                                       None, c.norm_eps, adapters=self._adapters(l, "gu", s.x))
-            ops.swiglu_forward(s.h, s.gu)
-            ops.linear_forward(s.proj, s.h, p[h + "mlp.down_proj.weight"].T)
-            self._lora(s.proj, s.h, l, "down")
-            ops.residual_forward(s.x, s.x, s.proj)
+            self.model.block_forward(r, l, s.x)
 
     def _decode_blocks(self, s, pos, rows=None):
         """Every block in one op (backends' llama_decode_forward: the same kernels as _blocks runs,
@@ -493,6 +623,4 @@ class LlamaKVCache(KVCache):
 
 Llama.KV_CACHE = LlamaKVCache  # defined after the model: its layers read the model's fused views
 
-FAMILY = Family(arch="llama", config=LlamaConfig, param_spec=param_spec, num_params=num_params,
-                init_params=init_params, flops_per_token=flops_per_token, model=Llama, activations=Activations,
-                kv_cache=LlamaKVCache, hf_architecture="LlamaForCausalLM")
+FAMILY = Family.of(Llama)

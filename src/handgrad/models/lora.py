@@ -5,8 +5,8 @@ A model built with `lora=LoRAConfig(...)` (FlatModel) keeps two flat buffers: fl
 flat_grad, what trains (the adapters, and the norms or the embeddings where train_norms /
 train_embeddings say so), laid out by model.spec; and frozen_params, the base weights, with no
 gradient buffer, no AdamW moments and no weight-gradient product in the backward (with bf16
-products on the cpu, frozen16 holds the frozen matrices as bf16 only). model.p still names every
-tensor, model.g only the trained ones.
+products on the cpu, frozen16 holds the frozen matrices as bf16 only; models/lora_layout.py lays
+them out). model.p still names every tensor, model.g only the trained ones.
 
 A family says which linears can carry adapters: LORA_MODULES, {short name: (module path in a
 block, fused group)}. A fused group is one product of the family's forward (Llama's q|k|v and
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 
 _LAYER = re.compile(r"^(?:model\.layers|h)\.(\d+)\.")
-SITE_LORA = 8  # dropout sites from 8 on: one per target (model sites 0-7 are family.py's)
+SITE_LORA = 8  # dropout sites from 8 on: one per target (model sites 0-7 are models/dropout.py's)
 
 
 def layer_of(name):

@@ -54,9 +54,10 @@ class Trainer:
                              f"{self.data_dir} has vocab_size {self.train_data.vocab_size}; prepare the data with "
                              f"the model's tokenizer (handgrad prepare SOURCE --tokenizer {init_from[0]})")
         self.gpt_config = config.gpt_config(self.train_data.vocab_size)  # model.vocab_size may pad the data's
-        hs = self.gpt_config.n_embd // self.gpt_config.n_head
+        hs = getattr(self.gpt_config, "head_dim", self.gpt_config.n_embd // self.gpt_config.n_head)
         if backend == "gpu" and (hs < 16 or hs & (hs - 1)):  # the flash-attention kernels' tiles
-            raise ConfigError(f"model.n_embd / model.n_head = {hs}: the gpu backend's attention needs a head size "
+            what = "model.head_dim" if config.model.head_dim else "model.n_embd / model.n_head"
+            raise ConfigError(f"{what} = {hs}: the gpu backend's attention needs a head size "
                               f"that is a power of two >= 16 (16, 32, 64, 128, 256); pick n_head so, or train with "
                               f"--device cpu")
         note = get_backend("cpu").bf16_note() if t.dtype == "bfloat16" and backend == "cpu" else None

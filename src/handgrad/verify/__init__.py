@@ -47,7 +47,10 @@ VERIFY_CONFIG = GPTConfig(block_size=32, vocab_size=1000, n_layer=2, n_head=3, n
 VERIFY_LLAMA = (
     LlamaConfig(block_size=32, vocab_size=1000, n_layer=2, n_head=6, n_kv_head=2, n_embd=96, ffn_hidden=200),
     LlamaConfig(block_size=32, vocab_size=1000, n_layer=2, n_head=6, n_kv_head=3, n_embd=96, ffn_hidden=200,
-                qkv_bias=True, tie_embeddings=False))
+                qkv_bias=True, tie_embeddings=False),
+    # Qwen3: q/k norms per head, head_dim 32 with q 192 wide over n_embd 96
+    LlamaConfig(block_size=32, vocab_size=1000, n_layer=2, n_head=6, n_kv_head=2, n_embd=96, head_dim=32,
+                ffn_hidden=200, qk_norm=True, tie_embeddings=False))
 
 
 def _has_llama(backend):
@@ -125,7 +128,7 @@ def main(backend="cpu", as_json=False, only=None):
         print(f"handgrad verify --backend {backend}: float32 against PyTorch autograd in float64")
         print(f"model check: {VERIFY_CONFIG}")
         if _has_llama(backend):
-            print("llama checks (against transformers' LlamaForCausalLM, Qwen2ForCausalLM):")
+            print("llama checks (against transformers' LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):")
             for config in VERIFY_LLAMA:
                 print(f"  {config}")
         print()

@@ -1,6 +1,6 @@
 """Whole models against an independent implementation with the same weights: one step (logits, loss,
 every gradient) and ten AdamW steps. GPT-2 against torch_ref.TorchGPT; the Llama family against
-transformers' own LlamaForCausalLM and Qwen2ForCausalLM."""
+transformers' own LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
 import numpy as np
 
 from ..config import LlamaConfig
@@ -26,8 +26,10 @@ def _model_and_ref(config, seed, backend, loss_chunk=0):
 
 
 def _model_op(config):
-    """The verify table's op column for a whole-model row: model (GPT-2) or llama."""
-    return "llama" if isinstance(config, LlamaConfig) else "model"
+    """The verify table's op column for a whole-model row: model (GPT-2), llama, or qwen3 (qk_norm)."""
+    if isinstance(config, LlamaConfig):
+        return "qwen3" if config.qk_norm else "llama"
+    return "model"
 
 
 def _batch(config, B, T, seed):

@@ -2,12 +2,14 @@
 
 Every op is a forward/backward pair with the same name and arguments in every backend.
 """
+import sys
+
 import numpy as np
 
 from . import target  # first: it sets Numba's target before any kernel below is decorated
 from .adamw import adamw_update, global_norm, make_chunks
 from . import blas
-from .common import aligned_empty, aligned_zeros
+from .common import aligned_empty, aligned_zeros, norm_scratch
 from .attention import attention_backward, attention_forward, attention_state_shape
 from .attention import attention_decode_forward
 from .crossentropy import crossentropy_backward, crossentropy_forward, crossentropy_mean
@@ -16,17 +18,23 @@ from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward
 from .gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward,
                             gqa_attention_prepare, gqa_attention_state_shape)
-from .layernorm import layernorm_backward, layernorm_forward
-from .layernorm_linear import layernorm_linear_backward, layernorm_linear_forward
+from .layernorm import layernorm_backward, layernorm_forward, layernorm_recompute
 from .linear import linear_backward, linear_forward
 from .llama_decode import llama_decode_forward, llama_decode_layers
 from .onednn import bf16_note, bf16_path, from_bf16, products_path, round_bf16, to_bf16
 from .lora import lora_backward, lora_forward, lora_linear_backward, lora_linear_forward
 from .residual import residual_backward, residual_forward
-from .rmsnorm import rmsnorm_backward, rmsnorm_forward
-from .rmsnorm_linear import rmsnorm_linear_backward, rmsnorm_linear_forward
+from .rmsnorm import rmsnorm_backward, rmsnorm_forward, rmsnorm_recompute
 from .rope import rope_backward, rope_cache, rope_forward
 from .swiglu import swiglu_backward, swiglu_forward
+from ..norm_linear import NormLinear
+
+# layernorm + linear and rmsnorm + linear: backends/norm_linear.py over this module's ops
+_norm_linear = NormLinear(sys.modules[__name__])
+layernorm_linear_forward = _norm_linear.layernorm_linear_forward
+layernorm_linear_backward = _norm_linear.layernorm_linear_backward
+rmsnorm_linear_forward = _norm_linear.rmsnorm_linear_forward
+rmsnorm_linear_backward = _norm_linear.rmsnorm_linear_backward
 
 NAME = "cpu"
 LSE_DTYPE = np.float64  # the cross-entropy's saved logsumexp (see crossentropy_forward)

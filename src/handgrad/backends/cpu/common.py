@@ -152,6 +152,13 @@ def product_dtype(weight, inp):
     return np.uint16 if weight.dtype == np.uint16 else inp.dtype
 
 
+def norm_scratch(name, inp, weight=None):
+    """A workspace shaped as inp for a norm + linear (backends/norm_linear.py): the normalized input
+    in the dtype its product reads (product_dtype: bf16 where weight is), or with no weight (the
+    gradient of the normalized input) in inp's."""
+    return workspace(name, inp.shape, inp.dtype if weight is None else product_dtype(weight, inp))
+
+
 def backward_rows(dinp, dout):
     """(the float32 rows an elementwise backward kernel overwrites, whether it narrows): with a bf16
     (uint16) dinp, dout's own rows, each then narrowed into dinp as it is finished; otherwise

@@ -78,6 +78,12 @@ def workspace(name, shape, dtype, device):
     return buf
 
 
+def norm_scratch(name, inp, weight=None):
+    """A workspace shaped as inp for a norm + linear (backends/norm_linear.py), in inp's dtype on
+    inp's device whatever the weight's (linear_forward casts the weight to it, as autocast does)."""
+    return workspace(name, inp.shape, inp.dtype, inp.device)
+
+
 def rows(x):
     """View a (..., C) tensor as (N, C) without copying (an error, not a silent copy, if it cannot be)."""
     x2 = x.view(-1, x.shape[-1])
