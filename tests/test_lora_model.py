@@ -24,6 +24,9 @@ from handgrad.models.llama import Llama  # noqa: E402
 LLAMA = LlamaConfig(block_size=32, vocab_size=83, n_layer=2, n_head=6, n_kv_head=2, n_embd=36, ffn_hidden=52)
 LLAMA_UNTIED_BIAS = LlamaConfig(block_size=32, vocab_size=83, n_layer=2, n_head=6, n_kv_head=2, n_embd=36,
                                 ffn_hidden=52, tie_embeddings=False, qkv_bias=True)
+# Qwen3: per-head q/k norms, head_dim 10 (q 60 wide over n_embd 36), untied
+QWEN3 = LlamaConfig(block_size=32, vocab_size=83, n_layer=2, n_head=6, n_kv_head=2, n_embd=36, head_dim=10,
+                    ffn_hidden=52, qk_norm=True, tie_embeddings=False)
 GPT2 = GPTConfig(block_size=32, vocab_size=83, n_layer=2, n_head=3, n_embd=36)
 
 
@@ -43,6 +46,8 @@ CASES = {
     "llama_qv_norms": (LLAMA, LoRAConfig(rank=3, alpha=5.0, targets=("q", "v", "down"), train_norms=True)),
     "llama_untied_bias_embeddings": (LLAMA_UNTIED_BIAS, LoRAConfig(rank=2, alpha=2.0, targets=("k", "up"),
                                                                    train_embeddings=True)),
+    "qwen3_all_norms": (QWEN3, LoRAConfig(rank=3, alpha=6.0, targets=("q", "k", "v", "o", "gate", "up", "down"),
+                                          train_norms=True)),
     "gpt2_all": (GPT2, LoRAConfig(rank=4, alpha=8.0, targets=("c_attn", "c_proj", "c_fc", "mlp.c_proj"))),
     "gpt2_mlp_norms": (GPT2, LoRAConfig(rank=5, alpha=3.0, targets=("c_fc", "mlp.c_proj"), train_norms=True)),
 }

@@ -149,8 +149,8 @@ def _preset_asked(argv):
     return None
 
 
-DESCRIPTION = ("Train GPT-2 and Llama-family language models (Llama, SmolLM2, Qwen2) with every forward and backward "
-               "pass written by hand, on the CPU (NumPy + Numba) or an NVIDIA GPU (Triton); fine-tune published "
+DESCRIPTION = ("Train GPT-2 and Llama-family language models (Llama, SmolLM2, Qwen2, Qwen3) with every forward and "
+               "backward pass written by hand, on the CPU (NumPy + Numba) or an NVIDIA GPU (Triton); fine-tune published "
                "models, in full or with LoRA, and sample, evaluate, verify and convert them.")
 
 
@@ -196,7 +196,7 @@ def build_parser(argv=()):
     bench.add_arguments(p)
     p.set_defaults(func=bench.main)
 
-    p = sub.add_parser("convert", help="convert a model between handgrad, Hugging Face (GPT-2, Llama, Qwen2), "
+    p = sub.add_parser("convert", help="convert a model between handgrad, Hugging Face (GPT-2, Llama, Qwen2, Qwen3), "
                                        "GGUF, llm.c and llama2.c formats; a LoRA adapter to PEFT's, or merged")
     convert.add_arguments(p)
     p.set_defaults(func=convert.main)

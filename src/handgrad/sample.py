@@ -115,8 +115,8 @@ def add_dtype_argument(parser):
 def add_arguments(parser):
     parser.add_argument("--run", required=True, metavar="MODEL",
                         help="a run directory (its newest complete checkpoint), one checkpoint "
-                             "directory (RUN_DIR/ckpt/step_NNNNNNNN), a Hugging Face GPT-2, Llama or Qwen2 "
-                             "directory, a GGUF file, a PEFT adapter directory (its base read from "
+                             "directory (RUN_DIR/ckpt/step_NNNNNNNN), a Hugging Face GPT-2, Llama, Qwen2 or "
+                             "Qwen3 directory, a GGUF file, a PEFT adapter directory (its base read from "
                              "adapter_config.json), an llm.c or llama2.c model file, or a published model's "
                              "name (smollm2-135m-instruct)")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",

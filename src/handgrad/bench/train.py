@@ -38,6 +38,7 @@ SHAPES = {
     "llama-mid": dict(preset="llama-mid", vocab_size=8192, batch_size=8, T=256),
     "smollm2-135m": dict(preset="smollm2-135m", vocab_size=49152, batch_size=4, T=256),
     "qwen2.5-0.5b": dict(preset="qwen2.5-0.5b", vocab_size=151936, batch_size=4, T=1024),
+    "qwen3-0.6b": dict(preset="qwen3-0.6b", vocab_size=151936, batch_size=4, T=1024),
     "llama3.2-1b": dict(preset="llama3.2-1b", vocab_size=128256, batch_size=1, T=2048),
 }
 

@@ -8,10 +8,11 @@ tokens with mask shards beside them (build_chat_data). The loss then counts assi
 
 The non-obvious idea, the assistant mask: the template is applied prefix by prefix. For an
 assistant turn k, messages[:k] rendered with add_generation_prompt=True ends where the turn's text
-begins, and messages[:k+1] ends where it ends; a token is an assistant token when its character span
-overlaps such a turn, up to its first end-of-turn token (ChatFormat.encode). So any prefix-stable
-template works, with no per-model rule for where replies start. Batches are whole conversations,
-one per row, padded rather than packed (ChatDataset).
+begins, and messages[:k+1] ends where it ends (or, as in Qwen3's, which drops an earlier reply's
+<think> block, the turn ends at its end-of-turn token); a token is an assistant token when its span
+overlaps such a turn, up to its first end-of-turn token (ChatFormat.encode). So no per-model rule says
+where replies start. Batches are whole conversations, one per row, padded rather than packed
+(ChatDataset).
 """
 import json
 from pathlib import Path
@@ -134,10 +135,13 @@ class ChatFormat:
         DataError (no location) where the template cannot be used.
 
         The spans of the assistant turns come from rendering prefixes: messages[:k] with
-        add_generation_prompt=True and messages[:k+1] must both be prefixes of the whole text (else the
-        template is refused as not prefix-stable). A token is an assistant token when its character
-        span overlaps a turn's span, up to and including the first end-of-turn token in it: the turn's
-        content and its end-of-turn token, nothing the template writes after that. The end-of-turn
+        add_generation_prompt=True must be a prefix of the whole text (else the template is refused as
+        not prefix-stable), where the turn begins; it ends where messages[:k+1] ends when that is a
+        prefix too, else at its first end-of-turn token (Qwen3's template writes a <think> block into
+        the last reply only, so a reply renders otherwise once a question follows it). A token is an
+        assistant token when its character span overlaps a turn's span, up to and including the first
+        end-of-turn token in it: the turn's content and its end-of-turn token, nothing the template
+        writes after that. The end-of-turn
         token is the first special token the template writes after an assistant turn's content
         (<|im_end|> for ChatML, </s> for Llama 2); generation stops at it (`sample --chat`)."""
         text = self.render(messages)
@@ -146,18 +150,22 @@ class ChatFormat:
             if m["role"] != "assistant":
                 continue
             before, upto = self.render(messages[:k], add_generation_prompt=True), self.render(messages[:k + 1])
-            if not (upto.startswith(before) and text.startswith(upto)):
+            if not text.startswith(before):
                 raise DataError(f"the chat template renders message {k + 1} differently once later messages "
                                 f"follow (not prefix-stable), so its tokens cannot be located; use another "
                                 f"chat_template")
-            spans.append((len(before), len(upto)))
+            stable = upto.startswith(before) and text.startswith(upto)
+            spans.append((len(before), len(upto) if stable else len(text), stable, k))
         enc = self.hf.encode(text, add_special_tokens=False)
         ids = np.asarray(enc.ids, dtype=np.int64)  # (n,)
         offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)  # (n, 2) character spans
         mask = np.zeros(len(ids), dtype=np.uint8)
-        for a, b in spans:
+        for a, b, stable, k in spans:
             inside = np.flatnonzero((offsets[:, 0] < b) & (offsets[:, 1] > a))
             ends = inside[ids[inside] == self.end_of_turn_id]
+            if not (stable or len(ends)):  # a turn found by its end-of-turn token, which is not there
+                raise DataError(f"the chat template ends message {k + 1} with no {self.end_of_turn} once later "
+                                f"messages follow, so its tokens cannot be located; use another chat_template")
             mask[inside[inside <= ends[0]] if len(ends) else inside] = 1
         return ids, mask
 

@@ -32,7 +32,7 @@ KIND_SHORT = {"multiple_choice": "mc", "schema": "schema", "language_modelling":
 def add_arguments(parser):
     parser.add_argument("--run", required=True, metavar="MODEL",
                         help="what `sample --run` takes: a run directory or checkpoint, a Hugging Face GPT-2, "
-                             "Llama or Qwen2 directory, a GGUF file, a PEFT adapter, an llm.c or llama2.c "
+                             "Llama, Qwen2 or Qwen3 directory, a GGUF file, a PEFT adapter, an llm.c or llama2.c "
                              "model file, or a published model's name (smollm2-135m-instruct)")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="the tokenizer, where --run has none beside it (as for sample)")

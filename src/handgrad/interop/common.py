@@ -42,6 +42,7 @@ def describe(config):
     if hasattr(config, "n_kv_head"):
         line += (f", n_kv_head {config.n_kv_head}, ffn_hidden {config.ffn_hidden}, rope_theta {config.rope_theta:g}"
                  f", {'tied' if config.tie_embeddings else 'untied'}" + (", qkv bias" if config.qkv_bias else "")
+                 + (f", qk norm, head_dim {config.head_dim}" if config.qk_norm else "")
                  + (f", llama3 rope scaling {config.rope_scaling}" if config.rope_scaling else ""))
     return line
 

@@ -50,8 +50,8 @@ def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=N
         return write_llama2c(dst, config, weights, tokenizer, source=info.get("path"))
     if fmt == "gguf":
         if family_of(config).arch != "llama":
-            raise ConvertError(f"--format gguf: handgrad writes GGUF for its llama family (llama, qwen2); this is a "
-                               f"{family_of(config).arch} model: use --format hf or llmc")
+            raise ConvertError(f"--format gguf: handgrad writes GGUF for its llama family (llama, qwen2, qwen3); this "
+                               f"is a {family_of(config).arch} model: use --format hf or llmc")
         return write_gguf(dst, config, weights, tokenizer, info.get("gguf_type", "f32"))
     if fmt == "peft":
         adapter = info["adapter"]
@@ -99,10 +99,10 @@ def _hf_tokenizer(path):
 
 # ---------------------------------------------------------------- the verb
 def add_arguments(parser):
-    parser.add_argument("src", metavar="SRC", help="a Hugging Face directory (GPT-2, Llama, Qwen2), a GGUF file, an "
-                                                   "llm.c or llama2.c model file, a handgrad run or checkpoint "
-                                                   "directory, a PEFT adapter directory (detected), or a published "
-                                                   "model's name (smollm2-135m-instruct)")
+    parser.add_argument("src", metavar="SRC", help="a Hugging Face directory (GPT-2, Llama, Qwen2, Qwen3), a GGUF "
+                                                   "file, an llm.c or llama2.c model file, a handgrad run or "
+                                                   "checkpoint directory, a PEFT adapter directory (detected), or a "
+                                                   "published model's name (smollm2-135m-instruct)")
     parser.add_argument("dst", metavar="DST", help="where to write (must not exist, or be an empty directory)")
     parser.add_argument("--format", default="handgrad", choices=FORMATS,
                         help="DST's format (default handgrad); llama2c writes DST as a directory of model.bin "

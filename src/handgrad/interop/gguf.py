@@ -2,7 +2,8 @@
 
 A GGUF file is typed key/value metadata, a table of tensors (name, shape with the contiguous dimension
 first, type, offset) and their bytes, read through one memory map. `llama` (SmolLM2, TinyLlama, Llama
-2/3.x) and `qwen2` (q/k/v biases) map onto the family; read_gguf and write_gguf say the rest.
+2/3.x), `qwen2` (q/k/v biases) and `qwen3` (q/k norms, its own head width) map onto the family;
+read_gguf and write_gguf say the rest.
 
 The q/k row permutation. Hugging Face's Llama rotates the two halves of each head (`rotate_half`: i
 pairs with i + hs/2); llama.cpp's `llama` rotates adjacent pairs (2i with 2i + 1), so its converter
@@ -10,7 +11,8 @@ reorders q_proj's and k_proj's rows per head (k with n_kv_head heads):
 
     permute(W) = W.reshape(H, 2, hs/2, C).swapaxes(1, 2).reshape(H hs, C)
 
-GGUF row h hs + 2 i + j is Hugging Face row h hs + j hs/2 + i (i < hs/2, j in {0, 1}); `qwen2` is unpermuted.
+GGUF row h hs + 2 i + j is Hugging Face row h hs + j hs/2 + i (i < hs/2, j in {0, 1}); `qwen2` and
+`qwen3` rotate halves as Hugging Face does (llama.cpp's NEOX RoPE) and are unpermuted.
 A wrong inverse still runs and writes fluent nonsense, so tests compare logits with transformers' GGUF loader.
 """
 import os
@@ -27,9 +29,10 @@ from ..models import family_of
 from .common import ConvertError, check_weights, make_config
 from .gguf_quants import SUPPORTED, dequantize, nbytes, quantize_q8_0, type_name
 from .gguf_vocab import write_gguf_tokenizer
+from .hf_llama import hf_architecture
 
 
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "qwen3")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # convert --gguf-type
 FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}  # general.file_type (llama.cpp's LlamaFileType)
 GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -37,7 +40,8 @@ GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight"
 PER_BLOCK = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
              "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
              "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-             "attn_v.bias": "self_attn.v_proj.bias", "attn_output.weight": "self_attn.o_proj.weight",
+             "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
+             "attn_k_norm.weight": "self_attn.k_norm.weight", "attn_output.weight": "self_attn.o_proj.weight",
              "ffn_norm.weight": "post_attention_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
              "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
 BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.+)")
@@ -137,10 +141,14 @@ def _rope_scaling(path, meta, tensors, arch, head_dim):
     scaling), or {} without one. Those per-frequency factors fix the transform only up to the ratios
     L / low_freq_factor and L / high_freq_factor, so the file is read as Llama 3.x's parameters
     (LLAMA3_ROPE_DEFAULTS, factor the last entry's) where the converter's factors for them are the
-    file's (to float32 rounding), and refused otherwise."""
+    file's (to float32 rounding), and refused otherwise; refused in a qwen2 or qwen3 file, whose
+    llama.cpp graph does not apply it."""
     if ROPE_FREQS not in tensors:
         return {}
     shape, qtype, offset = tensors[ROPE_FREQS]
+    if arch != "llama":
+        raise _refuse(path, "tensor " + ROPE_FREQS, shape, f"RoPE frequency factors in a {arch} model, whose "
+                      f"llama.cpp graph does not apply them; handgrad reads them in llama models only")
     refuse = _refuse(path, "tensor " + ROPE_FREQS, shape, "RoPE frequency factors that are not Llama 3.x's "
                      "rope scaling (low_freq_factor 1, high_freq_factor 4, original context 8192), which is all "
                      "handgrad reads of them")
@@ -167,6 +175,9 @@ def gguf_config(path, meta, tensors):
     if meta.get("general.type") == "adapter" or meta.get("adapter.type") is not None:
         raise _refuse(path, "general.type", "adapter", "a LoRA adapter GGUF, which handgrad does not read; pass "
                       "the model it adapts, or the adapter in PEFT's format (a directory)")
+    if isinstance(arch, str) and arch.endswith("moe"):
+        raise _refuse(path, "general.architecture", arch, f"a mixture of experts, which handgrad's llama family "
+                      f"cannot express; it reads the dense {', '.join(ARCHS)} models")
     if arch not in ARCHS:
         raise _refuse(path, "general.architecture", arch, f"handgrad reads GGUF models of architecture "
                       f"{' or '.join(ARCHS)} (its llama family)")
@@ -185,12 +196,15 @@ def gguf_config(path, meta, tensors):
         raise ConvertError(f"{path}: metadata key {missing[0]} is missing; the file is not a complete {arch} model")
     sizes = {ours: int(meta.get(key)) for ours, key in need.items()}
     C, NH = sizes["n_embd"], sizes["n_head"]
-    head_dim = C // NH if NH > 0 else 0
+    head_dim, width = (C // NH if NH > 0 else 0), f"n_embd / n_head = {C} / {NH}"
+    if arch == "qwen3" and meta.get(a + "attention.key_length") is not None:  # Qwen3's own head width
+        head_dim = int(meta[a + "attention.key_length"])
+        width = f"{a}attention.key_length = {head_dim}"
     for key in (a + "rope.dimension_count", a + "attention.key_length", a + "attention.value_length"):
         value = meta.get(key)
         if value is not None and value != head_dim:
             raise _refuse(path, key, value, f"heads (or rotary dimensions) {value} wide, which handgrad's llama "
-                          f"family cannot express: its heads are n_embd / n_head = {C} / {NH} wide and fully rotated")
+                          f"family cannot express: its heads are {width} wide and fully rotated")
     embd = tensors.get("token_embd.weight")
     vocab = meta.get(a + "vocab_size") or (embd[0][0] if embd is not None and len(embd[0]) == 2 else None)
     if vocab is None:
@@ -201,10 +215,11 @@ def gguf_config(path, meta, tensors):
                          norm_eps=float(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
                          tie_embeddings="output.weight" not in tensors,
                          qkv_bias=any(name.endswith("attn_q.bias") for name in tensors),
+                         **({"qk_norm": True, "head_dim": head_dim} if arch == "qwen3" else {}),
                          **_rope_scaling(path, meta, tensors, arch, head_dim))
-    if config.qkv_bias and arch == "llama":
-        raise _refuse(path, "general.architecture", arch, "a llama model with q/k/v biases, which handgrad "
-                      "reads only as qwen2")
+    if config.qkv_bias and arch != "qwen2":
+        raise _refuse(path, "general.architecture", arch, f"a {arch} model with q/k/v biases, which handgrad "
+                      f"reads only as qwen2" + ("; its Qwen3 has no biases" if arch == "qwen3" else ""))
     return config, arch
 
 
@@ -277,9 +292,12 @@ def write_gguf(dst, config, weights, tokenizer=None, gguf_type="f32", name=None)
     """dst, a GGUF file of config and weights (+ the tokenizer, a path load_tokenizer reads), as
     convert_hf_to_gguf.py writes the model. Returns (dst, one line saying what was written).
 
-    The converter's keys, tensor names and q/k row order for LlamaForCausalLM / Qwen2ForCausalLM;
-    gguf_type f32, f16, bf16 or q8_0 (_encode); `{arch}.context_length` the config's block_size (the
-    converter gives a fine-tuned run its base model's); a scaled model's rope_freqs.weight in float32.
+    The converter's keys, tensor names and q/k row order for LlamaForCausalLM / Qwen2ForCausalLM /
+    Qwen3ForCausalLM (architecture qwen3 with q/k norms: `attn_q_norm`, `attn_k_norm`, the head width
+    as `attention.key_length` and `value_length`); gguf_type f32, f16, bf16 or q8_0 (_encode);
+    `{arch}.context_length` the config's block_size (the converter gives a fine-tuned run its base
+    model's); a scaled model's rope_freqs.weight in float32 (llama only: llama.cpp's qwen2 and qwen3
+    ignore it, so a scaled one is refused).
     Written to a temporary sibling and renamed, so a failed write leaves nothing that looks valid."""
     from gguf import GGUFWriter
     if gguf_type not in GGUF_TYPES:
@@ -294,7 +312,11 @@ def write_gguf(dst, config, weights, tokenizer=None, gguf_type="f32", name=None)
             tok = load_tokenizer(tokenizer)
         except DataError as e:
             raise ConvertError(f"the tokenizer: {e}") from None
-    arch = "qwen2" if config.qkv_bias else "llama"
+    arch = hf_architecture(config, "--format gguf")[1]  # its model_type: llama, qwen2 or qwen3, llama.cpp's too
+    if arch != "llama" and config.rope_scaling is not None:
+        raise ConvertError(f"--format gguf: the model has Llama 3's RoPE scaling (model.rope_factor "
+                           f"{config.rope_factor:g}), which llama.cpp applies in llama models only, not {arch}; "
+                           f"choose another --format")
     tmp = dst.with_name(f".tmp_{dst.name}_{os.getpid()}")
     writer = GGUFWriter(tmp, arch)
     try:
@@ -310,7 +332,11 @@ def write_gguf(dst, config, weights, tokenizer=None, gguf_type="f32", name=None)
         writer.add_layer_norm_rms_eps(config.norm_eps)
         writer.add_file_type(FILE_TYPE[gguf_type])
         writer.add_vocab_size(config.vocab_size)
-        writer.add_rope_dimension_count(config.head_dim)
+        if arch == "qwen3":  # the converter's, from config.json's head_dim
+            writer.add_key_length(config.head_dim)
+            writer.add_value_length(config.head_dim)
+        else:
+            writer.add_rope_dimension_count(config.head_dim)
         if tok is not None:
             try:
                 write_gguf_tokenizer(writer, tok, config.vocab_size)

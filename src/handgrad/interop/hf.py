@@ -1,7 +1,7 @@
 """Hugging Face GPT-2 directories in and out: config.json, model.safetensors (or pytorch-free
 sharded safetensors), tokenizer files. Safetensors are read by hand, bfloat16 included. What every
 Hugging Face directory shares (config.json, the weight files, the tokenizer export) lives here too;
-hf_llama.py reads and writes Llama and Qwen2 ones with it."""
+hf_llama.py reads and writes Llama, Qwen2 and Qwen3 ones with it."""
 import json
 import shutil
 from pathlib import Path
@@ -15,7 +15,8 @@ from .common import ConvertError, check_weights, make_config, prepare_dir, publi
 
 
 HF_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-HF_ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM")  # what handgrad reads
+# what handgrad reads
+HF_ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 # ---------------------------------------------------------------- safetensors, bfloat16 included
@@ -102,7 +103,7 @@ def read_hf_config(path):
 
 
 def read_hf(path):
-    """A Hugging Face GPT-2 directory (Llama and Qwen2 ones: hf_llama.py)."""
+    """A Hugging Face GPT-2 directory (Llama, Qwen2 and Qwen3 ones: hf_llama.py)."""
     d, cfg_path, cfg = read_hf_config(path)
     if cfg.get("model_type") != "gpt2":
         arch = cfg.get("architectures")

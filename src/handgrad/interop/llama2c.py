@@ -126,7 +126,8 @@ def read_llama2c(path):
     rmsnorm; freq_cis_real and freq_cis_imag (seq_len x head_size/2 each: RoPE's cos and sin, which
     run.c skips and recomputes); and wcls (V, dim) where vocab_size is negative. The config has
     block_size = seq_len, tie_embeddings from the sign, rope_theta 10000 and norm_eps 1e-5 (run.c
-    hard-codes both) and no q/k/v bias; check_writable refuses models that differ in those."""
+    hard-codes both), heads n_embd / n_head wide and no q/k/v bias or q/k norm; check_writable refuses
+    models that differ in those."""
     file = model_file(path)
     try:
         raw = file.read_bytes()
@@ -167,6 +168,11 @@ def check_writable(config, where):
     if family_of(config).arch != "llama":
         raise ConvertError(f"{where}: a {family_of(config).arch} model; llama2.c's format holds Llama models only "
                            f"(RMSNorm, RoPE, SwiGLU); {fix}")
+    if config.qk_norm:
+        raise ConvertError(f"{where}: the model has q/k norms (Qwen3), which llama2.c's format cannot hold; {fix}")
+    if config.head_dim * config.n_head != config.n_embd:
+        raise ConvertError(f"{where}: the model's heads are {config.head_dim} wide (model.head_dim), but llama2.c's "
+                           f"run.c makes them n_embd / n_head = {config.n_embd} / {config.n_head}; {fix}")
     if config.rope_theta != ROPE_THETA:
         raise ConvertError(f"{where}: rope_theta is {config.rope_theta:g}, but llama2.c's run.c hard-codes "
                            f"{ROPE_THETA:g}; {fix}")

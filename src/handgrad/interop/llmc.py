@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..models import family_of
 from .common import ConvertError, check_weights, make_config
 from .hf import bf16_to_f32, f32_to_bf16
 
@@ -71,7 +72,13 @@ def read_llmc(path):
 
 
 def write_llmc(dst, config, weights, version=3, padded_vocab=None):
-    """llm.c's model file: header, then the tensors in llm.c's order, [out, in], wte padded with zeros."""
+    """llm.c's model file: header, then the tensors in llm.c's order, [out, in], wte padded with zeros.
+    GPT-2 only: the file has no place for a llama-family model's norms, rotary heads, SwiGLU or
+    Qwen3's q/k norms."""
+    if family_of(config).arch != "gpt2":
+        what = " with Qwen3's q/k norms" if getattr(config, "qk_norm", False) else ""
+        raise ConvertError(f"--format llmc: a {family_of(config).arch} model{what}; llm.c's model file holds GPT-2 "
+                           f"models only: use --format hf, gguf or handgrad")
     if version not in LLMC_VERSIONS:
         raise ConvertError(f"llm.c version {version} is not supported (3 = float32, 5 = bfloat16)")
     check_weights(config, weights, "weights")

@@ -42,13 +42,14 @@ def detect_format(path):
     * hf: a directory with config.json and model.safetensors (or shards listed in
       model.safetensors.index.json); GPT-2 (hf.py: a `transformer.` prefix optional, the attn.bias
       buffers ignored, a stored lm_head.weight must equal wte) or, where config.json names
-      LlamaForCausalLM or Qwen2ForCausalLM, the llama family (hf_llama.py). float32, float16 and
-      bfloat16 tensors are read.
+      LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, the llama family (hf_llama.py).
+      float32, float16 and bfloat16 tensors are read.
     * llmc: llm.c's model file: a 256 x int32 header (magic 20240326, version 3 = float32 or
       5 = bfloat16), tensors in nn.Linear's [out, in] layout, wte padded to Vp rows.
     * llama2c: llama2.c's legacy model file (7 x int32 header, q/k rows in interleaved-pair RoPE
       order), told by its header and exact size, or a directory holding one as model.bin.
-    * gguf: a GGUF file of architecture llama or qwen2, dequantized as the model reads it (gguf.py).
+    * gguf: a GGUF file of architecture llama, qwen2 or qwen3, dequantized as the model reads it
+      (gguf.py).
     * peft: a PEFT adapter directory; handgrad: a run directory (its newest checkpoint) or a
       checkpoint directory."""
     path = Path(resolve_model(path))
@@ -215,7 +216,7 @@ def _check_recorded_base(path, base, config, weights, recorded):
 
 
 def _read_hf(path):
-    """A Hugging Face directory by its config.json's architecture: Llama or Qwen2 (hf_llama.py),
+    """A Hugging Face directory by its config.json's architecture: Llama, Qwen2 or Qwen3 (hf_llama.py),
     else GPT-2 (hf.py, which names the architectures handgrad reads when it is none of them)."""
     return read_hf_llama(path) if is_hf_llama(path) else read_hf(path)
 

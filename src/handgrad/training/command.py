@@ -29,7 +29,7 @@ def add_arguments(parser, preset=None):
                         help="cpu: NumPy + Numba (default); gpu: Triton kernels and cuBLAS on an NVIDIA GPU")
     parser.add_argument("--init-from", metavar="PATH", default=None,
                         help="start a new run from pretrained weights (fine-tuning): a Hugging Face GPT-2, "
-                             "Llama or Qwen2 directory, an llm.c or llama2.c model file, or a handgrad run; the "
+                             "Llama, Qwen2 or Qwen3 directory, an llm.c or llama2.c model file, or a handgrad run; the "
                              "architecture and vocab_size are the model's, model.block_size may crop its positions "
                              "(default: chat data's block size, else min(the model's, 1024))")
     shown = load_run_config(preset if preset in RUN_PRESETS else None)
