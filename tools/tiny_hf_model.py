@@ -4,11 +4,12 @@ published model"). It has the layout of the real thing, not its knowledge:
 
 * a byte-level BPE tokenizer trained here on the corpus given (Hugging Face `tokenizers`), with
   SmolLM2's special tokens (<|endoftext|>, <|im_start|>, <|im_end|>) and its ChatML chat template;
-* a LlamaForCausalLM (or, with --qwen2, a Qwen2ForCausalLM with q/k/v biases) with random weights,
+* a LlamaForCausalLM (or, with --qwen2, a Qwen2ForCausalLM with q/k/v biases; with --qwen3, a
+  Qwen3ForCausalLM with q/k norms and heads 64 wide over hidden 128) with random weights,
   made and saved by `transformers` (`save_pretrained`), in bfloat16 as published models are;
 * with --pad-vocab N, an embedding of N rows above the tokenizer's size, as Qwen2 pads its own.
 
-    python tools/tiny_hf_model.py OUT_DIR --corpus SOURCE... [--vocab-size 2048] [--qwen2] [--pad-vocab N]
+    python tools/tiny_hf_model.py OUT_DIR --corpus SOURCE... [--vocab-size 2048] [--qwen2 | --qwen3] [--pad-vocab N]
                                      [--chats FILE]
 
 Needs the test extra (torch, transformers): pip install -e ".[test]".
@@ -63,7 +64,9 @@ def main():
                    help="text to train the tokenizer on, as handgrad prepare's SOURCE (files, globs, shakespeare)")
     p.add_argument("--vocab-size", type=int, default=2048, help="the tokenizer's size (default 2048)")
     p.add_argument("--pad-vocab", type=int, default=0, help="embedding rows, if above the tokenizer's size")
-    p.add_argument("--qwen2", action="store_true", help="a Qwen2ForCausalLM (q/k/v biases) instead of a Llama")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--qwen2", action="store_true", help="a Qwen2ForCausalLM (q/k/v biases) instead of a Llama")
+    kind.add_argument("--qwen3", action="store_true", help="a Qwen3ForCausalLM (q/k norms, head_dim 64) instead of a Llama")
     p.add_argument("--chats", type=Path, default=None, metavar="FILE",
                    help="also write FILE: conversations in JSONL (one line each), a user giving a line of the "
                         "corpus and the assistant answering with the next one")
@@ -85,8 +88,12 @@ def main():
     fields = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=2048, rms_norm_eps=1e-5,
                   rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    cls, cfg = ((transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**fields)) if args.qwen2 else
-                (transformers.LlamaForCausalLM, transformers.LlamaConfig(**fields)))
+    if args.qwen3:  # Qwen3's heads are wider than hidden / heads (128 over 1024 / 16 in Qwen3-0.6B)
+        cls, cfg = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**fields, head_dim=64)
+    elif args.qwen2:
+        cls, cfg = transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**fields)
+    else:
+        cls, cfg = transformers.LlamaForCausalLM, transformers.LlamaConfig(**fields)
     from handgrad.torch_ref import quiet_transformers
     torch.manual_seed(args.seed)
     with quiet_transformers():  # no "Writing model shards" bar before this tool's own line

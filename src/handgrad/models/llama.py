@@ -1,11 +1,12 @@
 """Llama-style transformers over one flat parameter buffer (`model.arch = "llama"`): SmolLM2,
-Qwen2 (q/k/v biases), Llama 3.2, the TinyStories Llamas. This file only orchestrates: the math
-lives in the ops (rmsnorm, rmsnorm_linear, rope, gqa_attention, swiglu, linear, residual, encoder,
-crossentropy).
+Qwen2 (q/k/v biases), Qwen3 (q/k norms, its own head width), Llama 3.2, the TinyStories Llamas.
+This file only orchestrates: the math lives in the ops (rmsnorm, rmsnorm_linear, rope,
+gqa_attention, swiglu, linear, residual, encoder, crossentropy).
 
-A block: x + o_proj(attn(rope(qkv(rmsnorm(x))))), then x + down(silu(gate(h)) * up(h)) with
-h = rmsnorm(x); a final RMSNorm and the lm_head (tied to embed_tokens or its own). Parameter names
-and shapes are Hugging Face Llama's, with q/k/v and gate/up each laid out as one matrix (param_spec).
+A block (Llama.block_forward, which training and decoding both run): x + o_proj(attn(rope(
+qk_norm(qkv(rmsnorm(x)))))), then x + down(silu(gate(h)) * up(h)) with h = rmsnorm(x); a final
+RMSNorm and the lm_head (tied to embed_tokens or its own). Parameter names and shapes are Hugging
+Face's, with q/k/v and gate/up each laid out as one matrix (param_spec).
 
 Shapes: B batch, T time, C n_embd, NH query heads, NKV key/value heads, hs head size, H
 ffn_hidden, V vocab, L layers.
@@ -38,7 +39,7 @@ def param_spec(config):
         if config.qkv_bias:
             spec += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                      (p + "self_attn.v_proj.bias", (kv,))]
-        if config.qk_norm:  # side by side too: one (NH + NKV) x hs normalisation reads them as one gain per head kind
+        if config.qk_norm:  # Qwen3: one gain of hs values shared by every query head, one by every key head
             spec += [(p + "self_attn.q_norm.weight", (hs,)), (p + "self_attn.k_norm.weight", (hs,))]
         spec += [(p + "self_attn.o_proj.weight", (C, q)), (p + "post_attention_layernorm.weight", (C,)),
                  (p + "mlp.gate_proj.weight", (H, C)), (p + "mlp.up_proj.weight", (H, C)),
