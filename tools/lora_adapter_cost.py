@@ -43,17 +43,19 @@ def adapter_flops(groups=GROUPS):
 # ---- step: the three steps in one process -------------------------------------------------------
 
 def step_mode(reps):
-    from handgrad.bench.train import _HandgradWorker, _spec, get_family, lora_config
+    from handgrad.bench.train import get_family, worker_spec
+    from handgrad.bench.train_worker import HandgradWorker, lora_config
     from handgrad.models.family import flat_layout
     import handgrad.backends.cpu as cpu
 
-    spec = _spec("smollm2-135m", R)
+    spec = worker_spec("smollm2-135m", R)
     family = get_family(spec["arch"])
     config = family.config(**spec["model"])
     _, n = flat_layout(family.model.param_spec(config))
     flat = (np.random.default_rng(0).standard_normal(n) * 0.02).astype(np.float32)
-    lora = _HandgradWorker(config, spec["train"], flat, lora=lora_config(spec), seed=0)
-    full = _HandgradWorker(config, spec["train"], flat, lora=None, seed=0)
+    t = SimpleNamespace(**spec["train"])
+    lora = HandgradWorker(family, config, t, flat, lora=lora_config(spec), seed=0)
+    full = HandgradWorker(family, config, t, flat, lora=None, seed=0)
     rng = np.random.default_rng(1)
     B, T, V = spec["batch_size"], spec["T"], config.vocab_size
     batches = [(rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))) for _ in range(4)]

@@ -97,7 +97,7 @@ class _Side:
         return memory
 
 
-def _spec(name, lora_rank=None, dtype="float32", recompute="none", loss_chunk=0):
+def worker_spec(name, lora_rank=None, dtype="float32", recompute="none", loss_chunk=0):
     shape = SHAPES[name]
     rc = load_run_config(shape["preset"])
     t = rc.train
@@ -211,7 +211,7 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
     handgrad's train.recompute block, transformers' gradient checkpointing on the PyTorch side;
     loss_chunk: handgrad's train.loss_chunk (PyTorch has none). sequential: the sides one at a time
     (_in_turn), not side by side."""
-    spec = _spec(name, lora_rank, dtype, recompute, loss_chunk)
+    spec = worker_spec(name, lora_rank, dtype, recompute, loss_chunk)
     bf16 = dtype == "bfloat16"
     family = get_family(spec["arch"])
     config = family.config(**spec["model"])

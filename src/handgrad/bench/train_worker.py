@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..backends.cpu import attention, blas
+from ..backends.cpu.compiles import compile_watch
 from ..config import LoRAConfig
 from ..models import get_family
 from ..models.family import flat_layout, flat_views
@@ -54,31 +55,13 @@ def _reset_peak():
     return True
 
 
-def _count_compiles():
-    """A list that grows by one for each Numba compilation from now on (a kernel that Numba's cache
-    held loads without compiling): LLVM's memory while it compiles lands in the steps' peak, so a
-    cold cache (the first run after a kernel changed) lifts it (158 MiB for smollm2-135m bf16 LoRA)."""
-    from numba.core import event
-
-    compiled = []
-
-    class _Listener(event.Listener):
-        def on_start(self, ev):
-            compiled.append(1)
-
-        def on_end(self, ev):
-            pass
-    event.register("numba:compile", _Listener())
-    return compiled
-
-
 def lora_config(spec):
     """The spec's LoRAConfig, or None (full fine-tuning)."""
     lo = spec.get("lora")
     return None if lo is None else LoRAConfig(rank=lo["rank"], alpha=lo["alpha"], targets=tuple(lo["targets"]))
 
 
-class _HandgradWorker:
+class HandgradWorker:
     def __init__(self, family, config, t, flat, lora=None, seed=0, dtype="float32", memory=None):
         self.accumulate = accumulate_gradients  # what the trainer runs per step
         self.model = family.model(config, seed=seed, lora=lora, dtype=dtype, **(memory or {}))
@@ -197,13 +180,15 @@ def worker(side, spec):
         w = _TorchWorker(family, config, t, flat, lora=lora, seed=spec["seed"], dtype=dtype,
                          compile=side == COMPILE_SIDE, checkpointing=memory["recompute"] == "block")
     else:
-        w = _HandgradWorker(family, config, t, flat, lora=lora, seed=spec["seed"], dtype=dtype, memory=memory)
+        w = HandgradWorker(family, config, t, flat, lora=lora, seed=spec["seed"], dtype=dtype, memory=memory)
     batches = [w.prepare(tok[:, :-1].astype(np.int32), tok[:, 1:].astype(np.int32)) for tok in tokens]
     del flat
     gc.collect()
     built = _memory()  # its high-water mark: building the model (the init's flat copy beside it)
     reset = _reset_peak()
-    compiled = None if side.startswith("pytorch") else _count_compiles()
+    # Numba compilations from here on (compiles.py): LLVM's memory while it compiles lands in the steps'
+    # peak, so a cold cache (the first run after a kernel changed) lifts it (158 MiB for smollm2-135m bf16 LoRA)
+    watch, compiled_before = (None, 0) if side.startswith("pytorch") else (compile_watch(), compile_watch().count)
     step_no = 0
     compile_s = w.compile_now(batches[0]) if side == COMPILE_SIDE else None
 
@@ -225,7 +210,7 @@ def worker(side, spec):
         elif cmd["cmd"] == "profile":
             send(w.profile([batches[(step_no + i) % N_BATCHES] for i in range(cmd["n"])]))
         elif cmd["cmd"] == "exit":
-            send({"memory": dict(_memory(), numba_compiles=None if compiled is None else len(compiled))})
+            send({"memory": dict(_memory(), numba_compiles=None if watch is None else watch.count - compiled_before)})
             return 0
     return 1
 
