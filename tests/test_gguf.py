@@ -28,17 +28,22 @@ def converter_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def converter_name(name):
+def converter_name(name, arch=gguf.MODEL_ARCH.LLAMA):
     """gguf's own tensor-name map (what convert_hf_to_gguf.py uses), not handgrad's."""
-    cfg = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 64)
+    cfg = gguf.get_tensor_name_map(arch, 64)
     base, _, suffix = name.rpartition(".")
     return cfg.get_name(base) + "." + suffix
 
 
-def write_like_llama_cpp(path, hf_model, qtype=Q.F32, arch="llama", extra=None, raw=None):
-    """A GGUF file of a transformers model as convert_hf_to_gguf.py writes one (no tokenizer);
-    raw: {gguf name: (bytes, type)} written instead of a tensor."""
+def write_like_llama_cpp(path, hf_model, qtype=Q.F32, arch=None, extra=None, raw=None, value_length=None):
+    """A GGUF file of a transformers model as convert_hf_to_gguf.py writes one (no tokenizer), under
+    `arch` (default: the model's own, llama or qwen3). A Qwen3 as its Qwen3Model writes it: no
+    vocab_size or rope dimension keys, head_dim as key_length and value_length (value_length: another
+    value instead), q/k rows as they are (llama.cpp's qwen3 rotates halves); a Llama's q/k rows
+    permuted. raw: {gguf name: (bytes, type)} written instead of a tensor."""
     cfg = hf_model.config
+    qwen3 = cfg.model_type == "qwen3"
+    arch = arch or ("qwen3" if qwen3 else "llama")
     w = gguf.GGUFWriter(path, arch)
     w.add_type("model")
     w.add_block_count(cfg.num_hidden_layers)
@@ -49,23 +54,28 @@ def write_like_llama_cpp(path, hf_model, qtype=Q.F32, arch="llama", extra=None, 
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    if qwen3:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(value_length or cfg.head_dim)
+    else:
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     for key, value in (extra or {}).items():
         getattr(w, key)(*value)
+    names = gguf.MODEL_ARCH.QWEN3 if qwen3 else gguf.MODEL_ARCH.LLAMA
     for name, t in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        data = t.detach().numpy().astype(np.float32)
+        data = t.detach().float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             data = converter_permute(data, heads)
         kind = qtype if data.ndim == 2 else Q.F32
-        if converter_name(name) in (raw or {}):
-            w.add_tensor(converter_name(name), raw[converter_name(name)][0], raw_dtype=raw[converter_name(name)][1])
+        gname = converter_name(name, names)
+        if gname in (raw or {}):
+            w.add_tensor(gname, raw[gname][0], raw_dtype=raw[gname][1])
             continue
-        w.add_tensor(converter_name(name), gguf.quants.quantize(data, kind) if kind != Q.F32 else data,
-                     raw_dtype=kind)
+        w.add_tensor(gname, gguf.quants.quantize(data, kind) if kind != Q.F32 else data, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

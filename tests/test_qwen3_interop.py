@@ -34,6 +34,7 @@ from handgrad.models.decode import generate  # noqa: E402
 from handgrad.models.llama import Llama, num_params  # noqa: E402
 
 from helpers import env_without, tokenizer_files  # noqa: E402
+from test_gguf import write_like_llama_cpp  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 V, C, H, NH, NKV, HD = 100, 48, 64, 4, 2, 16
@@ -126,41 +127,6 @@ def test_a_handgrad_qwen3_loads_in_transformers_with_handgrad_logits(tmp_path):
 
 
 # ---------------------------------------------------------------- GGUF
-def write_like_llama_cpp(path, hf_model, arch="qwen3", qtype=Q.F32, extra=None, value_length=None):
-    """A GGUF file of a transformers Qwen3 as convert_hf_to_gguf.py's Qwen3Model writes one (no
-    tokenizer): TextModel's keys, head_dim as key_length and value_length, gguf's own tensor names,
-    q/k rows as they are (llama.cpp's qwen3 rotates halves)."""
-    cfg = hf_model.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, cfg.num_hidden_layers)
-    w = gguf.GGUFWriter(path, arch)
-    w.add_type("model")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(value_length or cfg.head_dim)
-    for key, value in (extra or {}).items():
-        getattr(w, key)(*value)
-    for name, t in hf_model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        data = t.detach().float().numpy()
-        base, _, suffix = name.rpartition(".")
-        kind = qtype if data.ndim == 2 else Q.F32
-        w.add_tensor(names.get_name(base) + "." + suffix, gguf.quants.quantize(data, kind) if kind != Q.F32 else data,
-                     raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def models():
     return {"untied": _qwen3(False, seed=2), "tied": _qwen3(True, seed=3)}
