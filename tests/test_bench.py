@@ -215,7 +215,7 @@ def test_bench_train_memory_settings_one_side_at_a_time():
     assert all(s["peak_over_steps_only"] for s in row["sides"].values()) == sys.platform.startswith("linux")
     assert row["sides"]["pytorch"]["numba_compiles"] is None
     assert all(isinstance(row["sides"][s]["numba_compiles"], int) for s in ("handgrad", "handgrad-full"))
-    # a side that compiled during its steps (train_worker._count_compiles) is named under the row
+    # a side that compiled during its steps (compile_watch() read around them) is named under the row
     row["sides"]["handgrad"]["numba_compiles"], row["sides"]["handgrad-full"]["numba_compiles"] = 3, 0
     assert ("Numba compiled kernels during the steps of handgrad (3): a cold cache, whose compiler's memory is in "
             "that peak RSS; run again for the steady state") in bench_train.format_row(row)
@@ -227,10 +227,11 @@ def test_bench_train_memory_settings_one_side_at_a_time():
 
 
 def test_numba_compilations_are_counted():
-    """A worker's count of Numba compilations grows with each one (a kernel the cache holds is loaded,
-    not compiled); the memory-settings test above checks what the row then says."""
+    """The process's compile watch, whose count a worker reads before and after its steps, grows with
+    each Numba compilation (a kernel the cache holds is loaded, not compiled); the memory-settings test
+    above checks what the row then says."""
     import numba
-    from handgrad.bench.train_worker import _count_compiles
-    compiled = _count_compiles()
+    from handgrad.backends.cpu.compiles import compile_watch
+    before = compile_watch().count
     numba.njit(cache=False)(lambda x: x + 1)(2)
-    assert len(compiled) == 1
+    assert compile_watch().count - before == 1

@@ -15,7 +15,7 @@ def format_row(r):
         lines.append(f"  {name:<15} {s['tok_s']:>9.1f} {s['step_ms']:>9.1f} {s['gflops']:>8.1f} {mfu:>6} "
                      f"{_mib(s['peak_rss_mib']):>10} {_mib(s['baseline_rss_mib']):>10}")
     cold = [f"{name} ({s['numba_compiles']})" for name, s in r["sides"].items() if s.get("numba_compiles")]
-    if cold:  # train_worker._count_compiles
+    if cold:  # compilations during the steps, as the worker counted them (compiles.compile_watch)
         lines.append(f"  Numba compiled kernels during the steps of {', '.join(cold)}: a cold cache, whose compiler's "
                      f"memory is in that peak RSS; run again for the steady state")
     mem = f"{r['ratio_peak_rss']:.2f}x" if "ratio_peak_rss" in r else "?"
