@@ -59,16 +59,16 @@ class KVCache:
     layers (the methods under "what a family provides", which raise NotImplementedError here) and is
     its model's KV_CACHE.
 
-    k, v: (L, B, heads, length, hs), (heads, hs) the family's kv_shape (kv_heads, where given, the
-    heads); positions [0, n) are filled. `length` is block_size unless the caller knows the sequence
-    stays shorter (generate passes T0 + max_new_tokens - 1). dtype: the weights the products read
+    k, v: (L, B, heads, length, hs), (heads, hs) the family's kv_shape; positions [0, n) are filled.
+    `length` is block_size unless the caller knows the sequence stays shorter (generate passes
+    T0 + max_new_tokens - 1). dtype: the weights the products read
     (DTYPES; bfloat16: bf16 copies made here, or taken from `share`, another cache of the same model
     and dtype, as serve's engine shares them between its two). `keep` is how many of the newest
     tokens are re-prefilled when the window is full (see the module docstring). `prefills` and
     `steps` count the calls, so tests can see how each logit was made.
     """
 
-    def __init__(self, model, B, length=None, kv_heads=None, dtype="float32", share=None):
+    def __init__(self, model, B, length=None, dtype="float32", share=None):
         cfg = model.config
         self.model, self.ops = model, model.ops
         if dtype not in DTYPES:
@@ -93,7 +93,6 @@ class KVCache:
             raise ValueError(f"length must be in [1, {cfg.block_size}] (block_size), got {length}")
         self.keep = max(1, cfg.block_size // 2)
         heads, hs = self.kv_shape(cfg)  # a grouped-query family caches fewer heads than it queries
-        heads = heads if kv_heads is None else kv_heads
         self.heads, self.hs, self.capacity = heads, hs, B * Tmax  # capacity: rows x positions
         self._k = self.ops.zeros((self.L * B * heads * Tmax * hs,))
         self._v = self.ops.zeros((self.L * B * heads * Tmax * hs,))

@@ -303,7 +303,7 @@ class Llama(FlatModel):
         r says where each buffer is, which weights the products read (float32 or their bf16 copies),
         the adapters beside each product, dropout (training only) and the attention: RoPE and the
         causal attention over the block's own q, k, v in training, over the cache in decoding."""
-        ops, c, h = self.ops, self.config, f"model.layers.{l}."
+        ops, h = self.ops, f"model.layers.{l}."
         self.qkv_half(r, l, x)
         y = r.attend(l)  # o_proj's input
         ops.linear_forward(r.proj, y, r.w[h + "self_attn.o_proj.weight"].T)
@@ -534,10 +534,9 @@ class LlamaKVCache(KVCache):
 
     def __init__(self, model, B, length=None, dtype="float32", share=None):
         c = model.config
-        self.NKV, self.hs, self.H = c.n_kv_head, c.head_dim, c.ffn_hidden
         self.fp = model.fp  # the fused q/k/v and gate/up matrices (bf16 copies: _bf16_params)
         self._layers = None  # _decode_blocks' weight views, made on its first call
-        super().__init__(model, B, length, kv_heads=c.n_kv_head, dtype=dtype, share=share)
+        super().__init__(model, B, length, dtype=dtype, share=share)
         # op by op: adapters (each product's beside it), Qwen3's qk_norm (not in the fused kernel), the gpu
         self.fused = self.fused and not self.adapters and not c.qk_norm and model.backend == "cpu"
 
