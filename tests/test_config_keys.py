@@ -22,6 +22,11 @@ def _help(*args):
     return e
 
 
+def joined(text):
+    """Help text as one line: argparse's lines joined, a word it broke after a hyphen made whole again."""
+    return " ".join(re.sub(r"(?<=\w-)\n\s*", "", text).split())
+
+
 @pytest.fixture(scope="module")
 def train_help():
     import contextlib
@@ -29,7 +34,7 @@ def train_help():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         _help()
-    return " ".join(out.getvalue().split())
+    return joined(out.getvalue())
 
 
 def test_every_key_has_one_line_and_no_line_names_a_lost_key():
@@ -71,15 +76,17 @@ def test_train_help_shows_every_key_with_its_description_and_default(train_help)
         line = " ".join(help_line(section, name, default).split())
         assert f"--{section}.{name} V {line}" in train_help, f"{section}.{name}"
     assert "--train.lora_targets V Comma-separated linears" in train_help
-    assert 'Default "": every linear (gpt2: c_attn,c_proj,c_fc,mlp.c_proj; llama: q,k,v,o,gate,up,down)' in train_help
+    assert ('Default "": every linear (gpt2: c_attn,c_proj,c_fc,mlp.c_proj; llama: q,k,v,o,gate,up,down; '
+            'gemma3: q,k,v,o,gate,up,down)') in train_help
     assert "Default 0: the data's vocab_size" in train_help and "Default 0: n_head (no grouping)" in train_help
     assert "Default 0.0: 2 x lora_rank" in train_help and "Default 0: the libraries' own (every core)" in train_help
-    assert "--model.n_kv_head V (llama only) Key/value heads" in train_help
+    assert "--model.n_kv_head V (llama and gemma3 only) Key/value heads" in train_help
+    assert "--model.sliding_window V (gemma3 only) A local layer's window" in train_help
 
 
 def test_a_presets_value_drops_what_the_default_meant(capsys):
     _help("--preset", "llama-char")
-    out = " ".join(capsys.readouterr().out.split())
+    out = joined(capsys.readouterr().out)
     line = help_line("model", "n_kv_head", 2)
     assert line.endswith(". Default 2") and f"--model.n_kv_head V {' '.join(line.split())} --model.ffn_hidden" in out
     assert "Default 0: the data's vocab_size" in out  # the preset leaves it at the default

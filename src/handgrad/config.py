@@ -100,6 +100,72 @@ class LlamaConfig:
 
 
 @dataclass(frozen=True)
+class Gemma3Config:
+    """A Gemma 3 text architecture: Llama's block with RMSNorms that scale by (1 + w) before and after
+    both halves (four a block), q/k norms, a tanh-GELU gated MLP (GeGLU), embeddings scaled by
+    sqrt(n_embd) and tied to the lm_head, attention scaled by query_pre_attn_scalar ** -0.5, and
+    local layers (causal attention inside a window of sliding_window positions, RoPE base
+    rope_local_base_freq) between global ones (full causal attention, rope_theta): layer l is global
+    where (l + 1) % sliding_window_pattern == 0, transformers' default layer_types."""
+
+    block_size: int = 2048
+    vocab_size: int = 262144
+    n_layer: int = 18
+    n_head: int = 4
+    n_embd: int = 640
+    n_kv_head: int = 1
+    ffn_hidden: int = 2048  # width of the GeGLU MLP (gate and up each)
+    head_dim: int = 256  # explicit: Gemma's heads are wider than n_embd / n_head
+    rope_theta: float = 1e6  # the global layers' RoPE base
+    rope_local_base_freq: float = 10000.0  # the local layers' RoPE base
+    norm_eps: float = 1e-6
+    sliding_window: int = 512  # a local layer's query attends its own and the sliding_window - 1 positions before it
+    sliding_window_pattern: int = 6  # every sliding_window_pattern-th layer is global
+    query_pre_attn_scalar: float = 256.0  # the attention scores are q.k * query_pre_attn_scalar ** -0.5
+    final_logit_softcapping: float = 0.0  # logits <- cap tanh(logits / cap); 0: none
+
+    # what Llama's code reads of a config, fixed for Gemma 3
+    tie_embeddings = True
+    qkv_bias = False
+    qk_norm = True
+    rope_scaling = None
+
+    def __post_init__(self):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden", "head_dim",
+                     "sliding_window", "sliding_window_pattern"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"model.{name} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"model.{name} must be positive, got {value}")
+        _check_heads(self.n_embd, self.n_head)  # as transformers' Gemma3TextConfig checks, though head_dim is its own
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head "
+                             f"({self.n_kv_head}); pick n_kv_head from the divisors of n_head")
+        if self.head_dim % 2:
+            raise ValueError(f"model.head_dim = {self.head_dim} must be even (RoPE rotates pairs); pick another head_dim")
+        for name in ("rope_theta", "rope_local_base_freq", "norm_eps", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"model.{name} must be a positive number, got {value!r}")
+        if isinstance(self.final_logit_softcapping, bool) or not (
+                isinstance(self.final_logit_softcapping, (int, float)) and self.final_logit_softcapping >= 0):
+            raise ValueError(f"model.final_logit_softcapping must be >= 0 (0: none), got {self.final_logit_softcapping!r}")
+
+    def is_global(self, l):
+        """Whether layer l attends over every earlier position (else within sliding_window)."""
+        return (l + 1) % self.sliding_window_pattern == 0
+
+    @property
+    def layer_types(self):
+        """transformers' layer_types: "full_attention" or "sliding_attention" per layer."""
+        return ["full_attention" if self.is_global(l) else "sliding_attention" for l in range(self.n_layer)]
+
+    def to_dict(self):
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class LoRAConfig:
     """LoRA fine-tuning (train.lora_*): rank-r adapters y = x W + (alpha / r) dropout(x) A B on the
     `targets` linears of every block (the family's short names: models/gpt2.py, models/llama.py),
@@ -156,6 +222,11 @@ class ModelSection:
     head_dim: int = 0
     qk_norm: bool = False
     dropout: float = 0.0
+    sliding_window: int = 512
+    sliding_window_pattern: int = 6
+    query_pre_attn_scalar: float = 0.0
+    rope_local_base_freq: float = 10000.0
+    final_logit_softcapping: float = 0.0
 
 
 @dataclass
@@ -200,13 +271,18 @@ class TrainSection:
 
 
 SECTIONS = {"model": ModelSection, "train": TrainSection}
-ARCHS = ("gpt2", "llama")  # the model families' names, as handgrad.models.FAMILIES lists them (a test checks)
+ARCHS = ("gpt2", "llama", "gemma3")  # the model families' names, as handgrad.models.FAMILIES lists them (a test checks)
 # model.* keys each family has (the rest is the other family's: given explicitly, an error)
+_GEMMA3_ONLY = ("sliding_window", "sliding_window_pattern", "query_pre_attn_scalar", "rope_local_base_freq",
+                "final_logit_softcapping")
 ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout"),
-             "llama": tuple(f.name for f in fields(ModelSection))}
+             "llama": tuple(f.name for f in fields(ModelSection) if f.name not in _GEMMA3_ONLY),
+             "gemma3": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_kv_head", "ffn_hidden",
+                        "head_dim", "rope_theta", "norm_eps") + _GEMMA3_ONLY}
 # the keys that take one of a few words: checked at load time, listed by `handgrad train --help`
 # train.lora_targets' names per family, in block order (models/gpt2.py and models/llama.py map them to modules)
-LORA_TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc", "mlp.c_proj"), "llama": ("q", "k", "v", "o", "gate", "up", "down")}
+LORA_TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc", "mlp.c_proj"), "llama": ("q", "k", "v", "o", "gate", "up", "down"),
+                "gemma3": ("q", "k", "v", "o", "gate", "up", "down")}
 CHOICES = {"model.arch": ARCHS, "train.on_nan": ("stop", "skip"), "train.dtype": ("float32", "bfloat16"),
            "train.log_to": ("none", "tensorboard", "wandb"), "train.recompute": ("none", "block")}
 
@@ -225,7 +301,7 @@ class RunConfig:
         return {"model": model, "train": asdict(self.train)}
 
     def gpt_config(self, vocab_size):
-        """The architecture config of model.arch's family (GPTConfig or LlamaConfig), with the
+        """The architecture config of model.arch's family (GPTConfig, LlamaConfig or Gemma3Config), with the
         data's vocab_size, or model.vocab_size where set (never below the data's)."""
         m = self.model
         if m.vocab_size and m.vocab_size < vocab_size:
@@ -237,6 +313,12 @@ class RunConfig:
             keys = {k: getattr(m, k) for k in ARCH_KEYS["llama"] if k not in ("arch", "dropout")}
             return LlamaConfig(**dict(keys, vocab_size=vocab_size, n_kv_head=m.n_kv_head or m.n_head,
                                       ffn_hidden=m.ffn_hidden or default_ffn_hidden(m.n_embd)))
+        if m.arch == "gemma3":  # n_kv_head, ffn_hidden, head_dim and query_pre_attn_scalar: 0 stands for something
+            keys = {k: getattr(m, k) for k in ARCH_KEYS["gemma3"] if k != "arch"}
+            head_dim = m.head_dim or (m.n_embd // m.n_head)
+            return Gemma3Config(**dict(keys, vocab_size=vocab_size, n_kv_head=m.n_kv_head or m.n_head,
+                                       head_dim=head_dim, ffn_hidden=m.ffn_hidden or default_ffn_hidden(m.n_embd),
+                                       query_pre_attn_scalar=m.query_pre_attn_scalar or float(head_dim)))
         return GPTConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer,
                          n_head=m.n_head, n_embd=m.n_embd)
 
@@ -367,7 +449,7 @@ def validate_run_config(config):
         raise ConfigError(f"model.arch: unknown architecture {m.arch!r}; choose from {', '.join(ARCHS)}")
     foreign = sorted(config.given - set(ARCH_KEYS[m.arch]))
     if foreign:
-        raise ConfigError(f"model.{foreign[0]}: has no meaning for model.arch {m.arch} (it is the other family's); "
+        raise ConfigError(f"model.{foreign[0]}: has no meaning for model.arch {m.arch} (it is another family's); "
                           f"drop it, or set model.arch")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         if getattr(m, key) <= 0:

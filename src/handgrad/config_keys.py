@@ -17,7 +17,7 @@ KEYS = {
     "model": {
         "arch": "Model family (handgrad.models); with --init-from, the model's",
         "n_layer": "Transformer blocks",
-        "n_head": "Attention heads (llama: query heads); must divide n_embd",
+        "n_head": "Attention heads (llama, gemma3: query heads); must divide n_embd",
         "n_embd": "Width of the residual stream",
         "block_size": "Context length in tokens: the longest sequence the model takes, and training's T",
         "vocab_size": ("Rows of the embedding and the logits; more than the data's pads them (Qwen2: 151,936 "
@@ -25,7 +25,7 @@ KEYS = {
                        "the data's vocab_size (with --init-from, the model's)"),
         "n_kv_head": ("Key/value heads of grouped-query attention; must divide n_head (1: multi-query)",
                       "n_head (no grouping)"),
-        "ffn_hidden": ("Width of the SwiGLU MLP (its gate and up projections each)",
+        "ffn_hidden": ("Width of the gated MLP, SwiGLU (gemma3: GeGLU): its gate and up projections each",
                        f"the multiple of 64 nearest 8/3 x n_embd ({default_ffn_hidden(64)} at n_embd 64)"),
         "rope_theta": "Base of the rotary position embedding's frequencies (RoPE's theta)",
         "norm_eps": "RMSNorm's epsilon",
@@ -38,11 +38,19 @@ KEYS = {
         "rope_high_freq_factor": "Llama 3.x's RoPE scaling: high_freq_factor, above rope_low_freq_factor",
         "rope_original_max_position_embeddings": "Llama 3.x's RoPE scaling: the context length the model was "
                                                  "pretrained at, before the scaling",
-        "head_dim": ("Width of one attention head (Qwen3: 128, with q's width n_head x head_dim not n_embd)",
+        "head_dim": ("Width of one attention head (Qwen3: 128, Gemma 3: 256, with q's width n_head x head_dim not "
+                     "n_embd)",
                      "n_embd / n_head"),
         "qk_norm": "An RMSNorm over each head's q and k after their projections, before RoPE (Qwen3)",
         "dropout": ("Training only: dropout on the attention probabilities, each residual branch and the "
                     "embeddings, as nanoGPT's", "no dropout"),
+        "sliding_window": "A local layer's window: a query attends its own position and the sliding_window - 1 "
+                          "before it",
+        "sliding_window_pattern": "Every sliding_window_pattern-th layer is global (full causal attention, "
+                                  "rope_theta); the others are local (the window, rope_local_base_freq)",
+        "query_pre_attn_scalar": ("The attention scores are q.k x query_pre_attn_scalar ** -0.5", "head_dim"),
+        "rope_local_base_freq": "RoPE's base in the local (sliding-window) layers",
+        "final_logit_softcapping": ("The logits as cap x tanh(logits / cap)", "no softcapping"),
     },
     "train": {
         "batch_size": "Sequences per micro-batch",

@@ -61,3 +61,13 @@ RUN_PRESETS["qwen3-0.6b"] = {
     "train": dict(RUN_PRESETS["qwen2.5-0.5b"]["train"])}
 RUN_PRESETS["qwen3-1.7b"] = {"model": dict(RUN_PRESETS["qwen3-0.6b"]["model"], n_embd=2048, ffn_hidden=6144),
                              "train": dict(RUN_PRESETS["qwen2.5-0.5b"]["train"])}
+# google/gemma-3-270m's shape (a 262,144-token vocabulary under 18 narrow layers; heads 256 wide, one kv head,
+# local layers with a 512-token window, every sixth global; context 32768), trained at block 1024;
+# google/gemma-3-1b-pt's is the same pattern at its widths and depth
+RUN_PRESETS["gemma3-270m"] = {
+    "model": dict(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_kv_head=1, head_dim=256, ffn_hidden=2048,
+                  vocab_size=262144, rope_theta=1e6, rope_local_base_freq=10000.0, norm_eps=1e-6, sliding_window=512,
+                  sliding_window_pattern=6, query_pre_attn_scalar=256.0, block_size=1024),
+    "train": dict(RUN_PRESETS["qwen2.5-0.5b"]["train"])}
+RUN_PRESETS["gemma3-1b"] = {"model": dict(RUN_PRESETS["gemma3-270m"]["model"], n_layer=26, n_embd=1152, ffn_hidden=6912),
+                            "train": dict(RUN_PRESETS["qwen2.5-0.5b"]["train"])}

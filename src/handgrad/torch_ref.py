@@ -1,5 +1,5 @@
 """PyTorch references: each op as the plain torch expression, a GPT-2 with the same weights, and
-transformers' own Llama/Qwen2 classes for the Llama family.
+transformers' own Llama/Qwen2/Qwen3 classes for the Llama family and Gemma3's for Gemma 3.
 
 Used by `handgrad verify`, the tests and the benchmarks. Needs torch (the `test` extra).
 """
@@ -8,7 +8,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from .config import Gemma3Config
 from .models.gpt2 import param_spec
+from .models.gemma3 import Gemma3, param_spec as gemma3_param_spec
 from .models.llama import Llama, param_spec as llama_param_spec
 from .models.lora import initial_adapters, split_spec
 
@@ -147,6 +149,17 @@ def swiglu(gu):
     return F.silu(gate) * up
 
 
+def geglu(gu):
+    """gelu_tanh(gate) * up (Gemma's MLP), gu = [gate | up] on the last axis: (B, T, 2H) -> (B, T, H)."""
+    gate, up = gu.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def softcap(logits, cap):
+    """Gemma's final-logit softcapping, as transformers writes it: cap * tanh(logits / cap)."""
+    return torch.tanh(logits / cap) * cap
+
+
 @contextmanager
 def quiet_transformers():
     """transformers' progress bars ("Loading weights", "Writing model shards", and huggingface_hub's
@@ -192,15 +205,34 @@ def hf_llama(config, dtype=torch.float32, attn_implementation="eager"):
     return model.to(dtype)
 
 
+def hf_gemma3(config, dtype=torch.float32, attn_implementation="eager"):
+    """transformers' Gemma3ForCausalLM for a handgrad Gemma3Config, randomly initialised: load
+    handgrad's state_dict into it."""
+    import transformers
+    with quiet_transformers():
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.ffn_hidden,
+            num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_head,
+            head_dim=config.head_dim, max_position_embeddings=config.block_size, rms_norm_eps=config.norm_eps,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": config.rope_theta},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": config.rope_local_base_freq}},
+            sliding_window=config.sliding_window, layer_types=config.layer_types,
+            query_pre_attn_scalar=int(config.query_pre_attn_scalar),  # transformers' field is an int
+            final_logit_softcapping=config.final_logit_softcapping or None, attn_logit_softcapping=None,
+            tie_word_embeddings=True, attn_implementation=attn_implementation, hidden_activation="gelu_pytorch_tanh"))
+    return model.to(dtype)
+
+
 class TorchLlama(torch.nn.Module):
-    """transformers' own Llama (or Qwen2) with handgrad's call signature: model(idx, targets) ->
-    (logits, mean loss over targets != -1, no shift), grads_numpy() and adamw() under handgrad's
-    names (tied weights: lm_head.weight is embed_tokens, not listed twice)."""
+    """transformers' own Llama (or Qwen2, Qwen3; Gemma3 for a Gemma3Config) with handgrad's call
+    signature: model(idx, targets) -> (logits, mean loss over targets != -1, no shift), grads_numpy()
+    and adamw() under handgrad's names (tied weights: lm_head.weight is embed_tokens, not listed twice)."""
 
     def __init__(self, config, dtype=torch.float32, attn_implementation="eager"):
         super().__init__()
-        self.config, self.hf = config, hf_llama(config, dtype, attn_implementation)
-        self.names = [n for n, _ in llama_param_spec(config)]
+        gemma = isinstance(config, Gemma3Config)
+        self.config, self.hf = config, (hf_gemma3 if gemma else hf_llama)(config, dtype, attn_implementation)
+        self.names = [n for n, _ in (gemma3_param_spec if gemma else llama_param_spec)(config)]
 
     def __getitem__(self, name):
         return self.hf.get_parameter(name)
@@ -219,10 +251,11 @@ class TorchLlama(torch.nn.Module):
         adapters set to handgrad's initial ones for `seed` (models/lora.py's initial_adapters), so
         both start from the same point. Returns the trained parameters (the adapters)."""
         import peft
-        _, _, blocks = split_spec(Llama, self.config, lora)
+        family = Gemma3 if isinstance(self.config, Gemma3Config) else Llama
+        _, _, blocks = split_spec(family, self.config, lora)
         self.hf = peft.get_peft_model(self.hf, peft.LoraConfig(
             r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, bias="none",
-            target_modules=[Llama.LORA_MODULES[n][0] for n in lora.targets]))
+            target_modules=[family.LORA_MODULES[n][0] for n in lora.targets]))
         with torch.no_grad():
             for name, value in initial_adapters(blocks, lora.rank, seed).items():
                 self.hf.get_parameter("base_model.model." + name.replace(".weight", ".default.weight")).copy_(
@@ -240,18 +273,31 @@ def rope(x, cos, sin, n_head, offset=0):
     return y.transpose(1, 2).reshape(B, T, C)
 
 
-def gqa_attention(qkv, n_head, n_kv_head, keep=None, p=0.0):
+def gqa_attention(qkv, n_head, n_kv_head, keep=None, p=0.0, window=0, scale=None):
     """Causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs): q heads, then k, then v;
     query head h reads kv head h // (NH // NKV), k and v repeated as transformers' repeat_kv.
-    keep (B, NH, T, T) bool: the probabilities dropped, P * keep / (1 - p) (an explicit softmax)."""
+    keep (B, NH, T, T) bool: the probabilities dropped, P * keep / (1 - p) (an explicit softmax).
+    window > 0: query t attends keys s with t - window < s <= t only (transformers'
+    sliding_window_overlay and its causal mask); scale: scores q . k * scale (None: 1/sqrt(hs))."""
     B, T, W = qkv.shape
     hs = W // (n_head + 2 * n_kv_head)
     q, k, v = qkv.split([n_head * hs, n_kv_head * hs, n_kv_head * hs], dim=2)
     q, k, v = (t.reshape(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))
     g = n_head // n_kv_head
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    if keep is None:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if window == 0 and scale is None:
+        att = None if keep is None else causal_softmax(q, k)
     else:
-        y = torch.where(keep, causal_softmax(q, k) / (1 - p), 0.0) @ v
+        q_idx, kv_idx = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)[None, :]
+        mask = kv_idx <= q_idx
+        if window > 0:
+            mask = mask & (kv_idx > q_idx - window)
+        att = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(hs) if scale is None else scale)
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    if att is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    elif keep is None:
+        y = att @ v
+    else:
+        y = torch.where(keep, att / (1 - p), 0.0) @ v
     return y.transpose(1, 2).reshape(B, T, n_head * hs)

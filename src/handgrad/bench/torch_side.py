@@ -16,6 +16,7 @@ def reference_model(family, config, fast):
     from ..torch_ref import TorchGPT, TorchLlama, torch
     models = {"gpt2": lambda: TorchGPT(config, torch.float32, fast=fast),
               "llama": lambda: TorchLlama(config, torch.float32, attn_implementation="sdpa" if fast else "eager")}
+    models["gemma3"] = models["llama"]  # TorchLlama holds transformers' Gemma3ForCausalLM for a Gemma3Config
     return models[family.arch]()
 
 

@@ -40,6 +40,7 @@ SHAPES = {
     "qwen2.5-0.5b": dict(preset="qwen2.5-0.5b", vocab_size=151936, batch_size=4, T=1024),
     "qwen3-0.6b": dict(preset="qwen3-0.6b", vocab_size=151936, batch_size=4, T=1024),
     "llama3.2-1b": dict(preset="llama3.2-1b", vocab_size=128256, batch_size=1, T=2048),
+    "gemma3-270m": dict(preset="gemma3-270m", vocab_size=262144, batch_size=4, T=512),
 }
 
 
@@ -105,14 +106,14 @@ def worker_spec(name, lora_rank=None, dtype="float32", recompute="none", loss_ch
             "batch_size": shape["batch_size"], "T": shape["T"], "seed": t.seed,
             "train": {"lr": t.lr, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
                       "grad_clip": t.grad_clip}, "dtype": dtype, "recompute": recompute, "loss_chunk": loss_chunk}
-    if recompute == "block" and rc.model.arch != "llama":
+    if recompute == "block" and rc.model.arch == "gpt2":
         raise SystemExit(f"bench train --recompute block: {name} is a GPT-2 shape; the PyTorch side's gradient "
-                         f"checkpointing is transformers' Llama's (llama-char, llama-mid, smollm2-135m, ...)")
+                         f"checkpointing is transformers' (llama-char, llama-mid, smollm2-135m, gemma3-270m, ...)")
     if lora_rank:  # every linear of every block, PEFT's usual alpha = 2 r
-        if rc.model.arch != "llama":
+        if rc.model.arch == "gpt2":
             raise SystemExit(f"bench train --lora: {name} is a GPT-2 shape; the LoRA rows compare against PEFT on "
-                             f"transformers' Llama (llama-char, llama-mid, smollm2-135m)")
-        spec["lora"] = {"rank": lora_rank, "alpha": 2.0 * lora_rank, "targets": list(LORA_TARGETS["llama"])}
+                             f"transformers' classes (llama-char, llama-mid, smollm2-135m, gemma3-270m, ...)")
+        spec["lora"] = {"rank": lora_rank, "alpha": 2.0 * lora_rank, "targets": list(LORA_TARGETS[rc.model.arch])}
     return spec
 
 

@@ -1,10 +1,10 @@
-"""Model families, by `model.arch`. Each is one module (gpt2.py, llama.py); family.py says what a family
+"""Model families, by `model.arch`. Each is one module (gpt2.py, llama.py, gemma3.py); family.py says what a family
 provides and holds what they share; decode.py is the KV-cache decoding and sampling they share."""
-from . import gpt2, llama
+from . import gemma3, gpt2, llama
 from .family import Family
 
 
-FAMILIES = {f.arch: f for f in (gpt2.FAMILY, llama.FAMILY)}
+FAMILIES = {f.arch: f for f in (gpt2.FAMILY, llama.FAMILY, gemma3.FAMILY)}
 
 
 def get_family(arch) -> Family:
@@ -15,7 +15,7 @@ def get_family(arch) -> Family:
 
 
 def family_of(config) -> Family:
-    """The family whose architecture config `config` is (a GPTConfig or a LlamaConfig)."""
+    """The family whose architecture config `config` is (a GPTConfig, LlamaConfig or Gemma3Config)."""
     for family in FAMILIES.values():
         if isinstance(config, family.config):
             return family

@@ -247,6 +247,9 @@ class KVCache:
                                .reshape((B, T, w) if w > 1 else (B, T)) for name, w in widths.items()})
         self._final_norm(h, x)
         self.ops.linear_forward(h.logits, h.norm, self._head_w.T)
+        cap = getattr(self.model.config, "final_logit_softcapping", 0.0)
+        if cap:  # Gemma's: logits <- cap tanh(logits / cap)
+            self.ops.softcap_forward(h.logits, cap)
         return self.ops.to_numpy(h.logits)  # cpu: a view; gpu: the one host copy per call
 
     def prefill(self, idx):

@@ -46,7 +46,18 @@ class Head:
         transposed view), None where W is frozen."""
         a.head, a.head_dx = (x, W, dW), False
         if not a.chunked:
-            self.ops.linear_forward(a.logits, x, W)
+            self._logits(a.logits, x, W)
+
+    def _logits(self, out, x, W):
+        """out = x @ W, softcapped in place where the family's config sets final_logit_softcapping
+        (Gemma: cap tanh(z / cap); the cross-entropy's backward takes the cap back out)."""
+        self.ops.linear_forward(out, x, W)
+        if self.softcap:
+            self.ops.softcap_forward(out, self.softcap)
+
+    @property
+    def softcap(self):
+        return getattr(self.config, "final_logit_softcapping", 0.0)
 
     def head_loss(self, a, grad=False):
         """The mean loss over the non-ignored targets, as the backend's scalar; keeps each row's loss
@@ -59,7 +70,7 @@ class Head:
         if a.head_dx:  # dloss = 1/n depends on the targets alone: known before any loss
             a.dloss = self.ops.crossentropy_mean(a.losses, a.targets)[1]
         for r0, r1, logits in self.head_chunks(a):
-            self.ops.linear_forward(logits, row_range(x, r0, r1), W)
+            self._logits(logits, row_range(x, r0, r1), W)
             self.ops.crossentropy_forward(row_range(a.losses, r0, r1), row_range(a.lse, r0, r1), logits,
                                           row_range(a.targets, r0, r1))
             if a.head_dx:
@@ -74,7 +85,7 @@ class Head:
         out = np.empty((a.B * a.T, self.config.vocab_size), np.float32)
         x, W, _ = a.head
         for r0, r1, logits in self.head_chunks(a):
-            self.ops.linear_forward(logits, row_range(x, r0, r1), W)
+            self._logits(logits, row_range(x, r0, r1), W)
             out[r0:r1] = self._float32(logits)[0]
         return out.reshape(a.B, a.T, -1)
 
@@ -96,25 +107,32 @@ class Head:
         so z_R = x_R @ W is formed again, dlogits_R = (exp(z_R - lse_R) - onehot(y_R)) * dloss,
         dx_R = dlogits_R @ W^T, and dW += x_R^T @ dlogits_R sums over R to x^T @ dlogits. Where
         head_loss formed dx already (the same kernels on the same z_R: the same bits), it is copied
-        (or is dx itself: the families' dhead is their dx buffer)."""
+        (or is dx itself: the families' dhead is their dx buffer). Softcapped logits z' = cap tanh(z / cap)
+        (Gemma's final_logit_softcapping): the cross-entropy's backward reads z' and multiplies its
+        gradient by dz'/dz = 1 - (z' / cap)^2 as it writes it, so dlogits is the uncapped logits'."""
         x, W, dW = a.head
         if not a.chunked:
-            self.ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets)  # in place
+            self.ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets, **self._cap())  # in place
             self.ops.linear_backward(dx, dW, None, a.logits, x, W, acc)
         elif a.head_dx:
             if dx is not a.dhead:
                 dx[...] = a.dhead
         else:
             for r0, r1, logits in self.head_chunks(a):
-                self.ops.linear_forward(logits, row_range(x, r0, r1), W)
+                self._logits(logits, row_range(x, r0, r1), W)
                 self._chunk_backward(a, r0, r1, logits, dx, dW, acc or r0 > 0)
 
     def _chunk_backward(self, a, r0, r1, logits, dx, dW, acc):
         """Rows r0:r1 of dx, and their part of dW, from the chunk's logits z_R (overwritten by
         their gradient)."""
-        self.ops.crossentropy_backward(logits, logits, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1), a.dloss)
+        self.ops.crossentropy_backward(logits, logits, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1), a.dloss,
+                                       **self._cap())
         self.ops.linear_backward(row_range(dx, r0, r1), dW, None, logits, row_range(a.head[0], r0, r1), a.head[1],
                                  acc)
+
+    def _cap(self):
+        """The cross-entropy backward's softcap keyword: only where the logits are capped."""
+        return {"softcap": self.softcap} if self.softcap else {}
 
     @staticmethod
     def head_chunks(a):

@@ -268,6 +268,15 @@ class Llama(FlatModel):
                                                               ("gu", "mlp.gate_proj.weight", "mlp.up_proj.weight"))})
         self.lm_head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
 
+    def rope(self, l):
+        """Block l's RoPE tables (cos, sin): one pair for every block of a Llama."""
+        return self.cos, self.sin
+
+    def attention_shape(self, l):
+        """Block l's attention beyond plain causal, as the attention ops' keywords (window, scale):
+        none for a Llama."""
+        return {}
+
     def _grad_buckets(self):
         """Gradient ranges in the order backward() finishes them: the final norm (and an untied
         lm_head), blocks L-1 .. 0, then embed_tokens."""
@@ -285,7 +294,7 @@ class Llama(FlatModel):
         ops, p, w, c = self.ops, self.p, self.p16, self.config  # w: the products' weights
         ops.encoder_forward(a.encoded, a.idx, p["model.embed_tokens.weight"])
         self.drop(a.encoded, -1, self.SITE_EMBED)
-        x, r = a.encoded, LlamaTraining(self, a)
+        x, r = a.encoded, self.TRAINING(self, a)
         for l in range(c.n_layer):
             self.block_forward(r, l, x)
             x = a.res3[l]
@@ -346,7 +355,7 @@ class Llama(FlatModel):
         bf16 products, qkv rotated here (gqa_attention_prepare) and rounded to bf16 in place, through
         its kept copy qkv16 (which the backward widens) or under recompute alone (formed again then),
         and no rope: the forward and the backward see the same q, k, v."""
-        (qkv, qkv16), rope, c, ops = a.attention_qkv(l), (self.cos, self.sin), self.config, self.ops
+        (qkv, qkv16), rope, c, ops = a.attention_qkv(l), self.rope(l), self.config, self.ops
         if np.dtype(a.products) != np.uint16:
             return qkv, rope
         ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope)
@@ -362,7 +371,7 @@ class Llama(FlatModel):
         the backward needs of them (att's logsumexps, o_proj's input, res2) is kept for every block,
         and their outputs feed nothing the backward reads. In products, a LoRA step's second forward
         is qkv and gate|up only: 0.65 of a block's (qwen2.5-0.5b), without attention's scores."""
-        c, r = self.config, LlamaTraining(self, a)
+        c, r = self.config, self.TRAINING(self, a)
         self.qkv_half(r, l, x)
         qkv, rope = self._attention_input(a, l)
         self.ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope)  # (rope None: rotated already)
@@ -408,7 +417,8 @@ class Llama(FlatModel):
                                 w[h + "mlp.down_proj.weight"].T, acc)
             self.lora_linear_grad(a.dh, dproj, hl, a, l, "down")
             ops.swiglu_backward(a.dgu, a.dh, gu)
-            ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), _t(fg.gu[l]), None,
+            ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), transposed(fg.gu[l]),
+                                        None,
                                         a.dgu, a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[s],
                                         fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
             # attention: res2 = x + drop(o(attn(rope(qkv(rmsnorm(x)))))); dres now holds d res2
@@ -420,12 +430,12 @@ class Llama(FlatModel):
             self.lora_linear_grad(a.datty, dproj, o_in, a, l, "o")
             # dq, dk before RoPE; out: the forward's output where it is kept (the cpu's op does not read it)
             ops.gqa_attention_backward(a.dqkv, a.datty, qkv, a.att[l], NH, NKV, out=y if y16 is None else None,
-                                       rope=(self.cos, self.sin), **self.attention_dropout(l))
+                                       rope=self.rope(l), **self.attention_dropout(l))
             if c.qk_norm:
                 qk_norm_backward(ops, a.dqkv, g.get(h + "self_attn.q_norm.weight"), g.get(h + "self_attn.k_norm.weight"),
                                  a.dqk, a.qk_pre[s], p[h + "self_attn.q_norm.weight"], p[h + "self_attn.k_norm.weight"],
                                  a.rstd_qk[s], c)
-            ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), _t(fg.qkv[l]),
+            ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), transposed(fg.qkv[l]),
                                         fg.qkv_bias[l] if c.qkv_bias else None, self.narrowed(a.dqkv, a.dqkv16), x,
                                         p[h + "input_layernorm.weight"], a.rstd1[s], fw.qkv[l].T, acc,
                                         adapters=self.lora_adapters(a, l, "qkv"))
@@ -436,7 +446,7 @@ class Llama(FlatModel):
         ready(*next(buckets))
 
 
-def _t(x):
+def transposed(x):
     """x.T, or None for a frozen tensor's absent gradient."""
     return None if x is None else x.T
 
@@ -481,7 +491,8 @@ class LlamaTraining(TrainingBlock):
         m, a, c = self.model, self.a, self.model.config
         qkv, rope = m._attention_input(a, l)
         y, y16 = a.o_input(l)
-        m.ops.gqa_attention_forward(y, a.att[l], qkv, c.n_head, c.n_kv_head, rope=rope, **m.attention_dropout(l))
+        m.ops.gqa_attention_forward(y, a.att[l], qkv, c.n_head, c.n_kv_head, rope=rope, **m.attention_dropout(l),
+                                    **m.attention_shape(l))
         return m.narrowed(y, y16)
 
 
@@ -521,7 +532,7 @@ class LlamaDecoding(DecodeBlock):
     def attend(self, l):
         ops, m, s = self.cache.ops, self.cache.model, self.s
         qk = s.qkv[:, :, :self.n_rot * m.config.head_dim]
-        ops.rope_forward(qk, qk, m.cos, m.sin, self.n_rot, self.pos)
+        ops.rope_forward(qk, qk, *m.rope(l), self.n_rot, self.pos)
         self.attend_cache(l, s.atty, s.qkv)
         return s.atty
 
@@ -605,7 +616,7 @@ class LlamaKVCache(KVCache):
         q, kv = c.n_head * c.head_dim, c.n_kv_head * c.head_dim
 
         def attend(l, atty, qkv):
-            ops.gqa_attention_forward(atty, att, qkv, c.n_head, c.n_kv_head)
+            ops.gqa_attention_forward(atty, att, qkv, c.n_head, c.n_kv_head, **self.model.attention_shape(l))
             self.k[l, :, :, :T] = qkv[:, :, q:q + kv].reshape(B, T, c.n_kv_head, c.head_dim).swapaxes(1, 2)
             self.v[l, :, :, :T] = qkv[:, :, q + kv:].reshape(B, T, c.n_kv_head, c.head_dim).swapaxes(1, 2)
         return attend
@@ -614,7 +625,8 @@ class LlamaKVCache(KVCache):
         ops, c = self.ops, self.model.config
 
         def attend(l, atty, qkv):
-            ops.gqa_attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, c.n_head, c.n_kv_head, rows=rows)
+            ops.gqa_attention_decode_forward(atty, qkv, self.k[l], self.v[l], pos, c.n_head, c.n_kv_head, rows=rows,
+                                             **self.model.attention_shape(l))
         return attend
 
     def _attention_state_shape(self, T):
@@ -622,5 +634,6 @@ class LlamaKVCache(KVCache):
 
 
 Llama.KV_CACHE = LlamaKVCache  # defined after the model: its layers read the model's fused views
+Llama.TRAINING = LlamaTraining  # the block's buffers in a training forward (_block_recompute's too)
 
 FAMILY = Family.of(Llama)

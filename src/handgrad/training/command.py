@@ -75,7 +75,7 @@ def pretrained_config(path, config, overrides, data_dir=None):
             raise ConfigError(f"model.block_size: {config.model.block_size} is above the --init-from model's "
                               f"{pre.block_size}; use at most {pre.block_size}")
         config.model.block_size = pre.block_size
-    if arch == "llama":  # RoPE, no table of positions: the run keeps the model's context, whatever it trains on
+    if arch in ("llama", "gemma3"):  # RoPE, no table of positions: the run keeps the model's context, whatever it trains on
         info["context_length"] = info.get("context_length") or pre.block_size
     return config, weights, info
 

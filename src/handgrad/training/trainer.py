@@ -33,6 +33,9 @@ from .tasks import TaskEval
 from .tracking import open_tracker
 
 
+AUTO_LOSS_CHUNK = 1024  # rows of logits at a time where the whole batch's do not fit (and train.loss_chunk is 0)
+
+
 class Trainer:
     """One training run over a prepared data directory, writing into run_dir."""
 
@@ -63,13 +66,29 @@ class Trainer:
         note = get_backend("cpu").bf16_note() if t.dtype == "bfloat16" and backend == "cpu" else None
         if note:  # a CPU with bf16 multiply, without oneDNN: widened
             self.log(note)
-        # count what the run will hold before allocating any of it; refuse what cannot fit
-        memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
-                          self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, config.lora_config(),
-                          loss_chunk=t.loss_chunk, recompute=t.recompute,
-                          sample_tokens=t.sample_tokens if t.sample_interval else 0, eval_tasks=bool(t.eval_tasks))
-        need = check_memory(memory, config, backend, processes=self.dp.local_world_size,
-                            vocab_size=self.gpt_config.vocab_size)
+        # count what the run will hold before allocating any of it; refuse what cannot fit. Where the
+        # whole batch's logits do not fit (a 262,144-token vocabulary's: 4 GiB at B 4, T 1024) and
+        # train.loss_chunk is unset, the loss forms them AUTO_LOSS_CHUNK rows at a time instead
+        memory, need = None, None
+        for chunk in (t.loss_chunk, AUTO_LOSS_CHUNK) if not t.loss_chunk else (t.loss_chunk,):
+            memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
+                              self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, config.lora_config(),
+                              loss_chunk=chunk, recompute=t.recompute,
+                              sample_tokens=t.sample_tokens if t.sample_interval else 0, eval_tasks=bool(t.eval_tasks))
+            try:
+                need = check_memory(memory, config, backend, processes=self.dp.local_world_size,
+                                    vocab_size=self.gpt_config.vocab_size)
+            except TrainError as e:
+                refusal = e if chunk == t.loss_chunk else refusal  # the run as asked: its refusal names what to lower
+                continue
+            if chunk != t.loss_chunk:
+                t.loss_chunk = chunk
+                self.log(f"train.loss_chunk {chunk}: the whole batch's logits ({t.batch_size} x "
+                         f"{config.model.block_size} x {self.gpt_config.vocab_size:,}) do not fit in memory; the loss "
+                         f"forms them {chunk} rows at a time")
+            break
+        else:
+            raise refusal
         self.log(f"memory: {describe(memory)} per process" + (f", {need / 2**30:.2f} GiB on this machine"
                                                              if self.dp.local_world_size > 1 else ""))
         self.task_eval = None  # train.eval_tasks, read and tokenized before anything is allocated

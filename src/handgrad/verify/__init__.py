@@ -10,9 +10,10 @@ import json
 from dataclasses import asdict
 
 
-from ..config import GPTConfig, LlamaConfig
+from ..config import Gemma3Config, GPTConfig, LlamaConfig
 from .common import TOL32, TOL64, Row, compare, ops_for  # noqa: F401  (the tests use them from here)
-from .llama_ops import check_gqa_attention, check_rmsnorm, check_rmsnorm_linear, check_rope, check_swiglu
+from .llama_ops import (check_geglu, check_gqa_attention, check_rmsnorm, check_rmsnorm_linear, check_rope,
+                        check_swiglu)
 from .model import check_model_adamw, check_model_step
 from .ops import (
     check_adamw,
@@ -34,7 +35,7 @@ OP_CHECKS = {
     "layernorm_linear": check_layernorm_linear, "attention": check_attention, "gelu": check_gelu,
     "residual": check_residual, "crossentropy": check_crossentropy, "adamw": check_adamw,
     "rmsnorm": check_rmsnorm, "rmsnorm_linear": check_rmsnorm_linear, "swiglu": check_swiglu,
-    "lora_linear": check_lora_linear, "dropout": check_dropout,
+    "lora_linear": check_lora_linear, "dropout": check_dropout, "geglu": check_geglu,
 }
 
 
@@ -51,6 +52,13 @@ VERIFY_LLAMA = (
     # Qwen3: q/k norms per head, head_dim 32 with q 192 wide over n_embd 96
     LlamaConfig(block_size=32, vocab_size=1000, n_layer=2, n_head=6, n_kv_head=2, n_embd=96, head_dim=32,
                 ffn_hidden=200, qk_norm=True, tie_embeddings=False))
+
+
+# Gemma 3 against transformers' Gemma3ForCausalLM: 6 query heads on 2 kv heads 16 wide over n_embd 72,
+# local layers (a 5-key window under T 17) around a global one, scores scaled by 20 ** -0.5, softcapped logits
+VERIFY_GEMMA3 = Gemma3Config(block_size=32, vocab_size=1000, n_layer=3, n_head=6, n_kv_head=2, n_embd=72, head_dim=16,
+                             ffn_hidden=200, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=20.0,
+                             final_logit_softcapping=30.0)
 
 
 def _has_llama(backend):
@@ -91,9 +99,15 @@ def checks(backend="cpu"):
         out["gqa_attention"] = lambda: (
             check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend)
             + check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend, rope=True, dropout_p=0.1))
+        out["sliding_attention"] = lambda: check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend,
+                                                               rope=True, window=5, scale=0.2)
         out["llama_model"] = lambda: [row for config in VERIFY_LLAMA
                                       for row in (check_model_step(config, B=2, T=17, backend=backend)
                                                   + check_model_adamw(config, B=2, T=17, steps=10, backend=backend))]
+    if hasattr(ops, "geglu_forward"):
+        out["geglu"] = lambda: check_geglu(**shape, H=344, backend=backend)
+        out["gemma3_model"] = lambda: (check_model_step(VERIFY_GEMMA3, B=2, T=17, backend=backend)
+                                       + check_model_adamw(VERIFY_GEMMA3, B=2, T=17, steps=10, backend=backend))
     return out
 
 
@@ -131,6 +145,7 @@ def main(backend="cpu", as_json=False, only=None):
             print("llama checks (against transformers' LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):")
             for config in VERIFY_LLAMA:
                 print(f"  {config}")
+            print(f"gemma3 check (against transformers' Gemma3ForCausalLM):\n  {VERIFY_GEMMA3}")
         print()
         print(f"{'op':<18} {'quantity':<28} {'max abs':>10} {'max rel':>10} {'tol':>8}")
         for r in rows:

@@ -68,6 +68,21 @@ def check_swiglu(B=2, T=5, H=24, dtype=np.float32, seed=0, backend="cpu", scale=
 
 
 
+def check_geglu(B=2, T=5, H=24, dtype=np.float32, seed=0, backend="cpu", scale=2.0):
+    """Gemma's gated MLP activation: gelu_tanh(gate) * up."""
+    ops, rng, tol = ops_for(backend), np.random.default_rng(seed), tol_for(dtype)
+    from .. import torch_ref as R
+    gu, dout = randn(rng, (B, T, 2 * H), dtype, scale), randn(rng, (B, T, H), dtype)
+    out, dgu = np.full((B, T, H), np.nan, dtype), np.full_like(gu, np.nan)  # both overwritten
+    ops.geglu_forward(out, gu)
+    ops.geglu_backward(dgu, dout, gu)
+    tgu = torch64(gu, True)
+    ref = R.geglu(tgu)
+    ref.backward(torch64(dout))
+    return [compare("geglu", "out", out, ref.detach(), tol),
+            compare("geglu", "dgu", dgu, tgu.grad, tol)]
+
+
 def _rope_tables(ops, T, hs, theta):
     """rope_cache's (cos, sin) as host arrays, whichever backend made them."""
     return tuple(c if isinstance(c, np.ndarray) else ops.to_numpy(c) for c in ops.rope_cache(T, hs, theta))
@@ -95,10 +110,11 @@ def check_rope(B=2, T=5, NH=6, NKV=2, hs=16, offset=3, theta=10000.0, dtype=np.f
 
 
 def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, backend="cpu", rope=False,
-                        dropout_p=0.0):
+                        dropout_p=0.0, window=0, scale=None):
     """Grouped-query attention; rope: q and k given before RoPE (`rope=(cos, sin)`, as the model
     trains: the gpu rotates them inside its kernels); dropout_p: the probabilities dropped with the
-    cpu's keep mask (the reference multiplies by the mask itself)."""
+    cpu's keep mask (the reference multiplies by the mask itself); window: a sliding window of that
+    many keys (Gemma 3's local layers); scale: the scores' factor (None: 1 / sqrt(hs))."""
     ops, rng, tol = ops_for(backend), np.random.default_rng(seed), tol_for(dtype)
     import torch
 
@@ -107,17 +123,19 @@ def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, 
     qkv, dout = randn(rng, (B, T, W), dtype), randn(rng, (B, T, NH * hs), dtype)
     tq = torch64(qkv, True)  # before the forward: with rope the cpu op rotates q and k in qkv in place
     kw = {"dropout_p": dropout_p, "seed": 4242} if dropout_p else {}
+    shape = {k: v for k, v in (("window", window), ("scale", scale)) if v}
     if rope:
         kw["rope"] = _rope_tables(ops, T, hs, 1e4)
     out, att = np.empty((B, T, NH * hs), dtype), np.empty(ops.gqa_attention_state_shape(B, NH, T), dtype)
-    ops.gqa_attention_forward(out, att, qkv, NH, NKV, **kw)
+    ops.gqa_attention_forward(out, att, qkv, NH, NKV, **kw, **shape)
     dqkv = np.empty_like(qkv)
-    ops.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out, **kw)
+    ops.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out, **kw, **shape)
     x = torch.cat([R.rope(tq[:, :, :QK], *map(torch64, kw["rope"]), NH + NKV), tq[:, :, QK:]], 2) if rope else tq
     keep = torch.from_numpy(keep_mask((B, NH, T, T), dropout_p, kw["seed"])) if dropout_p else None
-    ref = R.gqa_attention(x, NH, NKV, keep=keep, p=dropout_p)
+    ref = R.gqa_attention(x, NH, NKV, keep=keep, p=dropout_p, **shape)
     ref.backward(torch64(dout))
-    fused = ", ".join(["rope"] * rope + [f"dropout {dropout_p:g}"] * bool(dropout_p))
+    fused = ", ".join(["rope"] * rope + [f"dropout {dropout_p:g}"] * bool(dropout_p)
+                      + [f"window {window}"] * bool(window) + [f"scale {scale:g}"] * bool(scale))
     tag = f" ({fused})" if fused else ""
     return [compare("gqa_attention", "out" + tag, out, ref.detach(), tol),
             compare("gqa_attention", "dqkv" + tag, dqkv, tq.grad, tol)]

@@ -1,9 +1,10 @@
 """Whole models against an independent implementation with the same weights: one step (logits, loss,
 every gradient) and ten AdamW steps. GPT-2 against torch_ref.TorchGPT; the Llama family against
-transformers' own LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
+transformers' own LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM; Gemma 3 against Gemma3ForCausalLM."""
 import numpy as np
 
-from ..config import LlamaConfig
+from ..config import Gemma3Config, LlamaConfig
+from ..models.gemma3 import Gemma3
 from ..models.gpt2 import GPT
 from ..models.llama import Llama
 from ..training.optim import AdamW, clip_scale, grad_norm
@@ -18,15 +19,18 @@ def _model_and_ref(config, seed, backend, loss_chunk=0):
     import torch
 
     from ..torch_ref import TorchGPT, TorchLlama
-    if isinstance(config, LlamaConfig):
-        model = Llama(config, backend=backend, seed=seed, loss_chunk=loss_chunk)
+    if isinstance(config, (LlamaConfig, Gemma3Config)):
+        model = (Gemma3 if isinstance(config, Gemma3Config) else Llama)(config, backend=backend, seed=seed,
+                                                                         loss_chunk=loss_chunk)
         return model, TorchLlama(config, torch.float64).load_numpy(model.state_dict())
     model = GPT(config, backend=backend, seed=seed, loss_chunk=loss_chunk)
     return model, TorchGPT(config, torch.float64).load_numpy(model.state_dict())
 
 
 def _model_op(config):
-    """The verify table's op column for a whole-model row: model (GPT-2), llama, or qwen3 (qk_norm)."""
+    """The verify table's op column for a whole-model row: model (GPT-2), llama, qwen3 (qk_norm) or gemma3."""
+    if isinstance(config, Gemma3Config):
+        return "gemma3"
     if isinstance(config, LlamaConfig):
         return "qwen3" if config.qk_norm else "llama"
     return "model"

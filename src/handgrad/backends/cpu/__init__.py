@@ -12,10 +12,11 @@ from . import blas
 from .common import aligned_empty, aligned_zeros, norm_scratch
 from .attention import attention_backward, attention_forward, attention_state_shape
 from .attention import attention_decode_forward
-from .crossentropy import crossentropy_backward, crossentropy_forward, crossentropy_mean
+from .crossentropy import crossentropy_backward, crossentropy_forward, crossentropy_mean, softcap_forward
 from .dropout import dropout_backward, dropout_forward, dropout_seed
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward
+from .geglu import geglu_backward, geglu_forward
 from .gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward,
                             gqa_attention_prepare, gqa_attention_state_shape)
 from .layernorm import layernorm_backward, layernorm_forward, layernorm_recompute

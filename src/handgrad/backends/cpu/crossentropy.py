@@ -5,13 +5,19 @@ The logits may be bf16 (uint16 bit patterns: the lm_head's output under train.dt
 torch autocast's bf16 lm_head gives them before transformers' .float()): then each block of rows is
 widened (exact) into float32 scratch and goes through the float32 kernels, and the backward narrows
 the gradient back over the bf16 logits, in place.
+
+Final-logit softcapping (Gemma 2 and 3: z' = c tanh(z / c)) is a pass of its own over the logits,
+in place (softcap_forward), before crossentropy_forward; crossentropy_backward(..., softcap=c) then
+reads the capped logits and writes the gradient of the uncapped ones, the tanh's derivative
+folded into the pass that writes each element.
 """
 import numba
 import numpy as np
 from numba import prange
 
-from .bf16 import narrow_into
+from .bf16 import load_as, narrow_into, store_as
 from .common import HEAVY, ROWS_PER_BLOCK, backward_rows, kernel, n_blocks, rows, workspace
+from .gelu import ONE32, tanh32
 from .mathfn import exp32, max32, sum64
 from .widen import widen_block
 
@@ -32,6 +38,41 @@ def _crossentropy_forward_kernel(losses, lse, logits, targets):
         lse[i] = mx + np.log(total)
         tgt = targets[i]
         losses[i] = lse[i] - logits[i, tgt] if tgt != -1 else 0.0
+
+
+@kernel(min_parallel=HEAVY)
+def _softcap_kernel32(z, cap):
+    """z <- cap tanh(z / cap) in float32 (gelu.py's tanh32), in place; z float32 or bf16."""
+    N, V = z.shape
+    for i in prange(N):
+        zr = z[i]
+        for j in range(V):
+            zr[j] = store_as(zr, cap * tanh32(load_as(zr, zr[j]) / cap))
+
+
+@kernel(min_parallel=HEAVY)
+def _softcap_kernel(z, cap):
+    N, V = z.shape
+    for i in prange(N):
+        zr = z[i]
+        for j in range(V):
+            zr[j] = cap * np.tanh(zr[j] / cap)
+
+
+def softcap_forward(logits, cap):
+    """logits <- cap * tanh(logits / cap), in place (Gemma's final_logit_softcapping, as
+    transformers computes it: divide, tanh, multiply). logits (B, T, V) or (1, rows, V), float32,
+    float64 or bf16 (uint16 bit patterns, widened, capped in float32 and narrowed back). The capped
+    logits are what crossentropy_forward and crossentropy_backward(..., softcap=cap) then read."""
+    if not cap > 0:
+        raise ValueError(f"softcap: cap must be > 0, got {cap}")
+    if not logits.flags.c_contiguous:
+        raise ValueError("softcap: logits must be contiguous (it works in place on their rows)")
+    z = rows(logits)
+    if z.dtype == np.float64:
+        _softcap_kernel(z, float(cap))
+    else:
+        _softcap_kernel32(z, np.float32(cap))
 
 
 CHUNK = 512  # exps of a row are formed CHUNK at a time in scratch, then summed
@@ -165,7 +206,53 @@ def _crossentropy_backward_kernel32(zd, lse, targets, dloss, d16, narrow):
             narrow_into(d16[i], z)
 
 
-def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
+# The softcapped twins of the two kernels above: z is the capped z' = c tanh(u / c), and each
+# element's gradient is multiplied by d z' / d u = 1 - (z' / c)^2, written (1 - t)(1 + t) with
+# t = z' / c (no cancellation where |z'| nears c), read before it is overwritten.
+@kernel(min_parallel=HEAVY)
+def _crossentropy_backward_softcap_kernel(zd, lse, targets, dloss, cap):
+    N, V = zd.shape
+    for i in prange(N):
+        tgt = targets[i]
+        if tgt == -1:
+            for j in range(V):
+                zd[i, j] = 0.0
+            continue
+        m = lse[i]
+        tt = zd[i, tgt] / cap
+        for j in range(V):
+            z = zd[i, j]
+            t = z / cap
+            zd[i, j] = np.exp(z - m) * dloss * ((1.0 - t) * (1.0 + t))
+        zd[i, tgt] -= dloss * ((1.0 - tt) * (1.0 + tt))
+
+
+@kernel(min_parallel=HEAVY)
+def _crossentropy_backward_softcap_kernel32(zd, lse, targets, dloss, d16, narrow, cap):
+    """float32 twin, as _crossentropy_backward_kernel32 (lse split as hi + lo); cap a np.float32."""
+    N, V = zd.shape
+    for i in prange(N):
+        tgt = targets[i]
+        z = zd[i]
+        if tgt == -1:
+            for j in range(V):
+                z[j] = np.float32(0.0)
+            if narrow:
+                d16[i, :] = 0
+            continue
+        hi = np.float32(lse[i])
+        lo = np.float32(lse[i] - np.float64(hi))
+        tt = z[tgt] / cap
+        for j in range(V):
+            zj = z[j]
+            t = zj / cap
+            z[j] = exp32((zj - hi) - lo) * dloss * ((ONE32 - t) * (ONE32 + t))
+        z[tgt] -= dloss * ((ONE32 - tt) * (ONE32 + tt))
+        if narrow:
+            narrow_into(d16[i], z)
+
+
+def crossentropy_backward(dlogits, logits, lse, targets, dloss=None, softcap=0.0):
     """For loss = mean_i (lse_i - z_i[y_i]) over the n non-ignored rows:
         dz_i = (softmax(z_i) - onehot(y_i)) * dloss,  dloss = 1/n (the mean);  0 on ignored rows.
     Overwrites dlogits, which may be the logits buffer itself (in place, the fast path).
@@ -174,20 +261,32 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
     each row narrowed into dlogits as it is finished. bf16 logits are widened a block of rows at
     a time into float32 scratch, and their gradient narrowed into dlogits (bf16), which may be the
     logits themselves. dloss defaults to 1/n.
+
+    softcap = c > 0: the logits read are the capped z' = c tanh(u / c) (as softcap_forward left
+    them, and as crossentropy_forward took them), and dlogits is the gradient of the uncapped u:
+        d z' / d u = 1 - tanh^2(u / c) = 1 - (z' / c)^2,
+        du_i = (softmax(z'_i) - onehot(y_i)) * dloss * (1 - (z'_i / c)^2)  (elementwise).
+    softcap = 0.0: no capping (the kernels above, unchanged).
     """
+    if softcap < 0:
+        raise ValueError(f"crossentropy_backward: softcap must be >= 0 (0: none), got {softcap}")
     t = targets.reshape(-1)
     if dloss is None:
         count = int(np.count_nonzero(t != IGNORE_INDEX))
         dloss = 1.0 / count if count else 0.0
+    fn32, cap = (_crossentropy_backward_softcap_kernel32, (np.float32(softcap),)) if softcap else \
+        (_crossentropy_backward_kernel32, ())
     if logits.dtype == np.uint16:
         if dlogits.dtype != np.uint16:
             raise ValueError("crossentropy_backward: the gradient of bf16 logits is bf16")
         d2, lse2 = rows(dlogits), lse.reshape(-1)
         for r0, r1, wide in _widened_blocks(rows(logits)):
-            _crossentropy_backward_kernel32(wide, lse2[r0:r1], t[r0:r1], np.float32(dloss), d2[r0:r1], True)
+            fn32(wide, lse2[r0:r1], t[r0:r1], np.float32(dloss), d2[r0:r1], True, *cap)
         return
     zd, narrow = backward_rows(dlogits, logits)
     if zd.dtype == np.float32:
-        _crossentropy_backward_kernel32(zd, lse.reshape(-1), t, np.float32(dloss), rows(dlogits), narrow)
+        fn32(zd, lse.reshape(-1), t, np.float32(dloss), rows(dlogits), narrow, *cap)
+    elif softcap:
+        _crossentropy_backward_softcap_kernel(zd, lse.reshape(-1), t, dloss, float(softcap))
     else:
         _crossentropy_backward_kernel(zd, lse.reshape(-1), t, dloss)
