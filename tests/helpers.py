@@ -12,15 +12,20 @@ def bf16_models(block_size):
     """The three small models the bf16 error bounds are tested on (training: test_bf16_cpu.py;
     decoding: test_decode_bf16.py): GPT-2; Llama with 6 query heads on 2 kv heads, head size 12;
     Qwen2's shape (an untied head, q/k/v biases, 6 heads on 3); Qwen3's (q/k norms, head_dim 16 with q
-    96 wide over n_embd 72, untied)."""
-    from handgrad.config import GPTConfig, LlamaConfig
+    96 wide over n_embd 72, untied); Gemma 3's (local layers with a 5-key window around a global one,
+    heads 16 wide, softcapped logits)."""
+    from handgrad.config import Gemma3Config, GPTConfig, LlamaConfig
+    from handgrad.models.gemma3 import Gemma3
     from handgrad.models.gpt2 import GPT
     from handgrad.models.llama import Llama
     llama = dict(block_size=block_size, vocab_size=203, n_layer=2, n_head=6, n_embd=72, ffn_hidden=120)
     return {"gpt2": (GPT, GPTConfig(block_size=block_size, vocab_size=203, n_layer=2, n_head=3, n_embd=72)),
             "llama": (Llama, LlamaConfig(n_kv_head=2, **llama)),
             "qwen2": (Llama, LlamaConfig(n_kv_head=3, qkv_bias=True, tie_embeddings=False, **llama)),
-            "qwen3": (Llama, LlamaConfig(n_kv_head=2, head_dim=16, qk_norm=True, tie_embeddings=False, **llama))}
+            "qwen3": (Llama, LlamaConfig(n_kv_head=2, head_dim=16, qk_norm=True, tie_embeddings=False, **llama)),
+            "gemma3": (Gemma3, Gemma3Config(n_kv_head=2, head_dim=16, sliding_window=5, sliding_window_pattern=2,
+                                            query_pre_attn_scalar=16.0, final_logit_softcapping=30.0,
+                                            **dict(llama, n_layer=3)))}
 
 
 HEADER = f"{'op':<18} {'quantity':<28} {'max abs':>10} {'max rel':>10} {'tol':>8}"

@@ -256,6 +256,9 @@ RUNS = {
     "gpt2": ["--preset", "tiny", "--model.n_layer", "1", "--model.n_embd", "48", "--model.n_head", "3"],
     "llama": ["--preset", "llama-char", "--model.n_layer", "1", "--model.n_embd", "48", "--model.n_head", "6",
               "--model.n_kv_head", "2", "--model.ffn_hidden", "72"],
+    "gemma3": ["--preset", "tiny", "--model.arch", "gemma3", "--model.n_layer", "2", "--model.n_embd", "48",
+               "--model.n_head", "3", "--model.n_kv_head", "1", "--model.head_dim", "16", "--model.ffn_hidden", "72",
+               "--model.sliding_window", "5", "--model.sliding_window_pattern", "2"],
 }
 COMMON = ["--model.block_size", "16", "--train.batch_size", "4", "--train.sample_interval", "0",
           "--train.eval_steps", "2", "--train.eval_interval", "3", "--train.checkpoint_interval", "3",

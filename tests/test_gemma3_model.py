@@ -170,3 +170,41 @@ def test_flops_count_each_layers_keys():
 def test_dropout_is_refused():
     with pytest.raises(ValueError, match="model.dropout"):
         Gemma3(CONFIGS["6-2-w5"], dropout=0.1)
+
+
+def test_the_memory_count_holds_the_262k_vocabularys_logits():
+    """gemma3-270m's start-up count: the whole batch's logits (B T V float32) or a chunk of them."""
+    from handgrad.config import load_run_config
+    from handgrad.models import get_family
+    from handgrad.training.memory import estimate
+    family, config = get_family("gemma3"), load_run_config("gemma3-270m").gpt_config(262144)
+    whole = estimate(family, config, 4, 512)
+    chunked = estimate(family, config, 4, 512, loss_chunk=1024)
+    assert whole["activations"] - chunked["activations"] == (4 * 512 - 1024) * 262144 * 4
+    assert whole["parameters"] == 4 * num_params(config) and 2.6e8 < num_params(config) < 2.7e8
+
+
+def test_train_chunks_the_loss_where_the_whole_logits_do_not_fit(tmp_path, monkeypatch, capsys):
+    """train.loss_chunk unset: a run whose whole (B, T, V) logits do not fit in memory forms them
+    1024 rows at a time instead, and says so; one that does not fit even so is refused (exit 2)."""
+    from handgrad.cli import main as cli
+    from handgrad.config import load_run_config
+    from handgrad.models import get_family
+    from handgrad.training import memory
+    from helpers import prepared_char_data
+    data = prepared_char_data(tmp_path, "the quick brown fox jumps over the lazy dog\n" * 200)
+    flags = {"model.arch": "gemma3", "model.n_layer": 2, "model.n_head": 2, "model.n_kv_head": 1, "model.n_embd": 32,
+             "model.head_dim": 16, "model.ffn_hidden": 64, "model.block_size": 128, "model.sliding_window": 16,
+             "model.vocab_size": 65536, "train.batch_size": 16}
+    argv = [a for k, v in flags.items() for a in (f"--{k}", str(v))] + [
+        "--data", str(data), "--train.max_steps", "2", "--train.sample_interval", "0", "--train.eval_interval", "0"]
+    rc = load_run_config(overrides=flags)
+    count = lambda chunk: sum(memory.estimate(get_family("gemma3"), rc.gpt_config(65536), 16, 128,
+                                              loss_chunk=chunk).values())
+    assert count(0) - count(1024) == (16 * 128 - 1024) * 65536 * 4
+    monkeypatch.setattr(memory, "available_bytes", lambda backend="cpu": (count(0) + count(1024)) // 2)
+    assert cli(["train", "--out", str(tmp_path / "run"), *argv]) == 0
+    assert "train.loss_chunk 1024: the whole batch's logits (16 x 128 x 65,536) do not fit" in capsys.readouterr().out
+    monkeypatch.setattr(memory, "available_bytes", lambda backend="cpu": count(1024) // 2)
+    assert cli(["train", "--out", str(tmp_path / "refused"), *argv]) == 2
+    assert "or set train.loss_chunk" in capsys.readouterr().err

@@ -42,7 +42,8 @@ def test_full_size_kernels_compile_for_sm90(tmp_path):
                    "_gqa_backward_dkdv_kernel", "_gqa_decode_kernel", "_dropout_kernel"):
         assert kernel in names, f"{kernel} was not launched by the recorded step"
     for kernel in ("_gqa_forward_kernel", "_gqa_backward_dq_kernel", "_gqa_backward_dkdv_kernel"):
-        for fused in ("'DROPOUT': True, 'HS': 64, 'ROPE': True", "'DROPOUT': False, 'HS': 64, 'ROPE': True"):
+        for fused in ("'DROPOUT': True, 'HAS_WINDOW': False, 'HS': 64, 'ROPE': True",
+                      "'DROPOUT': False, 'HAS_WINDOW': False, 'HS': 64, 'ROPE': True"):
             assert any(kernel in line and fused in line for line in names.splitlines()), (kernel, fused)
     # with the GPU's block sizes, not the wider ones the interpreter takes (adamw.BLOCK)
     adamw = [line for line in names.splitlines() if "_adamw_kernel" in line or "_sumsq_kernel" in line]
@@ -65,3 +66,31 @@ def test_the_dropout_kernel_compiles_for_sm90(tmp_path):
     compiled = [line for line in out.stdout.splitlines() if line.startswith("ok") and "_dropout_kernel" in line]
     assert len(compiled) >= 2, out.stdout  # float32 and bf16 outputs
     assert all("'BLOCK': 256" in line for line in compiled), compiled  # the GPU's, not the interpreter's
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this triton build has no NVIDIA backend with ptxas")
+def test_the_gemma3_kernels_compile_for_sm90(tmp_path):
+    """Gemma 3's ops are not in a model's step here: the sliding-window attention kernels (HAS_WINDOW,
+    float32 and bf16 at head sizes 16, 64 and 256 with the launch settings a GPU takes, with RoPE and
+    dropout), windowed decoding, GeGLU, softcapping and the softcapped cross-entropy backward are
+    recorded from their own tests and compiled the same way."""
+    kernels = tmp_path / "kernels.json"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    test_file = Path(__file__).resolve().parent / "test_gpu_gemma3_ops.py"
+    rec = subprocess.run([sys.executable, str(TOOL), "record", str(kernels), str(test_file), "-q", "-k",
+                          "T13 or bf16 or rope_and_dropout or decoding or geglu or softcap"],
+                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
+    assert rec.returncode == 0, rec.stdout[-3000:] + rec.stderr[-3000:]
+    out = subprocess.run([sys.executable, str(TOOL), "compile", str(kernels)],
+                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    compiled = [line for line in out.stdout.splitlines() if line.startswith("ok")]
+    for kernel in ("_gqa_forward_kernel", "_gqa_backward_dq_kernel", "_gqa_backward_dkdv_kernel"):
+        for variant in ("'DROPOUT': False, 'HAS_WINDOW': True, 'HS': 16, 'ROPE': False",
+                        "'DROPOUT': True, 'HAS_WINDOW': True, 'HS': 16, 'ROPE': True",
+                        "'DROPOUT': False, 'HAS_WINDOW': True, 'HS': 64, 'ROPE': True",
+                        "'DROPOUT': False, 'HAS_WINDOW': True, 'HS': 256, 'ROPE': True"):
+            assert any(kernel in line and variant in line for line in compiled), (kernel, variant)
+    for kernel in ("_gqa_decode_kernel", "_geglu_forward_kernel", "_geglu_backward_kernel", "_softcap_kernel"):
+        assert any(kernel in line for line in compiled), kernel
+    assert any("_crossentropy_backward_kernel" in line and "'SOFTCAP': True" in line for line in compiled)

@@ -207,7 +207,9 @@ def hf_llama(config, dtype=torch.float32, attn_implementation="eager"):
 
 def hf_gemma3(config, dtype=torch.float32, attn_implementation="eager"):
     """transformers' Gemma3ForCausalLM for a handgrad Gemma3Config, randomly initialised: load
-    handgrad's state_dict into it."""
+    handgrad's state_dict into it. pad_token_id None: transformers' default 0 would make token 0 the
+    embedding's padding_idx, whose row takes no gradient from its lookups, as LlamaConfig's None does
+    not (handgrad's embedding, as Llama's, has no padding row)."""
     import transformers
     with quiet_transformers():
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
@@ -219,7 +221,8 @@ def hf_gemma3(config, dtype=torch.float32, attn_implementation="eager"):
             sliding_window=config.sliding_window, layer_types=config.layer_types,
             query_pre_attn_scalar=int(config.query_pre_attn_scalar),  # transformers' field is an int
             final_logit_softcapping=config.final_logit_softcapping or None, attn_logit_softcapping=None,
-            tie_word_embeddings=True, attn_implementation=attn_implementation, hidden_activation="gelu_pytorch_tanh"))
+            tie_word_embeddings=True, attn_implementation=attn_implementation, hidden_activation="gelu_pytorch_tanh",
+            pad_token_id=None))
     return model.to(dtype)
 
 

@@ -44,6 +44,12 @@ def describe(config):
                  f", {'tied' if config.tie_embeddings else 'untied'}" + (", qkv bias" if config.qkv_bias else "")
                  + (f", qk norm, head_dim {config.head_dim}" if config.qk_norm else "")
                  + (f", llama3 rope scaling {config.rope_scaling}" if config.rope_scaling else ""))
+    if hasattr(config, "sliding_window_pattern"):  # gemma3's local and global layers
+        line += (f", sliding_window {config.sliding_window}, sliding_window_pattern {config.sliding_window_pattern}, "
+                 f"local rope_theta {config.rope_local_base_freq:g}, query_pre_attn_scalar "
+                 f"{config.query_pre_attn_scalar:g}"
+                 + (f", final_logit_softcapping {config.final_logit_softcapping:g}"
+                    if config.final_logit_softcapping else ""))
     return line
 
 

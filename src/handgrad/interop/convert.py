@@ -1,7 +1,7 @@
 """`handgrad convert`: a model in any format load.py reads (its docstring lists the formats, what
 each holds and what its export is) written out in another, a LoRA adapter alone (--format peft) or
 folded into its base (--merge). save_pretrained picks the writer: a foreign format's lies beside its
-reader (hf.py, hf_llama.py, llmc.py, llama2c.py, gguf.py, peft.py), a handgrad run's here
+reader (hf.py, hf_llama.py, hf_gemma3.py, llmc.py, llama2c.py, gguf.py, peft.py), a handgrad run's here
 (write_handgrad: a run directory holding one weights-only checkpoint). A llama run started from a
 pretrained model is written with that model's context length (what its checkpoint records), not the
 block_size it trained on: RoPE has no table of positions that training on short blocks would cut.
@@ -20,6 +20,7 @@ from .checkpoint import save_weights
 from .common import ConvertError, check_weights, describe, prepare_dir, publish_dir
 from .hf import write_hf
 from .gguf import GGUF_TYPES, write_gguf
+from .hf_gemma3 import write_hf_gemma3
 from .hf_llama import write_hf_llama
 from .llama2c import write_llama2c
 from .llmc import write_llmc
@@ -37,7 +38,7 @@ def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=N
     if fmt not in FORMATS:
         raise ConvertError(f"--format {fmt}: unknown format; choose from {', '.join(FORMATS)}")
     if fmt == "hf":
-        write = write_hf_llama if family_of(config).arch == "llama" else write_hf
+        write = {"llama": write_hf_llama, "gemma3": write_hf_gemma3}.get(family_of(config).arch, write_hf)
         return write(dst, config, weights, tokenizer, eot_id=info.get("eot_id"), dropout=info.get("dropout"))
     if fmt == "llmc":
         version = info.get("llmc_version", 3)
@@ -49,9 +50,9 @@ def save_pretrained(dst, config, weights, fmt="handgrad", tokenizer=None, info=N
     if fmt == "llama2c":
         return write_llama2c(dst, config, weights, tokenizer, source=info.get("path"))
     if fmt == "gguf":
-        if family_of(config).arch != "llama":
-            raise ConvertError(f"--format gguf: handgrad writes GGUF for its llama family (llama, qwen2, qwen3); this "
-                               f"is a {family_of(config).arch} model: use --format hf or llmc")
+        if family_of(config).arch not in ("llama", "gemma3"):
+            raise ConvertError(f"--format gguf: handgrad writes GGUF for its llama family (llama, qwen2, qwen3) and "
+                               f"gemma3; this is a {family_of(config).arch} model: use --format hf or llmc")
         return write_gguf(dst, config, weights, tokenizer, info.get("gguf_type", "f32"))
     if fmt == "peft":
         adapter = info["adapter"]
@@ -99,15 +100,15 @@ def _hf_tokenizer(path):
 
 # ---------------------------------------------------------------- the verb
 def add_arguments(parser):
-    parser.add_argument("src", metavar="SRC", help="a Hugging Face directory (GPT-2, Llama, Qwen2, Qwen3), a GGUF "
-                                                   "file, an llm.c or llama2.c model file, a handgrad run or "
+    parser.add_argument("src", metavar="SRC", help="a Hugging Face directory (GPT-2, Llama, Qwen2, Qwen3, Gemma 3), a "
+                                                   "GGUF file, an llm.c or llama2.c model file, a handgrad run or "
                                                    "checkpoint directory, a PEFT adapter directory (detected), or a "
                                                    "published model's name (smollm2-135m-instruct)")
     parser.add_argument("dst", metavar="DST", help="where to write (must not exist, or be an empty directory)")
     parser.add_argument("--format", default="handgrad", choices=FORMATS,
                         help="DST's format (default handgrad); llama2c writes DST as a directory of model.bin "
                              "and tokenizer.bin: ./run DST/model.bin -z DST/tokenizer.bin; gguf writes one file "
-                             "llama.cpp and ollama run (llama-family models)")
+                             "llama.cpp and ollama run (llama-family and gemma3 models)")
     parser.add_argument("--gguf-type", default="f32", choices=GGUF_TYPES,
                         help="GGUF output: the 2-D weights in f32 (default), f16, bf16 or q8_0 (blocks of 32, one "
                              "scale: 8.5 bits a weight; a matrix whose rows are not whole blocks is f16); norms and "
@@ -160,6 +161,8 @@ def main(args):
         raise ConvertError(f"{where}: write failed ({e.strerror or e}); nothing was written to {args.dst}; "
                            f"free space or choose another DST") from None
     print(f"{args.src} ({info['format']}) -> {dst} ({args.format}): {describe(config)}")
+    if info.get("note"):  # what the reader left out of the source (a multimodal Gemma 3's vision tower)
+        print(f"  {info['note']}")
     print(f"  {what}")
     return 0
 

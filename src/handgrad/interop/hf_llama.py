@@ -214,7 +214,7 @@ def hf_llama_config(config, eot_id=None, dropout=None):
 
 def write_hf_llama(dst, config, weights, tokenizer=None, eot_id=None, dropout=None):
     """dst/model.safetensors (float32, Hugging Face's names), config.json, generation_config.json and
-    the tokenizer (_write_tokenizer). bos/eos ids: the tokenizer's end-of-text token, else eot_id
+    the tokenizer (write_tokenizer). bos/eos ids: the tokenizer's end-of-text token, else eot_id
     (the source's config.json's eos), else null. Returns (dst, one line saying what was written,
     and what was not and why)."""
     check_weights(config, weights, "weights")
@@ -223,7 +223,7 @@ def write_hf_llama(dst, config, weights, tokenizer=None, eot_id=None, dropout=No
     try:
         save_safetensors({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
                          tmp / "model.safetensors", metadata={"format": "pt"})
-        tok, written, why_not = _write_tokenizer(tokenizer, tmp, config)
+        tok, written, why_not = write_tokenizer(tokenizer, tmp, config)
         eot, eot_why = end_of_text(config, tok, eot_id)
         (tmp / "config.json").write_text(json.dumps(hf_llama_config(config, eot, dropout), indent=2) + "\n")
         generation = {"_from_model_config": True, "bos_token_id": eot, "eos_token_id": eot}
@@ -235,7 +235,7 @@ def write_hf_llama(dst, config, weights, tokenizer=None, eot_id=None, dropout=No
         raise
 
 
-def _write_tokenizer(tokenizer, out_dir, config):
+def write_tokenizer(tokenizer, out_dir, config):
     """(the tokenizer handgrad read, or None; what was written, or None; why not). A Hugging Face
     directory's own tokenizer files (a tokenizer.json with tokenizer_config.json beside it) are
     copied byte for byte; otherwise handgrad's tokenizer is written in Hugging Face form, and a

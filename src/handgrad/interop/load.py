@@ -1,11 +1,11 @@
 """Any format in, a model out: format detection and the readers behind `from_pretrained`,
-`handgrad train --init-from`, `handgrad sample` and `handgrad convert` (hf.py, hf_llama.py, llmc.py,
-llama2c.py, gguf.py, peft.py, and handgrad runs through checkpoint.py).
+`handgrad train --init-from`, `handgrad sample` and `handgrad convert` (hf.py, hf_llama.py, hf_gemma3.py,
+llmc.py, llama2c.py, gguf.py, peft.py, and handgrad runs through checkpoint.py).
 
 Every format is read into one common form, (config, weights): the config a family's architecture
-config (GPTConfig or LlamaConfig), the weights a dict of float32 arrays under the family's
-param_spec names and layouts (llama: Hugging Face LlamaForCausalLM's own; gpt2: Hugging Face
-GPT-2's: Conv1D weights [in, out], no `transformer.` prefix, no lm_head). `handgrad convert`
+config (GPTConfig, LlamaConfig or Gemma3Config), the weights a dict of float32 arrays under the family's
+param_spec names and layouts (llama: Hugging Face LlamaForCausalLM's own; gemma3: Gemma3ForCausalLM's;
+gpt2: Hugging Face GPT-2's: Conv1D weights [in, out], no `transformer.` prefix, no lm_head). `handgrad convert`
 (convert.py) writes every format from that form, so no reader knows about any writer.
 
 A published model's name (published.py: `smollm2-135m-instruct`) stands for its file wherever a
@@ -27,6 +27,7 @@ from .checkpoint import CheckpointError, load_model, load_weights, read_state, r
 from .common import ConvertError, check_weights, make_config, read_json_object
 from .gguf import read_gguf
 from .hf import read_hf
+from .hf_gemma3 import is_hf_gemma, read_hf_gemma3
 from .hf_llama import is_hf_llama, read_hf_llama
 from .llama2c import is_llama2c, read_llama2c, size_mismatch
 from .llmc import LLMC_MAGIC, read_llmc
@@ -42,13 +43,14 @@ def detect_format(path):
     * hf: a directory with config.json and model.safetensors (or shards listed in
       model.safetensors.index.json); GPT-2 (hf.py: a `transformer.` prefix optional, the attn.bias
       buffers ignored, a stored lm_head.weight must equal wte) or, where config.json names
-      LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, the llama family (hf_llama.py).
+      LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, the llama family (hf_llama.py); where it
+      names Gemma3ForCausalLM (or Gemma3ForConditionalGeneration, its language model), gemma3 (hf_gemma3.py).
       float32, float16 and bfloat16 tensors are read.
     * llmc: llm.c's model file: a 256 x int32 header (magic 20240326, version 3 = float32 or
       5 = bfloat16), tensors in nn.Linear's [out, in] layout, wte padded to Vp rows.
     * llama2c: llama2.c's legacy model file (7 x int32 header, q/k rows in interleaved-pair RoPE
       order), told by its header and exact size, or a directory holding one as model.bin.
-    * gguf: a GGUF file of architecture llama, qwen2 or qwen3, dequantized as the model reads it
+    * gguf: a GGUF file of architecture llama, qwen2, qwen3 or gemma3, dequantized as the model reads it
       (gguf.py).
     * peft: a PEFT adapter directory; handgrad: a run directory (its newest checkpoint) or a
       checkpoint directory."""
@@ -217,7 +219,10 @@ def _check_recorded_base(path, base, config, weights, recorded):
 
 def _read_hf(path):
     """A Hugging Face directory by its config.json's architecture: Llama, Qwen2 or Qwen3 (hf_llama.py),
-    else GPT-2 (hf.py, which names the architectures handgrad reads when it is none of them)."""
+    Gemma 3 (hf_gemma3.py), else GPT-2 (hf.py, which names the architectures handgrad reads when it is
+    none of them)."""
+    if is_hf_gemma(path):
+        return read_hf_gemma3(path)
     return read_hf_llama(path) if is_hf_llama(path) else read_hf(path)
 
 

@@ -2,7 +2,7 @@
 as peft's PeftModel.save_pretrained writes it and PeftModel.from_pretrained(base_model, DIR) loads it.
 
 Keys are `base_model.model.` + the Hugging Face base model's module + `.lora_A.weight` (r, in) or
-`.lora_B.weight` (out, r), for both families (GPT-2's modules under `transformer.`; its Conv1D base
+`.lora_B.weight` (out, r), for every family (GPT-2's modules under `transformer.`; its Conv1D base
 weights are [in, out], which adapter_config.json's fan_in_fan_out says). target_modules name each
 linear by its path inside a block ("self_attn.q_proj", "attn.c_proj"), so GPT-2's two c_proj are
 told apart. Norms or embeddings trained beside the adapters (train.lora_train_norms /
@@ -26,7 +26,7 @@ from .published import PUBLISHED, published_name
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
-HF_PREFIX = {"gpt2": "transformer.", "llama": ""}  # the Hugging Face module names over param_spec's
+HF_PREFIX = {"gpt2": "transformer.", "llama": "", "gemma3": ""}  # the Hugging Face module names over param_spec's
 # adapter_model.safetensors' metadata: the base's weights_digest, the block_size it was taken at, its absolute
 # path and the base_model_name_or_path written beside it
 BASE_SHA256, BASE_BLOCK_SIZE = "handgrad.base_sha256", "handgrad.base_block_size"

@@ -135,7 +135,7 @@ def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, 
     ref = R.gqa_attention(x, NH, NKV, keep=keep, p=dropout_p, **shape)
     ref.backward(torch64(dout))
     fused = ", ".join(["rope"] * rope + [f"dropout {dropout_p:g}"] * bool(dropout_p)
-                      + [f"window {window}"] * bool(window) + [f"scale {scale:g}"] * bool(scale))
+                      + ([f"window {window}"] if window else []) + ([f"scale {scale:g}"] if scale else []))
     tag = f" ({fused})" if fused else ""
     return [compare("gqa_attention", "out" + tag, out, ref.detach(), tol),
             compare("gqa_attention", "dqkv" + tag, dqkv, tq.grad, tol)]

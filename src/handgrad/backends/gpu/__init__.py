@@ -11,10 +11,11 @@ import torch
 from .adamw import HYPER_SIZE, adamw_update, global_norm, make_chunks, prepare_update, update_state
 from .attention import attention_backward, attention_decode_forward, attention_forward, attention_state_shape
 from .common import device, norm_scratch, torch_dtype
-from .crossentropy import IGNORE_INDEX, crossentropy_backward, crossentropy_forward, crossentropy_mean
+from .crossentropy import IGNORE_INDEX, crossentropy_backward, crossentropy_forward, crossentropy_mean, softcap_forward
 from .dropout import dropout_backward, dropout_forward, dropout_seed
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward
+from .geglu import geglu_backward, geglu_forward
 from .gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward, gqa_attention_forward,
                             gqa_attention_prepare, gqa_attention_state_shape)
 from .layernorm import layernorm_backward, layernorm_forward, layernorm_recompute

@@ -7,6 +7,11 @@ over the logits buffer in place, as on the CPU.
 Nothing here syncs with the host: the mean loss comes back as a 0-dim device tensor, and the
 backward counts the non-ignored rows on the device.
 
+Final-logit softcapping (Gemma 2 and 3: z' = c tanh(z / c)) is a pass of its own over the logits,
+in place (softcap_forward), before crossentropy_forward; crossentropy_backward(..., softcap=c) then
+reads the capped logits and writes the gradient of the uncapped ones, the tanh's derivative
+folded into the pass that writes each element (as the cpu op).
+
 Reference (what the tests compare against, in float64):
     losses = F.cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1, reduction="none")
     lse = torch.logsumexp(logits, -1)
@@ -15,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_pow2
+from .common import BLOCK_FLAT, cdiv, next_pow2, to_dtype
 
 IGNORE_INDEX = -1
 
@@ -50,6 +55,42 @@ def _crossentropy_forward_kernel(losses_ptr, lse_ptr, logits_ptr, targets_ptr, V
     valid = tgt != -1
     z_tgt = tl.load(z_row + tl.where(valid, tgt, 0)).to(tl.float32)
     tl.store(losses_ptr + row, tl.where(valid, (m - z_tgt) + log_s, 0.0))
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in float32 from tl.exp (as gelu.py, no libdevice): sign(x) (1 - t) / (1 + t), t = e^(-2|x|),
+    which cancels for small |x|; there (|x| < 0.3) the odd series to x^9, off by < 1e-7 relative."""
+    a = tl.abs(x)
+    t = tl.exp(-2.0 * a)
+    big = (1.0 - t) / (1.0 + t)
+    x2 = a * a
+    small = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    r = tl.where(a < 0.3, small, big)
+    return tl.where(x < 0.0, -r, r)
+
+
+@triton.jit
+def _softcap_kernel(z_ptr, n, cap, BLOCK: tl.constexpr):
+    """z <- cap tanh(z / cap) for elements [pid BLOCK, (pid + 1) BLOCK), in float32, stored in z's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(z_ptr + offs, to_dtype(cap * _tanh(z / cap), z_ptr.dtype.element_ty), mask=mask)
+
+
+def softcap_forward(logits, cap):
+    """logits <- cap * tanh(logits / cap), in place (Gemma's final_logit_softcapping, as
+    transformers computes it: divide, tanh, multiply). logits contiguous, float32 or bfloat16
+    (capped in float32, stored back in their dtype). The capped logits are what
+    crossentropy_forward and crossentropy_backward(..., softcap=cap) then read."""
+    if not cap > 0:
+        raise ValueError(f"softcap: cap must be > 0, got {cap}")
+    if not logits.is_contiguous():
+        raise ValueError("softcap: logits must be contiguous (it works in place on them)")
+    n = logits.numel()
+    if n:
+        _softcap_kernel[(cdiv(n, BLOCK_FLAT),)](logits, n, float(cap), BLOCK=BLOCK_FLAT)
 
 
 @triton.jit
@@ -142,12 +183,14 @@ def _count_valid_kernel(count_ptr, targets_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _crossentropy_backward_kernel(dlogits_ptr, logits_ptr, lse_ptr, targets_ptr, scale_ptr, scale_stride, V,
-                                  BLOCK_V: tl.constexpr, LSE64: tl.constexpr, SCALE_IS_COUNT: tl.constexpr):
+def _crossentropy_backward_kernel(dlogits_ptr, logits_ptr, lse_ptr, targets_ptr, scale_ptr, scale_stride, V, cap,
+                                  BLOCK_V: tl.constexpr, LSE64: tl.constexpr, SCALE_IS_COUNT: tl.constexpr,
+                                  SOFTCAP: tl.constexpr):
     """dz_ij = (exp(z_ij - lse_i) - [j == y_i]) * dloss_i. dloss_i is scale_ptr[i * scale_stride],
     or with SCALE_IS_COUNT 1 / scale_ptr[0] (the count of valid rows; 0 if there is none).
     A float64 lse is split as hi + lo (hi = float32(lse), lo = float32(lse - hi)) and z - lse
-    formed as (z - hi) - lo, as the CPU's float32 kernel does."""
+    formed as (z - hi) - lo, as the CPU's float32 kernel does. SOFTCAP: z is the capped z', and
+    dz_ij is further multiplied by 1 - (z'_ij / cap)^2 = (1 - t)(1 + t), t = z'_ij / cap."""
     row = tl.program_id(0).to(tl.int64)
     tgt = tl.load(targets_ptr + row)
     if SCALE_IS_COUNT:
@@ -171,11 +214,14 @@ def _crossentropy_backward_kernel(dlogits_ptr, logits_ptr, lse_ptr, targets_ptr,
         z = tl.load(z_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         p = tl.exp((z - hi) - lo)
         d = (p - tl.where(start + cols == tgt, 1.0, 0.0)) * dloss
+        if SOFTCAP:
+            t = z / cap
+            d = d * ((1.0 - t) * (1.0 + t))
         d = tl.where(dloss != 0.0, d, 0.0)  # ignored rows: exact zeros whatever z and lse hold
         tl.store(d_row + start + cols, d.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
-def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
+def crossentropy_backward(dlogits, logits, lse, targets, dloss=None, softcap=0.0):
     """For loss = mean_i (lse_i - z_i[y_i]) over the n non-ignored rows:
         dz_i = (softmax(z_i) - onehot(y_i)) * dloss,  dloss = 1/n (the mean);  0 on ignored rows.
     Overwrites dlogits, which may be the logits buffer itself (in place, the model's path: each
@@ -184,7 +230,15 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
     (no host sync; it costs a read of B*T ints); 0 when every target is ignored. dloss may also be
     a Python float, a 1-element device tensor, or a (B, T) device tensor (dloss per row: the
     gradient of each row's loss).
+
+    softcap = c > 0: the logits read are the capped z' = c tanh(u / c) (as softcap_forward left
+    them, and as crossentropy_forward took them), and dlogits is the gradient of the uncapped u:
+        d z' / d u = 1 - tanh^2(u / c) = 1 - (z' / c)^2,
+        du_i = (softmax(z'_i) - onehot(y_i)) * dloss * (1 - (z'_i / c)^2)  (elementwise),
+    each z' read before its gradient overwrites it. softcap = 0.0: no capping (today's kernel).
     """
+    if not softcap >= 0:
+        raise ValueError(f"crossentropy_backward: softcap must be >= 0 (0: none), got {softcap}")
     _check(logits, targets)
     B, T, V = logits.shape
     N = B * T
@@ -207,6 +261,6 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None):
     else:
         scale = torch.full((1,), float(dloss), dtype=torch.float32, device=logits.device)
     BLOCK_V, num_warps = _block_v(V)
-    _crossentropy_backward_kernel[(N,)](dlogits, logits, lse, targets, scale, stride, V, BLOCK_V=BLOCK_V,
-                                        LSE64=lse.dtype == torch.float64, SCALE_IS_COUNT=scale_is_count,
-                                        num_warps=num_warps)
+    _crossentropy_backward_kernel[(N,)](dlogits, logits, lse, targets, scale, stride, V, float(softcap),
+                                        BLOCK_V=BLOCK_V, LSE64=lse.dtype == torch.float64,
+                                        SCALE_IS_COUNT=scale_is_count, SOFTCAP=bool(softcap), num_warps=num_warps)

@@ -20,7 +20,7 @@ GELU_K = math.sqrt(2.0 / math.pi)  # written out as a literal in the kernels (th
 
 
 @triton.jit
-def _sigmoid_2u(x):
+def sigmoid_2u(x):
     """(sig, t) for sig = sigmoid(2u) = 0.5 (1 + tanh u), u = k (x + 0.044715 x^3), t = e^(-2|u|)."""
     u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
     t = tl.exp(-2.0 * tl.abs(u))
@@ -29,9 +29,9 @@ def _sigmoid_2u(x):
 
 
 @triton.jit
-def _gelu_grad(x):
+def gelu_grad(x):
     """gelu'(x) = sig + x * 2 sig (1 - sig) * du/dx, with sig (1 - sig) = t / (1 + t)^2."""
-    sig, t = _sigmoid_2u(x)
+    sig, t = sigmoid_2u(x)
     # where |x| > 10, t < 1e-37 makes the second term 0: clamp x there so x^2 stays finite
     xc = tl.minimum(tl.maximum(x, -10.0), 10.0)
     du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * xc * xc)
@@ -53,7 +53,7 @@ def _gelu_forward_kernel(out, inp, bias, N, C, stride_out, stride_inp, HAS_BIAS:
         xs = to_dtype(x, inp.dtype.element_ty)
         tl.store(iptr, xs, mask=m)
         x = xs.to(tl.float32)  # the stored pre-activation, as the backward will see it
-    sig, _ = _sigmoid_2u(x)
+    sig, _ = sigmoid_2u(x)
     tl.store(out + rws[:, None] * stride_out + cols[None, :], to_dtype(x * sig, out.dtype.element_ty), mask=m)
 
 
@@ -87,7 +87,7 @@ def _gelu_backward_kernel(dinp, partial, dout, inp, N, C, stride_dinp, stride_do
         m = (rws < N)[:, None] & cmask[None, :]
         x = tl.load(inp + rws[:, None] * stride_inp + cols[None, :], mask=m, other=0.0).to(tl.float32)
         g = tl.load(dout + rws[:, None] * stride_dout + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        d = g * _gelu_grad(x)  # masked elements: g = 0, so d = 0
+        d = g * gelu_grad(x)  # masked elements: g = 0, so d = 0
         tl.store(dinp + rws[:, None] * stride_dinp + cols[None, :], to_dtype(d, dinp.dtype.element_ty), mask=m)
         if HAS_BIAS:
             acc += d

@@ -10,8 +10,14 @@ neither direction makes a pass of its own over q and k. Dropout draws the cpu op
 from the same Philox words (dropout.keep_tile), in the forward and again in the backward.
 The forward saves the row logsumexp (float32, (B, NH, T)). dK and dV are summed over each group inside
 one program per (key block, b, kv head), which walks the G query heads of its group: no atomics,
-deterministic. Reference (what the tests compare to): softmax(q k^T / sqrt(hs) + causal mask) @ v with
-k and v repeated per group, in float64.
+deterministic.
+
+`window=W > 0` (Gemma 3's local layers) makes the attention a sliding window: query t sees keys s with
+t - W < s <= t (W keys, itself included; transformers' `kv_idx > q_idx - sliding_window`). The kernels
+then loop only over the blocks that meet the window (a constexpr HAS_WINDOW; window 0, or one that
+covers all T rows, launches the plain causal kernels) and mask the partial blocks at its edges.
+`scale` replaces the default 1/sqrt(hs) of the scores. Reference (what the tests compare to):
+softmax(q k^T * scale + causal [and window] mask) @ v with k and v repeated per group, in float64.
 """
 from typing import NamedTuple
 
@@ -101,6 +107,17 @@ def _fused_args(qkv, hs, dropout_p, seed, rope):
     return (*tables, *drop), {"ROPE": rope is not None, "DROPOUT": bool(dropout_p)}
 
 
+def _window_args(window, scale, T):
+    """(window as the kernels take it, HAS_WINDOW), window and scale checked: HAS_WINDOW only where
+    the window leaves out a key that causal attention would see (0 < window < T)."""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: plain causal attention), got {window!r}")
+    if scale is not None and not abs(float(scale)) < float("inf"):
+        raise ValueError(f"scale must be a finite number (None: 1/sqrt(hs)), got {scale!r}")
+    has_window = 0 < window < T
+    return (int(window) if has_window else 0), has_window
+
+
 def _check(qkv, n_head, n_kv_head, att, **tensors):
     """Shapes, dtypes and layout shared by the forward and the backward (att None: not checked);
     returns (B, T, hs)."""
@@ -129,12 +146,16 @@ def _check(qkv, n_head, n_kv_head, att, **tensors):
 @triton.jit
 def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
                         stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, qk_scale,
-                        cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale,
+                        cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale, WINDOW,
                         HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr):
     """One (query block, b * NH + h) per program: attention.py's online softmax, with k and v read
     from kv head h // (NH / NKV); q and k rotated on load (ROPE); the row sums l of undropped P,
-    the values weighted by the dropped P * M / (1 - p) (DROPOUT)."""
+    the values weighted by the dropped P * M / (1 - p) (DROPOUT). HAS_WINDOW: the key blocks from
+    the one holding the first row's first key (t - WINDOW + 1) to the diagonal, keys s <= t - WINDOW
+    masked; a row may see no key of a block, so its running max may still be -inf there, and the
+    exponents are then taken against 0 (alpha = p = 0) instead of -inf - -inf."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) rows first
     bh = tl.program_id(1)
     b = bh // NH
@@ -153,17 +174,26 @@ def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HS], tl.float32)
     hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(pid_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_off = cols[:, None] * stride_qkv_t + offs_d[None, :]
         col_ok = cols[:, None] < T
         k = load_rotated(k_base, cols, cols < T, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
         v = tl.load(v_base + kv_off, mask=col_ok, other=0.0)
         s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
-        s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+        seen = offs_m[:, None] >= cols[None, :]
+        if HAS_WINDOW:
+            seen = seen & (cols[None, :] > offs_m[:, None] - WINDOW)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_sub = m_new
+        if HAS_WINDOW:  # no key of the row seen yet: exp2(-inf - 0) = 0, not exp2(-inf - -inf)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             keep = keep_tile(seed, (bh.to(tl.int64) * T + offs_m[:, None]) * T + cols[None, :], bound)
@@ -171,6 +201,8 @@ def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION)
         m_i = m_new
 
+    if HAS_WINDOW:  # l >= 1 on every row < T (its max term is exp2(0)); rows past T may have seen no key
+        l_i = tl.maximum(l_i, 1.0)
     acc = acc / l_i[:, None]
     tl.store(lse_ptr + bh * T + offs_m, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
     out_base = out_ptr + b.to(tl.int64) * stride_out_b + h * HS
@@ -178,24 +210,27 @@ def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
              mask=row_ok[:, None])
 
 
-def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0, rope=None):
-    """out (B, T, NH*hs) = causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs), scale
-    1/sqrt(hs). Overwrites out and att (B, NH, T) float32: the row logsumexp of the scaled, masked
-    scores, all the backward needs to recompute P.
+def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0, rope=None, window=0, scale=None):
+    """out (B, T, NH*hs) = causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs), the scores
+    q.k * scale (scale None: 1/sqrt(hs)). Overwrites out and att (B, NH, T) float32: the row
+    logsumexp of the scaled, masked scores, all the backward needs to recompute P.
 
-    rope=(cos, sin), rope_cache's (T_max, hs) tables: q and k in qkv are before RoPE, rotated here
-    at positions [0, T) as they are loaded (qkv itself is not changed here; the cpu op rotates it in
-    place: on either backend the backward takes qkv as the forward left it). dropout_p > 0 (training):
-    out_h = (P * M / (1 - p)) v_g, M the cpu op's keep mask for (dropout_p, seed)."""
+    window=W > 0: query t attends keys t - W < s <= t only (a sliding window of W keys, itself
+    included); 0 is plain causal attention. rope=(cos, sin), rope_cache's (T_max, hs) tables: q and
+    k in qkv are before RoPE, rotated here at positions [0, T) as they are loaded (qkv itself is not
+    changed here; the cpu op rotates it in place: on either backend the backward takes qkv as the
+    forward left it). dropout_p > 0 (training): out_h = (P * M / (1 - p)) v_g, M the cpu op's keep
+    mask for (dropout_p, seed)."""
     B, T, hs = _check(qkv, n_head, n_kv_head, att)
     _check(qkv, n_head, n_kv_head, att, out=(out, (B, T, n_head * hs)))
+    window, has_window = _window_args(window, scale, T)
     fused, switches = _fused_args(qkv, hs, dropout_p, seed, rope)
     cfg = _blocks(hs, qkv.dtype)
     _gqa_forward_kernel[(cdiv(T, cfg.fwd_m), B * n_head)](
         out, att, qkv, T, n_head, n_kv_head, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
-        LOG2E.value / hs ** 0.5, *fused,
+        LOG2E.value / hs ** 0.5 if scale is None else LOG2E.value * float(scale), *fused, window,
         HS=hs, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, DOT_PRECISION=_dot_precision(qkv.dtype), **switches,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_WINDOW=has_window, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---------------------------------------------------------------- backward
@@ -203,13 +238,15 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=
 def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse_ptr, T, NH, NKV,
                             stride_qkv_b, stride_qkv_t, stride_dqkv_b, stride_dqkv_t,
                             stride_out_b, stride_out_t, stride_dout_b, stride_dout_t, scale, qk_scale,
-                            cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale,
+                            cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale, WINDOW,
                             HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr):
+                            DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr,
+                            HAS_WINDOW: tl.constexpr):
     """One (query block, b * NH + h) per program: D = rowsum(dO * O) (stored for the dK/dV kernel),
     then over key blocks up to the diagonal P = exp2(s - L log2 e), dP = dO v^T (times M / (1 - p)
     with DROPOUT), dS = P * (dP - D), dQ += dS k; finally dQ *= scale (and R^T dQ with ROPE, q and
-    k rotated on load). k and v are kv head h // (NH / NKV)'s."""
+    k rotated on load). k and v are kv head h // (NH / NKV)'s. HAS_WINDOW: the key blocks from the
+    one holding the block's first row's first key, keys s <= t - WINDOW masked (P = 0 there)."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // NH
@@ -234,14 +271,20 @@ def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse
 
     dq = tl.zeros([BLOCK_M, HS], tl.float32)
     hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(pid_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_off = cols[:, None] * stride_qkv_t + offs_d[None, :]
         col_ok = cols[:, None] < T
         k = load_rotated(k_base, cols, cols < T, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
         v = tl.load(v_base + kv_off, mask=col_ok, other=0.0)
         s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
-        p = tl.exp2(tl.where(rows >= cols[None, :], s, float("-inf")) - lse2[:, None])
+        seen = rows >= cols[None, :]
+        if HAS_WINDOW:
+            seen = seen & (cols[None, :] > rows - WINDOW)
+        p = tl.exp2(tl.where(seen, s, float("-inf")) - lse2[:, None])
         dp = _dot(do, tl.trans(v), DOT_PRECISION)
         if DROPOUT:  # dP = dPd * M / (1 - p)
             keep = keep_tile(seed, (bh.to(tl.int64) * T + rows) * T + cols[None, :], bound)
@@ -261,14 +304,17 @@ def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse
 def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T, NH, NKV,
                               stride_qkv_b, stride_qkv_t, stride_dqkv_b, stride_dqkv_t,
                               stride_dout_b, stride_dout_t, scale, qk_scale,
-                              cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale,
+                              cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale, WINDOW,
                               HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr):
+                              DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr,
+                              HAS_WINDOW: tl.constexpr):
     """One (key block, b * NKV + g) per program: over the G query heads of group g and, for each,
     the query blocks from the diagonal to T (keys along rows): P^T = exp2(s^T - L log2 e),
     dV += P^T dO, dP^T = v dO^T, dS^T = P^T * (dP^T - D), dK += dS^T q; finally dK *= scale. The
     group's sum is taken here, in a fixed order. DROPOUT: dV takes the dropped P^T * M^T / (1 - p)
-    and dP^T the same factor; ROPE: q and k rotated on load, dK taken back through R^T."""
+    and dP^T the same factor; ROPE: q and k rotated on load, dK taken back through R^T.
+    HAS_WINDOW: the query blocks stop after the last one with a row that sees a key of this block
+    (row t sees key s while t < s + WINDOW), rows t >= s + WINDOW masked."""
     pid_n = tl.program_id(0)
     bg = tl.program_id(1)
     b = bg // NKV
@@ -286,12 +332,15 @@ def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T
     dk = tl.zeros([BLOCK_N, HS], tl.float32)
     dv = tl.zeros([BLOCK_N, HS], tl.float32)
     lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M  # the query block holding this block's first key
+    hi = T
+    if HAS_WINDOW:  # past the last row that sees this block's last key, (pid_n + 1) * BLOCK_N - 1 + WINDOW - 1
+        hi = tl.minimum((pid_n + 1) * BLOCK_N + WINDOW - 1, T)
     for j in range(0, G):
         h = g * G + j
         bh = b * NH + h
         q_base = base + h * HS
         do_base = dout_ptr + b.to(tl.int64) * stride_dout_b + h * HS
-        for start_m in range(lo, T, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m
             row_ok = rows < T
             q = load_rotated(q_base, rows, row_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
@@ -300,6 +349,8 @@ def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T
             delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)
             s_t = _dot(k, tl.trans(q), DOT_PRECISION) * qk_scale
             keep = (rows[None, :] >= offs_n[:, None]) & row_ok[None, :]
+            if HAS_WINDOW:
+                keep = keep & (rows[None, :] - WINDOW < offs_n[:, None])
             p_t = tl.exp2(tl.where(keep, s_t, float("-inf")) - lse2[None, :])
             dp_t = _dot(v, tl.trans(do), DOT_PRECISION)
             if DROPOUT:
@@ -328,7 +379,8 @@ def gqa_attention_prepare(qkv, n_head, n_kv_head, rope=None):
     _check(qkv, n_head, n_kv_head, None)
 
 
-def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dropout_p=0.0, seed=0, rope=None):
+def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dropout_p=0.0, seed=0, rope=None,
+                           window=0, scale=None):
     """With, per query head h and its kv head g, y = P v_g, P = softmax(S), S = q_h k_g^T * scale:
         dV_g = sum over the group's h of P^T dO_h,   dP = dO_h v_g^T,
         dS = P * (dP - D),  D = rowsum(P * dP) = rowsum(dO_h * O_h)   (softmax backward),
@@ -336,7 +388,10 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
     with P recomputed block by block from att (B, NH, T), the forward's logsumexp. Overwrites dqkv
     (B, T, (NH + 2*NKV)*hs). dout is (B, T, NH*hs); out, the forward's output, is required (for D).
     Two kernels, no atomics: dQ (and D) per query block and head, then dK, dV per key block and kv
-    head, walking its group.
+    head, walking its group. window and scale are the forward's (scale None: 1/sqrt(hs)).
+    With a sliding window W, S[t, s] = -inf outside t - W < s <= t, so P = 0 there and so is every
+    term above (dS = P * (...)): the dQ program skips the key blocks before its first row's window,
+    and the dK/dV program the query blocks past the last row that sees its keys.
     With dropout (dropout_p, seed: the forward's), y = Pd v, Pd = P * M / (1 - p): dV takes Pd, and
     dP = dPd * M / (1 - p) with dPd = dO v^T; D = rowsum(P * dP) is still rowsum(dO * O), O = Pd v.
     With rope=(cos, sin) (the forward's), q and k in qkv are before the rotation R, and what is
@@ -348,32 +403,34 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
     B, T, hs = _check(qkv, n_head, n_kv_head, att)
     row = (B, T, n_head * hs)
     _check(qkv, n_head, n_kv_head, att, dout=(dout, row), out=(out, row), dqkv=(dqkv, tuple(qkv.shape)))
+    window, has_window = _window_args(window, scale, T)
     cfg = _blocks(hs, qkv.dtype)
-    scale = 1.0 / hs ** 0.5
+    scale = 1.0 / hs ** 0.5 if scale is None else float(scale)
     prec = _dot_precision(qkv.dtype)
     fused, switches = _fused_args(qkv, hs, dropout_p, seed, rope)
+    switches["HAS_WINDOW"] = has_window
     delta = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # D per row
     strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1))
     _gqa_backward_dq_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
         dqkv, delta, dout, out, qkv, att, T, n_head, n_kv_head, *strides, out.stride(0), out.stride(1),
-        dout.stride(0), dout.stride(1), scale, scale * LOG2E.value, *fused,
+        dout.stride(0), dout.stride(1), scale, scale * LOG2E.value, *fused, window,
         HS=hs, BLOCK_M=cfg.bwd_res, BLOCK_N=cfg.bwd_stream, DOT_PRECISION=prec, **switches,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gqa_backward_dkdv_kernel[(cdiv(T, cfg.bwd_res), B * n_kv_head)](
         dqkv, delta, dout, qkv, att, T, n_head, n_kv_head, *strides, dout.stride(0), dout.stride(1),
-        scale, scale * LOG2E.value, *fused,
+        scale, scale * LOG2E.value, *fused, window,
         HS=hs, BLOCK_M=cfg.bwd_stream, BLOCK_N=cfg.bwd_res, DOT_PRECISION=prec, **switches,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)
 @triton.jit
-def _gqa_decode_kernel(out_ptr, qkv_ptr, k_ptr, v_ptr, pos, NH, NKV, stride_qkv_b, stride_out_b,
+def _gqa_decode_kernel(out_ptr, qkv_ptr, k_ptr, v_ptr, lo, pos, NH, NKV, stride_qkv_b, stride_out_b,
                        stride_kb, stride_kh, stride_kt, qk_scale, HS: tl.constexpr, BLOCK_N: tl.constexpr):
     """One (b, query head h) per program over kv head g = h // (NH / NKV): the group's first head
     writes this position's k and v into slot pos of the caches (one writer per slot); every head
-    uses them from registers, then y = softmax(q K[:pos+1]^T * scale) V[:pos+1] by an online
-    softmax in float32, as attention.py's decode kernel."""
+    uses them from registers, then y = softmax(q K[lo:pos+1]^T * scale) V[lo:pos+1] by an online
+    softmax in float32, as attention.py's decode kernel (lo: 0, or a sliding window's first key)."""
     bh = tl.program_id(0)
     b = bh // NH
     h = bh % NH
@@ -391,7 +448,7 @@ def _gqa_decode_kernel(out_ptr, qkv_ptr, k_ptr, v_ptr, pos, NH, NKV, stride_qkv_
     l_i = m_i * 0.0 + 1.0
     acc = v_new.to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(0, pos, BLOCK_N):
+    for start in range(lo, pos, BLOCK_N):
         cols = start + offs_n
         ok = cols < pos
         kv_off = cache + cols[:, None] * stride_kt + offs_d[None, :]
@@ -407,11 +464,14 @@ def _gqa_decode_kernel(out_ptr, qkv_ptr, k_ptr, v_ptr, pos, NH, NKV, stride_qkv_
     tl.store(out_ptr + b.to(tl.int64) * stride_out_b + h * HS + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
 
 
-def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_head, rows=None):
+def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_head, rows=None, window=0,
+                                 scale=None):
     """One decoding step, as the cpu op: qkv (B, 1, (NH + 2*NKV)*hs) (or (B, W)) holds the token's
     fused projections, RoPE already applied at offset pos; k_cache, v_cache (B, NKV, Tmax, hs) hold
     positions [0, pos) and get its k and v in slot pos; per query head h, g = h // (NH / NKV),
-        y_h = softmax(q_h K_g[:pos+1]^T / sqrt(hs)) V_g[:pos+1].
+        y_h = softmax(q_h K_g[lo:pos+1]^T * scale) V_g[lo:pos+1],
+    lo = 0, or max(0, pos - window + 1) with a sliding window (window > 0: the last `window` keys,
+    this one included); scale None is 1/sqrt(hs).
     Overwrites out (B, 1, NH*hs) (or (B, NH*hs)) and slot pos of both caches. Inference only.
     As the cpu op, pos may hold one position per row and rows the cache row of each query row; here
     that runs one launch per row (the gpu backend does not serve; the cpu op is one launch)."""
@@ -421,7 +481,7 @@ def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_h
         pos, rows = decode_rows(q2.shape[0], k_cache.shape[0], k_cache.shape[2], pos, rows)
         for b, (r, p) in enumerate(zip(rows.tolist(), pos.tolist())):
             gqa_attention_decode_forward(o2[b:b + 1], q2[b:b + 1], k_cache[r:r + 1], v_cache[r:r + 1], p, n_head,
-                                         n_kv_head)
+                                         n_kv_head, window=window, scale=scale)
         return
     B, NKV, Tmax, hs = k_cache.shape
     if NKV != n_kv_head or tuple(v_cache.shape) != tuple(k_cache.shape) or n_head % n_kv_head:
@@ -436,8 +496,10 @@ def gqa_attention_decode_forward(out, qkv, k_cache, v_cache, pos, n_head, n_kv_h
         raise ValueError(f"qkv needs unit stride in its last dim, got strides {tuple(qkv.stride())}")
     if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("out, k_cache and v_cache must be contiguous (they are written in place)")
+    window, _ = _window_args(window, scale, pos + 1)
     block_n = 16 if interpreting() else max(16, min(64, 8192 // hs))
     _gqa_decode_kernel[(B * n_head,)](
-        o2, q2, k_cache, v_cache, pos, n_head, NKV, q2.stride(0), o2.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), LOG2E.value / hs ** 0.5, HS=hs, BLOCK_N=block_n,
+        o2, q2, k_cache, v_cache, pos - window + 1 if window else 0, pos, n_head, NKV, q2.stride(0), o2.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        LOG2E.value / hs ** 0.5 if scale is None else LOG2E.value * float(scale), HS=hs, BLOCK_N=block_n,
         num_warps=4)
