@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from handgrad.cli import main as cli  # noqa: E402
-from handgrad.config import GPTConfig, LlamaConfig  # noqa: E402
+from handgrad.config import Gemma3Config, GPTConfig, LlamaConfig  # noqa: E402
 from handgrad.models import get_family  # noqa: E402
 
 BLOCK = 48
@@ -201,10 +201,13 @@ def test_report_table(setup, capsys):
     assert set(rows) == {"lm", "mc", "schema"} and all(r[2] == "3" for r in rows.values())
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gemma3"])
 def test_extend_and_load_rows_equal_prefills_of_the_whole_sequence(arch):
-    cfg = (GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=16) if arch == "gpt2" else
-           LlamaConfig(block_size=32, vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=40))
+    cfg = {"gpt2": lambda: GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=16),
+           "llama": lambda: LlamaConfig(block_size=32, vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                                        ffn_hidden=40),
+           "gemma3": lambda: Gemma3Config(block_size=32, vocab_size=50, n_layer=3, n_head=4, n_kv_head=2, n_embd=32,
+                                          head_dim=8, ffn_hidden=40, sliding_window=6, sliding_window_pattern=3)}[arch]()
     m = get_family(arch).model(cfg, seed=1)
     seq = np.random.default_rng(0).integers(0, 50, (3, 20))
     ref = np.stack([m.KV_CACHE(m, 3).prefill(seq[:, :t + 1]) for t in range(20)], 1)  # (3, 20, V)

@@ -290,9 +290,9 @@ def _gemma_tokenizer(d, split=True):
 
 
 def test_gguf_export_of_a_gemma_tokenizer(tmp_path, capsys):
-    """Gemma 3's tokenizer.json (its no-op Split) has no GGUF form in handgrad's writer: the model is
-    written without it, saying why; the same BPE without the Split (Gemma 2's form) goes in as llama.cpp's
-    SentencePiece ("llama") and reads back with the same ids."""
+    """Gemma 3's tokenizer.json (spaces replaced by "▁", then a Split on " " that finds none) and the
+    same BPE without the Split (Gemma 2's form) both go in as llama.cpp's SentencePiece ("llama", no
+    space prefix) and read back with the same ids."""
     config = Gemma3Config(block_size=64, vocab_size=200, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
                           ffn_hidden=32, sliding_window=W, sliding_window_pattern=2, query_pre_attn_scalar=16)
     weights = Gemma3(config, seed=0).state_dict()
@@ -302,14 +302,12 @@ def test_gguf_export_of_a_gemma_tokenizer(tmp_path, capsys):
         (tmp_path / f"run{split}" / "tokenizer.json").write_bytes((tok / "tokenizer.json").read_bytes())
         dst = tmp_path / f"m{split}.gguf"
         assert cli(["convert", str(tmp_path / f"run{split}"), str(dst), "--format", "gguf"]) == 0
-        out = capsys.readouterr().out
-        if split:
-            assert "wrote a GGUF file (gemma3, f32); not the tokenizer: " in out and "(BPE split by Split)" in out
-            assert gguf.GGUFReader(dst).fields.get("tokenizer.ggml.model") is None
-        else:
-            assert "wrote a GGUF file (gemma3, f32) with the tokenizer" in out
-            text = "hello there. how are you today\nfine"
-            assert load_tokenizer(dst).encode(text) == load_tokenizer(tok / "tokenizer.json").encode(text)
+        assert "wrote a GGUF file (gemma3, f32) with the tokenizer" in capsys.readouterr().out
+        fields = gguf.GGUFReader(dst).fields
+        assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+        assert not bool(fields["tokenizer.ggml.add_space_prefix"].parts[-1][0])
+        text = "hello there.  how are you today\nfine"
+        assert load_tokenizer(dst).encode(text) == load_tokenizer(tok / "tokenizer.json").encode(text)
 
 
 # llama.cpp's converter, run on a byte-level BPE trained here: its Gemma3Model reads tokenizer.model (none

@@ -18,9 +18,10 @@ import pytest
 
 from handgrad import GPT, GPTConfig
 from handgrad.cli import build_parser, main as cli
-from handgrad.config import LlamaConfig
+from handgrad.config import Gemma3Config, LlamaConfig
 from handgrad.data.chat import load_chat_format
 from handgrad.models.decode import generate
+from handgrad.models.gemma3 import Gemma3
 from handgrad.models.llama import Llama
 from handgrad.sample import SEPARATOR, load_run
 from handgrad.serve.command import build
@@ -40,6 +41,9 @@ MODELS = {
     "gpt2": lambda: random_model(GPT(GPTConfig(block_size=48, vocab_size=67, n_layer=2, n_head=3, n_embd=48), seed=0)),
     "llama": lambda: random_model(Llama(LlamaConfig(block_size=48, vocab_size=67, n_layer=2, n_head=6, n_kv_head=2,
                                                     n_embd=48, ffn_hidden=80), seed=0)),
+    "gemma3": lambda: random_model(Gemma3(Gemma3Config(block_size=48, vocab_size=67, n_layer=3, n_head=6, n_kv_head=2,
+                                                       n_embd=48, head_dim=8, ffn_hidden=80, sliding_window=5,
+                                                       sliding_window_pattern=2), seed=0)),
 }
 
 

@@ -125,23 +125,30 @@ def _pre_name(doc) -> str:
 
 
 def _is_sentencepiece(doc) -> bool:
-    """A BPE that turns spaces into "▁" (a Metaspace pre-tokenizer, or Prepend/Replace normalizers)
+    """A BPE that turns spaces into "▁" (a Metaspace pre-tokenizer, or Prepend/Replace normalizers,
+    with no pre-tokenizer or Gemma 3's Split on " ", which finds no space once they are replaced)
     and whose decoder turns them back."""
     pre, norm = _parts(doc.get("pre_tokenizer")), _parts(doc.get("normalizer"))
     decoder = _parts(doc.get("decoder"))
     metaspace = len(pre) == 1 and pre[0].get("type") == "Metaspace" and pre[0].get("replacement") == "▁" \
         and not pre[0].get("split", True) and not norm
-    replace = not pre and norm and all(s.get("type") in ("Prepend", "Replace") for s in norm) \
+    replace = (not pre or _splits_on_space(pre)) and norm \
+        and all(s.get("type") in ("Prepend", "Replace") for s in norm) \
         and norm[-1].get("type") == "Replace" and (norm[-1].get("pattern") or {}).get("String") == " " \
         and norm[-1].get("content") == "▁" and all(s.get("prepend") == "▁" for s in norm[:-1])
     undo = bool(decoder) and decoder[0].get("type") == "Replace" and decoder[0].get("content") == " "
     return bool((metaspace or replace) and undo)
 
 
+def _splits_on_space(pre) -> bool:
+    """Whether the pre-tokenizer is one Split on the string " " (Gemma 3's)."""
+    return len(pre) == 1 and pre[0].get("type") == "Split" and (pre[0].get("pattern") or {}).get("String") == " "
+
+
 def _space_prefix(doc) -> bool:
     """Whether a SentencePiece-style tokenizer puts "▁" before the text."""
     pre = _parts(doc.get("pre_tokenizer"))
-    if pre:
+    if pre and pre[0].get("type") == "Metaspace":
         return pre[0].get("prepend_scheme", "always" if pre[0].get("add_prefix_space", True) else "never") != "never"
     return any(s.get("type") == "Prepend" for s in _parts(doc.get("normalizer")))
 

@@ -16,7 +16,8 @@ from .common import ConvertError, check_weights, make_config, prepare_dir, publi
 
 HF_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 # what handgrad reads
-HF_ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+HF_ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
+                    "Gemma3ForConditionalGeneration")
 
 
 # ---------------------------------------------------------------- safetensors, bfloat16 included

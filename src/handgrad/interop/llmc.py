@@ -73,10 +73,10 @@ def read_llmc(path):
 
 def write_llmc(dst, config, weights, version=3, padded_vocab=None):
     """llm.c's model file: header, then the tensors in llm.c's order, [out, in], wte padded with zeros.
-    GPT-2 only: the file has no place for a llama-family model's norms, rotary heads, SwiGLU or
-    Qwen3's q/k norms."""
+    GPT-2 only: the file has no place for a llama-family or Gemma 3 model's norms, rotary heads, gated
+    MLP or q/k norms."""
     if family_of(config).arch != "gpt2":
-        what = " with Qwen3's q/k norms" if getattr(config, "qk_norm", False) else ""
+        what = " with Qwen3's q/k norms" if family_of(config).arch == "llama" and config.qk_norm else ""
         raise ConvertError(f"--format llmc: a {family_of(config).arch} model{what}; llm.c's model file holds GPT-2 "
                            f"models only: use --format hf, gguf or handgrad")
     if version not in LLMC_VERSIONS:
