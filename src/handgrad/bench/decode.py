@@ -18,7 +18,7 @@ import numba
 import numpy as np
 
 from ..backends.cpu import blas, set_threads
-from ..config import LlamaConfig, load_run_config
+from ..config import Gemma3Config, LlamaConfig, load_run_config
 from ..interop.hf import hf_config
 from ..machine import BackgroundLoad, cores_available, cpu_model, environment
 from ..models import get_family
@@ -180,7 +180,7 @@ def transformers_model(model, torch):
 
     from ..torch_ref import TorchLlama, quiet_transformers
     state = model.state_dict()
-    if isinstance(model.config, LlamaConfig):
+    if isinstance(model.config, (LlamaConfig, Gemma3Config)):
         tf = TorchLlama(model.config, torch.float32, attn_implementation="sdpa").load_numpy(state).hf
     else:
         with quiet_transformers():

@@ -27,8 +27,7 @@ import numpy as np
 from ..config import Gemma3Config
 from .family import Family, initialise
 from .llama import Activations as LlamaActivations
-from .llama import (Llama, LlamaDecoding, LlamaKVCache, LlamaTraining, WRITTEN_FIRST, qk_norm_backward,
-                    qk_norm_forward, transposed)
+from .llama import Llama, LlamaDecoding, LlamaKVCache, LlamaTraining, WRITTEN_FIRST, qk_norm_forward, transposed
 
 
 def param_spec(config):
@@ -153,18 +152,12 @@ class Gemma3(Llama):
                    for l in reversed(range(self.config.n_layer))]
                 + [(0, end("model.embed_tokens.weight"))])
 
-    def _layers_forward(self, a):
-        """Embedding (scaled), the blocks, the final norm and the logits into a.logits, from a.idx."""
-        ops, c = self.ops, self.config
-        gains = self.norm_gains()
-        ops.encoder_forward(a.encoded, a.idx, self.p["model.embed_tokens.weight"])
+    def embed_forward(self, a):
+        """The norms' gains for this forward and its backward (norm_gains), then a.encoded =
+        embed_scale * embed_tokens' rows of a.idx."""
+        self.norm_gains()
+        self.ops.encoder_forward(a.encoded, a.idx, self.p["model.embed_tokens.weight"])
         a.encoded *= self.embed_scale
-        x, r = a.encoded, self.TRAINING(self, a)
-        for l in range(c.n_layer):
-            self.block_forward(r, l, x)
-            x = a.res3[l]
-        ops.rmsnorm_forward(a.normf, a.rstdf, x, gains["model.norm.weight"], c.norm_eps)
-        self.head_forward(a, a.normf, self.p16[self.lm_head].T, self.grad_t(self.lm_head))
 
     def block_forward(self, r, l, x):
         """Block l, as every caller runs it (llama.py's Llama.block_forward says who and how r
@@ -209,79 +202,44 @@ class Gemma3(Llama):
                                    r.fw.gu[l].T, None, c.norm_eps, adapters=r.adapters(l, "gu", x))
         if g_in is not gu:  # bf16 products: gate|up kept narrowed
             ops.to_bf16(gu, g_in)
-        ops.geglu_forward(r.h, g_in)
+        self.glu_forward(r.h, g_in)
         return r.h
 
-    def backward(self, grads_ready=None):
-        """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss
-        (the logits buffer is overwritten by dlogits, so backward() runs once per forward).
-        grads_ready(lo, hi), if given, is called as each range of `grad_buckets` is final."""
-        ready = grads_ready or (lambda lo, hi: None)
-        buckets = iter(self.grad_buckets)
-        if not self._ready_for_backward:
-            raise RuntimeError("backward() needs a forward(idx, targets) with targets first")
-        self._ready_for_backward = False
-        ops, g, fg, a, c, gains = self.ops, self.g, self.fg, self._acts, self.config, self._gains
-        w, fw = self.p16, self.fw  # the products' weights
-        acc = not self._grads_zero  # first backward after zero_grad(): the matrices are written, not added
-        self._grads_zero = False
-        if a.grads is None:
-            a.alloc_grads(ops, c, self._act_dtype())
-        L = c.n_layer
-        self.head_backward(a, a.dnormf, acc)
-        a.dres[...] = 0
-        ops.rmsnorm_backward(a.dres, g.get("model.norm.weight"), a.dnormf, a.res3[L - 1], gains["model.norm.weight"],
-                             a.rstdf)
-        ready(*next(buckets))
-        for l in reversed(range(L)):
-            h = f"model.layers.{l}."
-            x = a.res3[l - 1] if l > 0 else a.encoded
-            s = a.slot(l)
-            gu, hl = a.gate_up(l)[1], a.h[0]
-            qkv, qkv16 = a.attention_qkv(l)
-            if a.recompute:  # qkv's and the MLP's buffers were not kept: form them again
-                self._block_recompute(a, l, x)
-            else:  # h is one slot: form it again from the kept gate|up (and qkv from its bf16 copy)
-                ops.geglu_forward(hl, gu)
-                if qkv16 is not None:
-                    ops.from_bf16(qkv16, out=qkv)
-            # MLP: res3 = res2 + norm_post_ff(down(geglu(gate|up(norm_pre_ff(res2))))); dres holds d res3
-            a.dpost[...] = 0
-            ops.rmsnorm_backward(a.dpost, g.get(h + "post_feedforward_layernorm.weight"), a.dres, a.mlp_o[l],
-                                 gains[h + "post_feedforward_layernorm.weight"], a.rstd4[l])
-            dm = self.narrowed(a.dpost, a.dres16)
-            ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dm, hl,
-                                w[h + "mlp.down_proj.weight"].T, acc)
-            self.lora_linear_grad(a.dh, dm, hl, a, l, "down")
-            ops.geglu_backward(a.dgu, a.dh, gu)
-            ops.rmsnorm_linear_backward(a.dres, g.get(h + "pre_feedforward_layernorm.weight"), transposed(fg.gu[l]),
-                                        None, a.dgu, a.res2[l], gains[h + "pre_feedforward_layernorm.weight"], a.rstd2[s],
-                                        fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
-            # attention: res2 = x + norm_post_attn(o(attn(rope(qk_norm(qkv(norm_in(x))))))); dres holds d res2
-            a.dpost[...] = 0
-            ops.rmsnorm_backward(a.dpost, g.get(h + "post_attention_layernorm.weight"), a.dres, a.attn_o[l],
-                                 gains[h + "post_attention_layernorm.weight"], a.rstd3[l])
-            do = self.narrowed(a.dpost, a.dres16)
-            y, y16 = a.o_input(l)
-            o_in = y if y16 is None else y16
-            ops.linear_backward(a.datty, self.grad_t(h + "self_attn.o_proj.weight"), None, do, o_in,
-                                w[h + "self_attn.o_proj.weight"].T, acc)
-            self.lora_linear_grad(a.datty, do, o_in, a, l, "o")
-            # dq, dk before RoPE; out: the forward's output where it is kept (the cpu's op does not read it)
-            ops.gqa_attention_backward(a.dqkv, a.datty, qkv, a.att[l], c.n_head, c.n_kv_head,
-                                       out=y if y16 is None else None, rope=self.rope(l), **self.attention_dropout(l),
-                                       **self.attention_shape(l))
-            qk_norm_backward(ops, a.dqkv, g.get(h + "self_attn.q_norm.weight"), g.get(h + "self_attn.k_norm.weight"),
-                             a.dqk, a.qk_pre[s], gains[h + "self_attn.q_norm.weight"],
-                             gains[h + "self_attn.k_norm.weight"], a.rstd_qk[s], c)
-            ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), transposed(fg.qkv[l]), None,
-                                        self.narrowed(a.dqkv, a.dqkv16), x, gains[h + "input_layernorm.weight"],
-                                        a.rstd1[s], fw.qkv[l].T, acc, adapters=self.lora_adapters(a, l, "qkv"))
-            ready(*next(buckets))
-        if "model.embed_tokens.weight" in g:  # x0 = embed_scale * embed_tokens[idx]
-            a.dres *= self.embed_scale
-            ops.encoder_backward(g["model.embed_tokens.weight"], None, a.dres, a.idx)
-        ready(*next(buckets))
+    def norm_weight(self, name):
+        return self._gains[name]
+
+    def glu_forward(self, out, gu):
+        self.ops.geglu_forward(out, gu)
+
+    def embedding_grad(self, a):
+        """x0 = embed_scale * embed_tokens[idx]: d embed_tokens[idx] = embed_scale * d x0."""
+        a.dres *= self.embed_scale
+        return a.dres
+
+    def block_backward(self, a, l, x, acc):
+        """Block l's gradients (Llama.backward's frame runs it, block l's inner buffers formed
+        again), a.dres holding d res3 and left holding d x. Each norm after a half is rmsnorm's
+        backward into a.dpost, its input's gradient; the attention half from there is Llama's."""
+        ops, g, fg, gains = self.ops, self.g, self.fg, self._gains
+        w, fw, h, s = self.p16, self.fw, f"model.layers.{l}.", a.slot(l)
+        gu, hl = a.gate_up(l)[1], a.h[0]
+        # MLP: res3 = res2 + norm_post_ff(down(geglu(gate|up(norm_pre_ff(res2))))); dres holds d res3
+        a.dpost[...] = 0
+        ops.rmsnorm_backward(a.dpost, g.get(h + "post_feedforward_layernorm.weight"), a.dres, a.mlp_o[l],
+                             gains[h + "post_feedforward_layernorm.weight"], a.rstd4[l])
+        dm = self.narrowed(a.dpost, a.dres16)
+        ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dm, hl,
+                            w[h + "mlp.down_proj.weight"].T, acc)
+        self.lora_linear_grad(a.dh, dm, hl, a, l, "down")
+        ops.geglu_backward(a.dgu, a.dh, gu)
+        ops.rmsnorm_linear_backward(a.dres, g.get(h + "pre_feedforward_layernorm.weight"), transposed(fg.gu[l]),
+                                    None, a.dgu, a.res2[l], gains[h + "pre_feedforward_layernorm.weight"], a.rstd2[s],
+                                    fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
+        # attention: res2 = x + norm_post_attn(o(attn(rope(qk_norm(qkv(norm_in(x))))))); dres holds d res2
+        a.dpost[...] = 0
+        ops.rmsnorm_backward(a.dpost, g.get(h + "post_attention_layernorm.weight"), a.dres, a.attn_o[l],
+                             gains[h + "post_attention_layernorm.weight"], a.rstd3[l])
+        self.attention_backward(a, l, x, self.narrowed(a.dpost, a.dres16), acc)
 
 
 class Gemma3Training(LlamaTraining):

@@ -291,15 +291,19 @@ class Llama(FlatModel):
 
     def _layers_forward(self, a):
         """Embedding, the blocks, the final norm and the logits into a.logits, from a.idx."""
-        ops, p, w, c = self.ops, self.p, self.p16, self.config  # w: the products' weights
-        ops.encoder_forward(a.encoded, a.idx, p["model.embed_tokens.weight"])
-        self.drop(a.encoded, -1, self.SITE_EMBED)
+        ops, w, c = self.ops, self.p16, self.config  # w: the products' weights
+        self.embed_forward(a)
         x, r = a.encoded, self.TRAINING(self, a)
         for l in range(c.n_layer):
             self.block_forward(r, l, x)
             x = a.res3[l]
-        ops.rmsnorm_forward(a.normf, a.rstdf, x, p["model.norm.weight"], c.norm_eps)
+        ops.rmsnorm_forward(a.normf, a.rstdf, x, self.norm_weight("model.norm.weight"), c.norm_eps)
         self.head_forward(a, a.normf, w[self.lm_head].T, self.grad_t(self.lm_head))
+
+    def embed_forward(self, a):
+        """a.encoded, the residual stream entering block 0: embed_tokens' rows of a.idx, dropped."""
+        self.ops.encoder_forward(a.encoded, a.idx, self.p["model.embed_tokens.weight"])
+        self.drop(a.encoded, -1, self.SITE_EMBED)
 
     def block_forward(self, r, l, x):
         """Block l, as every caller runs it: the training forward (r a LlamaTraining over the
@@ -346,7 +350,7 @@ class Llama(FlatModel):
                                    r.fw.gu[l].T, None, c.norm_eps, adapters=r.adapters(l, "gu", x))
         if g_in is not gu:  # bf16 products: gate|up kept narrowed
             ops.to_bf16(gu, g_in)
-        ops.swiglu_forward(r.h, g_in)
+        self.glu_forward(r.h, g_in)
         return r.h
 
     def _attention_input(self, a, l):
@@ -380,15 +384,15 @@ class Llama(FlatModel):
     def backward(self, grads_ready=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss
         (the logits buffer is overwritten by dlogits, so backward() runs once per forward).
-        grads_ready(lo, hi), if given, is called as each range of `grad_buckets` is final."""
+        grads_ready(lo, hi), if given, is called as each range of `grad_buckets` is final. The frame
+        is every Llama-shaped family's: the head, the final norm, block_backward for blocks L-1 .. 0
+        (dres carrying the residual stream's gradient down), the embedding."""
         ready = grads_ready or (lambda lo, hi: None)
         buckets = iter(self.grad_buckets)
         if not self._ready_for_backward:
             raise RuntimeError("backward() needs a forward(idx, targets) with targets first")
         self._ready_for_backward = False
-        ops, p, g, fg, a, c = self.ops, self.p, self.g, self.fg, self._acts, self.config
-        w, fw = self.p16, self.fw  # the products' weights
-        NH, NKV = c.n_head, c.n_kv_head
+        ops, g, a, c = self.ops, self.g, self._acts, self.config
         acc = not self._grads_zero  # first backward after zero_grad(): the matrices are written, not added
         self._grads_zero = False
         if a.grads is None:
@@ -396,54 +400,78 @@ class Llama(FlatModel):
         L = c.n_layer
         self.head_backward(a, a.dnormf, acc)
         a.dres[...] = 0
-        ops.rmsnorm_backward(a.dres, g.get("model.norm.weight"), a.dnormf, a.res3[L - 1], p["model.norm.weight"],
-                             a.rstdf)
+        ops.rmsnorm_backward(a.dres, g.get("model.norm.weight"), a.dnormf, a.res3[L - 1],
+                             self.norm_weight("model.norm.weight"), a.rstdf)
         ready(*next(buckets))
         for l in reversed(range(L)):
-            h = f"model.layers.{l}."
             x = a.res3[l - 1] if l > 0 else a.encoded
-            s = a.slot(l)
-            gu, hl = a.gate_up(l)[1], a.h[0]
-            qkv, qkv16 = a.attention_qkv(l)
             if a.recompute:  # qkv's and the MLP's buffers were not kept: form them again
                 self._block_recompute(a, l, x)
             else:  # h is one slot: form it again from the kept gate|up (and qkv from its bf16 copy)
-                ops.swiglu_forward(hl, gu)
+                qkv, qkv16 = a.attention_qkv(l)
+                self.glu_forward(a.h[0], a.gate_up(l)[1])
                 if qkv16 is not None:
                     ops.from_bf16(qkv16, out=qkv)
-            # MLP: res3 = res2 + drop(down(swiglu(gate|up(rmsnorm(res2))))); dres holds d res3
-            dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
-            ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dproj, hl,
-                                w[h + "mlp.down_proj.weight"].T, acc)
-            self.lora_linear_grad(a.dh, dproj, hl, a, l, "down")
-            ops.swiglu_backward(a.dgu, a.dh, gu)
-            ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), transposed(fg.gu[l]),
-                                        None,
-                                        a.dgu, a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[s],
-                                        fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
-            # attention: res2 = x + drop(o(attn(rope(qkv(rmsnorm(x)))))); dres now holds d res2
-            dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
-            y, y16 = a.o_input(l)
-            o_in = y if y16 is None else y16
-            ops.linear_backward(a.datty, self.grad_t(h + "self_attn.o_proj.weight"), None, dproj, o_in,
-                                w[h + "self_attn.o_proj.weight"].T, acc)
-            self.lora_linear_grad(a.datty, dproj, o_in, a, l, "o")
-            # dq, dk before RoPE; out: the forward's output where it is kept (the cpu's op does not read it)
-            ops.gqa_attention_backward(a.dqkv, a.datty, qkv, a.att[l], NH, NKV, out=y if y16 is None else None,
-                                       rope=self.rope(l), **self.attention_dropout(l))
-            if c.qk_norm:
-                qk_norm_backward(ops, a.dqkv, g.get(h + "self_attn.q_norm.weight"), g.get(h + "self_attn.k_norm.weight"),
-                                 a.dqk, a.qk_pre[s], p[h + "self_attn.q_norm.weight"], p[h + "self_attn.k_norm.weight"],
-                                 a.rstd_qk[s], c)
-            ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), transposed(fg.qkv[l]),
-                                        fg.qkv_bias[l] if c.qkv_bias else None, self.narrowed(a.dqkv, a.dqkv16), x,
-                                        p[h + "input_layernorm.weight"], a.rstd1[s], fw.qkv[l].T, acc,
-                                        adapters=self.lora_adapters(a, l, "qkv"))
+            self.block_backward(a, l, x, acc)
             ready(*next(buckets))
         if "model.embed_tokens.weight" in g:
-            ops.encoder_backward(g["model.embed_tokens.weight"], None,
-                                 self.drop_grad(a, a.dres, -1, self.SITE_EMBED), a.idx)
+            ops.encoder_backward(g["model.embed_tokens.weight"], None, self.embedding_grad(a), a.idx)
         ready(*next(buckets))
+
+    def norm_weight(self, name):
+        """What the norm `name` multiplies by: its weight (Gemma: 1 + its weight)."""
+        return self.p[name]
+
+    def glu_forward(self, out, gu):
+        """The MLP's gate: silu(gate) * up (Gemma: gelu_tanh(gate) * up)."""
+        self.ops.swiglu_forward(out, gu)
+
+    def embedding_grad(self, a):
+        """The embedding output's gradient, from d x0 in a.dres (dropout's taken back)."""
+        return self.drop_grad(a, a.dres, -1, self.SITE_EMBED)
+
+    def block_backward(self, a, l, x, acc):
+        """Block l's gradients, its inner buffers formed again (backward), a.dres holding d res3 and
+        left holding d x; acc: add into the weight matrices' gradients (else write them)."""
+        ops, p, g, fg, c = self.ops, self.p, self.g, self.fg, self.config
+        w, fw, h, s = self.p16, self.fw, f"model.layers.{l}.", a.slot(l)
+        gu, hl = a.gate_up(l)[1], a.h[0]
+        qkv = a.attention_qkv(l)[0]
+        # MLP: res3 = res2 + drop(down(swiglu(gate|up(rmsnorm(res2))))); dres holds d res3
+        dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_MLP_OUT), a.dres16)
+        ops.linear_backward(a.dh, self.grad_t(h + "mlp.down_proj.weight"), None, dproj, hl,
+                            w[h + "mlp.down_proj.weight"].T, acc)
+        self.lora_linear_grad(a.dh, dproj, hl, a, l, "down")
+        ops.swiglu_backward(a.dgu, a.dh, gu)
+        ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), transposed(fg.gu[l]), None,
+                                    a.dgu, a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[s],
+                                    fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
+        # attention: res2 = x + drop(o(attn(rope(qkv(rmsnorm(x)))))); dres now holds d res2
+        dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
+        self.attention_backward(a, l, x, dproj, acc)
+
+    def attention_backward(self, a, l, x, dproj, acc):
+        """The attention half's gradients from dproj, o_proj's output gradient, added into a.dres:
+        o_proj, the attention (RoPE taken back), q/k norms, q|k|v and the input norm."""
+        ops, p, g, fg, c = self.ops, self.p, self.g, self.fg, self.config
+        w, fw, h, s = self.p16, self.fw, f"model.layers.{l}.", a.slot(l)
+        qkv = a.attention_qkv(l)[0]
+        y, y16 = a.o_input(l)
+        o_in = y if y16 is None else y16
+        ops.linear_backward(a.datty, self.grad_t(h + "self_attn.o_proj.weight"), None, dproj, o_in,
+                            w[h + "self_attn.o_proj.weight"].T, acc)
+        self.lora_linear_grad(a.datty, dproj, o_in, a, l, "o")
+        # dq, dk before RoPE; out: the forward's output where it is kept (the cpu's op does not read it)
+        ops.gqa_attention_backward(a.dqkv, a.datty, qkv, a.att[l], c.n_head, c.n_kv_head, out=y if y16 is None else None,
+                                   rope=self.rope(l), **self.attention_dropout(l), **self.attention_shape(l))
+        if c.qk_norm:
+            qk_norm_backward(ops, a.dqkv, g.get(h + "self_attn.q_norm.weight"), g.get(h + "self_attn.k_norm.weight"),
+                             a.dqk, a.qk_pre[s], self.norm_weight(h + "self_attn.q_norm.weight"),
+                             self.norm_weight(h + "self_attn.k_norm.weight"), a.rstd_qk[s], c)
+        ops.rmsnorm_linear_backward(a.dres, g.get(h + "input_layernorm.weight"), transposed(fg.qkv[l]),
+                                    fg.qkv_bias[l] if c.qkv_bias else None, self.narrowed(a.dqkv, a.dqkv16), x,
+                                    self.norm_weight(h + "input_layernorm.weight"), a.rstd1[s], fw.qkv[l].T, acc,
+                                    adapters=self.lora_adapters(a, l, "qkv"))
 
 
 def transposed(x):
