@@ -80,11 +80,11 @@ def _train_flags(p):
     p.add_argument("--no-compile", action="store_true",
                    help="--device gpu: leave out the torch.compile side (its compiles take minutes)")
     p.add_argument("--lora", type=_positive_int, default=None, metavar="R",
-                   help="LoRA rows at rank R on every linear (Llama presets): handgrad's LoRA step beside "
+                   help="LoRA rows at rank R on every linear (Llama and Gemma 3 presets): handgrad's LoRA step beside "
                         "PyTorch + PEFT's and handgrad's own full step")
     p.add_argument("--recompute", default=None, choices=["none", "block"],
                    help="handgrad's train.recompute (block: each block's forward run again in the backward) "
-                        "and, on the PyTorch side (Llama shapes), transformers' gradient checkpointing")
+                        "and, on the PyTorch side (Llama and Gemma 3 shapes), transformers' gradient checkpointing")
     p.add_argument("--loss-chunk", type=_positive_int, default=None, metavar="N",
                    help="handgrad's train.loss_chunk, the logits formed N rows at a time (PyTorch has no such "
                         "loss)")
