@@ -113,7 +113,7 @@ def test_bench_train_unknown_preset():
     bad = _bench("--preset", "tiny", "--recompute", "block", "--steps", "2")
     assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [
         "bench train --recompute block: tiny is a GPT-2 shape; the PyTorch side's gradient checkpointing is "
-        "transformers' Llama's (llama-char, llama-mid, smollm2-135m, ...)"]
+        "transformers' (llama-char, llama-mid, smollm2-135m, gemma3-270m, ...)"]
 
 
 def test_check_losses_refuses_a_mismatch():
