@@ -83,12 +83,14 @@ def test_train_device_gpu_matches_cpu_and_resumes_exactly(data_dir, tmp_path, ca
 
 
 def test_verify_backend_gpu(capsys, monkeypatch):
-    """`handgrad verify --backend gpu` passes; its Llama-model rows (2 min in the interpreter) are left to
-    tests/test_gpu_llama_model.py, which runs the same checks. Its GPT-2 "model" rows are this
+    """`handgrad verify --backend gpu` passes; its Llama and Gemma 3 model rows (2 min and 1 min in the
+    interpreter) are left to tests/test_gpu_llama_model.py and tests/test_gpu_gemma3_model.py, which run
+    the same checks. Its GPT-2 "model" rows are this
     file's ten AdamW steps against PyTorch float64 (check_model_adamw at verify's awkward shape: C 96
     over 3 heads, V 1000, B 2, T 32), so no test repeats them at a smaller one."""
     import handgrad.verify
     monkeypatch.setattr(handgrad.verify, "VERIFY_LLAMA", ())
+    monkeypatch.setattr(handgrad.verify, "VERIFY_GEMMA3", ())
     assert cli(["verify", "--backend", "gpu", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["backend"] == "gpu" and doc["ok"] and len(doc["rows"]) > 50

@@ -56,9 +56,9 @@ VERIFY_LLAMA = (
 
 # Gemma 3 against transformers' Gemma3ForCausalLM: 6 query heads on 2 kv heads 16 wide over n_embd 72,
 # local layers (a 5-key window under T 17) around a global one, scores scaled by 20 ** -0.5, softcapped logits
-VERIFY_GEMMA3 = Gemma3Config(block_size=32, vocab_size=1000, n_layer=3, n_head=6, n_kv_head=2, n_embd=72, head_dim=16,
-                             ffn_hidden=200, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=20.0,
-                             final_logit_softcapping=30.0)
+VERIFY_GEMMA3 = (Gemma3Config(block_size=32, vocab_size=1000, n_layer=3, n_head=6, n_kv_head=2, n_embd=72, head_dim=16,
+                              ffn_hidden=200, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=20.0,
+                              final_logit_softcapping=30.0),)
 
 
 def _has_llama(backend):
@@ -106,8 +106,9 @@ def checks(backend="cpu"):
                                                   + check_model_adamw(config, B=2, T=17, steps=10, backend=backend))]
     if hasattr(ops, "geglu_forward"):
         out["geglu"] = lambda: check_geglu(**shape, H=344, backend=backend)
-        out["gemma3_model"] = lambda: (check_model_step(VERIFY_GEMMA3, B=2, T=17, backend=backend)
-                                       + check_model_adamw(VERIFY_GEMMA3, B=2, T=17, steps=10, backend=backend))
+        out["gemma3_model"] = lambda: [row for config in VERIFY_GEMMA3
+                                       for row in (check_model_step(config, B=2, T=17, backend=backend)
+                                                   + check_model_adamw(config, B=2, T=17, steps=10, backend=backend))]
     return out
 
 
@@ -145,7 +146,9 @@ def main(backend="cpu", as_json=False, only=None):
             print("llama checks (against transformers' LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):")
             for config in VERIFY_LLAMA:
                 print(f"  {config}")
-            print(f"gemma3 check (against transformers' Gemma3ForCausalLM):\n  {VERIFY_GEMMA3}")
+            print("gemma3 check (against transformers' Gemma3ForCausalLM):")
+            for config in VERIFY_GEMMA3:
+                print(f"  {config}")
         print()
         print(f"{'op':<18} {'quantity':<28} {'max abs':>10} {'max rel':>10} {'tol':>8}")
         for r in rows:
