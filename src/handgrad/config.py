@@ -14,6 +14,23 @@ def _check_heads(n_embd, n_head):
                          f"pick n_head from the divisors of n_embd")
 
 
+def _check_positive_ints(config, names):
+    """Each of config's fields `names` is an integer above 0 (a bool is not one)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"model.{name} must be an integer, got {value!r}")
+        if value <= 0:
+            raise ValueError(f"model.{name} must be positive, got {value}")
+
+
+def _check_kv_heads(n_head, n_kv_head):
+    """Grouped-query attention: each kv head serves the same number of query heads."""
+    if n_head % n_kv_head:
+        raise ValueError(f"model.n_head ({n_head}) must be divisible by model.n_kv_head "
+                         f"({n_kv_head}); pick n_kv_head from the divisors of n_head")
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """A GPT-2 architecture: pre-LN blocks, learned positions, lm_head tied to wte."""
@@ -25,12 +42,7 @@ class GPTConfig:
     n_embd: int = 768  # width of the residual stream
 
     def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"model.{f.name} must be an integer, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"model.{f.name} must be positive, got {value}")
+        _check_positive_ints(self, [f.name for f in fields(self)])
         _check_heads(self.n_embd, self.n_head)
 
     def to_dict(self):
@@ -66,16 +78,9 @@ class LlamaConfig:
         if derived:  # the derived width, stored: every reader sees one number
             _check_heads(self.n_embd, self.n_head)
             object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden",
-                     "rope_original_max_position_embeddings", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"model.{name} must be an integer, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"model.{name} must be positive, got {value}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head "
-                             f"({self.n_kv_head}); pick n_kv_head from the divisors of n_head")
+        _check_positive_ints(self, ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head",
+                                    "ffn_hidden", "rope_original_max_position_embeddings", "head_dim"))
+        _check_kv_heads(self.n_head, self.n_kv_head)
         if self.head_dim % 2:
             width = f"model.n_embd / model.n_head = {self.head_dim}" if derived else f"model.head_dim = {self.head_dim}"
             raise ValueError(f"{width} must be even (RoPE rotates pairs); pick another "
@@ -131,17 +136,10 @@ class Gemma3Config:
     rope_scaling = None
 
     def __post_init__(self):
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head", "ffn_hidden", "head_dim",
-                     "sliding_window", "sliding_window_pattern"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"model.{name} must be an integer, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"model.{name} must be positive, got {value}")
+        _check_positive_ints(self, ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head",
+                                    "ffn_hidden", "head_dim", "sliding_window", "sliding_window_pattern"))
         _check_heads(self.n_embd, self.n_head)  # as transformers' Gemma3TextConfig checks, though head_dim is its own
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head "
-                             f"({self.n_kv_head}); pick n_kv_head from the divisors of n_head")
+        _check_kv_heads(self.n_head, self.n_kv_head)
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim = {self.head_dim} must be even (RoPE rotates pairs); pick another head_dim")
         for name in ("rope_theta", "rope_local_base_freq", "norm_eps", "query_pre_attn_scalar"):

@@ -54,33 +54,28 @@ def check_rmsnorm_linear(B=2, T=5, C=24, OC=40, bias=False, eps=1e-5, dtype=np.f
 
 
 def check_swiglu(B=2, T=5, H=24, dtype=np.float32, seed=0, backend="cpu", scale=2.0):
-    ops, rng, tol = ops_for(backend), np.random.default_rng(seed), tol_for(dtype)
-    from .. import torch_ref as R
-    gu, dout = randn(rng, (B, T, 2 * H), dtype, scale), randn(rng, (B, T, H), dtype)
-    out, dgu = np.full((B, T, H), np.nan, dtype), np.full_like(gu, np.nan)  # both overwritten
-    ops.swiglu_forward(out, gu)
-    ops.swiglu_backward(dgu, dout, gu)
-    tgu = torch64(gu, True)
-    ref = R.swiglu(tgu)
-    ref.backward(torch64(dout))
-    return [compare("swiglu", "out", out, ref.detach(), tol),
-            compare("swiglu", "dgu", dgu, tgu.grad, tol)]
-
+    return _check_gated("swiglu", B, T, H, dtype, seed, backend, scale)
 
 
 def check_geglu(B=2, T=5, H=24, dtype=np.float32, seed=0, backend="cpu", scale=2.0):
     """Gemma's gated MLP activation: gelu_tanh(gate) * up."""
+    return _check_gated("geglu", B, T, H, dtype, seed, backend, scale)
+
+
+def _check_gated(op, B, T, H, dtype, seed, backend, scale):
+    """A gated MLP activation (swiglu, geglu: the op's _forward and _backward, torch_ref's op) on
+    gu = [gate | up] (B, T, 2H)."""
     ops, rng, tol = ops_for(backend), np.random.default_rng(seed), tol_for(dtype)
     from .. import torch_ref as R
     gu, dout = randn(rng, (B, T, 2 * H), dtype, scale), randn(rng, (B, T, H), dtype)
     out, dgu = np.full((B, T, H), np.nan, dtype), np.full_like(gu, np.nan)  # both overwritten
-    ops.geglu_forward(out, gu)
-    ops.geglu_backward(dgu, dout, gu)
+    getattr(ops, f"{op}_forward")(out, gu)
+    getattr(ops, f"{op}_backward")(dgu, dout, gu)
     tgu = torch64(gu, True)
-    ref = R.geglu(tgu)
+    ref = getattr(R, op)(tgu)
     ref.backward(torch64(dout))
-    return [compare("geglu", "out", out, ref.detach(), tol),
-            compare("geglu", "dgu", dgu, tgu.grad, tol)]
+    return [compare(op, "out", out, ref.detach(), tol),
+            compare(op, "dgu", dgu, tgu.grad, tol)]
 
 
 def _rope_tables(ops, T, hs, theta):

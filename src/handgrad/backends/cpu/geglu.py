@@ -15,6 +15,7 @@ from numba import prange
 from .bf16 import load_as, store_as
 from .common import HEAVY, kernel, rows
 from .gelu import C3_32, C32, GELU_K, HALF32, K32, ONE32, tanh32
+from .swiglu import gate_up_halves
 
 C3 = 3.0 * 0.044715
 # |g| beyond which the sech^2 term of the backward is exactly 0 (tanh is +-1 in float32 and in
@@ -45,21 +46,12 @@ def _geglu_forward_kernel(out, gu):
             yr[h] = 0.5 * g * (1.0 + np.tanh(GELU_K * (g + 0.044715 * g * g * g))) * ur[h]
 
 
-def _halves(gu, out):
-    """gu (B, T, 2H) as its (N, 2, H) view, after checking it against out (B, T, H): the kernels
-    do no bounds checks."""
-    if gu.shape[-1] % 2 or gu.shape[:-1] + (gu.shape[-1] // 2,) != out.shape:
-        raise ValueError(f"geglu: gu {gu.shape} must be (B, T, 2H) for out / dout {out.shape} (B, T, H)")
-    N, H2 = rows(gu).shape
-    return gu.reshape(N, 2, H2 // 2)
-
-
 def geglu_forward(out, gu):
     """out (B, T, H) = gelu_tanh(gu[..., :H]) * gu[..., H:], gu (B, T, 2H). Overwrites out, which
     may be bf16 (uint16 bit patterns: the next product's input) for a float32 gu, narrowed as
     written; gu may be bf16 too (the cpu's bf16 products keep gate|up so), widened as read."""
     fn = _geglu_forward_kernel if gu.dtype == np.float64 else _geglu_forward_kernel32
-    fn(rows(out), _halves(gu, out))
+    fn(rows(out), gate_up_halves(gu, out, "geglu"))
 
 
 # Two passes over each row, one store each, as swiglu's float32 backward (one loop with both
@@ -113,4 +105,4 @@ def geglu_backward(dgu, dout, gu):
     fn = _geglu_backward_kernel if gu.dtype == np.float64 else _geglu_backward_kernel32
     if dgu.shape != gu.shape:
         raise ValueError(f"geglu: dgu {dgu.shape} must have gu's shape {gu.shape}")
-    fn(_halves(dgu, dout), rows(dout), _halves(gu, dout))
+    fn(gate_up_halves(dgu, dout, "geglu"), rows(dout), gate_up_halves(gu, dout, "geglu"))

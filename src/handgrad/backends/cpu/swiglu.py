@@ -55,11 +55,11 @@ def _swiglu_forward_kernel(out, gu):
             yr[h] = g * sigmoid64(g) * ur[h]
 
 
-def _halves(gu, out):
+def gate_up_halves(gu, out, op="swiglu"):
     """gu (B, T, 2H) as its (N, 2, H) view, after checking it against out (B, T, H): the kernels
-    do no bounds checks."""
+    do no bounds checks. op: the gated op whose error names it (swiglu, geglu)."""
     if gu.shape[-1] % 2 or gu.shape[:-1] + (gu.shape[-1] // 2,) != out.shape:
-        raise ValueError(f"swiglu: gu {gu.shape} must be (B, T, 2H) for out / dout {out.shape} (B, T, H)")
+        raise ValueError(f"{op}: gu {gu.shape} must be (B, T, 2H) for out / dout {out.shape} (B, T, H)")
     N, H2 = rows(gu).shape
     return gu.reshape(N, 2, H2 // 2)
 
@@ -69,7 +69,7 @@ def swiglu_forward(out, gu):
     bf16 (uint16 bit patterns: the next product's input) for a float32 gu, narrowed as written; gu
     may be bf16 too (the cpu's bf16 products keep gate|up so), widened as read."""
     fn = _swiglu_forward_kernel if gu.dtype == np.float64 else swiglu_forward_kernel32
-    fn(rows(out), _halves(gu, out))
+    fn(rows(out), gate_up_halves(gu, out))
 
 
 # Two passes over each row, one store each: with both stores in one loop it runs 4x slower
@@ -120,4 +120,4 @@ def swiglu_backward(dgu, dout, gu):
     fn = _swiglu_backward_kernel if gu.dtype == np.float64 else _swiglu_backward_kernel32
     if dgu.shape != gu.shape:
         raise ValueError(f"swiglu: dgu {dgu.shape} must have gu's shape {gu.shape}")
-    fn(_halves(dgu, dout), rows(dout), _halves(gu, dout))
+    fn(gate_up_halves(dgu, dout), rows(dout), gate_up_halves(gu, dout))

@@ -10,8 +10,9 @@ Reference (what the tests compare to): torch.nn.functional.gelu(gate, approximat
 import triton
 import triton.language as tl
 
-from .common import TILE, cdiv, next_pow2, rows, to_dtype
+from .common import rows, to_dtype
 from .gelu import gelu_grad, sigmoid_2u
+from .swiglu import check_gate_up, gate_up_grid
 
 
 @triton.jit
@@ -44,23 +45,12 @@ def _geglu_backward_kernel(dgu, dout, gu, N, H, stride_dgu, stride_dout, stride_
     tl.store(dptr + H, to_dtype(d * g * sig, dgu.dtype.element_ty), mask=m)
 
 
-def _check(gu, out):
-    if gu.shape[-1] % 2 or tuple(gu.shape[:-1]) + (gu.shape[-1] // 2,) != tuple(out.shape):
-        raise ValueError(f"geglu: gu {tuple(gu.shape)} must be (B, T, 2H) for out / dout {tuple(out.shape)} (B, T, H)")
-
-
-def _grid(N, H):
-    BLOCK_H = min(1024, next_pow2(H))
-    R = max(1, TILE // BLOCK_H)
-    return (cdiv(N, R), cdiv(H, BLOCK_H)), R, BLOCK_H
-
-
 def geglu_forward(out, gu):
     """out (B, T, H) = gelu_tanh(gu[..., :H]) * gu[..., H:], gu (B, T, 2H). Overwrites out."""
-    _check(gu, out)
+    check_gate_up(gu, out, "geglu")
     out2, gu2 = rows(out), rows(gu)
     N, H = out2.shape
-    grid, R, BLOCK_H = _grid(N, H)
+    grid, R, BLOCK_H = gate_up_grid(N, H)
     _geglu_forward_kernel[grid](out2, gu2, N, H, out2.stride(0), gu2.stride(0), R=R, BLOCK_H=BLOCK_H)
 
 
@@ -72,11 +62,11 @@ def geglu_backward(dgu, dout, gu):
     (gelu.py's gelu_grad), written to dgu (B, T, 2H) in gu's layout (dg in the first H columns, du
     in the last H). Overwrites dgu (the gradient of a linear's output, never the residual stream).
     """
-    _check(gu, dout)
+    check_gate_up(gu, dout, "geglu")
     if tuple(dgu.shape) != tuple(gu.shape):
         raise ValueError(f"geglu: dgu {tuple(dgu.shape)} must have gu's shape {tuple(gu.shape)}")
     dgu2, dout2, gu2 = rows(dgu), rows(dout), rows(gu)
     N, H = dout2.shape
-    grid, R, BLOCK_H = _grid(N, H)
+    grid, R, BLOCK_H = gate_up_grid(N, H)
     _geglu_backward_kernel[grid](dgu2, dout2, gu2, N, H, dgu2.stride(0), dout2.stride(0), gu2.stride(0), R=R,
                                  BLOCK_H=BLOCK_H)

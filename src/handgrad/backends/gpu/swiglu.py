@@ -48,12 +48,14 @@ def _swiglu_backward_kernel(dgu, dout, gu, N, H, stride_dgu, stride_dout, stride
     tl.store(dptr + H, to_dtype(d * g * s, dgu.dtype.element_ty), mask=m)
 
 
-def _check(gu, out):
+def check_gate_up(gu, out, op="swiglu"):
+    """gu (B, T, 2H) against out / dout (B, T, H); op: the gated op whose error names it."""
     if gu.shape[-1] % 2 or tuple(gu.shape[:-1]) + (gu.shape[-1] // 2,) != tuple(out.shape):
-        raise ValueError(f"swiglu: gu {tuple(gu.shape)} must be (B, T, 2H) for out / dout {tuple(out.shape)} (B, T, H)")
+        raise ValueError(f"{op}: gu {tuple(gu.shape)} must be (B, T, 2H) for out / dout {tuple(out.shape)} (B, T, H)")
 
 
-def _grid(N, H):
+def gate_up_grid(N, H):
+    """(grid, rows a program, BLOCK_H) of a gated op's kernels over N rows of H outputs."""
     BLOCK_H = min(1024, next_pow2(H))
     R = max(1, TILE // BLOCK_H)
     return (cdiv(N, R), cdiv(H, BLOCK_H)), R, BLOCK_H
@@ -61,10 +63,10 @@ def _grid(N, H):
 
 def swiglu_forward(out, gu):
     """out (B, T, H) = silu(gu[..., :H]) * gu[..., H:], gu (B, T, 2H). Overwrites out."""
-    _check(gu, out)
+    check_gate_up(gu, out)
     out2, gu2 = rows(out), rows(gu)
     N, H = out2.shape
-    grid, R, BLOCK_H = _grid(N, H)
+    grid, R, BLOCK_H = gate_up_grid(N, H)
     _swiglu_forward_kernel[grid](out2, gu2, N, H, out2.stride(0), gu2.stride(0), R=R, BLOCK_H=BLOCK_H)
 
 
@@ -76,11 +78,11 @@ def swiglu_backward(dgu, dout, gu):
     written to dgu (B, T, 2H) in gu's layout (dg in the first H columns, du in the last H).
     Overwrites dgu (the gradient of a linear's output, never the residual stream).
     """
-    _check(gu, dout)
+    check_gate_up(gu, dout)
     if tuple(dgu.shape) != tuple(gu.shape):
         raise ValueError(f"swiglu: dgu {tuple(dgu.shape)} must have gu's shape {tuple(gu.shape)}")
     dgu2, dout2, gu2 = rows(dgu), rows(dout), rows(gu)
     N, H = dout2.shape
-    grid, R, BLOCK_H = _grid(N, H)
+    grid, R, BLOCK_H = gate_up_grid(N, H)
     _swiglu_backward_kernel[grid](dgu2, dout2, gu2, N, H, dgu2.stride(0), dout2.stride(0), gu2.stride(0), R=R,
                                   BLOCK_H=BLOCK_H)
