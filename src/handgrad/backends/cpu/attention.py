@@ -1,13 +1,16 @@
 """Causal multi-head self-attention on the fused qkv (B, T, 3C), NH heads of size hs = C / NH.
 
-Per head:  S = q k^T / sqrt(hs),  P = softmax(S with S[t, s] = -inf for s > t),  y = P v.
+Per head:  S = q k^T / sqrt(hs),  P = softmax(S with S[t, s] = -inf for s > t),  y = P v. With packed
+documents (positions, documents.py) also S[t, s] = -inf for s before t's document start,
+t - positions[b, t].
 
 On MKL (the default BLAS), one Numba kernel per direction runs the heads in parallel, each
 thread doing a whole head on its own: its products through MKL on that thread alone (small
 products pay more for waking MKL's second thread than they gain), then its softmax while the
 head's (T, T) scores are still in cache. The products are causal in blocks of CAUSAL_BLOCK
 rows: a block of query rows is multiplied only with the keys up to its last row, so the masked
-upper triangle is mostly never computed (T = 256: 10/16 of the full products). On numpy's
+upper triangle is mostly never computed (T = 256: 10/16 of the full products); with documents the
+key blocks before a row block's first document are skipped as well. On numpy's
 OpenBLAS the products go through blas.gemm over (B, NH) on strided views, the softmax after.
 Both read the operands where they lie, without copies.
 """
@@ -22,6 +25,7 @@ from .blas import NO_TRANS, TRANS, gemm_at, gemm_beta_at, restore_threads, singl
 from .common import HEAVY, decode_rows, kernel, serial_kernel, workspace
 from .dropout import MASK32, SHIFT32, philox4x32, seed_words, threshold
 from .decode_attend import decode_kernel
+from .documents import document_starts
 from .mathfn import dot64, exp32, max32, sum64
 
 # Query rows per block of the causal products: smaller blocks skip more of the mask but make smaller
@@ -192,11 +196,25 @@ def gemm_add_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one):
     gemm_beta_at(mkl, ta, tb, M, N, K, pa, lda, pb, ldb, pc, ldc, one, one)
 
 
+@njit(inline="always")
+def _rows_reading(sb, r1, T):
+    """The end of the rows that may read keys before r1: the first row t >= r1 whose document
+    starts at r1 or later (sb[t] >= r1; T if none), sb one row of document starts. Document starts
+    never decrease, so rows from there on have P = dS = 0 in every column before r1."""
+    e = r1
+    while e < T and sb[e] < r1:
+        e += 1
+    return e
+
+
 @kernel(min_parallel=HEAVY)
-def forward_heads(mkl, out, att, qkv, dropped, keep, NH, scale, seed_lo, seed_hi, bound, keep_scale, block,
+def forward_heads(mkl, out, att, qkv, dropped, keep, NH, scale, seed_lo, seed_hi, bound, keep_scale, starts, block,
                    softmax):
     """attention_forward with every array C-contiguous; softmax=False leaves the scores
-    unnormalised (bench train's matmul floor times the products alone that way).
+    unnormalised (bench train's matmul floor times the products alone that way). starts (B, T):
+    each token's document start (documents.document_starts); row block [r0, r1) multiplies keys
+    [s0, r1) only, s0 = starts[b, r0] (the block's first document's start), and row t's
+    probabilities before its own start are written 0.
     Dropout (bound > 0): each row block of P is copied with its mask applied into dropped
     (B*NH, rows, T) and y's product reads the copy, since att must keep P undropped for the
     backward. A block copy, not a whole (T, T) one: B*NH*64*T*4 bytes (1.5 MiB at B 4, NH 6, T 256,
@@ -209,42 +227,52 @@ def forward_heads(mkl, out, att, qkv, dropped, keep, NH, scale, seed_lo, seed_hi
         b, h, pq, pk, pv = _head_qkv(qkv, NH, bh)
         pa = att.ctypes.data + bh * T * T * isz
         po = _head_at(out, b, h, hs)
-        for r0 in range(0, T, block):  # S[r0:r1, :r1] = q[r0:r1] k[:r1]^T
+        for r0 in range(0, T, block):  # S[r0:r1, s0:r1] = q[r0:r1] k[s0:r1]^T
             r1 = min(T, r0 + block)
-            gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1, hs, pq + r0 * C3 * isz, C3, pk, C3,
-                    pa + r0 * T * isz, T, one)
+            s0 = starts[b, r0]
+            gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1 - s0, hs, pq + r0 * C3 * isz, C3, pk + s0 * C3 * isz, C3,
+                    pa + (r0 * T + s0) * isz, T, one)
         if softmax:
-            for t in range(T):
-                softmax_row(att[b, h, t], t + 1, scale)
-        for r0 in range(0, T, block):  # y[r0:r1] = P[r0:r1, :r1] v[:r1]
+            for t in range(T):  # row t's keys: [c, t]
+                c = starts[b, t]
+                att[b, h, t, :c] = 0
+                softmax_row(att[b, h, t, c:], t + 1 - c, scale)
+        for r0 in range(0, T, block):  # y[r0:r1] = P[r0:r1, s0:r1] v[s0:r1]
             r1 = min(T, r0 + block)
-            pp = pa + r0 * T * isz
-            if softmax and bound > 0:  # P[r0:r1] * M / (1 - p) -> dropped[bh]; y reads it
+            s0 = starts[b, r0]
+            pp = pa + (r0 * T + s0) * isz
+            if softmax and bound > 0:  # P[r0:r1, s0:r1] * M / (1 - p) -> dropped[bh]; y reads it
                 for t in range(r0, r1):
-                    drop_row(dropped[bh, t - r0], att[b, h, t], keep[bh], (bh * T + t) * T, t + 1, r1, seed_lo,
-                             seed_hi, bound, keep_scale)
-                pp = dropped.ctypes.data + bh * dropped.shape[1] * T * isz
-            gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, pp, T, pv, C3, po + r0 * C * isz, C, one)
+                    drop_row(dropped[bh, t - r0, s0:], att[b, h, t, s0:], keep[bh], (bh * T + t) * T + s0, t + 1 - s0,
+                             r1 - s0, seed_lo, seed_hi, bound, keep_scale)
+                pp = dropped.ctypes.data + (bh * dropped.shape[1] * T + s0) * isz
+            gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1 - s0, pp, T, pv + s0 * C3 * isz, C3, po + r0 * C * isz,
+                    C, one)
         restore_threads(mkl, previous)
 
 
 @njit(inline="always")
-def _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, T, C3, hs, isz, one, block):
-    """dq = dS k and dk = dS^T q for one head in causal blocks (dS at pd, leading dimension T)."""
+def _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, sb, T, C3, hs, isz, one, block):
+    """dq = dS k and dk = dS^T q for one head in causal blocks (dS at pd, leading dimension T),
+    sb the row's document starts: row block [r0, r1) reads keys from s0 = sb[r0] on, column block
+    [r0, r1) rows up to e = _rows_reading (dS is 0 outside)."""
     for r0 in range(0, T, block):
         r1 = min(T, r0 + block)
-        # dq[r0:r1] = dS[r0:r1, :r1] k[:r1];  dk[r0:r1] = dS[r0:, r0:r1]^T q[r0:]
-        gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1, pd + r0 * T * isz, T, pk, C3,
+        s0, e = sb[r0], _rows_reading(sb, r1, T)
+        # dq[r0:r1] = dS[r0:r1, s0:r1] k[s0:r1];  dk[r0:r1] = dS[r0:e, r0:r1]^T q[r0:e]
+        gemm_at(mkl, NO_TRANS, NO_TRANS, r1 - r0, hs, r1 - s0, pd + (r0 * T + s0) * isz, T, pk + s0 * C3 * isz, C3,
                 pdq + r0 * C3 * isz, C3, one)
-        gemm_at(mkl, TRANS, NO_TRANS, r1 - r0, hs, T - r0, pd + (r0 * T + r0) * isz, T,
+        gemm_at(mkl, TRANS, NO_TRANS, r1 - r0, hs, e - r0, pd + (r0 * T + r0) * isz, T,
                 pq + r0 * C3 * isz, C3, pdk + r0 * C3 * isz, C3, one)
 
 
 @kernel(min_parallel=HEAVY)
-def backward_heads(mkl, dqkv, dout, qkv, att, datt, NH, scale, block, softmax):
-    """attention_backward with every array C-contiguous; datt is (B, NH, T, T) scratch.
-    Row block [r0, r1) of dP and dS only needs columns < r1; column block [r0, r1) of P^T and
-    dS^T only rows >= r0 (the rest is masked, so zero)."""
+def backward_heads(mkl, dqkv, dout, qkv, att, datt, NH, scale, starts, block, softmax):
+    """attention_backward with every array C-contiguous; datt is (B, NH, T, T) scratch, starts
+    (B, T) the document starts. Row block [r0, r1) of dP and dS only needs columns [s0, r1)
+    (s0 = starts[b, r0]); column block [r0, r1) of P^T and dS^T only rows [r0, e), e the first row
+    of a document starting at r1 or later (the rest is masked, so zero). Row t of dS is written 0
+    before its own document's start, so the blocks reading it there read zeros."""
     B, T, C3, C, hs, isz, one = _dims(qkv, NH)
     for bh in prange(B * NH):
         previous = single_threaded(mkl)
@@ -255,27 +283,31 @@ def backward_heads(mkl, dqkv, dout, qkv, att, datt, NH, scale, block, softmax):
         pdy = _head_at(dout, b, h, hs)
         for r0 in range(0, T, block):
             r1 = min(T, r0 + block)
-            # dP[r0:r1, :r1] = dy[r0:r1] v[:r1]^T;  dv[r0:r1] = P[r0:, r0:r1]^T dy[r0:]
-            gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1, hs, pdy + r0 * C * isz, C, pv, C3,
-                    pd + r0 * T * isz, T, one)
-            gemm_at(mkl, TRANS, NO_TRANS, r1 - r0, hs, T - r0, pa + (r0 * T + r0) * isz, T,
+            s0, e = starts[b, r0], _rows_reading(starts[b], r1, T)
+            # dP[r0:r1, s0:r1] = dy[r0:r1] v[s0:r1]^T;  dv[r0:r1] = P[r0:e, r0:r1]^T dy[r0:e]
+            gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1 - s0, hs, pdy + r0 * C * isz, C, pv + s0 * C3 * isz, C3,
+                    pd + (r0 * T + s0) * isz, T, one)
+            gemm_at(mkl, TRANS, NO_TRANS, r1 - r0, hs, e - r0, pa + (r0 * T + r0) * isz, T,
                     pdy + r0 * C * isz, C, pdv + r0 * C3 * isz, C3, one)
         if softmax:
-            for t in range(T):
-                softmax_backward_row(datt[b, h, t], att[b, h, t], t + 1, min(T, (t // block + 1) * block),
-                                     scale)
-        _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, T, C3, hs, isz, one, block)
+            for t in range(T):  # row t's keys: [c, t]
+                c = starts[b, t]
+                datt[b, h, t, :c] = 0
+                softmax_backward_row(datt[b, h, t, c:], att[b, h, t, c:], t + 1 - c,
+                                     min(T, (t // block + 1) * block) - c, scale)
+        _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, starts[b], T, C3, hs, isz, one, block)
         restore_threads(mkl, previous)
 
 
 @kernel(min_parallel=HEAVY)
 def _backward_heads_dropout(mkl, dqkv, dout, qkv, att, datt, dropped, keep, NH, scale, seed_lo, seed_hi,
-                            bound, keep_scale, block, softmax):
+                            bound, keep_scale, starts, block, softmax):
     """attention_backward with dropout (bound > 0), every array C-contiguous. Per row block
-    [r0, r1): dP = dy v^T into datt, then per row one mask draw (keep) serves both
-    Pd = P * M/(1-p) (into dropped (B*NH, rows, T), as in the forward) and dP *= M/(1-p), then the
-    softmax backward; dv[:r1] += Pd[r0:r1, :r1]^T dy[r0:r1] sums over the row blocks (dv's columns
-    of this head have this one writer). softmax=False: the products alone (bench train)."""
+    [r0, r1), keys [s0, r1) (s0 = starts[b, r0], as in backward_heads): dP = dy v^T into datt, then
+    per row one mask draw (keep) serves both Pd = P * M/(1-p) (into dropped (B*NH, rows, T), as in
+    the forward) and dP *= M/(1-p), then the softmax backward; dv[s0:r1] += Pd[r0:r1, s0:r1]^T
+    dy[r0:r1] sums over the row blocks (dv's columns of this head have this one writer).
+    softmax=False: the products alone (bench train)."""
     B, T, C3, C, hs, isz, one = _dims(qkv, NH)
     for bh in prange(B * NH):
         previous = single_threaded(mkl)
@@ -287,18 +319,22 @@ def _backward_heads_dropout(mkl, dqkv, dout, qkv, att, datt, dropped, keep, NH, 
         dqkv[b, :, 2 * C + h * hs:2 * C + (h + 1) * hs] = 0  # dv sums over the row blocks
         for r0 in range(0, T, block):
             r1 = min(T, r0 + block)
-            # dP[r0:r1, :r1] = dy[r0:r1] v[:r1]^T (before the mask)
-            gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1, hs, pdy + r0 * C * isz, C, pv, C3,
-                    pd + r0 * T * isz, T, one)
+            s0 = starts[b, r0]
+            # dP[r0:r1, s0:r1] = dy[r0:r1] v[s0:r1]^T (before the mask)
+            gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, r1 - s0, hs, pdy + r0 * C * isz, C, pv + s0 * C3 * isz, C3,
+                    pd + (r0 * T + s0) * isz, T, one)
             if softmax:
                 for t in range(r0, r1):  # one mask draw: Pd = P * M/(1-p) for dv, and dP *= M/(1-p)
-                    o = drop_row(dropped[bh, t - r0], att[b, h, t], keep[bh], (bh * T + t) * T, t + 1, r1, seed_lo,
-                                 seed_hi, bound, keep_scale)
-                    apply_keep(datt[b, h, t], keep[bh], o, t + 1)
-                    softmax_backward_row(datt[b, h, t], att[b, h, t], t + 1, r1, scale)
-            # dv[:r1] += Pd[r0:r1, :r1]^T dy[r0:r1]
-            gemm_add_at(mkl, TRANS, NO_TRANS, r1, hs, r1 - r0, pr, T, pdy + r0 * C * isz, C, pdv, C3, one)
-        _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, T, C3, hs, isz, one, block)
+                    c = starts[b, t]  # row t's keys: [c, t]
+                    o = drop_row(dropped[bh, t - r0, s0:], att[b, h, t, s0:], keep[bh], (bh * T + t) * T + s0,
+                                 t + 1 - s0, r1 - s0, seed_lo, seed_hi, bound, keep_scale)
+                    apply_keep(datt[b, h, t, s0:], keep[bh], o, t + 1 - s0)
+                    datt[b, h, t, :c] = 0
+                    softmax_backward_row(datt[b, h, t, c:], att[b, h, t, c:], t + 1 - c, r1 - c, scale)
+            # dv[s0:r1] += Pd[r0:r1, s0:r1]^T dy[r0:r1]
+            gemm_add_at(mkl, TRANS, NO_TRANS, r1 - s0, hs, r1 - r0, pr + s0 * isz, T, pdy + r0 * C * isz, C,
+                        pdv + s0 * C3 * isz, C3, one)
+        _dq_dk_blocks(mkl, pq, pk, pdq, pdk, pd, starts[b], T, C3, hs, isz, one, block)
         restore_threads(mkl, previous)
 
 
@@ -322,23 +358,29 @@ def _per_head_mkl(qkv, n_head, others):
 
 # ---------------------------------------------------------------- on numpy's BLAS
 @kernel(min_parallel=HEAVY)
-def _softmax_causal_kernel(att, scale):
+def _softmax_causal_kernel(att, scale, starts):
+    """att (B, NH, T, T) scores -> probabilities, 0 outside row t's keys [starts[b, t], t]."""
     B, NH, T, _ = att.shape
     for row in prange(B * NH * T):
         b = row // (NH * T)
         h = (row // T) % NH
         t = row % T
-        softmax_row(att[b, h, t], t + 1, scale)
+        c = starts[b, t]
+        att[b, h, t, :c] = 0
+        softmax_row(att[b, h, t, c:], t + 1 - c, scale)
 
 
 @kernel(min_parallel=HEAVY)
-def _softmax_causal_backward_kernel(datt, att, scale):
+def _softmax_causal_backward_kernel(datt, att, scale, starts):
+    """datt: dP -> dS, 0 outside row t's keys [starts[b, t], t]."""
     B, NH, T, _ = att.shape
     for row in prange(B * NH * T):
         b = row // (NH * T)
         h = (row // T) % NH
         t = row % T
-        softmax_backward_row(datt[b, h, t], att[b, h, t], t + 1, T, scale)
+        c = starts[b, t]
+        datt[b, h, t, :c] = 0
+        softmax_backward_row(datt[b, h, t, c:], att[b, h, t, c:], t + 1 - c, T - c, scale)
 
 
 # ---------------------------------------------------------------- the ops
@@ -348,12 +390,16 @@ def attention_state_shape(B, n_head, T):
     return (B, n_head, T, T)
 
 
-def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0):
+def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0, positions=None):
     """out (B, T, C) = causal attention of qkv (B, T, 3C) with n_head heads.
 
+    positions (B, T) integer (packed documents, documents.py): query t attends keys from its own
+    document's first token t - positions[b, t] on only (on MKL the key blocks before a row block's
+    first document are skipped). None: one document a row.
     Overwrites out and att (B, NH, T, T), the softmax probabilities kept for the backward (zero
-    above the diagonal). dropout_p > 0 (training): out = (P * M / (1 - p)) v with M the keep mask
-    `dropout.keep_mask((B, NH, T, T), dropout_p, seed)`; att still holds P undropped.
+    above the diagonal and before each row's document start). dropout_p > 0 (training):
+    out = (P * M / (1 - p)) v with M the keep mask `dropout.keep_mask((B, NH, T, T), dropout_p, seed)`;
+    att still holds P undropped.
     M is dropout.py's Philox (element ((b*NH + h)*T + t)*T + s, the same in NumPy and on the gpu
     backend): a row's mask is drawn by keep_row into a short row of multipliers (0 or 1/(1-p)) right
     after its softmax, and regenerated in the backward, never stored.
@@ -363,16 +409,17 @@ def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0):
     hs = C // n_head
     scale = _scale(att.dtype, hs)
     drop = dropout_args(dropout_p, seed, qkv.dtype)  # checks p
+    starts = document_starts(positions, B, T)  # checks positions
     mkl = _per_head_mkl(qkv, n_head, ((out, (B, T, C)), (att, (B, n_head, T, T))))
     if mkl is not None:
         shape = (B * n_head, min(T, CAUSAL_BLOCK), T) if dropout_p != 0.0 else (1, 1, 1)  # else unused
         dropped = workspace("attention_dropped", shape, qkv.dtype)
         run_heads(forward_heads, mkl, out, att, qkv, dropped, keep_scratch(B * n_head, T, qkv.dtype), n_head,
-                  scale, *drop, CAUSAL_BLOCK, True)
+                  scale, *drop, starts, CAUSAL_BLOCK, True)
         return
     q, k, v = _split_qkv(qkv, n_head)
     blas.gemm(q, k.transpose(0, 1, 3, 2), att)
-    _softmax_causal_kernel(att, scale)
+    _softmax_causal_kernel(att, scale, starts)
     if dropout_p == 0.0:
         blas.gemm(att, v, _heads(out, B, T, n_head, hs))
         return
@@ -383,12 +430,15 @@ def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0):
     blas.gemm(dropped, v, _heads(out, B, T, n_head, hs))
 
 
-def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, seed=0):
+def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, seed=0, positions=None):
     """With y = Pd v, Pd = P * M / (1 - p) (Pd = P without dropout), P = softmax(S),
     S = q k^T * scale (scale = 1/sqrt(hs)), per head:
         dPd = dy v^T,   dv = Pd^T dy,   dP = dPd * M / (1 - p),
         dS = P * (dP - rowsum(P * dP)) * scale   (softmax backward; masked entries have P = 0),
         dq = dS k,     dk = dS^T q.
+    With documents (positions, the forward's) the keys before row t's document start are masked
+    too: P = 0 there, so dS = 0 there and is written so (not computed), and the products skip the
+    key blocks before a row block's first document and the query rows after a key block's last.
     The mask M is regenerated from (dropout_p, seed), which must be the forward's. The row sums
     are taken from the rows themselves; with dropout they still equal rowsum(dy * y) for the
     dropped output y, since sum_s P_s dP_s = sum_s Pd_s (dy . v_s) = dy . (Pd v) = dy . y.
@@ -400,15 +450,16 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, se
     hs = C // n_head
     scale = _scale(att.dtype, hs)
     drop = dropout_args(dropout_p, seed, qkv.dtype)
+    starts = document_starts(positions, B, T)
     datt = workspace("attention_datt", att.shape, att.dtype)
     mkl = _per_head_mkl(qkv, n_head, ((dqkv, qkv.shape), (dout, (B, T, C)), (att, (B, n_head, T, T))))
     if mkl is not None:
         if dropout_p == 0.0:
-            run_heads(backward_heads, mkl, dqkv, dout, qkv, att, datt, n_head, scale, CAUSAL_BLOCK, True)
+            run_heads(backward_heads, mkl, dqkv, dout, qkv, att, datt, n_head, scale, starts, CAUSAL_BLOCK, True)
         else:
             dropped = workspace("attention_dropped", (B * n_head, min(T, CAUSAL_BLOCK), T), qkv.dtype)
             run_heads(_backward_heads_dropout, mkl, dqkv, dout, qkv, att, datt, dropped,
-                      keep_scratch(B * n_head, T, qkv.dtype), n_head, scale, *drop, CAUSAL_BLOCK, True)
+                      keep_scratch(B * n_head, T, qkv.dtype), n_head, scale, *drop, starts, CAUSAL_BLOCK, True)
         return
     q, k, v = _split_qkv(qkv, n_head)
     dq, dk, dv = _split_qkv(dqkv, n_head)
@@ -422,7 +473,7 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, se
         blas.gemm(datt.transpose(0, 1, 3, 2), dy, dv)
         blas.gemm(dy, v.transpose(0, 1, 3, 2), datt)
         dropout_heads_kernel(datt, datt, keep, n_head, 1, 0, *drop)
-    _softmax_causal_backward_kernel(datt, att, scale)
+    _softmax_causal_backward_kernel(datt, att, scale, starts)
     blas.gemm(datt, k, dq)
     blas.gemm(datt.transpose(0, 1, 3, 2), q, dk)
 

@@ -7,7 +7,8 @@ repeat_kv pairs them; k and v are never repeated in memory. NKV = NH is attentio
 Per query head h:  S = q_h k_g^T * scale,  P = softmax(S, S[t, s] = -inf outside t's keys),  y_h = P v_g,
 with scale = 1/sqrt(hs) unless the caller gives one (Gemma 3's query_pre_attn_scalar^-0.5), and query t's
 keys s <= t (window 0), or t - window < s <= t with a sliding window (the window keys up to and including
-t, transformers' sliding_window_overlay with its causal mask).
+t, transformers' sliding_window_overlay with its causal mask). Packed documents (positions, documents.py)
+narrow the keys further to t's own document, s >= t - positions[b, t].
 
 The forward keeps the logsumexp of every score row, lse (B, NH, T), not the probabilities (B, NH, T, T)
 attention.py keeps: the backward recomputes P block by block as exp(S * scale - lse), so the saved state
@@ -15,8 +16,11 @@ is linear in T. On MKL, as in attention.py, Numba kernels run in parallel in cau
 CAUSAL_BLOCK query rows, each thread calling MKL on its own thread: the forward one item per query head,
 the backward one per kv head looping over its G query heads, so that the group's dk and dv sums have
 one writer (no races, no partials). Row block [r0, r1) multiplies only keys [s0, r1), s0 =
-max(0, r0 - window + 1) (0 without a window): the key blocks outside every row's window are never
-computed, so a windowed layer costs O(T window), and its score rows are window + CAUSAL_BLOCK - 1 wide.
+max(0, r0 - window + 1) (0 without a window), or row r0's document start where that is later: the key
+blocks outside every row's window or before the block's first document are never computed, so a
+windowed layer costs O(T window), its score rows are window + CAUSAL_BLOCK - 1 wide, and a packed
+row costs about what its documents would in rows of their own (a row block that two documents share
+multiplies keys from the first one's start).
 On numpy's OpenBLAS the products go through blas.gemm over (B, NKV) and whole (T, T) scores, the entries
 outside each row's keys zeroed.
 """
@@ -32,6 +36,7 @@ from .blas import NO_TRANS, TRANS, gemm_at, restore_threads, single_threaded
 from .rope import rope_backward, rope_forward
 from .common import HEAVY, decode_rows, kernel, serial_kernel, workspace
 from .decode_attend import decode_kernel
+from .documents import check_positions, document_starts
 from .mathfn import sum64
 
 
@@ -62,9 +67,10 @@ def _probabilities_row(a, n, end, scale, lse):
 
 
 @njit(inline="always")
-def _first_key(t, window):
-    """Query t's first key: max(0, t - window + 1), or 0 without a window (window 0)."""
-    return max(0, t - window + 1) if window > 0 else 0
+def _first_key(t, window, start):
+    """Query t's first key: the later of its document's first token (start; 0 for one document a
+    row) and its window's, t - window + 1 (none: window 0)."""
+    return max(start, t - window + 1) if window > 0 else start
 
 
 @njit(inline="always")
@@ -75,12 +81,15 @@ def _at(x, b, col):
 
 # ---------------------------------------------------------------- per head, on MKL
 @kernel(min_parallel=HEAVY)
-def _forward_heads(mkl, out, lse, qkv, scores, keep, NH, NKV, scale, window, seed_lo, seed_hi, bound, keep_scale,
-                   block):
+def _forward_heads(mkl, out, lse, qkv, scores, keep, NH, NKV, scale, window, starts, seed_lo, seed_hi, bound,
+                   keep_scale, block):
     """gqa_attention_forward with every array C-contiguous; scores is (B*NH, rows, L) scratch,
     one block of score rows per query head, L >= the widest block's keys (T without a window).
-    Column c of a block's rows is key s0 + c. Dropout (bound > 0): each row of P is masked in
-    place after its logsumexp is taken, keep (B*NH, T + 8) holding its multipliers."""
+    starts (B, T) is each token's document start (documents.document_starts). Row block [r0, r1)
+    multiplies keys [s0, r1) only, s0 = row r0's first key: the smallest of the block, since window
+    and document starts never decrease along a row. Column c of a block's rows is key s0 + c.
+    Dropout (bound > 0): each row of P is masked in place after its logsumexp is taken, keep
+    (B*NH, T + 8) holding its multipliers."""
     B, T, W = qkv.shape
     hs = W // (NH + 2 * NKV)
     C, G, isz, one = NH * hs, NH // NKV, qkv.itemsize, qkv.dtype.type(1.0)
@@ -94,13 +103,13 @@ def _forward_heads(mkl, out, lse, qkv, scores, keep, NH, NKV, scale, window, see
         ps = scores.ctypes.data + bh * scores.shape[1] * L * isz
         for r0 in range(0, T, block):
             r1 = min(T, r0 + block)
-            s0 = _first_key(r0, window)
+            s0 = _first_key(r0, window, starts[b, r0])
             n = r1 - s0
             # S[r0:r1, s0:r1] = q[r0:r1] k[s0:r1]^T (its rows at ps, leading dimension L)
             gemm_at(mkl, NO_TRANS, TRANS, r1 - r0, n, hs, pq + r0 * W * isz, W, pk + s0 * W * isz, W, ps, L, one)
             for t in range(r0, r1):
                 row = scores[bh, t - r0]
-                c = _first_key(t, window) - s0  # row t's keys: columns [c, t - s0]
+                c = _first_key(t, window, starts[b, t]) - s0  # row t's keys: columns [c, t - s0]
                 nt = t + 1 - s0 - c
                 row[:c] = 0
                 lse[b, h, t] = _softmax_row_lse(row[c:], nt, n - c, scale)
@@ -113,15 +122,15 @@ def _forward_heads(mkl, out, lse, qkv, scores, keep, NH, NKV, scale, window, see
 
 
 @kernel(min_parallel=HEAVY)
-def _backward_groups(mkl, dqkv, dout, qkv, lse, probs, dprobs, stacked, keep, NH, NKV, scale, window, seed_lo,
-                     seed_hi, bound, keep_scale, block):
+def _backward_groups(mkl, dqkv, dout, qkv, lse, probs, dprobs, stacked, keep, NH, NKV, scale, window, starts,
+                     seed_lo, seed_hi, bound, keep_scale, block):
     """gqa_attention_backward with every array C-contiguous. Per kv head g and row block [r0, r1)
-    (keys [s0, r1) only, s0 = _first_key(r0, window)), its G query heads' rows of P and dP (then dS)
-    are stacked in probs and dprobs (B*NKV, G*rows, L), column c key s0 + c, and their q and dy rows
-    copied into stacked (B*NKV, 2, G*rows, hs), so that dk[s0:r1] and dv[s0:r1] take the whole group's
-    share in one product each. Entries outside a row's keys are 0 in P and dS. Dropout (bound > 0):
-    one mask draw per row (into keep (B*NKV, T + 8)) masks dP before the softmax backward and P
-    after it, so dv's product reads Pd."""
+    (keys [s0, r1) only, s0 = _first_key(r0, window, starts[b, r0]), as in _forward_heads), its G
+    query heads' rows of P and dP (then dS) are stacked in probs and dprobs (B*NKV, G*rows, L),
+    column c key s0 + c, and their q and dy rows copied into stacked (B*NKV, 2, G*rows, hs), so that
+    dk[s0:r1] and dv[s0:r1] take the whole group's share in one product each. Entries outside a
+    row's keys are 0 in P and dS. Dropout (bound > 0): one mask draw per row (into keep
+    (B*NKV, T + 8)) masks dP before the softmax backward and P after it, so dv's product reads Pd."""
     B, T, W = qkv.shape
     hs = W // (NH + 2 * NKV)
     C, G, isz, one = NH * hs, NH // NKV, qkv.itemsize, qkv.dtype.type(1.0)
@@ -141,7 +150,7 @@ def _backward_groups(mkl, dqkv, dout, qkv, lse, probs, dprobs, stacked, keep, NH
         for r0 in range(0, T, block):
             r1 = min(T, r0 + block)
             m = r1 - r0
-            s0 = _first_key(r0, window)
+            s0 = _first_key(r0, window, starts[b, r0])
             n = r1 - s0
             pkb, pvb = pk + s0 * W * isz, pv + s0 * W * isz  # k[s0:], v[s0:]
             for j in range(G):
@@ -154,7 +163,7 @@ def _backward_groups(mkl, dqkv, dout, qkv, lse, probs, dprobs, stacked, keep, NH
                 for t in range(r0, r1):
                     i = j * m + t - r0
                     prow, drow = probs[bg, i], dprobs[bg, i]
-                    c = _first_key(t, window) - s0  # row t's keys: columns [c, t - s0]
+                    c = _first_key(t, window, starts[b, t]) - s0  # row t's keys: columns [c, t - s0]
                     nt = t + 1 - s0 - c
                     prow[:c] = 0
                     drow[:c] = 0
@@ -187,28 +196,28 @@ def _per_head_mkl(qkv, others):
 
 # ---------------------------------------------------------------- on numpy's BLAS
 @kernel(min_parallel=HEAVY)
-def _softmax_lse_kernel(att, lse, scale, window):
+def _softmax_lse_kernel(att, lse, scale, window, starts):
     """att (B, NKV, T, T) scores -> probabilities (0 outside each row's keys), lse (B, NKV, T) their
-    logsumexps."""
+    logsumexps; starts (B, T) the tokens' document starts."""
     B, NKV, T, _ = att.shape
     for row in prange(B * NKV * T):
         b = row // (NKV * T)
         g = (row // T) % NKV
         t = row % T
-        a, s0 = att[b, g, t], _first_key(t, window)
+        a, s0 = att[b, g, t], _first_key(t, window, starts[b, t])
         a[:s0] = 0
         lse[b, g, t] = _softmax_row_lse(a[s0:], t + 1 - s0, T - s0, scale)
 
 
 @kernel(min_parallel=HEAVY)
-def _recompute_backward_kernel(datt, att, lse, scale, window):
+def _recompute_backward_kernel(datt, att, lse, scale, window, starts):
     """att: scores -> probabilities (from lse); datt: dP -> dS (both 0 outside each row's keys)."""
     B, NKV, T, _ = att.shape
     for row in prange(B * NKV * T):
         b = row // (NKV * T)
         g = (row // T) % NKV
         t = row % T
-        a, d, s0 = att[b, g, t], datt[b, g, t], _first_key(t, window)
+        a, d, s0 = att[b, g, t], datt[b, g, t], _first_key(t, window, starts[b, t])
         a[:s0] = 0
         d[:s0] = 0
         _probabilities_row(a[s0:], t + 1 - s0, T - s0, scale, lse[b, g, t])
@@ -268,12 +277,16 @@ def _expect(name, a, shape, dtype):
         raise ValueError(f"{name} must be {tuple(shape)} {np.dtype(dtype)}, got {a.shape} {a.dtype}")
 
 
-def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0, rope=None, window=0, scale=None):
+def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0, rope=None, window=0, scale=None,
+                          positions=None):
     """out (B, T, NH*hs) = causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs).
 
     window = 0: query t attends keys s <= t; window > 0: keys t - window < s <= t only (a sliding
     window, the key blocks outside it skipped). scale: the scores are q . k * scale (None:
-    1/sqrt(hs)).
+    1/sqrt(hs)). positions (B, T) integer (documents.py: packed documents, each token's position in
+    its own): query t attends keys from its document's first token t - positions[b, t] on only, the
+    key blocks before a row block's first document skipped; with rope, token t is rotated by
+    positions[b, t]. None: one document a row.
     Overwrites out and att (B, NH, T) (gqa_attention_state_shape), the logsumexp of each row of
     scaled scores (undropped), kept for the backward. att is qkv's dtype, as out is.
     dropout_p > 0 (training): out_h = (P * M / (1 - p)) v_g with M the keep mask
@@ -292,37 +305,42 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=
     window, scale = _window_scale(window, scale, hs)
     scale, G = qkv.dtype.type(scale), n_head // n_kv_head
     drop = dropout_args(dropout_p, seed, qkv.dtype)  # checks p; bound 0 when off
-    gqa_attention_prepare(qkv, n_head, n_kv_head, rope)  # after every check: a refused call leaves qkv as it was
+    starts = document_starts(positions, B, T)  # checks positions
+    # after every check (rope_forward checks the tables): a refused call leaves qkv as it was
+    gqa_attention_prepare(qkv, n_head, n_kv_head, rope, positions)
     keep = keep_scratch(B * n_head, T, qkv.dtype)
     mkl = _per_head_mkl(qkv, (out, att))
     if mkl is not None:
         rows, L = min(T, CAUSAL_BLOCK), _score_columns(T, window)
         scores = workspace("gqa_scores", (B * n_kv_head, G * rows, L), qkv.dtype).reshape(B * n_head, rows, L)
-        _forward_heads(mkl, out, att, qkv, scores, keep, n_head, n_kv_head, scale, window, *drop, CAUSAL_BLOCK)
+        _forward_heads(mkl, out, att, qkv, scores, keep, n_head, n_kv_head, scale, window, starts, *drop,
+                       CAUSAL_BLOCK)
         return
     q, k, v = _split(qkv, n_head, n_kv_head, hs)
     y, lse = _grouped(out, n_kv_head, G, hs), att.reshape(B, n_kv_head, G, T)
     s = workspace("gqa_scores_full", (B, n_kv_head, T, T), qkv.dtype)
     for j in range(G):  # query head g*G + j of every group g
         blas.gemm(q[:, :, j], k.transpose(0, 1, 3, 2), s)
-        _softmax_lse_kernel(s, lse[:, :, j], scale, window)
+        _softmax_lse_kernel(s, lse[:, :, j], scale, window, starts)
         if dropout_p != 0.0:
             dropout_heads_kernel(s, s, keep, n_head, G, j, *drop)
         blas.gemm(s, v, y[:, :, j])
 
 
 def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dropout_p=0.0, seed=0, rope=None,
-                           window=0, scale=None):
+                           window=0, scale=None, positions=None):
     """With, per query head h and its kv head g, y = Pd v_g, Pd = P * M / (1 - p) (Pd = P without
-    dropout), P = softmax(S) over each row's keys (s <= t, and t - window < s with a window),
+    dropout), P = softmax(S) over each row's keys (s <= t, t - window < s with a window, and
+    t - positions[b, t] <= s with documents),
     S = q_h k_g^T (scale applied in the exponent; None: 1/sqrt(hs)):
         P  = exp(S * scale - lse)   (recomputed from the saved logsumexp, 0 outside the row's keys),
         dPd = dy v_g^T,   dP = dPd * M / (1 - p),
         dS = P * (dP - rowsum(P * dP)) * scale   (softmax backward, with P undropped),
         dq_h = dS k_g,   dk_g = sum over the group's h of dS^T q_h,   dv_g = sum of Pd^T dy.
     P and dS are 0 outside each row's keys, so the key blocks no row of a block attends add nothing
-    and are skipped, as in the forward. window, scale, dropout_p and seed must be the forward's;
-    the mask M is regenerated from (dropout_p, seed).
+    and are skipped, as in the forward (a document's rows never read another document's key blocks).
+    window, scale, positions, dropout_p and seed must be the forward's; the mask M is regenerated
+    from (dropout_p, seed).
     Overwrites dqkv (B, T, (NH + 2*NKV)*hs): dq, dk and dv alike. dout is (B, T, NH*hs); att the
     logsumexps saved by the forward. out (the forward's output) is not needed here: the sum
     rowsum(P * dP) is taken from the recomputed rows. It equals rowsum(dy * y) for the dropped
@@ -330,15 +348,15 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
     that uses out (the gpu's) relies on. out is accepted, as attention_backward accepts it, so
     the backends keep one signature.
     With rope=(cos, sin) (the forward's), qkv is as the forward left it (q and k rotated in place), and
-    the rotated q's and k's gradients are taken back through R^T (rope_backward) in place in dqkv:
-    what is written is the gradient of q and k before RoPE.
+    the rotated q's and k's gradients are taken back through R^T (rope_backward, at the positions
+    with documents) in place in dqkv: what is written is the gradient of q and k before RoPE.
     """
     hs = _head_size(qkv, n_head, n_kv_head)
     if rope is not None:
         rot = (n_head + n_kv_head) * hs
         gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out, dropout_p, seed, window=window,
-                               scale=scale)
-        rope_backward(dqkv[:, :, :rot], dqkv[:, :, :rot], *rope, n_head + n_kv_head)
+                               scale=scale, positions=positions)
+        rope_backward(dqkv[:, :, :rot], dqkv[:, :, :rot], *rope, n_head + n_kv_head, positions=positions)
         return
     B, T, _ = qkv.shape
     _expect("dqkv", dqkv, qkv.shape, qkv.dtype)
@@ -347,6 +365,7 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
     window, scale = _window_scale(window, scale, hs)
     scale, G = qkv.dtype.type(scale), n_head // n_kv_head
     drop = dropout_args(dropout_p, seed, qkv.dtype)
+    starts = document_starts(positions, B, T)
     keep = keep_scratch(B * n_head, T, qkv.dtype)
     mkl = _per_head_mkl(qkv, (dqkv, dout, att))
     if mkl is not None:
@@ -355,7 +374,7 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
         dprobs = workspace("gqa_dprobs", (B * n_kv_head, G * rows, L), qkv.dtype)
         stacked = workspace("gqa_stacked", (B * n_kv_head, 2, G * rows, hs), qkv.dtype)
         _backward_groups(mkl, dqkv, dout, qkv, att, probs, dprobs, stacked, keep, n_head, n_kv_head, scale, window,
-                         *drop, CAUSAL_BLOCK)
+                         starts, *drop, CAUSAL_BLOCK)
         return
     q, k, v = _split(qkv, n_head, n_kv_head, hs)
     dq, dk, dv = _split(dqkv, n_head, n_kv_head, hs)
@@ -367,7 +386,7 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
         blas.gemm(dy[:, :, j], v.transpose(0, 1, 3, 2), dp)
         if dropout_p != 0.0:  # dP = dPd * M / (1 - p); this path draws the mask twice
             dropout_heads_kernel(dp, dp, keep, n_head, G, j, *drop)
-        _recompute_backward_kernel(dp, p, lse[:, :, j], scale, window)
+        _recompute_backward_kernel(dp, p, lse[:, :, j], scale, window, starts)
         if dropout_p != 0.0:  # P -> Pd, for dv
             dropout_heads_kernel(p, p, keep, n_head, G, j, *drop)
         blas.gemm(p.transpose(0, 1, 3, 2), dy[:, :, j], dv, 0.0 if j == 0 else 1.0)
@@ -375,14 +394,17 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
         blas.gemm(dp.transpose(0, 1, 3, 2), q[:, :, j], dk, 0.0 if j == 0 else 1.0)
 
 
-def gqa_attention_prepare(qkv, n_head, n_kv_head, rope=None):
-    """qkv as gqa_attention_forward(..., rope=rope) leaves it, without attending: q and k rotated
-    in place (rope_forward, the forward's own pass). For a backward whose forward output is kept
-    (train.recompute): qkv formed again is then what gqa_attention_backward takes."""
+def gqa_attention_prepare(qkv, n_head, n_kv_head, rope=None, positions=None):
+    """qkv as gqa_attention_forward(..., rope=rope, positions=positions) leaves it, without
+    attending: q and k rotated in place (rope_forward, the forward's own pass, token t by
+    positions[b, t] when given). For a backward whose forward output is kept (train.recompute): qkv
+    formed again is then what gqa_attention_backward takes."""
     hs = _head_size(qkv, n_head, n_kv_head)
+    if positions is not None:
+        check_positions(positions, *qkv.shape[:2])
     if rope is not None:
         qk = qkv[:, :, :(n_head + n_kv_head) * hs]
-        rope_forward(qk, qk, *rope, n_head + n_kv_head)
+        rope_forward(qk, qk, *rope, n_head + n_kv_head, positions=positions)
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)

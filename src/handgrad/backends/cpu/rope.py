@@ -1,7 +1,8 @@
 """Rotary position embedding (RoPE), Hugging Face Llama's convention (`rotate_half`).
 
 Each head's vector x (hs,) is split in halves x1 = x[:hs/2], x2 = x[hs/2:], and pair i
-(x1[i], x2[i]) is rotated by the angle p * inv_freq[i] of its position p:
+(x1[i], x2[i]) is rotated by the angle p * inv_freq[i] of its position p (offset + t, or with packed
+documents positions[b, t], the token's position in its own document):
     inv_freq[i] = theta^(-2i / hs),  i in [0, hs/2)
     cos, sin (T_max, hs) = cos and sin of cat(freqs, freqs),  freqs[p, i] = p * inv_freq[i]
     y = x * cos[p] + rotate_half(x) * sin[p],  rotate_half(x) = cat(-x2, x1)
@@ -11,9 +12,10 @@ This is not llama2.c's (Meta's original) convention, which rotates interleaved p
 (x[2i], x[2i+1]); Hugging Face checkpoints of Llama have their q and k weights permuted to this one.
 """
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from .common import kernel
+from .documents import check_positions
 
 
 def rope_cache(T_max, head_dim, theta, scaling=None):
@@ -82,45 +84,77 @@ def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor, origina
 # be inp (in place). The table entries are cast to the data's dtype, and the products are rounded
 # before the add (no fused multiply-add), as in torch: a float32 forward is bit-identical to
 # transformers' apply_rotary_pos_emb on the same tables.
+@njit(inline="always")
+def _rotate_row(out, inp, b, t, p, cos, sin, n_head):
+    """out[b, t] = R(p) inp[b, t], every head of the row rotated at position p."""
+    hs = inp.shape[2] // n_head
+    half = hs // 2
+    for h in range(n_head):
+        o = h * hs
+        for i in range(half):
+            c1, c2 = inp.dtype.type(cos[p, i]), inp.dtype.type(cos[p, half + i])
+            s1, s2 = inp.dtype.type(sin[p, i]), inp.dtype.type(sin[p, half + i])
+            x1, x2 = inp[b, t, o + i], inp[b, t, o + half + i]
+            out[b, t, o + i] = x1 * c1 - x2 * s1
+            out[b, t, o + half + i] = x2 * c2 + x1 * s2
+
+
+@njit(inline="always")
+def _unrotate_row(dinp, dout, b, t, p, cos, sin, n_head):
+    """dinp[b, t] = R(p)^T dout[b, t], every head of the row."""
+    hs = dout.shape[2] // n_head
+    half = hs // 2
+    for h in range(n_head):
+        o = h * hs
+        for i in range(half):
+            c1, c2 = dout.dtype.type(cos[p, i]), dout.dtype.type(cos[p, half + i])
+            s1, s2 = dout.dtype.type(sin[p, i]), dout.dtype.type(sin[p, half + i])
+            d1, d2 = dout[b, t, o + i], dout[b, t, o + half + i]
+            dinp[b, t, o + i] = d1 * c1 + d2 * s2
+            dinp[b, t, o + half + i] = d2 * c2 - d1 * s1
+
+
 @kernel
 def rope_forward_kernel(out, inp, cos, sin, n_head, offset):
-    B, T, C = inp.shape
-    hs = C // n_head
-    half = hs // 2
+    """Row (b, t) rotated at position offset[b] + t."""
+    B, T, _ = inp.shape
     for bt in prange(B * T):
         b = bt // T
         t = bt - b * T
-        p = offset[b] + t
-        for h in range(n_head):
-            o = h * hs
-            for i in range(half):
-                c1, c2 = inp.dtype.type(cos[p, i]), inp.dtype.type(cos[p, half + i])
-                s1, s2 = inp.dtype.type(sin[p, i]), inp.dtype.type(sin[p, half + i])
-                x1, x2 = inp[b, t, o + i], inp[b, t, o + half + i]
-                out[b, t, o + i] = x1 * c1 - x2 * s1
-                out[b, t, o + half + i] = x2 * c2 + x1 * s2
+        _rotate_row(out, inp, b, t, offset[b] + t, cos, sin, n_head)
 
 
 @kernel
 def _rope_backward_kernel(dinp, dout, cos, sin, n_head, offset):
-    B, T, C = dout.shape
-    hs = C // n_head
-    half = hs // 2
+    B, T, _ = dout.shape
     for bt in prange(B * T):
         b = bt // T
         t = bt - b * T
-        p = offset[b] + t
-        for h in range(n_head):
-            o = h * hs
-            for i in range(half):
-                c1, c2 = dout.dtype.type(cos[p, i]), dout.dtype.type(cos[p, half + i])
-                s1, s2 = dout.dtype.type(sin[p, i]), dout.dtype.type(sin[p, half + i])
-                d1, d2 = dout[b, t, o + i], dout[b, t, o + half + i]
-                dinp[b, t, o + i] = d1 * c1 + d2 * s2
-                dinp[b, t, o + half + i] = d2 * c2 - d1 * s1
+        _unrotate_row(dinp, dout, b, t, offset[b] + t, cos, sin, n_head)
 
 
-def _check(name, out, inp, cos, sin, n_head, offset):
+@kernel
+def _rope_positions_forward_kernel(out, inp, cos, sin, n_head, positions):
+    """Row (b, t) rotated at position positions[b, t] (packed documents)."""
+    B, T, _ = inp.shape
+    for bt in prange(B * T):
+        b = bt // T
+        t = bt - b * T
+        _rotate_row(out, inp, b, t, positions[b, t], cos, sin, n_head)
+
+
+@kernel
+def _rope_positions_backward_kernel(dinp, dout, cos, sin, n_head, positions):
+    B, T, _ = dout.shape
+    for bt in prange(B * T):
+        b = bt // T
+        t = bt - b * T
+        _unrotate_row(dinp, dout, b, t, positions[b, t], cos, sin, n_head)
+
+
+def _check(name, out, inp, cos, sin, n_head, offset, positions):
+    """offset as one position per row (int64 (B,)), or with positions (packed documents) the
+    checked int32 (B, T) positions; ValueError where a position falls outside the tables."""
     if inp.ndim != 3 or out.shape != inp.shape or out.dtype != inp.dtype:
         raise ValueError(f"{name}: the two arrays must be (B, T, n_head*hs) of one shape and dtype, "
                          f"got {out.shape} {out.dtype} and {inp.shape} {inp.dtype}")
@@ -131,6 +165,13 @@ def _check(name, out, inp, cos, sin, n_head, offset):
     if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[1] != hs:
         raise ValueError(f"{name}: cos and sin must both be (T_max, {hs}), got {cos.shape} and {sin.shape}")
     B = inp.shape[0]
+    if positions is not None:
+        if not (isinstance(offset, (int, np.integer)) and offset == 0):
+            raise ValueError(f"{name}: positions give every token's position: offset must be 0, got {offset!r}")
+        positions = check_positions(positions, B, T)
+        if positions.size and positions.max() >= cos.shape[0]:
+            raise ValueError(f"{name}: position {positions.max()} is outside the tables' [0, {cos.shape[0]})")
+        return positions
     if isinstance(offset, (int, np.integer)):  # one position: checked as an int (decoding calls this per layer)
         if offset < 0 or offset + T > cos.shape[0]:
             raise ValueError(f"{name}: positions [{offset}, {offset + T}) are outside the tables' [0, {cos.shape[0]})")
@@ -146,13 +187,15 @@ def _check(name, out, inp, cos, sin, n_head, offset):
 
 
 # ---------------------------------------------------------------- the ops
-def rope_forward(out, inp, cos, sin, n_head, offset=0):
-    """out = RoPE(inp) for positions [offset, offset + T).
+def rope_forward(out, inp, cos, sin, n_head, offset=0, positions=None):
+    """out = RoPE(inp) for positions [offset, offset + T), or token (b, t) at positions[b, t].
 
     inp, out: (B, T, n_head*hs) with unit column stride and any row stride, rows holding n_head heads
     of hs contiguous values; out may be inp (in place). cos, sin: (T_max, hs) from rope_cache.
     offset: the absolute position of row t = 0 (the KV cache's position when decoding), or one such
     position per row b (sequences at different positions: `handgrad serve`'s batched step).
+    positions: (B, T) integer, each token's position in its own document (packed documents,
+    documents.py; offset must then be 0).
     Overwrites out.
 
     inp is usually a slice of the fused qkv buffer (B, T, (NH + 2*NKV)*hs), whose columns are the q
@@ -160,15 +203,23 @@ def rope_forward(out, inp, cos, sin, n_head, offset=0):
     v_proj's outputs side by side). q and k take the same rotation per head, so one call on
     qkv[:, :, :(NH+NKV)*hs] with n_head = NH + NKV rotates both, in place.
     """
-    rope_forward_kernel(out, inp, cos, sin, n_head, _check("rope_forward", out, inp, cos, sin, n_head, offset))
+    where = _check("rope_forward", out, inp, cos, sin, n_head, offset, positions)
+    if positions is None:
+        rope_forward_kernel(out, inp, cos, sin, n_head, where)
+    else:
+        _rope_positions_forward_kernel(out, inp, cos, sin, n_head, where)
 
 
-def rope_backward(dinp, dout, cos, sin, n_head, offset=0):
+def rope_backward(dinp, dout, cos, sin, n_head, offset=0, positions=None):
     """dinp = the inverse rotation of dout (rotation by -angle), per pair (x1, x2) and position:
         forward  y = R x,  R = [[c, -s], [s, c]]   (y1 = x1 c - x2 s,  y2 = x2 c + x1 s)
         dx = R^T dy, and R^T = R(-angle):  dx1 = dy1 c + dy2 s,  dx2 = dy2 c - dy1 s.
-    Shapes as rope_forward's; dinp may be dout (in place, as gqa_attention_backward(rope=) runs it
-    on dqkv's q and k columns). Overwrites dinp. The forward's input is not needed (the map is linear).
+    Shapes, offset and positions as rope_forward's (the angle of token (b, t) that of its position);
+    dinp may be dout (in place, as gqa_attention_backward(rope=) runs it on dqkv's q and k
+    columns). Overwrites dinp. The forward's input is not needed (the map is linear).
     """
-    _rope_backward_kernel(dinp, dout, cos, sin, n_head,
-                          _check("rope_backward", dinp, dout, cos, sin, n_head, offset))
+    where = _check("rope_backward", dinp, dout, cos, sin, n_head, offset, positions)
+    if positions is None:
+        _rope_backward_kernel(dinp, dout, cos, sin, n_head, where)
+    else:
+        _rope_positions_backward_kernel(dinp, dout, cos, sin, n_head, where)
