@@ -42,8 +42,8 @@ def test_full_size_kernels_compile_for_sm90(tmp_path):
                    "_gqa_backward_dkdv_kernel", "_gqa_decode_kernel", "_dropout_kernel"):
         assert kernel in names, f"{kernel} was not launched by the recorded step"
     for kernel in ("_gqa_forward_kernel", "_gqa_backward_dq_kernel", "_gqa_backward_dkdv_kernel"):
-        for fused in ("'DROPOUT': True, 'HAS_WINDOW': False, 'HS': 64, 'ROPE': True",
-                      "'DROPOUT': False, 'HAS_WINDOW': False, 'HS': 64, 'ROPE': True"):
+        for fused in ("'DROPOUT': True, 'HAS_DOCS': False, 'HAS_WINDOW': False, 'HS': 64, 'ROPE': True",
+                      "'DROPOUT': False, 'HAS_DOCS': False, 'HAS_WINDOW': False, 'HS': 64, 'ROPE': True"):
             assert any(kernel in line and fused in line for line in names.splitlines()), (kernel, fused)
     # with the GPU's block sizes, not the wider ones the interpreter takes (adamw.BLOCK)
     adamw = [line for line in names.splitlines() if "_adamw_kernel" in line or "_sumsq_kernel" in line]
@@ -86,11 +86,44 @@ def test_the_gemma3_kernels_compile_for_sm90(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     compiled = [line for line in out.stdout.splitlines() if line.startswith("ok")]
     for kernel in ("_gqa_forward_kernel", "_gqa_backward_dq_kernel", "_gqa_backward_dkdv_kernel"):
-        for variant in ("'DROPOUT': False, 'HAS_WINDOW': True, 'HS': 16, 'ROPE': False",
-                        "'DROPOUT': True, 'HAS_WINDOW': True, 'HS': 16, 'ROPE': True",
-                        "'DROPOUT': False, 'HAS_WINDOW': True, 'HS': 64, 'ROPE': True",
-                        "'DROPOUT': False, 'HAS_WINDOW': True, 'HS': 256, 'ROPE': True"):
+        for variant in ("'DROPOUT': False, 'HAS_DOCS': False, 'HAS_WINDOW': True, 'HS': 16, 'ROPE': False",
+                        "'DROPOUT': True, 'HAS_DOCS': False, 'HAS_WINDOW': True, 'HS': 16, 'ROPE': True",
+                        "'DROPOUT': False, 'HAS_DOCS': False, 'HAS_WINDOW': True, 'HS': 64, 'ROPE': True",
+                        "'DROPOUT': False, 'HAS_DOCS': False, 'HAS_WINDOW': True, 'HS': 256, 'ROPE': True"):
             assert any(kernel in line and variant in line for line in compiled), (kernel, variant)
     for kernel in ("_gqa_decode_kernel", "_geglu_forward_kernel", "_geglu_backward_kernel", "_softcap_kernel"):
         assert any(kernel in line for line in compiled), kernel
     assert any("_crossentropy_backward_kernel" in line and "'SOFTCAP': True" in line for line in compiled)
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this triton build has no NVIDIA backend with ptxas")
+def test_the_document_mask_kernels_compile_for_sm90(tmp_path):
+    """Packed documents (`positions=`) are not in a recorded step: the attention kernels' HAS_DOCS
+    variants (float32 at head sizes 16, 32 and 64 with the window, RoPE and dropout; bf16 at 64 and
+    256 with RoPE, the launch settings a GPU takes), RoPE's and the encoder's HAS_POS are recorded from
+    their own tests and compiled the same way."""
+    kernels = tmp_path / "kernels.json"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    test_file = Path(__file__).resolve().parent / "test_gpu_document_mask.py"
+    rec = subprocess.run([sys.executable, str(TOOL), "record", str(kernels), str(test_file), "-q", "-k",
+                          "against_autograd or bf16 or (rope_and_dropout and default) or gpt2 or rope_with or encoder"],
+                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
+    assert rec.returncode == 0, rec.stdout[-3000:] + rec.stderr[-3000:]
+    out = subprocess.run([sys.executable, str(TOOL), "compile", str(kernels)],
+                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    compiled = [line for line in out.stdout.splitlines() if line.startswith("ok")]
+    for kernel in ("_gqa_forward_kernel", "_gqa_backward_dq_kernel", "_gqa_backward_dkdv_kernel"):
+        for variant in ("'DROPOUT': False, 'HAS_DOCS': True, 'HAS_WINDOW': False, 'HS': 16, 'ROPE': False",
+                        "'DROPOUT': False, 'HAS_DOCS': True, 'HAS_WINDOW': True, 'HS': 64, 'ROPE': False",
+                        "'DROPOUT': True, 'HAS_DOCS': True, 'HAS_WINDOW': True, 'HS': 16, 'ROPE': True",
+                        "'DOT_PRECISION': 'tf32', 'DROPOUT': False, 'HAS_DOCS': True, 'HAS_WINDOW': False, 'HS': 64, "
+                        "'ROPE': True",
+                        "'DOT_PRECISION': 'tf32', 'DROPOUT': False, 'HAS_DOCS': True, 'HAS_WINDOW': True, 'HS': 256, "
+                        "'ROPE': True"):
+            assert any(kernel in line and variant in line for line in compiled), (kernel, variant)
+    for kernel, variant in (("_rope_kernel", "'BACKWARD': False, 'BLOCK': 8, 'HALF': 8, 'HAS_POS': True"),
+                            ("_rope_kernel", "'BACKWARD': True, 'BLOCK': 8, 'HALF': 8, 'HAS_POS': True"),
+                            ("_encoder_forward_kernel", "'HAS_POS': True, 'HAS_WPE': True"),
+                            ("_encoder_backward_wte_kernel", "")):
+        assert any(kernel in line and variant in line for line in compiled), (kernel, variant)

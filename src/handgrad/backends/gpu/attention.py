@@ -48,20 +48,23 @@ def _check(qkv, n_head, att, **rows):
 
 
 # ---------------------------------------------------------------- forward
-def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0):
+def attention_forward(out, att, qkv, n_head, dropout_p=0.0, seed=0, positions=None):
     """out (B, T, C) = causal attention of qkv (B, T, 3C) with n_head heads, scale 1/sqrt(hs).
 
     Overwrites out and att (B, NH, T) float32: the row logsumexp L = log sum_s exp(S[t, s]) of the
     scaled, masked scores, all the backward needs to recompute P = exp(S - L). dropout_p > 0
     (training): y = (P * M / (1 - p)) v with the cpu op's mask M for (dropout_p, seed), drawn in the
-    kernel and again in the backward.
+    kernel and again in the backward. positions (B, T) int32 on qkv's device (packed documents): the
+    mask also hides keys of other documents, S[t, s] = -inf for s < t - positions[b, t], and the
+    kernels skip their blocks (gqa_attention.py); the values are the model's to check, on the host.
     """
     _check(qkv, n_head, att, out=(out, (qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)))
-    gqa_attention_forward(out, att, qkv, n_head, n_head, dropout_p, seed)  # GPT-2's: grouped-query, NKV = NH
+    gqa_attention_forward(out, att, qkv, n_head, n_head, dropout_p, seed,  # GPT-2's: grouped-query, NKV = NH
+                          positions=positions)
 
 
 # ---------------------------------------------------------------- backward
-def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, seed=0):
+def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, seed=0, positions=None):
     """With y = P v, P = softmax(S), S = q k^T * scale (scale = 1/sqrt(hs)), per head:
         dV = P^T dO,   dP = dO V^T,
         dS = P * (dP - D),  D = rowsum(P * dP) = rowsum(dO * O)   (softmax backward),
@@ -70,7 +73,8 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, se
     Overwrites dqkv (B, T, 3C). dout is (B, T, C); out (B, T, C), the forward's output, is required
     (for D). Two kernels, no atomics: dQ (and D) per query block, then dK, dV per key block.
     With dropout (the forward's dropout_p and seed), Pd = P * M / (1 - p) replaces P in y and dV,
-    and dP = (dO V^T) * M / (1 - p).
+    and dP = (dO V^T) * M / (1 - p). With positions (the forward's), P = 0 across documents, and so
+    is every term above there: the kernels skip those blocks.
     """
     if out is None:
         raise ValueError("gpu attention_backward needs out=, the forward's output (B, T, C), for "
@@ -78,7 +82,8 @@ def attention_backward(dqkv, dout, qkv, att, n_head, out=None, dropout_p=0.0, se
     B, T, C3 = qkv.shape
     row = (B, T, C3 // 3)
     _check(qkv, n_head, att, dout=(dout, row), out=(out, row), dqkv=(dqkv, tuple(qkv.shape)))
-    gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_head, out=out, dropout_p=dropout_p, seed=seed)
+    gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_head, out=out, dropout_p=dropout_p, seed=seed,
+                           positions=positions)
 
 
 # ---------------------------------------------------------------- decoding (inference, forward only)

@@ -16,8 +16,17 @@ deterministic.
 t - W < s <= t (W keys, itself included; transformers' `kv_idx > q_idx - sliding_window`). The kernels
 then loop only over the blocks that meet the window (a constexpr HAS_WINDOW; window 0, or one that
 covers all T rows, launches the plain causal kernels) and mask the partial blocks at its edges.
-`scale` replaces the default 1/sqrt(hs) of the scores. Reference (what the tests compare to):
-softmax(q k^T * scale + causal [and window] mask) @ v with k and v repeated per group, in float64.
+`scale` replaces the default 1/sqrt(hs) of the scores.
+
+`positions` (B, T) int32 packs several documents into a row (Hugging Face's position_ids in packed
+training): token t's document starts at start_t = t - positions[b, t], and query t sees keys s with
+start_t <= s <= t (and the window, if any). Document starts do not decrease along a row, so a query
+block's first row has the least start: the forward and dq loops begin at the key block holding it,
+and the dK/dV loop ends at the last query block whose rows can see the key block (ends: one past the
+key block's last key's document). Key blocks of other documents are skipped, not computed and
+masked (a constexpr HAS_DOCS; positions None launches the kernels without it). RoPE then rotates
+token t at positions[b, t]. Reference (what the tests compare to): softmax(q k^T * scale + causal
+[and window, and document] mask) @ v with k and v repeated per group, in float64.
 """
 from typing import NamedTuple
 
@@ -29,7 +38,7 @@ import triton.language as tl
 from ..cpu.common import decode_rows
 from .common import cdiv, interpreting
 from .dropout import keep_tile, kernel_args
-from .rope import check_tables, load_rotated, store_unrotated
+from .rope import check_positions, check_tables, load_rotated, store_unrotated
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)    # ln(2):   log(x) = log2(x) * LN2
@@ -118,6 +127,21 @@ def _window_args(window, scale, T):
     return (int(window) if has_window else 0), has_window
 
 
+def _doc_args(name, positions, qkv, ends=False):
+    """The kernels' document arguments (starts, ends) and {HAS_DOCS}: starts[b, t] = t - positions[b, t]
+    (token t's document's first token) and, with ends, ends[b, s] = one past the last token of key s's
+    document (the first t with starts[b, t] > starts[b, s]: starts do not decrease along a row), both
+    (B, T) int32, formed by torch ops on the device (no host sync: CUDA graphs capture this). positions
+    None: stand-ins that are never read. positions' values are the model's to check, on the host."""
+    if positions is None:
+        return (qkv, qkv), {"HAS_DOCS": False}
+    B, T, _ = qkv.shape
+    positions = check_positions(name, positions, B, T, qkv.device)
+    starts = torch.arange(T, dtype=torch.int32, device=qkv.device) - positions  # (B, T)
+    doc_ends = torch.searchsorted(starts, starts, right=True, out_int32=True) if ends else starts
+    return (starts, doc_ends), {"HAS_DOCS": True}
+
+
 def _check(qkv, n_head, n_kv_head, att, **tensors):
     """Shapes, dtypes and layout shared by the forward and the backward (att None: not checked);
     returns (B, T, hs)."""
@@ -146,16 +170,18 @@ def _check(qkv, n_head, n_kv_head, att, **tensors):
 @triton.jit
 def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
                         stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, qk_scale,
-                        cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale, WINDOW,
+                        cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale, WINDOW, starts_ptr,
                         HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr,
-                        HAS_WINDOW: tl.constexpr):
+                        HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
     """One (query block, b * NH + h) per program: attention.py's online softmax, with k and v read
     from kv head h // (NH / NKV); q and k rotated on load (ROPE); the row sums l of undropped P,
     the values weighted by the dropped P * M / (1 - p) (DROPOUT). HAS_WINDOW: the key blocks from
     the one holding the first row's first key (t - WINDOW + 1) to the diagonal, keys s <= t - WINDOW
-    masked; a row may see no key of a block, so its running max may still be -inf there, and the
-    exponents are then taken against 0 (alpha = p = 0) instead of -inf - -inf."""
+    masked. HAS_DOCS: the key blocks from the one holding the first row's document start
+    (starts_ptr, (B, T)), keys s < start_t masked, q and k rotated at t - start_t. With either, a
+    row may see no key of a block, so its running max may still be -inf there, and the exponents
+    are then taken against 0 (alpha = p = 0) instead of -inf - -inf."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) rows first
     bh = tl.program_id(1)
     b = bh // NH
@@ -168,7 +194,12 @@ def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HS)
     row_ok = offs_m < T
-    q = load_rotated(base + h * HS, offs_m, row_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
+    pos_m = offs_m
+    if HAS_DOCS:
+        starts = starts_ptr + b * T
+        start_m = tl.load(starts + offs_m, mask=row_ok, other=0)
+        pos_m = offs_m - start_m
+    q = load_rotated(base + h * HS, offs_m, pos_m, row_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -177,20 +208,28 @@ def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(pid_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    if HAS_DOCS:  # the first row's document start is the block's least
+        lo = tl.maximum(lo, tl.load(starts + pid_m * BLOCK_M) // BLOCK_N * BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_off = cols[:, None] * stride_qkv_t + offs_d[None, :]
         col_ok = cols[:, None] < T
-        k = load_rotated(k_base, cols, cols < T, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
+        pos_n = cols
+        if HAS_DOCS:
+            if ROPE:
+                pos_n = cols - tl.load(starts + cols, mask=cols < T, other=0)
+        k = load_rotated(k_base, cols, pos_n, cols < T, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
         v = tl.load(v_base + kv_off, mask=col_ok, other=0.0)
         s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
         seen = offs_m[:, None] >= cols[None, :]
         if HAS_WINDOW:
             seen = seen & (cols[None, :] > offs_m[:, None] - WINDOW)
+        if HAS_DOCS:
+            seen = seen & (cols[None, :] >= start_m[:, None])
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_sub = m_new
-        if HAS_WINDOW:  # no key of the row seen yet: exp2(-inf - 0) = 0, not exp2(-inf - -inf)
+        if HAS_WINDOW or HAS_DOCS:  # no key of the row seen yet: exp2(-inf - 0) = 0, not exp2(-inf - -inf)
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(s - m_sub[:, None])
@@ -210,27 +249,33 @@ def _gqa_forward_kernel(out_ptr, lse_ptr, qkv_ptr, T, NH, NKV,
              mask=row_ok[:, None])
 
 
-def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0, rope=None, window=0, scale=None):
+def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=0, rope=None, window=0, scale=None,
+                          positions=None):
     """out (B, T, NH*hs) = causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs), the scores
     q.k * scale (scale None: 1/sqrt(hs)). Overwrites out and att (B, NH, T) float32: the row
     logsumexp of the scaled, masked scores, all the backward needs to recompute P.
 
     window=W > 0: query t attends keys t - W < s <= t only (a sliding window of W keys, itself
     included); 0 is plain causal attention. rope=(cos, sin), rope_cache's (T_max, hs) tables: q and
-    k in qkv are before RoPE, rotated here at positions [0, T) as they are loaded (qkv itself is not
-    changed here; the cpu op rotates it in place: on either backend the backward takes qkv as the
-    forward left it). dropout_p > 0 (training): out_h = (P * M / (1 - p)) v_g, M the cpu op's keep
-    mask for (dropout_p, seed)."""
+    k in qkv are before RoPE, rotated here at positions [0, T) (or `positions`) as they are loaded
+    (qkv itself is not changed here; the cpu op rotates it in place: on either backend the backward
+    takes qkv as the forward left it). dropout_p > 0 (training): out_h = (P * M / (1 - p)) v_g, M the cpu op's keep
+    mask for (dropout_p, seed).
+    positions (B, T) int32 on qkv's device (packed documents): query t attends only keys of its own
+    document, t - positions[b, t] <= s (with the causal and window bounds), and RoPE rotates token t
+    at positions[b, t]. Its values are not checked here (that would wait for the device): each row
+    must start at 0 and go on by 1 or restart at 0, which the model checks on the host."""
     B, T, hs = _check(qkv, n_head, n_kv_head, att)
     _check(qkv, n_head, n_kv_head, att, out=(out, (B, T, n_head * hs)))
     window, has_window = _window_args(window, scale, T)
     fused, switches = _fused_args(qkv, hs, dropout_p, seed, rope)
+    (starts, _), docs = _doc_args("gqa_attention_forward", positions, qkv)
     cfg = _blocks(hs, qkv.dtype)
     _gqa_forward_kernel[(cdiv(T, cfg.fwd_m), B * n_head)](
         out, att, qkv, T, n_head, n_kv_head, qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
-        LOG2E.value / hs ** 0.5 if scale is None else LOG2E.value * float(scale), *fused, window,
+        LOG2E.value / hs ** 0.5 if scale is None else LOG2E.value * float(scale), *fused, window, starts,
         HS=hs, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, DOT_PRECISION=_dot_precision(qkv.dtype), **switches,
-        HAS_WINDOW=has_window, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_WINDOW=has_window, **docs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---------------------------------------------------------------- backward
@@ -238,15 +283,17 @@ def gqa_attention_forward(out, att, qkv, n_head, n_kv_head, dropout_p=0.0, seed=
 def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse_ptr, T, NH, NKV,
                             stride_qkv_b, stride_qkv_t, stride_dqkv_b, stride_dqkv_t,
                             stride_out_b, stride_out_t, stride_dout_b, stride_dout_t, scale, qk_scale,
-                            cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale, WINDOW,
+                            cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale, WINDOW, starts_ptr,
                             HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr,
-                            HAS_WINDOW: tl.constexpr):
+                            HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
     """One (query block, b * NH + h) per program: D = rowsum(dO * O) (stored for the dK/dV kernel),
     then over key blocks up to the diagonal P = exp2(s - L log2 e), dP = dO v^T (times M / (1 - p)
     with DROPOUT), dS = P * (dP - D), dQ += dS k; finally dQ *= scale (and R^T dQ with ROPE, q and
     k rotated on load). k and v are kv head h // (NH / NKV)'s. HAS_WINDOW: the key blocks from the
-    one holding the block's first row's first key, keys s <= t - WINDOW masked (P = 0 there)."""
+    one holding the block's first row's first key, keys s <= t - WINDOW masked (P = 0 there).
+    HAS_DOCS: the key blocks from the one holding the first row's document start, keys s < start_t
+    masked (P = 0 there), q and k rotated at t - start_t."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // NH
@@ -260,7 +307,12 @@ def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse
     offs_d = tl.arange(0, HS)
     row_ok = offs_m < T
     rows = offs_m[:, None]
-    q = load_rotated(base + h * HS, offs_m, row_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
+    pos_m = offs_m
+    if HAS_DOCS:
+        starts = starts_ptr + b * T
+        start_m = tl.load(starts + offs_m, mask=row_ok, other=0)
+        pos_m = offs_m - start_m
+    q = load_rotated(base + h * HS, offs_m, pos_m, row_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
     do = tl.load(dout_ptr + b.to(tl.int64) * stride_dout_b + h * HS + rows * stride_dout_t + offs_d[None, :],
                  mask=row_ok[:, None], other=0.0)
     o = tl.load(out_ptr + b.to(tl.int64) * stride_out_b + h * HS + rows * stride_out_t + offs_d[None, :],
@@ -274,16 +326,24 @@ def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(pid_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    if HAS_DOCS:  # the first row's document start is the block's least
+        lo = tl.maximum(lo, tl.load(starts + pid_m * BLOCK_M) // BLOCK_N * BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_off = cols[:, None] * stride_qkv_t + offs_d[None, :]
         col_ok = cols[:, None] < T
-        k = load_rotated(k_base, cols, cols < T, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
+        pos_n = cols
+        if HAS_DOCS:
+            if ROPE:
+                pos_n = cols - tl.load(starts + cols, mask=cols < T, other=0)
+        k = load_rotated(k_base, cols, pos_n, cols < T, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
         v = tl.load(v_base + kv_off, mask=col_ok, other=0.0)
         s = _dot(q, tl.trans(k), DOT_PRECISION) * qk_scale
         seen = rows >= cols[None, :]
         if HAS_WINDOW:
             seen = seen & (cols[None, :] > rows - WINDOW)
+        if HAS_DOCS:
+            seen = seen & (cols[None, :] >= start_m[:, None])
         p = tl.exp2(tl.where(seen, s, float("-inf")) - lse2[:, None])
         dp = _dot(do, tl.trans(v), DOT_PRECISION)
         if DROPOUT:  # dP = dPd * M / (1 - p)
@@ -294,7 +354,8 @@ def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse
 
     dq_base = dqkv_ptr + b.to(tl.int64) * stride_dqkv_b + h * HS
     if ROPE:
-        store_unrotated(dq_base, offs_m, row_ok, stride_dqkv_t, dq * scale, cos_ptr, sin_ptr, stride_tab, BLOCK_M, HS)
+        store_unrotated(dq_base, offs_m, pos_m, row_ok, stride_dqkv_t, dq * scale, cos_ptr, sin_ptr, stride_tab,
+                        BLOCK_M, HS)
     else:
         tl.store(dq_base + rows * stride_dqkv_t + offs_d[None, :], (dq * scale).to(dqkv_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
@@ -304,17 +365,20 @@ def _gqa_backward_dq_kernel(dqkv_ptr, delta_ptr, dout_ptr, out_ptr, qkv_ptr, lse
 def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T, NH, NKV,
                               stride_qkv_b, stride_qkv_t, stride_dqkv_b, stride_dqkv_t,
                               stride_dout_b, stride_dout_t, scale, qk_scale,
-                              cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale, WINDOW,
+                              cos_ptr, sin_ptr, stride_tab, seed, bound, keep_scale, WINDOW, starts_ptr, ends_ptr,
                               HS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, DROPOUT: tl.constexpr,
-                              HAS_WINDOW: tl.constexpr):
+                              HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
     """One (key block, b * NKV + g) per program: over the G query heads of group g and, for each,
     the query blocks from the diagonal to T (keys along rows): P^T = exp2(s^T - L log2 e),
     dV += P^T dO, dP^T = v dO^T, dS^T = P^T * (dP^T - D), dK += dS^T q; finally dK *= scale. The
     group's sum is taken here, in a fixed order. DROPOUT: dV takes the dropped P^T * M^T / (1 - p)
     and dP^T the same factor; ROPE: q and k rotated on load, dK taken back through R^T.
     HAS_WINDOW: the query blocks stop after the last one with a row that sees a key of this block
-    (row t sees key s while t < s + WINDOW), rows t >= s + WINDOW masked."""
+    (row t sees key s while t < s + WINDOW), rows t >= s + WINDOW masked. HAS_DOCS: they stop after
+    the last one with a row of the block's last key's document (row t sees key s only while
+    t < ends[s], and ends do not decrease along a row), rows t with start_t > s masked; q and k
+    rotated at t - start_t."""
     pid_n = tl.program_id(0)
     bg = tl.program_id(1)
     b = bg // NKV
@@ -326,7 +390,13 @@ def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T
     offs_d = tl.arange(0, HS)
     col_ok = offs_n < T
     kv_off = offs_n[:, None] * stride_qkv_t + offs_d[None, :]
-    k = load_rotated(base + (NH + g) * HS, offs_n, col_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
+    pos_n = offs_n
+    if HAS_DOCS:
+        starts = starts_ptr + b * T
+        if ROPE:
+            pos_n = offs_n - tl.load(starts + offs_n, mask=col_ok, other=0)
+    k = load_rotated(base + (NH + g) * HS, offs_n, pos_n, col_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS,
+                     ROPE)
     v = tl.load(base + (NH + NKV + g) * HS + kv_off, mask=col_ok[:, None], other=0.0)
 
     dk = tl.zeros([BLOCK_N, HS], tl.float32)
@@ -335,6 +405,8 @@ def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T
     hi = T
     if HAS_WINDOW:  # past the last row that sees this block's last key, (pid_n + 1) * BLOCK_N - 1 + WINDOW - 1
         hi = tl.minimum((pid_n + 1) * BLOCK_N + WINDOW - 1, T)
+    if HAS_DOCS:  # past the last row of the last key's document
+        hi = tl.minimum(hi, tl.load(ends_ptr + b * T + tl.minimum((pid_n + 1) * BLOCK_N, T) - 1))
     for j in range(0, G):
         h = g * G + j
         bh = b * NH + h
@@ -343,7 +415,11 @@ def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T
         for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m
             row_ok = rows < T
-            q = load_rotated(q_base, rows, row_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
+            pos_m = rows
+            if HAS_DOCS:
+                start_rows = tl.load(starts + rows, mask=row_ok, other=0)
+                pos_m = rows - start_rows
+            q = load_rotated(q_base, rows, pos_m, row_ok, stride_qkv_t, cos_ptr, sin_ptr, stride_tab, HS, ROPE)
             do = tl.load(do_base + rows[:, None] * stride_dout_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             lse2 = tl.load(lse_ptr + bh * T + rows, mask=row_ok, other=0.0) * LOG2E
             delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)
@@ -351,6 +427,8 @@ def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T
             keep = (rows[None, :] >= offs_n[:, None]) & row_ok[None, :]
             if HAS_WINDOW:
                 keep = keep & (rows[None, :] - WINDOW < offs_n[:, None])
+            if HAS_DOCS:
+                keep = keep & (offs_n[:, None] >= start_rows[None, :])
             p_t = tl.exp2(tl.where(keep, s_t, float("-inf")) - lse2[None, :])
             dp_t = _dot(v, tl.trans(do), DOT_PRECISION)
             if DROPOUT:
@@ -367,20 +445,23 @@ def _gqa_backward_dkdv_kernel(dqkv_ptr, delta_ptr, dout_ptr, qkv_ptr, lse_ptr, T
     dkv_off = offs_n[:, None] * stride_dqkv_t + offs_d[None, :]
     tl.store(dbase + (NH + NKV + g) * HS + dkv_off, dv.to(out_ty), mask=col_ok[:, None])  # dv's registers free
     if ROPE:
-        store_unrotated(dbase + (NH + g) * HS, offs_n, col_ok, stride_dqkv_t, dk * scale, cos_ptr, sin_ptr,
+        store_unrotated(dbase + (NH + g) * HS, offs_n, pos_n, col_ok, stride_dqkv_t, dk * scale, cos_ptr, sin_ptr,
                         stride_tab, BLOCK_N, HS)
     else:
         tl.store(dbase + (NH + g) * HS + dkv_off, (dk * scale).to(out_ty), mask=col_ok[:, None])
 
 
-def gqa_attention_prepare(qkv, n_head, n_kv_head, rope=None):
-    """qkv as gqa_attention_forward(..., rope=rope) leaves it, without attending: unchanged (the
-    kernels rotate q and k as they load them). The cpu op's counterpart rotates them in place."""
-    _check(qkv, n_head, n_kv_head, None)
+def gqa_attention_prepare(qkv, n_head, n_kv_head, rope=None, positions=None):
+    """qkv as gqa_attention_forward(..., rope=rope, positions=positions) leaves it, without attending:
+    unchanged (the kernels rotate q and k as they load them). The cpu op's counterpart rotates them in
+    place (at positions[b, t] when given)."""
+    B, T, _ = _check(qkv, n_head, n_kv_head, None)
+    if positions is not None:
+        check_positions("gqa_attention_prepare", positions, B, T, qkv.device)
 
 
 def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dropout_p=0.0, seed=0, rope=None,
-                           window=0, scale=None):
+                           window=0, scale=None, positions=None):
     """With, per query head h and its kv head g, y = P v_g, P = softmax(S), S = q_h k_g^T * scale:
         dV_g = sum over the group's h of P^T dO_h,   dP = dO_h v_g^T,
         dS = P * (dP - D),  D = rowsum(P * dP) = rowsum(dO_h * O_h)   (softmax backward),
@@ -392,6 +473,12 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
     With a sliding window W, S[t, s] = -inf outside t - W < s <= t, so P = 0 there and so is every
     term above (dS = P * (...)): the dQ program skips the key blocks before its first row's window,
     and the dK/dV program the query blocks past the last row that sees its keys.
+    With packed documents (positions, the forward's), S[t, s] = -inf also for s < start_t =
+    t - positions[b, t], so P = 0 across documents and every term above with it: the dQ program
+    starts at the key block holding its first row's document start (starts do not decrease along a
+    row), and the dK/dV program stops after the query block holding the last row of its last key's
+    document (ends[s]: the first t > s with start_t > start_s, or T); within those, P = 0 masks
+    element by element.
     With dropout (dropout_p, seed: the forward's), y = Pd v, Pd = P * M / (1 - p): dV takes Pd, and
     dP = dPd * M / (1 - p) with dPd = dO v^T; D = rowsum(P * dP) is still rowsum(dO * O), O = Pd v.
     With rope=(cos, sin) (the forward's), q and k in qkv are before the rotation R, and what is
@@ -408,17 +495,18 @@ def gqa_attention_backward(dqkv, dout, qkv, att, n_head, n_kv_head, out=None, dr
     scale = 1.0 / hs ** 0.5 if scale is None else float(scale)
     prec = _dot_precision(qkv.dtype)
     fused, switches = _fused_args(qkv, hs, dropout_p, seed, rope)
-    switches["HAS_WINDOW"] = has_window
+    (starts, ends), docs = _doc_args("gqa_attention_backward", positions, qkv, ends=True)
+    switches.update(HAS_WINDOW=has_window, **docs)
     delta = torch.empty((B, n_head, T), dtype=torch.float32, device=qkv.device)  # D per row
     strides = (qkv.stride(0), qkv.stride(1), dqkv.stride(0), dqkv.stride(1))
     _gqa_backward_dq_kernel[(cdiv(T, cfg.bwd_res), B * n_head)](
         dqkv, delta, dout, out, qkv, att, T, n_head, n_kv_head, *strides, out.stride(0), out.stride(1),
-        dout.stride(0), dout.stride(1), scale, scale * LOG2E.value, *fused, window,
+        dout.stride(0), dout.stride(1), scale, scale * LOG2E.value, *fused, window, starts,
         HS=hs, BLOCK_M=cfg.bwd_res, BLOCK_N=cfg.bwd_stream, DOT_PRECISION=prec, **switches,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gqa_backward_dkdv_kernel[(cdiv(T, cfg.bwd_res), B * n_kv_head)](
         dqkv, delta, dout, qkv, att, T, n_head, n_kv_head, *strides, dout.stride(0), dout.stride(1),
-        scale, scale * LOG2E.value, *fused, window,
+        scale, scale * LOG2E.value, *fused, window, starts, ends,
         HS=hs, BLOCK_M=cfg.bwd_stream, BLOCK_N=cfg.bwd_res, DOT_PRECISION=prec, **switches,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
