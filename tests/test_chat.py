@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from handgrad.cli import main as cli
-from handgrad.data import chat
-from handgrad.data.chat import ChatDataset, load_chat_format
+from handgrad.data import chat, chat_data
+from handgrad.data.chat import load_chat_format
+from handgrad.data.chat_data import ChatDataset
 from handgrad.data.prepare import prepare
 from handgrad.data.sources import DataError
 from handgrad.models.llama import Llama
@@ -280,12 +281,12 @@ def test_truncation_is_counted(dirs, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [
         "chat.json", "conversations.safetensors", "meta.json", "tokenizer.json", "tokenizer_config.json",
         "train_000000.bin", "train_mask_000000.bin", "val_000000.bin", "val_mask_000000.bin"]
-    assert chat.summary(meta) in capsys.readouterr().err
+    assert chat_data.summary(meta) in capsys.readouterr().err
     c = meta["chat"]
     lengths = [len(load_chat_format(dirs["chatml"]).encode(m)[0]) for m in conversations(10)]
     assert c["truncated"] + c["dropped"] >= sum(n > 25 for n in lengths) > 0
     assert c["conversations"]["train"] + c["conversations"]["val"] == 10 - c["dropped"]
-    assert "truncated to 25 tokens" in chat.summary(meta)
+    assert "truncated to 25 tokens" in chat_data.summary(meta)
     # padded rows: a split with fewer tokens than block_size + 1 still trains (text data could not)
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["val_tokens"] < 65
     assert cli(["train", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "run"), *MODEL,

@@ -13,7 +13,8 @@ import pytest
 
 from handgrad import chat_cli, sample
 from handgrad.cli import main as cli
-from handgrad.data.chat import ChatDataset, load_chat_format, read_conversations
+from handgrad.data.chat import load_chat_format, read_conversations
+from handgrad.data.chat_data import ChatDataset
 from handgrad.data.prepare import prepare
 from handgrad.models.decode import generate
 from handgrad.sample import SEPARATOR

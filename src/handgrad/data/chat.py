@@ -1,18 +1,18 @@
-"""Conversations for fine-tuning (SFT): reading chats.jsonl, rendering it with the model's chat
-template, the mask of assistant tokens, and the chat data directory with its `ChatDataset`.
+"""Conversations for fine-tuning (SFT): reading chats.jsonl, and rendering it with the model's chat
+template into tokens and the mask of assistant tokens. data/chat_data.py builds the chat data
+directory from them and reads it back (ChatDataset).
 
 `handgrad prepare chats.jsonl --format chat --tokenizer HF_DIR --out DATA` reads one
-`{"messages": [...]}` object a line (read_conversations), renders each with the model's own
-template as transformers' apply_chat_template does (load_chat_format), and writes llm.c shards of
-tokens with mask shards beside them (build_chat_data). The loss then counts assistant tokens only.
+`{"messages": [...]}` object a line (read_conversations) and renders each with the model's own
+template as transformers' apply_chat_template does (load_chat_format). The loss then counts
+assistant tokens only.
 
 The non-obvious idea, the assistant mask: the template is applied prefix by prefix. For an
 assistant turn k, messages[:k] rendered with add_generation_prompt=True ends where the turn's text
 begins, and messages[:k+1] ends where it ends (or, as in Qwen3's, which drops an earlier reply's
 <think> block, the turn ends at its end-of-turn token); a token is an assistant token when its span
 overlaps such a turn, up to its first end-of-turn token (ChatFormat.encode). So no per-model rule says
-where replies start. Batches are whole conversations, one per row, padded rather than packed
-(ChatDataset).
+where replies start.
 """
 import json
 from pathlib import Path
@@ -21,23 +21,16 @@ import jinja2
 import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from safetensors import SafetensorError
-from safetensors.numpy import load_file
 
-from .. import __version__
-from ..files import save_safetensors
-from .shards import SHARD_TOKENS, Dataset, load_meta, read_shard, shard_format, token_dtype, write_shard
 from .sources import DataError
 from .gguf_tokenizer import is_gguf
 from .tokenizer import TOKENIZER_FILE, load_tokenizer
 
 
 CHAT_FILE = "chat.json"
-INDEX_FILE = "conversations.safetensors"
 CONFIG_FILE = "tokenizer_config.json"
 ROLES = ("system", "user", "assistant")
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
-DEFAULT_BLOCK_SIZE = 1024
 CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
                    "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
                    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -178,7 +171,8 @@ class ChatFormat:
                 "end_of_turn": self.end_of_turn, "end_of_turn_id": self.end_of_turn_id}
 
 
-def _read_json(path: Path):
+def read_json_file(path: Path):
+    """The JSON in path; DataError naming the file where it cannot be read or parsed."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -209,7 +203,7 @@ def load_chat_format(path) -> ChatFormat:
     hint = "chat needs a Hugging Face tokenizer (a model directory's tokenizer.json)"
     if not file.is_file():
         raise DataError(f"{file}: no tokenizer file; {hint}")
-    doc = _read_json(file)
+    doc = read_json_file(file)
     if not isinstance(doc, dict) or "model" not in doc:
         raise DataError(f"{file}: not a Hugging Face tokenizers file; {hint}")
     try:
@@ -218,16 +212,16 @@ def load_chat_format(path) -> ChatFormat:
         raise DataError(f"{file}: not a valid Hugging Face tokenizer file ({str(e).splitlines()[0]})") from None
     hf.encode_special_tokens = False  # the template's special tokens are special
     if (d / CHAT_FILE).is_file():
-        saved = _read_json(d / CHAT_FILE)
+        saved = read_json_file(d / CHAT_FILE)
         if not (isinstance(saved, dict) and isinstance(saved.get("chat_template"), str)
                 and isinstance(saved.get("special_tokens"), dict)):
             raise DataError(f"{d / CHAT_FILE}: missing or invalid chat_template/special_tokens; prepare the "
                             f"data again")
         return ChatFormat(hf, saved["chat_template"], saved["special_tokens"], str(d / CHAT_FILE),
                           saved.get("template_source", CHAT_FILE))
-    config = _read_json(d / CONFIG_FILE) if (d / CONFIG_FILE).is_file() else {}
+    config = read_json_file(d / CONFIG_FILE) if (d / CONFIG_FILE).is_file() else {}
     config = config if isinstance(config, dict) else {}
-    extra = _read_json(d / "special_tokens_map.json") if (d / "special_tokens_map.json").is_file() else {}
+    extra = read_json_file(d / "special_tokens_map.json") if (d / "special_tokens_map.json").is_file() else {}
     return _template_format(hf, config, extra, file, d)
 
 
@@ -301,174 +295,3 @@ def _check_line(line: str, where: str) -> list:
         raise DataError(f"{where}: the conversation has no assistant turn, so nothing to learn; add one or drop "
                         f"the line")
     return messages
-
-
-# ---------------------------------------------------------------- building a chat data directory
-def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_size: int | None,
-                    shard_tokens: int = SHARD_TOKENS) -> tuple[dict, callable]:
-    """(meta, write_contents) of a chat data directory for prepare's _write_data_dir: every
-    conversation of `source` encoded and checked before anything is written.
-
-    A chat DATA_DIR is a text one (data/prepare.py) plus:
-    * `{split}_mask_000000.bin`, ...: llm.c shards beside the token shards, position for position:
-      mask[i] = 1 when token i is an assistant token (learnt from tokens [0, i)), else 0;
-    * `conversations.safetensors`: per split int64 offsets (n + 1,): conversation j is tokens
-      [offsets[j], offsets[j + 1]) of the split's shards read in order (none crosses a shard);
-    * `chat.json`: the template, its special tokens and the end-of-turn token (copied into run
-      directories, where `sample --chat` reads it), and `tokenizer_config.json` when the model has one;
-    * meta.json's "kind": "chat" and "chat": counts, the block size, the mask shards' names.
-    Conversations longer than block_size + 1 tokens are cut to that length (counted); those left with
-    no assistant token are dropped (counted). They are shuffled with the seed, and the last
-    val_fraction of them (at least one) form the val split."""
-    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise DataError(f"--block-size {block_size}: must be a positive integer (the model's block_size)")
-    if tokenizer is None:
-        raise DataError("--format chat: pass --tokenizer HF_DIR (the model's directory, with its tokenizer.json "
-                        "and chat template)")
-    fmt, tok = load_chat_format(tokenizer), load_tokenizer(tokenizer)
-    convs, truncated, dropped = [], 0, 0
-    for lineno, messages in read_conversations(source):
-        try:
-            ids, mask = fmt.encode(messages)
-        except DataError as e:
-            raise DataError(f"{source}:{lineno}: {e}") from None
-        if len(ids) > block_size + 1:
-            ids, mask, truncated = ids[:block_size + 1], mask[:block_size + 1], truncated + 1
-        if not mask[1:].any():
-            dropped += 1
-            continue
-        convs.append((ids, mask))
-    if not convs:
-        raise DataError(f"{source}: no conversation with an assistant token to learn from")
-    order = np.random.default_rng(seed).permutation(len(convs))
-    n_val = int(len(convs) * val_fraction)
-    n_val = max(n_val, 1) if val_fraction > 0 else 0
-    if n_val >= len(convs):
-        raise DataError(f"{source}: {len(convs)} conversation(s) leave none for training with --val-fraction "
-                        f"{val_fraction}; add conversations or lower --val-fraction")
-    n_train = len(convs) - n_val
-    splits = {"train": [convs[k] for k in order[:n_train]], "val": [convs[k] for k in order[n_train:]]}
-    groups = {split: _shard_groups([len(ids) for ids, _ in c], shard_tokens) for split, c in splits.items()}
-    names = {split: [f"{split}_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
-    mask_names = {split: [f"{split}_mask_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
-    count = {split: sum(len(ids) for ids, _ in c) for split, c in splits.items()}
-    meta = {"source": [str(source)], "kind": "chat", "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id, "documents": len(convs), "train_tokens": count["train"],
-            "val_tokens": count["val"], "val_fraction": val_fraction, "seed": seed,
-            "chat": {"block_size": block_size, "truncated": truncated, "dropped": dropped,
-                     "conversations": {s: len(c) for s, c in splits.items()},
-                     "assistant_tokens": {s: int(sum(m[1:].sum() for _, m in c)) for s, c in splits.items()},
-                     "template": fmt.source, "end_of_turn": fmt.end_of_turn, "mask_shards": mask_names,
-                     "batches": "one conversation per row, padded"},
-            "format": shard_format(tok.vocab_size), "handgrad_version": __version__}
-    dtype = token_dtype(tok.vocab_size)  # uint16, or uint32 above 65,536 ids
-
-    def write_contents(tmp: Path) -> dict:
-        index = {}
-        for split, convs_ in splits.items():
-            for group, name, mask_name in zip(groups[split], names[split], mask_names[split]):
-                write_shard(tmp / name, np.concatenate([convs_[j][0] for j in group]).astype(dtype))
-                write_shard(tmp / mask_name, np.concatenate([convs_[j][1] for j in group]).astype(np.uint16))
-            index[split] = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in convs_])]).astype(np.int64)
-        save_safetensors(index, tmp / INDEX_FILE)
-        tok.save(tmp)  # tokenizer.json (and an hf tokenizer's tokenizer_config.json)
-        (tmp / CHAT_FILE).write_text(json.dumps(fmt.to_json(), indent=1) + "\n", encoding="utf-8")
-        return names
-
-    return meta, write_contents
-
-
-def _shard_groups(lengths: list[int], shard_tokens: int) -> list[list[int]]:
-    """Consecutive conversations grouped into shards of at most shard_tokens tokens (a longer
-    conversation gets a shard of its own); none crosses a shard. An empty split has no shard."""
-    groups, size = [], shard_tokens
-    for j, n in enumerate(lengths):
-        if size + n > shard_tokens:
-            groups.append([])
-            size = 0
-        groups[-1].append(j)
-        size += n
-    return groups
-
-
-def summary(meta: dict) -> str:
-    """prepare's note on a chat data directory: conversations per split, truncated and dropped."""
-    c = meta["chat"]
-    return (f"chat: {c['conversations']['train']:,} train / {c['conversations']['val']:,} val conversations, "
-            f"{c['assistant_tokens']['train']:,} assistant tokens in train; {c['truncated']:,} truncated to "
-            f"{c['block_size'] + 1} tokens (--block-size {c['block_size']}), {c['dropped']:,} dropped with no "
-            f"assistant token left; end of turn {c['end_of_turn']} ({c['template']} template)")
-
-
-# ---------------------------------------------------------------- reading it back
-def is_chat(data_dir) -> bool:
-    return load_meta(data_dir).get("kind") == "chat"
-
-
-def open_dataset(data_dir, split: str) -> Dataset:
-    """A split of any prepared data directory: ChatDataset for chat data, else Dataset."""
-    return ChatDataset(data_dir, split) if is_chat(data_dir) else Dataset(data_dir, split)
-
-
-class ChatDataset(Dataset):
-    """One split of a chat data directory: whole conversations, one per batch row, padded.
-
-    A row's target y[t] = tokens[t + 1] where mask[t + 1] = 1, else -1: the cross-entropy ignores
-    -1, so the loss is the mean over the batch's assistant tokens (with grad_accum_steps > 1 or
-    several ranks, the mean of the micro-batches' means). Padding (the end-of-turn token, target -1)
-    is exact: causal attention never lets a conversation see another. Packing would waste no compute
-    on padding, but handgrad's attention has no document mask, so a packed conversation would attend
-    to the ones before it; padding pays for exactness with the padded positions' compute."""
-
-    def __init__(self, data_dir, split: str):
-        super().__init__(data_dir, split)
-        hint = "re-run handgrad prepare --format chat"
-        chat = self.meta.get("chat")
-        names = chat.get("mask_shards", {}).get(split) if isinstance(chat, dict) else None
-        if not isinstance(names, list) or len(names) != len(self.shards) or \
-                not all(isinstance(n, str) and Path(n).name == n for n in names):
-            raise DataError(f"{self.data_dir}: meta.json's chat.mask_shards does not list one mask shard per "
-                            f"{split} shard; {hint}")
-        self.masks = [read_shard(self.data_dir / n) for n in names]
-        for name, mask, n in zip(names, self.masks, self.lengths):
-            if len(mask) != n:
-                raise DataError(f"{self.data_dir / name}: {len(mask)} positions for a shard of {n} tokens; {hint}")
-        try:
-            offsets = load_file(str(self.data_dir / INDEX_FILE))[split]
-        except (OSError, SafetensorError, KeyError) as e:
-            raise DataError(f"{self.data_dir / INDEX_FILE}: cannot read the {split} offsets ({e}); {hint}") from None
-        bounds = np.concatenate([[0], np.cumsum(self.lengths)])  # (n_shards + 1,)
-        shard = np.searchsorted(bounds, offsets[:-1], side="right") - 1  # (n,) each conversation's shard
-        if (offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != self.num_tokens or np.any(np.diff(offsets) < 1)
-                or np.any(offsets[1:] > bounds[np.minimum(shard + 1, len(bounds) - 1)])):
-            raise DataError(f"{self.data_dir / INDEX_FILE}: the {split} offsets do not cut its shards into "
-                            f"conversations; {hint}")
-        self.offsets, self.conv_shard, self.shard_start = offsets.astype(np.int64), shard, bounds[:-1]
-        self.num_conversations = len(offsets) - 1
-        self.pad_id = int(_read_json(self.data_dir / CHAT_FILE).get("end_of_turn_id", 0)) \
-            if (self.data_dir / CHAT_FILE).is_file() else 0
-
-    def get_batch(self, B: int, T: int, rng: np.random.Generator,
-                  rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """x, y (B, T) int32: B conversations drawn uniformly with `rng` only, one per row, each its
-        first T + 1 tokens; y[b, t] = x's next token where it is an assistant token, else -1;
-        padding: x = the end-of-turn id, y = -1. `rows` as in Dataset.get_batch."""
-        if B < 1 or T < 1:
-            raise ValueError(f"B and T must be positive, got B={B}, T={T}")
-        if self.num_conversations == 0:
-            raise DataError(f"{self.data_dir}: the {self.split} split has no conversation (prepared with "
-                            f"--val-fraction 0?); prepare the data again with a val fraction above 0")
-        picks = rng.integers(0, self.num_conversations, size=B)  # (B,)
-        if rows is not None:
-            picks = picks[rows]
-        x = np.full((len(picks), T), self.pad_id, dtype=np.int32)
-        y = np.full((len(picks), T), -1, dtype=np.int32)
-        for b, j in enumerate(picks):
-            s = self.conv_shard[j]
-            lo = self.offsets[j] - self.shard_start[s]
-            n = min(int(self.offsets[j + 1] - self.offsets[j]), T + 1)
-            ids, mask = self.shards[s][lo:lo + n], self.masks[s][lo:lo + n]  # (n,)
-            x[b, :n - 1] = ids[:-1]
-            y[b, :n - 1] = np.where(mask[1:] == 1, ids[1:].astype(np.int32), -1)  # int32: -1 fits
-        return x, y

@@ -6,8 +6,9 @@ format (a 256 x int32 header, magic 20240520, then uint16 tokens; uint32 shards,
 a vocabulary above 65,536 ids; see shards.py), at most SHARD_TOKENS tokens each, none for an empty
 split; `tokenizer.json` (and a Hugging Face tokenizer's `tokenizer_config.json`); and `meta.json`:
 the sources as given, the tokenizer, vocab_size, eot_id, token counts, the split settings, the shard
-names, the format and the handgrad version. `--format chat` adds the mask of assistant tokens and
-where each conversation starts (data/chat.py describes that directory).
+names, the format and the handgrad version. `--format chat` adds the mask of assistant tokens,
+where each conversation starts and, with `--pack`, which conversations share each row (data/chat_data.py
+describes that directory).
 
 The same sources, options and seed give a byte-identical DATA_DIR, and it is written into a hidden
 temporary directory renamed into place only when complete, so a failure never leaves a DATA_DIR that
@@ -39,7 +40,7 @@ from .shards import (
     token_dtype,
     write_shard,
 )
-from .chat import build_chat_data, summary as chat_summary
+from .chat_data import build_chat_data, summary as chat_summary
 from .sources import DataError, Document, iter_documents, resolve_sources
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
@@ -233,15 +234,16 @@ def import_llmc_shards(files: Sequence[Path], out: Path, tokenizer: str | None) 
 
 def prepare(sources: Sequence[str], out, tokenizer: str | None = None, vocab_size: int | None = None,
             val_fraction: float = 0.1, seed: int = 1337, shard_tokens: int = SHARD_TOKENS,
-            format: str = "text", block_size: int | None = None) -> dict:
+            format: str = "text", block_size: int | None = None, pack: bool = False) -> dict:
     """Tokenize `sources` into a new data directory `out` (see the module docstring); returns its meta.
     Sources that are all llm.c token shards are imported as they are (import_llmc_shards).
-    format "chat": one chats.jsonl of conversations (data/chat.py), block_size its truncation."""
+    format "chat": one chats.jsonl of conversations (data/chat_data.py), block_size its truncation and
+    row length, pack to pack several conversations into each row."""
     out = Path(out)
     tokenizer = str(resolve_model(tokenizer)) if tokenizer is not None else None  # a published model's name
-    if format != "text" or block_size is not None:
+    if format != "text" or block_size is not None or pack:
         return _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens, format,
-                             block_size)
+                             block_size, pack)
     shard_files = _llmc_shard_files(sources)
     tokenizer = tokenizer or ("gpt2" if shard_files is not None else "char")
     _check_options(out, tokenizer, vocab_size, val_fraction, seed)
@@ -294,12 +296,17 @@ def _prepare_text(sources, out, tokenizer, vocab_size, val_fraction, seed, shard
     return _write_data_dir(out, meta, write_shards)
 
 
-def _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens, format, block_size):
+def _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens, format, block_size,
+                  pack=False):
     """prepare() of --format chat: conversations rendered with the --tokenizer model's chat
-    template, the loss on assistant tokens only (data/chat.py)."""
+    template, the loss on assistant tokens only (data/chat.py, data/chat_data.py)."""
+    if format not in FORMATS:
+        raise DataError(f"--format {format}: unknown format; choose text or chat")
+    if format != "chat" and pack:
+        raise DataError("--pack applies only to --format chat (text data is one token stream, with no padding "
+                        "to pack away); add --format chat or drop --pack")
     if format != "chat":
-        raise DataError(f"--format {format}: unknown format; choose text or chat" if format not in FORMATS else
-                        "--block-size applies only to --format chat (text windows are cut at train time); drop it")
+        raise DataError("--block-size applies only to --format chat (text windows are cut at train time); drop it")
     if len(sources) != 1:
         raise DataError(f"--format chat: give one chats.jsonl SOURCE, got {len(sources)}")
     if vocab_size is not None:
@@ -310,7 +317,8 @@ def _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard
     _check_options(out, "byte", None, val_fraction, seed)  # the output and split options (chat.py checks the tokenizer)
     with _own(out):
         _check_options(out, "byte", None, val_fraction, seed)
-        meta, write_contents = build_chat_data(sources[0], tokenizer, val_fraction, seed, block_size, shard_tokens)
+        meta, write_contents = build_chat_data(sources[0], tokenizer, val_fraction, seed, block_size, shard_tokens,
+                                               pack)
         return _write_data_dir(out, meta, write_contents)
 
 
@@ -342,12 +350,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "loss on assistant tokens only")
     parser.add_argument("--block-size", type=int, default=None, metavar="N",
                         help="chat only: cut conversations to N + 1 tokens (the model's block_size; default 1024)")
+    parser.add_argument("--pack", action="store_true",
+                        help="chat only: pack several conversations into each row of --block-size positions (best-fit "
+                             "decreasing over the split, each conversation masked from the others) instead of one "
+                             "padded conversation per row")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run `handgrad prepare`; DataError propagates for the CLI to print. Returns the exit status."""
     meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                   val_fraction=args.val_fraction, seed=args.seed, format=args.format, block_size=args.block_size)
+                   val_fraction=args.val_fraction, seed=args.seed, format=args.format, block_size=args.block_size,
+                   pack=args.pack)
     if meta.get("kind") == "chat":
         print(chat_summary(meta), file=sys.stderr)
     if meta.get("kind") != "chat" and meta["tokenizer"] == "hf" and meta["eot_id"] is None:

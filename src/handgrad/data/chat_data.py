@@ -1,0 +1,316 @@
+"""The chat data directory (`handgrad prepare --format chat`): conversations rendered by data/chat.py
+into tokens and assistant masks, written as llm.c shards (build_chat_data), and read back in batches
+(ChatDataset).
+
+Batches hold whole conversations: one per row, padded, or, with `--pack`, several per row, laid end
+to end with positions that restart at 0 for each conversation, so that attention (which takes the
+positions and masks across documents) keeps them apart. The packing is decided at prepare time by
+best-fit decreasing over the whole split (pack_best_fit), and meta.json records the fraction of
+positions left as padding either way.
+"""
+import bisect
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file
+
+from .. import __version__
+from ..files import save_safetensors
+from .chat import CHAT_FILE, load_chat_format, read_conversations, read_json_file
+from .shards import SHARD_TOKENS, Dataset, load_meta, read_shard, shard_format, token_dtype, write_shard
+from .sources import DataError
+from .tokenizer import load_tokenizer
+
+
+INDEX_FILE = "conversations.safetensors"
+DEFAULT_BLOCK_SIZE = 1024
+
+
+# ---------------------------------------------------------------- building a chat data directory
+def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_size: int | None,
+                    shard_tokens: int = SHARD_TOKENS, pack: bool = False) -> tuple[dict, callable]:
+    """(meta, write_contents) of a chat data directory for prepare's _write_data_dir: every
+    conversation of `source` encoded and checked before anything is written.
+
+    A chat DATA_DIR is a text one (data/prepare.py) plus:
+    * `{split}_mask_000000.bin`, ...: llm.c shards beside the token shards, position for position:
+      mask[i] = 1 when token i is an assistant token (learnt from tokens [0, i)), else 0;
+    * `conversations.safetensors`: per split int64 offsets `{split}` (n + 1,): conversation j is
+      tokens [offsets[j], offsets[j + 1]) of the split's shards read in order (none crosses a shard);
+      with `pack`, also `{split}_pack_rows` (R + 1,) and `{split}_pack_order` (n,): row r holds
+      conversations pack_order[pack_rows[r]:pack_rows[r + 1]], in that order (pack_best_fit);
+    * `chat.json`: the template, its special tokens and the end-of-turn token (copied into run
+      directories, where `sample --chat` reads it), and `tokenizer_config.json` when the model has one;
+    * meta.json's "kind": "chat" and "chat": counts, the block size, the mask shards' names, "packed",
+      "batches" (the layout in words), "padding" {split: the fraction of a split's row positions that
+      are padding: 1 - (sum of the conversations' n - 1) / (rows * block_size), the rows being one
+      per conversation unless packed; null for an empty split} and, when packed, "rows" {split: R}.
+    Conversations longer than block_size + 1 tokens are cut to that length (counted); those left with
+    no assistant token are dropped (counted). They are shuffled with the seed, and the last
+    val_fraction of them (at least one) form the val split."""
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise DataError(f"--block-size {block_size}: must be a positive integer (the model's block_size)")
+    if tokenizer is None:
+        raise DataError("--format chat: pass --tokenizer HF_DIR (the model's directory, with its tokenizer.json "
+                        "and chat template)")
+    fmt, tok = load_chat_format(tokenizer), load_tokenizer(tokenizer)
+    convs, truncated, dropped = [], 0, 0
+    for lineno, messages in read_conversations(source):
+        try:
+            ids, mask = fmt.encode(messages)
+        except DataError as e:
+            raise DataError(f"{source}:{lineno}: {e}") from None
+        if len(ids) > block_size + 1:
+            ids, mask, truncated = ids[:block_size + 1], mask[:block_size + 1], truncated + 1
+        if not mask[1:].any():
+            dropped += 1
+            continue
+        convs.append((ids, mask))
+    if not convs:
+        raise DataError(f"{source}: no conversation with an assistant token to learn from")
+    order = np.random.default_rng(seed).permutation(len(convs))
+    n_val = int(len(convs) * val_fraction)
+    n_val = max(n_val, 1) if val_fraction > 0 else 0
+    if n_val >= len(convs):
+        raise DataError(f"{source}: {len(convs)} conversation(s) leave none for training with --val-fraction "
+                        f"{val_fraction}; add conversations or lower --val-fraction")
+    n_train = len(convs) - n_val
+    splits = {"train": [convs[k] for k in order[:n_train]], "val": [convs[k] for k in order[n_train:]]}
+    groups = {split: _shard_groups([len(ids) for ids, _ in c], shard_tokens) for split, c in splits.items()}
+    names = {split: [f"{split}_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
+    mask_names = {split: [f"{split}_mask_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
+    count = {split: sum(len(ids) for ids, _ in c) for split, c in splits.items()}
+    inputs = {split: [len(ids) - 1 for ids, _ in c] for split, c in splits.items()}  # positions each fills
+    packing = {split: pack_best_fit(n, block_size) for split, n in inputs.items()} if pack else None
+    rows = {split: len(g) for split, g in packing.items()} if pack else \
+        {split: len(c) for split, c in splits.items()}
+    padding = {split: round(1 - sum(n) / (rows[split] * block_size), 6) if rows[split] else None
+               for split, n in inputs.items()}
+    meta = {"source": [str(source)], "kind": "chat", "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id, "documents": len(convs), "train_tokens": count["train"],
+            "val_tokens": count["val"], "val_fraction": val_fraction, "seed": seed,
+            "chat": {"block_size": block_size, "truncated": truncated, "dropped": dropped,
+                     "conversations": {s: len(c) for s, c in splits.items()},
+                     "assistant_tokens": {s: int(sum(m[1:].sum() for _, m in c)) for s, c in splits.items()},
+                     "template": fmt.source, "end_of_turn": fmt.end_of_turn, "mask_shards": mask_names,
+                     "packed": pack, "padding": padding,
+                     "batches": "packed by best-fit decreasing, documents masked" if pack else
+                                "one conversation per row, padded"},
+            "format": shard_format(tok.vocab_size), "handgrad_version": __version__}
+    if pack:
+        meta["chat"]["rows"] = rows
+    dtype = token_dtype(tok.vocab_size)  # uint16, or uint32 above 65,536 ids
+
+    def write_contents(tmp: Path) -> dict:
+        index = {}
+        for split, convs_ in splits.items():
+            for group, name, mask_name in zip(groups[split], names[split], mask_names[split]):
+                write_shard(tmp / name, np.concatenate([convs_[j][0] for j in group]).astype(dtype))
+                write_shard(tmp / mask_name, np.concatenate([convs_[j][1] for j in group]).astype(np.uint16))
+            index[split] = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in convs_])]).astype(np.int64)
+            if pack:
+                index[f"{split}_pack_rows"] = np.cumsum([0] + [len(g) for g in packing[split]]).astype(np.int64)
+                index[f"{split}_pack_order"] = np.asarray([j for g in packing[split] for j in g], dtype=np.int64)
+        save_safetensors(index, tmp / INDEX_FILE)
+        tok.save(tmp)  # tokenizer.json (and an hf tokenizer's tokenizer_config.json)
+        (tmp / CHAT_FILE).write_text(json.dumps(fmt.to_json(), indent=1) + "\n", encoding="utf-8")
+        return names
+
+    return meta, write_contents
+
+
+def pack_best_fit(lengths, block_size: int) -> list[list[int]]:
+    """Rows of item indices: best-fit decreasing packing of items of `lengths` (each 1..block_size)
+    into rows of block_size, as TRL's SFT packing does. Items go longest first (ties by index); each
+    into the open row with the least room that still fits it (ties: the row opened first), else into
+    a new row. Rows are numbered in the order they open, items within a row in the order placed.
+
+    The open rows' (room, row) pairs stay sorted, so a bisect finds the best fit: O(n log n) search
+    plus the list's insertions (a memmove each), fast for hundreds of thousands of items."""
+    lengths = np.asarray(lengths, dtype=np.int64)  # (n,)
+    if len(lengths) and not (lengths.min() >= 1 and lengths.max() <= block_size):
+        raise ValueError(f"lengths must be in [1, {block_size}], got {lengths.min()}..{lengths.max()}")
+    rows, open_rows = [], []  # open_rows: sorted (room left, row index) of rows with room
+    for j in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[j])
+        k = bisect.bisect_left(open_rows, (n, -1))
+        if k < len(open_rows):
+            room, r = open_rows.pop(k)
+        else:
+            room, r = block_size, len(rows)
+            rows.append([])
+        rows[r].append(int(j))
+        if room > n:
+            bisect.insort(open_rows, (room - n, r))
+    return rows
+
+
+def _shard_groups(lengths: list[int], shard_tokens: int) -> list[list[int]]:
+    """Consecutive conversations grouped into shards of at most shard_tokens tokens (a longer
+    conversation gets a shard of its own); none crosses a shard. An empty split has no shard."""
+    groups, size = [], shard_tokens
+    for j, n in enumerate(lengths):
+        if size + n > shard_tokens:
+            groups.append([])
+            size = 0
+        groups[-1].append(j)
+        size += n
+    return groups
+
+
+def summary(meta: dict) -> str:
+    """prepare's note on a chat data directory: conversations per split, truncated and dropped, and
+    the train split's padding (its packed rows, when packed)."""
+    c = meta["chat"]
+    padding = c.get("padding", {}).get("train")
+    rows = (f"packed into {c['rows']['train']:,} rows of {c['block_size']} positions" if c.get("packed") else
+            f"one conversation per row of {c['block_size']} positions (--pack packs them)")
+    pad = "" if padding is None else f"; {padding:.1%} of train positions are padding, {rows}"
+    return (f"chat: {c['conversations']['train']:,} train / {c['conversations']['val']:,} val conversations, "
+            f"{c['assistant_tokens']['train']:,} assistant tokens in train; {c['truncated']:,} truncated to "
+            f"{c['block_size'] + 1} tokens (--block-size {c['block_size']}), {c['dropped']:,} dropped with no "
+            f"assistant token left; end of turn {c['end_of_turn']} ({c['template']} template){pad}")
+
+
+# ---------------------------------------------------------------- reading it back
+def is_chat(data_dir) -> bool:
+    return load_meta(data_dir).get("kind") == "chat"
+
+
+def open_dataset(data_dir, split: str) -> Dataset:
+    """A split of any prepared data directory: ChatDataset for chat data, else Dataset."""
+    return ChatDataset(data_dir, split) if is_chat(data_dir) else Dataset(data_dir, split)
+
+
+class ChatDataset(Dataset):
+    """One split of a chat data directory: whole conversations, one per padded row, or packed rows
+    (meta.json's chat.packed, `packed` here) of several conversations laid end to end.
+
+    A conversation of n tokens fills n - 1 positions: x = ids[:-1], y = ids[1:] where that token is
+    an assistant token, else -1. The cross-entropy ignores -1, so the loss is the mean over the
+    batch's assistant tokens (with grad_accum_steps > 1 or several ranks, the mean of the
+    micro-batches' means). Padding after the last conversation has x = the end-of-turn id, y = -1.
+    One per row, causal attention alone keeps conversations apart, at the cost of computing the
+    padded positions. Packed, get_batch also returns positions that restart at 0 for each
+    conversation (and for the padding after the last one); attention takes them and masks across
+    documents, so a packed conversation sees only itself and its content equals its padded row's."""
+
+    def __init__(self, data_dir, split: str):
+        super().__init__(data_dir, split)
+        hint = "re-run handgrad prepare --format chat"
+        chat = self.meta.get("chat")
+        names = chat.get("mask_shards", {}).get(split) if isinstance(chat, dict) else None
+        if not isinstance(names, list) or len(names) != len(self.shards) or \
+                not all(isinstance(n, str) and Path(n).name == n for n in names):
+            raise DataError(f"{self.data_dir}: meta.json's chat.mask_shards does not list one mask shard per "
+                            f"{split} shard; {hint}")
+        self.masks = [read_shard(self.data_dir / n) for n in names]
+        for name, mask, n in zip(names, self.masks, self.lengths):
+            if len(mask) != n:
+                raise DataError(f"{self.data_dir / name}: {len(mask)} positions for a shard of {n} tokens; {hint}")
+        try:
+            index = load_file(str(self.data_dir / INDEX_FILE))
+            offsets = index[split]
+        except (OSError, SafetensorError, KeyError) as e:
+            raise DataError(f"{self.data_dir / INDEX_FILE}: cannot read the {split} offsets ({e}); {hint}") from None
+        bounds = np.concatenate([[0], np.cumsum(self.lengths)])  # (n_shards + 1,)
+        shard = np.searchsorted(bounds, offsets[:-1], side="right") - 1  # (n,) each conversation's shard
+        if (offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != self.num_tokens or np.any(np.diff(offsets) < 1)
+                or np.any(offsets[1:] > bounds[np.minimum(shard + 1, len(bounds) - 1)])):
+            raise DataError(f"{self.data_dir / INDEX_FILE}: the {split} offsets do not cut its shards into "
+                            f"conversations; {hint}")
+        self.offsets, self.conv_shard, self.shard_start = offsets.astype(np.int64), shard, bounds[:-1]
+        self.num_conversations = len(offsets) - 1
+        self.pad_id = int(read_json_file(self.data_dir / CHAT_FILE).get("end_of_turn_id", 0)) \
+            if (self.data_dir / CHAT_FILE).is_file() else 0
+        self.packed = bool(chat.get("packed", False))
+        if self.packed:
+            self.pack_rows, self.pack_order = self._read_packing(index, chat.get("block_size"))
+            self.num_rows = len(self.pack_rows) - 1
+
+    def _read_packing(self, index: dict, block_size) -> tuple[np.ndarray, np.ndarray]:
+        """(pack_rows (R + 1,), pack_order (n,)) of this split, checked: rows cut pack_order into
+        non-empty runs, pack_order names each conversation at most once, and each row's conversations
+        fill at most block_size positions."""
+        where, hint = self.data_dir / INDEX_FILE, "re-run handgrad prepare --format chat --pack"
+        rows, order = index.get(f"{self.split}_pack_rows"), index.get(f"{self.split}_pack_order")
+        if rows is None or order is None:
+            raise DataError(f"{where}: meta.json says the data is packed but there is no {self.split}_pack_rows "
+                            f"and {self.split}_pack_order; {hint}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise DataError(f"{self.data_dir}: meta.json's chat.block_size is not a positive integer; {hint}")
+        if (rows.ndim != 1 or order.ndim != 1 or len(rows) < 1 or rows[0] != 0 or rows[-1] != len(order)
+                or np.any(np.diff(rows) < 1)):
+            raise DataError(f"{where}: {self.split}_pack_rows does not cut {self.split}_pack_order into rows; {hint}")
+        if len(order) and (order.min() < 0 or order.max() >= self.num_conversations
+                           or len(np.unique(order)) != len(order)):
+            raise DataError(f"{where}: {self.split}_pack_order does not name each of the {self.num_conversations} "
+                            f"conversations at most once; {hint}")
+        if len(order):
+            used = np.add.reduceat(np.diff(self.offsets)[order] - 1, rows[:-1])  # (R,) positions each row fills
+            if used.max() > block_size:
+                raise DataError(f"{where}: {self.split} row {int(np.argmax(used))} holds {int(used.max())} "
+                                f"positions, more than block_size {block_size}; {hint}")
+        return rows.astype(np.int64), order.astype(np.int64)
+
+    def get_batch(self, B: int, T: int, rng: np.random.Generator,
+                  rows: slice | None = None) -> tuple[np.ndarray, ...]:
+        """B rows drawn uniformly with `rng` only; `rows` as in Dataset.get_batch.
+
+        One conversation per row: x, y (B, T) int32 (rows_of), the conversations drawn from the
+        split's. Packed: x, y, positions (B, T) int32 (pack_of), the rows drawn from the packed rows,
+        each cut at T."""
+        if B < 1 or T < 1:
+            raise ValueError(f"B and T must be positive, got B={B}, T={T}")
+        if (self.num_rows if self.packed else self.num_conversations) == 0:
+            raise DataError(f"{self.data_dir}: the {self.split} split has no conversation (prepared with "
+                            f"--val-fraction 0?); prepare the data again with a val fraction above 0")
+        if not self.packed:
+            picks = rng.integers(0, self.num_conversations, size=B)  # (B,)
+            return self.rows_of(picks if rows is None else picks[rows], T)
+        picks = rng.integers(0, self.num_rows, size=B)  # (B,)
+        picks = picks if rows is None else picks[rows]
+        return self.pack_of([self.pack_order[self.pack_rows[r]:self.pack_rows[r + 1]] for r in picks], T)
+
+    def rows_of(self, conversations, T: int) -> tuple[np.ndarray, np.ndarray]:
+        """x, y (len(conversations), T) int32: conversation conversations[b] alone in row b, its
+        first T + 1 tokens; y[b, t] = x's next token where it is an assistant token, else -1;
+        padding: x = the end-of-turn id, y = -1."""
+        x = np.full((len(conversations), T), self.pad_id, dtype=np.int32)
+        y = np.full((len(conversations), T), -1, dtype=np.int32)
+        for b, j in enumerate(conversations):
+            xs, ys = self._inputs(j, T)
+            x[b, :len(xs)], y[b, :len(ys)] = xs, ys
+        return x, y
+
+    def pack_of(self, groups, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x, y, positions (len(groups), T) int32: the conversations of groups[b] laid end to end in
+        row b, each as rows_of writes it alone, with positions 0, 1, ... restarting at each; the row
+        cut at T (its last conversation may be cut). Padding after them: x = the end-of-turn id,
+        y = -1, positions 0, 1, ... from where it starts, as one more document."""
+        x = np.full((len(groups), T), self.pad_id, dtype=np.int32)
+        y = np.full((len(groups), T), -1, dtype=np.int32)
+        positions = np.empty((len(groups), T), dtype=np.int32)
+        for b, group in enumerate(groups):
+            t = 0
+            for j in group:
+                if t == T:
+                    break
+                xs, ys = self._inputs(j, T - t)
+                x[b, t:t + len(xs)], y[b, t:t + len(ys)] = xs, ys
+                positions[b, t:t + len(xs)] = np.arange(len(xs))
+                t += len(xs)
+            positions[b, t:] = np.arange(T - t)
+        return x, y, positions
+
+    def _inputs(self, j, T: int) -> tuple[np.ndarray, np.ndarray]:
+        """(x, y) of conversation j, its first min(n - 1, T) positions: x = ids[:-1], y = ids[1:]
+        where mask[1:] == 1, else -1 (int32: -1 fits)."""
+        s = self.conv_shard[j]
+        lo = self.offsets[j] - self.shard_start[s]
+        n = min(int(self.offsets[j + 1] - self.offsets[j]), T + 1)
+        ids, mask = self.shards[s][lo:lo + n], self.masks[s][lo:lo + n]  # (n,)
+        return ids[:-1], np.where(mask[1:] == 1, ids[1:].astype(np.int32), -1)
