@@ -193,11 +193,11 @@ def test_graph_path_stages_into_the_captured_activations(monkeypatch):
     loop.graph_factory = lambda: _StandInGraph(_NoReads(monkeypatch, graphed))
     snapshot = {}
 
-    def capture_without_side_effects(x, y, real=loop._capture):
+    def capture_without_side_effects(batch, real=loop._capture):
         # the stand-in runs each body once while capturing; put the state back as a real capture leaves it
         snapshot.update(p=graphed.flat_params.clone(), m=opts[1].m.clone(), v=opts[1].v.clone(),
                         s=loop.state.clone())
-        real(x, y)
+        real(batch)
         graphed.flat_params.copy_(snapshot["p"]), opts[1].m.copy_(snapshot["m"])
         opts[1].v.copy_(snapshot["v"]), loop.state.copy_(snapshot["s"])
     loop._capture = capture_without_side_effects

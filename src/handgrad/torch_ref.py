@@ -266,35 +266,46 @@ class TorchLlama(torch.nn.Module):
         return [p for p in self.hf.parameters() if p.requires_grad]
 
 
-def rope(x, cos, sin, n_head, offset=0):
+def rope(x, cos, sin, n_head, offset=0, positions=None):
     """x (B, T, n_head*hs) rotated per head as transformers' apply_rotary_pos_emb does,
-    x * cos + rotate_half(x) * sin, at positions [offset, offset + T); cos, sin (T_max, hs)."""
+    x * cos + rotate_half(x) * sin, at positions [offset, offset + T), or at positions[b, t] per token
+    (B, T) (packed documents, transformers' position_ids); cos, sin (T_max, hs)."""
     B, T, C = x.shape
     xh = x.reshape(B, T, n_head, C // n_head).transpose(1, 2)
     x1, x2 = xh.chunk(2, dim=-1)
-    y = xh * cos[offset:offset + T] + torch.cat((-x2, x1), dim=-1) * sin[offset:offset + T]
+    if positions is None:
+        c, s = cos[offset:offset + T], sin[offset:offset + T]
+    else:
+        at = torch.as_tensor(positions, dtype=torch.long)
+        c, s = cos[at][:, None], sin[at][:, None]  # (B, 1, T, hs)
+    y = xh * c + torch.cat((-x2, x1), dim=-1) * s
     return y.transpose(1, 2).reshape(B, T, C)
 
 
-def gqa_attention(qkv, n_head, n_kv_head, keep=None, p=0.0, window=0, scale=None):
+def gqa_attention(qkv, n_head, n_kv_head, keep=None, p=0.0, window=0, scale=None, positions=None):
     """Causal grouped-query attention of qkv (B, T, (NH + 2*NKV)*hs): q heads, then k, then v;
     query head h reads kv head h // (NH // NKV), k and v repeated as transformers' repeat_kv.
     keep (B, NH, T, T) bool: the probabilities dropped, P * keep / (1 - p) (an explicit softmax).
     window > 0: query t attends keys s with t - window < s <= t only (transformers'
-    sliding_window_overlay and its causal mask); scale: scores q . k * scale (None: 1/sqrt(hs))."""
+    sliding_window_overlay and its causal mask); scale: scores q . k * scale (None: 1/sqrt(hs)).
+    positions (B, T): packed documents (each token's position in its own), query t attending keys
+    s >= t - positions[b, t] only, the mask transformers derives from packed position_ids."""
     B, T, W = qkv.shape
     hs = W // (n_head + 2 * n_kv_head)
     q, k, v = qkv.split([n_head * hs, n_kv_head * hs, n_kv_head * hs], dim=2)
     q, k, v = (t.reshape(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))
     g = n_head // n_kv_head
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    if window == 0 and scale is None:
+    if window == 0 and scale is None and positions is None:
         att = None if keep is None else causal_softmax(q, k)
     else:
         q_idx, kv_idx = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)[None, :]
         mask = kv_idx <= q_idx
         if window > 0:
             mask = mask & (kv_idx > q_idx - window)
+        if positions is not None:  # (B, 1, T, T): keys from the query's document start
+            starts = q_idx[None] - torch.as_tensor(positions, dtype=torch.long, device=q.device)[:, :, None]
+            mask = (mask[None] & (kv_idx[None] >= starts))[:, None]
         att = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(hs) if scale is None else scale)
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     if att is None:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from ..backends import get_backend
+from ..backends.cpu.documents import check_positions
 from ..config import CHOICES
 from . import lora as lora_parts
 from .bf16_copies import BF16Copies
@@ -82,8 +83,8 @@ class CausalLM(Protocol):
     g: dict                  # name -> view of flat_grad
     grad_buckets: list       # (start, end) gradient ranges in the order backward() completes them
 
-    def forward(self, idx, targets=None, *, grad=False): ...  # mean loss (with targets) or logits (B, T, V)
-    def forward_loss(self, idx, targets): ...           # the loss as the backend's scalar (no host sync)
+    def forward(self, idx, targets=None, positions=None, *, grad=False): ...  # mean loss (with targets) or logits
+    def forward_loss(self, idx, targets, positions=None): ...  # the loss as the backend's scalar (no host sync)
     def backward(self, grads_ready=None): ...           # gradients of the last forward's loss into flat_grad
     def zero_grad(self): ...
     def decay_segments(self): ...                       # (start, end, decay?) per tensor, for AdamW
@@ -355,39 +356,56 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
             return torch.bfloat16
         return np.float32
 
-    def forward(self, idx, targets=None, *, grad=False):
+    def forward(self, idx, targets=None, positions=None, *, grad=False):
         """idx (B, T) integer token ids. With targets (B, T) (-1 = ignore) returns the mean loss as
         a float and keeps what backward() needs; without, returns logits (B, T, V) (a copy).
+        positions (B, T): packed rows (data/chat_data.py's packed chat data), each token's position in its
+        own document: RoPE (or GPT-2's wpe) reads it, and attention stays inside each document
+        (backends/cpu/documents.py says what is valid); None: one sequence a row, positions 0 .. T-1.
         grad=True: a backward() follows (a training step's forward), so the chunked loss may form
         the hidden state's gradient now (head_loss); the gradients are the same bits either way."""
         if targets is not None:
-            return float(self.forward_loss(idx, targets, grad=grad))  # the gpu's loss is a device scalar: this waits
-        a = self.stage(idx)
+            return float(self.forward_loss(idx, targets, positions, grad=grad))  # the gpu's loss is a device scalar: this waits
+        a = self.stage(idx, positions=positions)
         self._narrow_weights()
         self._layers_forward(a)
         self._ready_for_backward = False
         return self.head_logits(a)
 
-    def forward_loss(self, idx, targets, *, grad=False):
-        """forward(idx, targets, grad=grad) without reading the loss: the backend's scalar (a float on
-        the cpu, a 0-dim device tensor on the gpu, so the host does not wait for the GPU)."""
-        return self.forward_staged(self.stage(idx, targets), grad=grad)
+    def forward_loss(self, idx, targets, positions=None, *, grad=False):
+        """forward(idx, targets, positions, grad=grad) without reading the loss: the backend's scalar
+        (a float on the cpu, a 0-dim device tensor on the gpu, so the host does not wait for the GPU)."""
+        return self.forward_staged(self.stage(idx, targets, positions), grad=grad)
 
-    def stage(self, idx, targets=None, into=None):
-        """Check idx and targets and copy them into the activations of their shape (or `into`, which
-        must have it): a step's one host-to-device transfer. Returns those activations."""
+    def stage(self, idx, targets=None, positions=None, into=None):
+        """Check idx, targets and positions and copy them into the activations of their shape (or
+        `into`, which must have it): a step's one host-to-device transfer. Returns those activations,
+        a.packed saying whether this forward's rows are packed documents (a.positions then holds
+        them)."""
         idx = self._check_tokens("idx", idx, allow_ignore=False)
         if targets is not None:
             targets = self._check_tokens("targets", targets, allow_ignore=True)
             if targets.shape != idx.shape:
                 raise ValueError(f"targets must have the shape of idx {idx.shape}, got {targets.shape}")
+        if positions is not None:
+            positions = check_positions(positions, *idx.shape)
         a = self._activations(*idx.shape) if into is None else into
         if (a.B, a.T) != idx.shape:
             raise ValueError(f"idx has shape {idx.shape}, the activations being filled ({a.B}, {a.T})")
         self.ops.upload_tokens(a.idx, idx)
         if targets is not None:
             self.ops.upload_tokens(a.targets, targets)
+        a.packed = positions is not None
+        if a.packed:
+            if getattr(a, "positions", None) is None:
+                a.positions = self.ops.empty(idx.shape, np.int32)
+            self.ops.upload_tokens(a.positions, positions)
         return a
+
+    def documents(self, a):
+        """The attention, RoPE and position ops' keywords for the rows staged in a: {"positions": ...}
+        for packed documents, else none (each row one sequence)."""
+        return {"positions": a.positions} if getattr(a, "packed", False) else {}
 
     def forward_staged(self, a, *, grad=False):
         """The forward over the tokens and targets stage() put into a; returns the mean loss as the

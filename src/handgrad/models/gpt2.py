@@ -195,7 +195,7 @@ class GPT(FlatModel):
     def _layers_forward(self, a):
         """Embeddings, the blocks, ln_f and the logits into a.logits, from the tokens in a.idx."""
         ops, p, w = self.ops, self.p, self.p16  # w: the products' weights
-        ops.encoder_forward(a.encoded, a.idx, p["wte.weight"], p["wpe.weight"])
+        ops.encoder_forward(a.encoded, a.idx, p["wte.weight"], p["wpe.weight"], **self.documents(a))
         self.drop(a.encoded, -1, self.SITE_EMBED)
         x, r = a.encoded, GPTTraining(self, a)
         for l in range(self.config.n_layer):
@@ -291,7 +291,7 @@ class GPT(FlatModel):
             self.lora_linear_grad(a.datty, dproj, c_in, a, l, "c_proj")
             # out: the forward's output where it is kept (the gpu's flash backward reads it; the cpu's does not)
             ops.attention_backward(a.dqkv, a.datty, a.qkv[s], a.att[s], NH, out=y if y16 is None else None,
-                                   **self.attention_dropout(l))
+                                   **self.attention_dropout(l), **self.documents(a))
             ops.layernorm_linear_backward(a.dres, g.get(h + "ln_1.weight"), g.get(h + "ln_1.bias"),
                                           g.get(h + "attn.c_attn.weight"), g.get(h + "attn.c_attn.bias"),
                                           self.narrowed(a.dqkv, a.dqkv16), x, p[h + "ln_1.weight"],
@@ -301,7 +301,7 @@ class GPT(FlatModel):
             ready(*next(buckets))
         if "wte.weight" in g:
             ops.encoder_backward(g["wte.weight"], g["wpe.weight"], self.drop_grad(a, a.dres, -1, self.SITE_EMBED),
-                                 a.idx)
+                                 a.idx, **self.documents(a))
         ready(*next(buckets))
 
 
@@ -334,7 +334,7 @@ class GPTTraining(TrainingBlock):
         returns its output as c_proj reads it (narrowed to bf16 with bf16 products)."""
         m, a, s = self.model, self.a, self.a.slot(l)
         y, y16 = a.o_input(s)
-        m.ops.attention_forward(y, a.att[s], a.qkv[s], m.config.n_head, **m.attention_dropout(l))
+        m.ops.attention_forward(y, a.att[s], a.qkv[s], m.config.n_head, **m.attention_dropout(l), **m.documents(a))
         return m.narrowed(y, y16)
 
 

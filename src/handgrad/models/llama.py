@@ -362,7 +362,7 @@ class Llama(FlatModel):
         (qkv, qkv16), rope, c, ops = a.attention_qkv(l), self.rope(l), self.config, self.ops
         if np.dtype(a.products) != np.uint16:
             return qkv, rope
-        ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope)
+        ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope, **self.documents(a))
         ops.round_bf16(qkv, out=qkv16)
         return qkv, None
 
@@ -378,7 +378,8 @@ class Llama(FlatModel):
         c, r = self.config, self.TRAINING(self, a)
         self.qkv_half(r, l, x)
         qkv, rope = self._attention_input(a, l)
-        self.ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope)  # (rope None: rotated already)
+        self.ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope,  # (rope None: rotated already)
+                                       **self.documents(a))
         self.mlp_half(r, l)
 
     def backward(self, grads_ready=None):
@@ -463,7 +464,8 @@ class Llama(FlatModel):
         self.lora_linear_grad(a.datty, dproj, o_in, a, l, "o")
         # dq, dk before RoPE; out: the forward's output where it is kept (the cpu's op does not read it)
         ops.gqa_attention_backward(a.dqkv, a.datty, qkv, a.att[l], c.n_head, c.n_kv_head, out=y if y16 is None else None,
-                                   rope=self.rope(l), **self.attention_dropout(l), **self.attention_shape(l))
+                                   rope=self.rope(l), **self.attention_dropout(l), **self.attention_shape(l),
+                                   **self.documents(a))
         if c.qk_norm:
             qk_norm_backward(ops, a.dqkv, g.get(h + "self_attn.q_norm.weight"), g.get(h + "self_attn.k_norm.weight"),
                              a.dqk, a.qk_pre[s], self.norm_weight(h + "self_attn.q_norm.weight"),
@@ -520,7 +522,7 @@ class LlamaTraining(TrainingBlock):
         qkv, rope = m._attention_input(a, l)
         y, y16 = a.o_input(l)
         m.ops.gqa_attention_forward(y, a.att[l], qkv, c.n_head, c.n_kv_head, rope=rope, **m.attention_dropout(l),
-                                    **m.attention_shape(l))
+                                    **m.attention_shape(l), **m.documents(a))
         return m.narrowed(y, y16)
 
 

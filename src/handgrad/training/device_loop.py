@@ -50,7 +50,7 @@ class DeviceLoop:
 
     # ---------------------------------------------------------------- one step
     def step(self, batches):
-        """Queue one optimizer step over the (x, y) micro-batches; nothing is read back. Each
+        """Queue one optimizer step over the (x, y[, positions]) micro-batches; nothing is read back. Each
         micro-batch's loss is added into a float64 device scalar; prepare_update, one single-program
         kernel, turns global_norm's result into clipping, the NaN/inf check, the learning rate (a
         device table of the schedule, indexed by the device's step count) and AdamW's bias
@@ -63,17 +63,17 @@ class DeviceLoop:
         if self.full():
             raise RuntimeError(f"{self.HISTORY} steps unread: call read() first")
         if self.cuda_graph and self.graphs is None and self._eager_steps >= 1:
-            self._capture(*batches[0])
+            self._capture(batches[0])
         if self.graphs is None:
             with self._warmup_stream():
-                for i, (x, y) in enumerate(batches):
-                    self._micro(self.model.stage(x, y), i)
+                for i, batch in enumerate(batches):
+                    self._micro(self.model.stage(*batch), i)
                 self._update()
             self._eager_steps += 1
         else:
             acts = self.graphs["acts"]
-            for i, (x, y) in enumerate(batches):
-                self.model.stage(x, y, into=acts)
+            for i, batch in enumerate(batches):
+                self.model.stage(*batch, into=acts)
                 self.graphs["first" if i == 0 else "more"].replay()
             self.graphs["update"].replay()
         self.step_count += 1
@@ -122,7 +122,7 @@ class DeviceLoop:
         ops.prepare_update(self.hyper, self.state, self.loss, norm, self.lr_table)
         opt.step_on_device(self.hyper)
 
-    def _capture(self, x, y):
+    def _capture(self, batch):
         """Capture the step's graphs over activations of the batch's shape, holding them (the model
         may move to others, e.g. to sample): two or three graphs sharing a memory pool, the first
         micro-batch (zero_grad, forward, backward writing the weight gradients), further ones
@@ -134,7 +134,7 @@ class DeviceLoop:
         import torch
         make = self.graph_factory or torch.cuda.CUDAGraph
         model = self.model
-        a = model.stage(x, y)
+        a = model.stage(*batch)
         if a.grads is None:
             a.alloc_grads(model.ops, model.config, model._act_dtype())
         graphs = {"acts": a}

@@ -17,6 +17,8 @@ def format_step(rec, gflops, peak):
             f"{rec['ms']:7.1f} ms | {rec['tok_per_s']:8,.0f} tok/s | {gflops:6.1f} GFLOP/s")
     if peak:
         line += f" | MFU {100 * gflops / peak:4.1f}%"
+    if "target_tok_per_s" in rec:  # chat data: the tokens the loss learnt from (assistant tokens)
+        line += f" | {rec['target_tok_per_s']:,.0f} target tok/s"
     if "val_loss" in rec:
         line += f" | val {rec['val_loss']:.4f}"
     for key, value in rec.items():  # train.eval_tasks: each task's accuracy

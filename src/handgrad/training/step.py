@@ -16,21 +16,21 @@ def lr_at(step, t):
 
 
 def accumulate_gradients(model, opt, batches, grad_clip, dp=None, zero_stage=0, dropout_key=None):
-    """zero_grad, then forward + backward on each (x, y) micro-batch. The gradient buffer then
-    holds the sum of the micro-batches' mean-loss gradients; with dp (data-parallel ranks, see
-    handgrad.training.distributed) also summed over the ranks, all of it or (zero_stage 1) this rank's
-    slice. Returns (mean loss, norm of the mean gradient, the grad_scale for opt.step that turns
+    """zero_grad, then forward + backward on each (x, y) or (x, y, positions) micro-batch. The
+    gradient buffer then holds the sum of the micro-batches' mean-loss gradients; with dp
+    (data-parallel ranks, see handgrad.training.distributed) also summed over the ranks, all of it
+    or (zero_stage 1) this rank's slice. Returns (mean loss, norm of the mean gradient, the grad_scale for opt.step that turns
     the buffer into the clipped mean gradient), the same on every rank.
     dropout_key (seed, step): dropout on (model.dropout, train.lora_dropout), each micro-batch's masks
     keyed by (seed, step, micro-step, layer, site); off again afterwards."""
     model.zero_grad()
     hook = dp.grads_ready(model) if dp is not None and zero_stage == 0 else None
     loss = 0.0
-    for i, (x, y) in enumerate(batches):
+    for i, batch in enumerate(batches):  # (x, y), or (x, y, positions) for packed documents
         if dropout_key is not None:
             model.set_training(True, step=dropout_key[1], micro_step=i, seed=dropout_key[0])
         try:
-            loss += model.forward(x, y, grad=True) / len(batches)
+            loss += model.forward(*batch, grad=True) / len(batches)
             model.backward(grads_ready=hook if i == len(batches) - 1 else None)
         finally:
             model.set_training(False)

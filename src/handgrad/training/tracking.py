@@ -14,7 +14,7 @@ import time
 from ..config import ConfigError
 
 SCALARS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-           "tok_per_s": "perf/tok_per_s", "mfu": "perf/mfu"}
+           "tok_per_s": "perf/tok_per_s", "target_tok_per_s": "perf/target_tok_per_s", "mfu": "perf/mfu"}
 
 
 def scalars(rec):

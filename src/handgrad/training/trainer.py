@@ -12,7 +12,8 @@ import numpy as np
 from ..backends import get_backend
 from ..backends.cpu.compiles import compile_watch
 from ..config import ConfigError
-from ..data.chat import CHAT_FILE, open_dataset
+from ..data.chat import CHAT_FILE
+from ..data.chat_data import ChatDataset, open_dataset
 from ..data.tokenizer import load_tokenizer
 from ..files import write_atomic
 from ..interop.load import fit_weights, model_sampling, write_generation_config
@@ -45,8 +46,9 @@ class Trainer:
         self.dp = dp if dp is not None else DataParallel()
         self.data_dir, self.run_dir, self.config = Path(data_dir), Path(run_dir), config
         self.log = log if self.dp.is_main else (lambda *a, **k: None)
-        # chat data (data/chat.py): whole conversations, the loss on assistant tokens only
+        # chat data (data/chat_data.py): whole conversations, the loss on assistant tokens only
         self.train_data, self.val_data = open_dataset(data_dir, "train"), open_dataset(data_dir, "val")
+        self.counts_targets, self.step_targets = isinstance(self.train_data, ChatDataset), 0
         t = config.train
         check_data(config, self.data_dir, self.train_data, self.val_data)
         if resume:
@@ -237,6 +239,11 @@ class Trainer:
         watch = compile_watch()  # counts Numba's compiles, to tag the steps during which it compiled
         self.log(f"model: {model_size(self.model)}; {tokens_per_step:,} tokens per step"
                  f"{f' over {dp.world_size} ranks' if dp.world_size > 1 else ''}; steps {self.step} -> {t.max_steps}")
+        if self.counts_targets:
+            chat = self.train_data.meta["chat"]
+            padding = (chat.get("padding") or {}).get("train")
+            self.log(f"data: conversations {chat.get('batches', 'one conversation per row, padded')}"
+                     + (f", {padding:.1%} of train positions padding" if padding is not None else ""))
         try:
             with StopFlag() as stop:
                 stopping = False
@@ -252,9 +259,16 @@ class Trainer:
                     if watch.count > compiles:
                         steps.compiled(self.step)
                     # every rank stops after the same step, if any of them was asked to
-                    stopping = stop.requested if dp.world_size == 1 else dp.sum([stop.requested])[0] > 0
+                    targets = self.step_targets
+                    if dp.world_size > 1:
+                        asked, targets = dp.sum([stop.requested, targets])
+                        stopping = asked > 0
+                    else:
+                        stopping = stop.requested
                     rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
                            "tok_per_s": tokens_per_step / dt, "ms": dt * 1e3}
+                    if self.counts_targets:  # chat data: the assistant tokens the loss learnt from
+                        rec.update(targets=int(targets), target_tok_per_s=targets / dt)
                     last = self.step == t.max_steps
                     evaluate = bool(t.eval_interval and self.val_data.num_tokens
                                     and (self.step % t.eval_interval == 0 or last))
@@ -303,6 +317,7 @@ class Trainer:
         batches = [self.train_data.get_batch(t.batch_size * dp.world_size, T, self.data_rng,
                                              rows=dp.rows(t.batch_size))
                    for _ in range(t.grad_accum_steps)]
+        self.step_targets = sum(int(np.count_nonzero(batch[1] >= 0)) for batch in batches)
         lr = lr_at(self.step, t)
         loop = self._device_loop()
         if loop is not None:
@@ -341,6 +356,8 @@ class Trainer:
         tokens = self.config.train.batch_size * self.config.model.block_size * self.config.train.grad_accum_steps
         for i, (rec, (step, loss, norm)) in enumerate(zip(recs, results)):
             rec.update(loss=loss, grad_norm=norm, ms=ms, tok_per_s=tokens / ms * 1e3)
+            if "targets" in rec:
+                rec["target_tok_per_s"] = rec["targets"] / ms * 1e3
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 try:
                     # the gradient buffer is that step's only when it is the newest one queued

@@ -101,6 +101,9 @@ def checks(backend="cpu"):
             + check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend, rope=True, dropout_p=0.1))
         out["sliding_attention"] = lambda: check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend,
                                                                rope=True, window=5, scale=0.2)
+        out["document_attention"] = lambda: (
+            check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend, rope=True, documents=True)
+            + check_gqa_attention(**shape, NH=6, NKV=2, hs=16, backend=backend, rope=True, window=5, documents=True))
         out["llama_model"] = lambda: [row for config in VERIFY_LLAMA
                                       for row in (check_model_step(config, B=2, T=17, backend=backend)
                                                   + check_model_adamw(config, B=2, T=17, steps=10, backend=backend))]

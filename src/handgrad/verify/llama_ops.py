@@ -104,12 +104,24 @@ def check_rope(B=2, T=5, NH=6, NKV=2, hs=16, offset=3, theta=10000.0, dtype=np.f
             compare("rope", "dinp (in place)", dbuf, tx.grad, tol)]
 
 
+def document_positions(B, T):
+    """(B, T) int32 positions of packed rows: documents of 1, 2, 3, ... tokens in row 0 (the last cut at
+    T), one document a row in row 1, documents of 5 tokens in the rest."""
+    pos = np.empty((B, T), np.int32)
+    for b in range(B):
+        lengths = [1 + i for i in range(T)] if b == 0 else [T] if b == 1 else [5] * T
+        pos[b] = np.concatenate([np.arange(n) for n in lengths])[:T]
+    return pos
+
+
 def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, backend="cpu", rope=False,
-                        dropout_p=0.0, window=0, scale=None):
+                        dropout_p=0.0, window=0, scale=None, documents=False):
     """Grouped-query attention; rope: q and k given before RoPE (`rope=(cos, sin)`, as the model
     trains: the gpu rotates them inside its kernels); dropout_p: the probabilities dropped with the
     cpu's keep mask (the reference multiplies by the mask itself); window: a sliding window of that
-    many keys (Gemma 3's local layers); scale: the scores' factor (None: 1 / sqrt(hs))."""
+    many keys (Gemma 3's local layers); scale: the scores' factor (None: 1 / sqrt(hs)); documents:
+    packed rows (document_positions' layout), attention kept inside each document and RoPE at each
+    token's position in its own."""
     ops, rng, tol = ops_for(backend), np.random.default_rng(seed), tol_for(dtype)
     import torch
 
@@ -119,18 +131,23 @@ def check_gqa_attention(B=2, T=5, NH=6, NKV=2, hs=16, dtype=np.float32, seed=0, 
     tq = torch64(qkv, True)  # before the forward: with rope the cpu op rotates q and k in qkv in place
     kw = {"dropout_p": dropout_p, "seed": 4242} if dropout_p else {}
     shape = {k: v for k, v in (("window", window), ("scale", scale)) if v}
+    positions = document_positions(B, T) if documents else None
+    if documents:
+        shape["positions"] = positions
     if rope:
         kw["rope"] = _rope_tables(ops, T, hs, 1e4)
     out, att = np.empty((B, T, NH * hs), dtype), np.empty(ops.gqa_attention_state_shape(B, NH, T), dtype)
     ops.gqa_attention_forward(out, att, qkv, NH, NKV, **kw, **shape)
     dqkv = np.empty_like(qkv)
     ops.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out, **kw, **shape)
-    x = torch.cat([R.rope(tq[:, :, :QK], *map(torch64, kw["rope"]), NH + NKV), tq[:, :, QK:]], 2) if rope else tq
+    x = (torch.cat([R.rope(tq[:, :, :QK], *map(torch64, kw["rope"]), NH + NKV, positions=positions), tq[:, :, QK:]], 2)
+         if rope else tq)
     keep = torch.from_numpy(keep_mask((B, NH, T, T), dropout_p, kw["seed"])) if dropout_p else None
-    ref = R.gqa_attention(x, NH, NKV, keep=keep, p=dropout_p, **shape)
+    ref = R.gqa_attention(x, NH, NKV, keep=keep, p=dropout_p, **dict(shape, positions=positions))
     ref.backward(torch64(dout))
     fused = ", ".join(["rope"] * rope + [f"dropout {dropout_p:g}"] * bool(dropout_p)
-                      + ([f"window {window}"] if window else []) + ([f"scale {scale:g}"] if scale else []))
+                      + ([f"window {window}"] if window else []) + ([f"scale {scale:g}"] if scale else [])
+                      + ["documents"] * documents)
     tag = f" ({fused})" if fused else ""
     return [compare("gqa_attention", "out" + tag, out, ref.detach(), tol),
             compare("gqa_attention", "dqkv" + tag, dqkv, tq.grad, tol)]
