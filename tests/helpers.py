@@ -191,3 +191,19 @@ def tiny_run(d, **tokenizer):
     model.params[:] = np.random.default_rng(7).standard_normal(model.num_params, dtype=np.float32) * np.float32(0.3)
     save_weights(d, 0, config, model.state_dict())
     return d
+
+
+def blas_impls():
+    """The BLAS paths the cpu attention ops can take here: numpy's (blas.gemm), MKL's per-head kernels,
+    and those kernels on oneDNN's dnnl_sgemm (float32), where installed."""
+    from handgrad.backends.cpu import blas, onednn
+    return ["numpy"] + (["mkl"] if blas._PATH else []) + (["onednn"] if blas._PATH and onednn.library_path() else [])
+
+
+def use_blas(name, monkeypatch):
+    """Run the rest of a test on one of blas_impls()' paths."""
+    from handgrad.backends.cpu import blas
+    monkeypatch.setattr(blas, "_NAME", "mkl" if name == "onednn" else name)
+    monkeypatch.setattr(blas, "_F32_ONEDNN", name == "onednn")
+    monkeypatch.setattr(blas, "_GNU_OPENMP", blas._GNU_OPENMP or name == "onednn")
+    return name

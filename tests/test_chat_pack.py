@@ -253,6 +253,13 @@ def test_train_on_packed_rows_logs_target_tokens_and_resumes_exactly(dirs, tmp_p
     shutil.rmtree(run / "ckpt" / "step_00000003")
     assert cli(["train", "--data", str(dirs["packed"]), "--out", str(run), "--resume"]) == 0
     assert (run / "ckpt" / "step_00000003" / "model.safetensors").read_bytes() == final
+    # rows packed to 96 positions, trained at 48: the conversations past 48 would never train
+    short = [f if f != str(BLOCK) else "48" for f in flags]
+    capsys.readouterr()
+    assert cli(["train", "--data", str(dirs["packed"]), "--out", str(tmp_path / "short"), *short]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "shorter than the 96-position rows" in err[0] and "--pack --block-size 48" in err[0]
+    assert not (tmp_path / "short" / "metrics.jsonl").exists()
 
 
 # ---------------------------------------------------------------- damaged packings

@@ -20,7 +20,7 @@ import torch
 from transformers.masking_utils import (and_masks, causal_mask_function, find_packed_sequence_indices,
                                         packed_sequence_mask_function, sliding_window_causal_mask_function)
 
-from handgrad.backends.cpu import attention, blas, gqa_attention, onednn
+from handgrad.backends.cpu import attention, blas, gqa_attention
 from handgrad.backends.cpu.attention import attention_backward, attention_forward, attention_state_shape
 from handgrad.backends.cpu.documents import check_positions, document_starts
 from handgrad.backends.cpu.dropout import dropout_seed, keep_mask
@@ -30,11 +30,11 @@ from handgrad.backends.cpu.gqa_attention import (gqa_attention_backward, gqa_att
 from handgrad.backends.cpu.rope import rope_backward, rope_cache, rope_forward
 from handgrad.verify import TOL32, TOL64, compare
 
-from helpers import assert_rows, forced_kernels
+from helpers import assert_rows, blas_impls, forced_kernels, use_blas
 
 F32, F64 = np.float32, np.float64
 BOTH = (F32, F64)
-IMPLS = ["numpy"] + (["mkl"] if blas._PATH else []) + (["onednn"] if blas._PATH and onednn.library_path() else [])
+IMPLS = blas_impls()
 SEED = dropout_seed(1337, 7, 0, 2, 1)
 needs_mkl = pytest.mark.skipif(not blas._PATH, reason="the mkl package is not installed")
 
@@ -47,9 +47,7 @@ AWKWARD = ([1, 63, 2, 84], [150], [70, 1, 1, 78])
 def impl(request, monkeypatch):
     """Run the test on one BLAS: the per-head kernels calling MKL (or, float32, oneDNN's dnnl_sgemm),
     or blas.gemm over numpy's OpenBLAS (test_sliding_window.py's fixture)."""
-    monkeypatch.setattr(blas, "_NAME", "mkl" if request.param == "onednn" else request.param)
-    monkeypatch.setattr(blas, "_F32_ONEDNN", request.param == "onednn")
-    monkeypatch.setattr(blas, "_GNU_OPENMP", blas._GNU_OPENMP or request.param == "onednn")
+    use_blas(request.param, monkeypatch)
     return request.param
 
 

@@ -18,17 +18,17 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, rotate_half
 
-from handgrad.backends.cpu import attention, blas, gqa_attention, onednn
+from handgrad.backends.cpu import attention, blas, gqa_attention
 from handgrad.backends.cpu.gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward,
                                                  gqa_attention_forward, gqa_attention_state_shape)
 from handgrad.backends.cpu.rope import rope_backward, rope_cache, rope_forward
 from handgrad.verify import TOL32, TOL64, compare
 
-from helpers import assert_rows, forced_kernels
+from helpers import assert_rows, blas_impls, forced_kernels, use_blas
 
 F32, F64 = np.float32, np.float64
 BOTH = (F32, F64)
-IMPLS = ["numpy"] + (["mkl"] if blas._PATH else []) + (["onednn"] if blas._PATH and onednn.library_path() else [])
+IMPLS = blas_impls()
 
 ops = types.SimpleNamespace(rope_forward=rope_forward, rope_backward=rope_backward,
                             gqa_attention_forward=gqa_attention_forward,
@@ -274,9 +274,7 @@ GQA = cases(
 def impl(request, monkeypatch):
     """Run the test on one BLAS: the per-head kernels calling MKL (or, float32, oneDNN's dnnl_sgemm),
     or blas.gemm over numpy's OpenBLAS."""
-    monkeypatch.setattr(blas, "_NAME", "mkl" if request.param == "onednn" else request.param)
-    monkeypatch.setattr(blas, "_F32_ONEDNN", request.param == "onednn")
-    monkeypatch.setattr(blas, "_GNU_OPENMP", blas._GNU_OPENMP or request.param == "onednn")
+    use_blas(request.param, monkeypatch)
     if request.param != "numpy":
         assert blas.in_kernel(np.float32)[2] == (request.param == "onednn")
     return request.param

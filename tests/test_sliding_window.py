@@ -18,18 +18,18 @@ import torch
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 from handgrad import torch_ref
-from handgrad.backends.cpu import blas, gqa_attention, onednn
+from handgrad.backends.cpu import blas, gqa_attention
 from handgrad.backends.cpu.dropout import dropout_seed, keep_mask
 from handgrad.backends.cpu.gqa_attention import (gqa_attention_backward, gqa_attention_decode_forward,
                                                  gqa_attention_forward, gqa_attention_state_shape)
 from handgrad.backends.cpu.rope import rope_cache, rope_forward
 from handgrad.verify import TOL32, TOL64, compare
 
-from helpers import assert_rows, forced_kernels
+from helpers import assert_rows, blas_impls, forced_kernels, use_blas
 
 F32, F64 = np.float32, np.float64
 BOTH = (F32, F64)
-IMPLS = ["numpy"] + (["mkl"] if blas._PATH else []) + (["onednn"] if blas._PATH and onednn.library_path() else [])
+IMPLS = blas_impls()
 SEED = dropout_seed(1337, 5, 0, 1, 2)
 
 
@@ -37,9 +37,7 @@ SEED = dropout_seed(1337, 5, 0, 1, 2)
 def impl(request, monkeypatch):
     """Run the test on one BLAS: the per-head kernels calling MKL (or, float32, oneDNN's dnnl_sgemm),
     or blas.gemm over numpy's OpenBLAS (test_llama_rope_gqa.py's fixture)."""
-    monkeypatch.setattr(blas, "_NAME", "mkl" if request.param == "onednn" else request.param)
-    monkeypatch.setattr(blas, "_F32_ONEDNN", request.param == "onednn")
-    monkeypatch.setattr(blas, "_GNU_OPENMP", blas._GNU_OPENMP or request.param == "onednn")
+    use_blas(request.param, monkeypatch)
     return request.param
 
 

@@ -2,7 +2,7 @@
 as it is decoded (the decoding itself, with its KV cache, is models/decode.py).
 
 `--chat`: the prompt (--prompt, or stdin) is one user turn, rendered with the chat template of the
-run (its chat.json, copied from chat data: data/chat.py) or of the Hugging Face directory, with
+run (its chat.json, copied from chat data: data/chat_data.py) or of the Hugging Face directory, with
 add_generation_prompt; the reply is generated until the template's end-of-turn token and printed
 alone."""
 import sys

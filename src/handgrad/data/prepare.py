@@ -314,7 +314,7 @@ def _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard
     if tokenizer is None or tokenizer in TOKENIZER_NAMES:
         raise DataError(f"--format chat: --tokenizer {tokenizer} is not a model's tokenizer; pass the model's "
                         f"directory (its tokenizer.json and chat template)")
-    _check_options(out, "byte", None, val_fraction, seed)  # the output and split options (chat.py checks the tokenizer)
+    _check_options(out, "byte", None, val_fraction, seed)  # the output and split options (chat_data.py checks the tokenizer)
     with _own(out):
         _check_options(out, "byte", None, val_fraction, seed)
         meta, write_contents = build_chat_data(sources[0], tokenizer, val_fraction, seed, block_size, shard_tokens,

@@ -365,7 +365,8 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         grad=True: a backward() follows (a training step's forward), so the chunked loss may form
         the hidden state's gradient now (head_loss); the gradients are the same bits either way."""
         if targets is not None:
-            return float(self.forward_loss(idx, targets, positions, grad=grad))  # the gpu's loss is a device scalar: this waits
+            # the gpu's loss is a device scalar: float() waits for it
+            return float(self.forward_loss(idx, targets, positions, grad=grad))
         a = self.stage(idx, positions=positions)
         self._narrow_weights()
         self._layers_forward(a)

@@ -66,16 +66,22 @@ def read_json(path):
 
 def check_data(config, data_dir, train_data, val_data):
     """Before anything is written: every token id < vocab_size, windows of block_size + 1 tokens
-    fit (text data; chat data pads each conversation to block_size), and tokenizer.json has
-    meta.json's vocab_size (samples are decoded with it)."""
+    fit (text data; chat data pads its rows to block_size), packed chat rows are no longer than
+    block_size (a row cut at T would never train the conversations past it), and tokenizer.json
+    has meta.json's vocab_size (samples are decoded with it)."""
     T = config.model.block_size
     for ds in (train_data, val_data):
         ds.check_tokens()
         longest = max(ds.lengths, default=0)
-        padded = hasattr(ds, "num_conversations")  # chat data: rows are conversations padded to T
-        if ds.num_tokens and longest < T + 1 and not padded:
+        chat = hasattr(ds, "num_conversations")  # chat data: rows of whole conversations, padded to T
+        if ds.num_tokens and longest < T + 1 and not chat:
             raise TrainError(f"model.block_size {T} is too large for the {ds.split} split of {data_dir}: "
                              f"its longest shard has {longest} tokens; use at most {longest - 1}")
+        packed_to = ds.meta["chat"]["block_size"] if chat and ds.packed else 0
+        if packed_to > T:
+            raise TrainError(f"model.block_size {T} is shorter than the {packed_to}-position rows {data_dir} was "
+                             f"packed into: the conversations past position {T} would never train; use "
+                             f"--model.block_size {packed_to}, or prepare the data again with --pack --block-size {T}")
     if not train_data.num_tokens:
         raise TrainError(f"{data_dir}: the train split is empty; prepare more text")
     tok_file = data_dir / TOKENIZER_FILE

@@ -19,8 +19,9 @@ def accumulate_gradients(model, opt, batches, grad_clip, dp=None, zero_stage=0, 
     """zero_grad, then forward + backward on each (x, y) or (x, y, positions) micro-batch. The
     gradient buffer then holds the sum of the micro-batches' mean-loss gradients; with dp
     (data-parallel ranks, see handgrad.training.distributed) also summed over the ranks, all of it
-    or (zero_stage 1) this rank's slice. Returns (mean loss, norm of the mean gradient, the grad_scale for opt.step that turns
-    the buffer into the clipped mean gradient), the same on every rank.
+    or (zero_stage 1) this rank's slice. Returns (mean loss, norm of the mean gradient, the
+    grad_scale for opt.step that turns the buffer into the clipped mean gradient), the same on
+    every rank.
     dropout_key (seed, step): dropout on (model.dropout, train.lora_dropout), each micro-batch's masks
     keyed by (seed, step, micro-step, layer, site); off again afterwards."""
     model.zero_grad()
