@@ -1,7 +1,7 @@
-"""Packed chat data (`handgrad prepare --format chat --pack`, data/chat_data.py): best-fit decreasing
-against a plain reference, the padding fractions meta.json records, packed rows whose conversations
-equal their one-per-row batches exactly (positions restarting at each, no target across a
-boundary), the CLI, its refusal of --pack without chat, the checks on a damaged packing, and training
+"""Packed chat data (`handgrad prepare --format chat --pack`, data/chat_data.py): best fit (in the
+split's shuffled order, and decreasing) against a plain reference, the padding fractions meta.json
+records, packed rows whose conversations equal their one-per-row batches exactly (positions
+restarting at each, no target across a boundary), the CLI, its refusal of --pack without chat, the checks on a damaged packing, and training
 on packed rows: a model's loss and gradients on a packed batch equal those of its conversations one
 per row, and `train` logs the assistant tokens learnt per second and resumes exactly."""
 import json
@@ -22,10 +22,10 @@ from test_chat import CHATML, conversations, model_dir, write_jsonl
 BLOCK = 96  # the test conversations are 23 to 90 tokens: two or three share a row
 
 
-def best_fit_reference(lengths, block_size):
-    """Best-fit decreasing written plainly: scan every row for the tightest fit."""
+def best_fit_reference(lengths, block_size, decreasing=True):
+    """Best fit (decreasing: longest first) written plainly: scan every row for the tightest fit."""
     rows, room = [], []
-    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)) if decreasing else range(len(lengths)):
         fits = [r for r in range(len(rows)) if room[r] >= lengths[j]]
         if fits:
             r = min(fits, key=lambda r: (room[r], r))
@@ -60,7 +60,7 @@ def segments(positions):
     return list(zip(starts[:-1], starts[1:]))
 
 
-# ---------------------------------------------------------------- best-fit decreasing
+# ---------------------------------------------------------------- best fit
 @pytest.mark.parametrize("lengths, block, rows", [
     ([6, 4, 5, 5, 3, 7], 10, [[5, 4], [0, 1], [2, 3]]),  # three exact fits
     ([9, 2, 8, 3, 1, 7], 10, [[0, 4], [2, 1], [5, 3]]),  # the tightest row, not the first that fits
@@ -72,13 +72,21 @@ def test_best_fit_decreasing_packs_known_cases(lengths, block, rows):
     assert pack_best_fit(lengths, block) == rows
 
 
+def test_best_fit_in_the_given_order_packs_known_cases():
+    # 3 opens row 0, 9 row 1, 5 fits row 0 (room 7), 4 opens row 2 (rooms 2, 1), 6 fills row 2, 1 goes to
+    # row 1 (room 1, the tightest) rather than row 0 (room 2)
+    assert pack_best_fit([3, 9, 5, 4, 6, 1], 10, decreasing=False) == [[0, 2], [1, 5], [3, 4]]
+    assert pack_best_fit([5, 5, 9, 1], 10, decreasing=False) == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("decreasing", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_best_fit_decreasing_equals_the_plain_reference(seed):
+def test_best_fit_equals_the_plain_reference(seed, decreasing):
     rng = np.random.default_rng(seed)
     block = int(rng.integers(1, 200))
     lengths = rng.integers(1, block + 1, size=int(rng.integers(1, 300))).tolist()
-    rows = pack_best_fit(lengths, block)
-    assert rows == best_fit_reference(lengths, block) == pack_best_fit(lengths, block)  # and deterministic
+    rows = pack_best_fit(lengths, block, decreasing)
+    assert rows == best_fit_reference(lengths, block, decreasing) == pack_best_fit(lengths, block, decreasing)
     assert sorted(j for r in rows for j in r) == list(range(len(lengths)))  # each once
     assert max(sum(lengths[j] for j in r) for r in rows) <= block
 
@@ -99,7 +107,7 @@ def test_packing_on_disk_and_padding_fractions(dirs):
         (dirs["rows"] / "meta.json").read_text())
     index = load_file(str(dirs["packed"] / INDEX_FILE))
     assert packed["chat"]["packed"] is True and rows["chat"]["packed"] is False
-    assert packed["chat"]["batches"] == "packed by best-fit decreasing, documents masked"
+    assert packed["chat"]["batches"] == "packed by best fit in shuffled order, documents masked"
     assert rows["chat"]["batches"] == "one conversation per row, padded" and "rows" not in rows["chat"]
     for split in ("train", "val"):
         # the per-conversation data is the same either way; packing only adds the rows
@@ -111,7 +119,7 @@ def test_packing_on_disk_and_padding_fractions(dirs):
         assert pack_rows.dtype == order.dtype == np.int64
         assert sorted(order.tolist()) == list(range(len(inputs)))
         groups = [order[a:b].tolist() for a, b in zip(pack_rows[:-1], pack_rows[1:])]
-        assert groups == pack_best_fit(inputs, BLOCK)
+        assert groups == pack_best_fit(inputs, BLOCK, decreasing=False)
         R = len(groups)
         assert packed["chat"]["rows"][split] == R
         assert packed["chat"]["padding"][split] == pytest.approx(1 - inputs.sum() / (R * BLOCK), abs=1e-6)
@@ -244,7 +252,7 @@ def test_train_on_packed_rows_logs_target_tokens_and_resumes_exactly(dirs, tmp_p
              "--train.log_interval", "1"]
     assert cli(["train", "--data", str(dirs["packed"]), "--out", str(run), *flags]) == 0
     out = capsys.readouterr().out
-    assert "data: conversations packed by best-fit decreasing, documents masked" in out
+    assert "data: conversations packed by best fit in shuffled order, documents masked" in out
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if r.get("step")]
     assert len(steps) == 3 and all(r["targets"] > 0 and r["target_tok_per_s"] > 0 for r in steps)

@@ -5,8 +5,15 @@ into tokens and assistant masks, written as llm.c shards (build_chat_data), and 
 Batches hold whole conversations: one per row, padded, or, with `--pack`, several per row, laid end
 to end with positions that restart at 0 for each conversation, so that attention (which takes the
 positions and masks across documents) keeps them apart. The packing is decided at prepare time by
-best-fit decreasing over the whole split (pack_best_fit), and meta.json records the fraction of
-positions left as padding either way.
+best fit over the whole split, taken in its shuffled order (pack_best_fit), and meta.json records the
+fraction of positions left as padding either way.
+
+Why not best-fit decreasing, TRL's default: sorting by length puts conversations of one length in
+the same rows, and on templated data those are mostly one reply. On tools/identity_chats.py's chats
+(SmolLM2's template, block 512) a row held seven copies of one answer, and a LoRA run on them learnt
+at about half the pace per assistant token of one conversation a row; best fit in the shuffled order
+packs the same 53 rows (4.9% padding) and learns at the padded run's pace (docs/FINETUNE.md has the
+runs). On lengths spread from 20 to 400 tokens it pads 2.1% of the positions where BFD pads 0.25%.
 """
 import bisect
 import json
@@ -84,7 +91,8 @@ def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_siz
     mask_names = {split: [f"{split}_mask_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
     count = {split: sum(len(ids) for ids, _ in c) for split, c in splits.items()}
     inputs = {split: [len(ids) - 1 for ids, _ in c] for split, c in splits.items()}  # positions each fills
-    packing = {split: pack_best_fit(n, block_size) for split, n in inputs.items()} if pack else None
+    # the splits are already shuffled (the seed's permutation): best fit in that order mixes lengths in each row
+    packing = {split: pack_best_fit(n, block_size, decreasing=False) for split, n in inputs.items()} if pack else None
     rows = {split: len(g) for split, g in packing.items()} if pack else \
         {split: len(c) for split, c in splits.items()}
     padding = {split: round(1 - sum(n) / (rows[split] * block_size), 6) if rows[split] else None
@@ -97,7 +105,7 @@ def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_siz
                      "assistant_tokens": {s: int(sum(m[1:].sum() for _, m in c)) for s, c in splits.items()},
                      "template": fmt.source, "end_of_turn": fmt.end_of_turn, "mask_shards": mask_names,
                      "packed": pack, "padding": padding,
-                     "batches": "packed by best-fit decreasing, documents masked" if pack else
+                     "batches": "packed by best fit in shuffled order, documents masked" if pack else
                                 "one conversation per row, padded"},
             "format": shard_format(tok.vocab_size), "handgrad_version": __version__}
     if pack:
@@ -122,11 +130,12 @@ def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_siz
     return meta, write_contents
 
 
-def pack_best_fit(lengths, block_size: int) -> list[list[int]]:
-    """Rows of item indices: best-fit decreasing packing of items of `lengths` (each 1..block_size)
-    into rows of block_size, as TRL's SFT packing does. Items go longest first (ties by index); each
-    into the open row with the least room that still fits it (ties: the row opened first), else into
-    a new row. Rows are numbered in the order they open, items within a row in the order placed.
+def pack_best_fit(lengths, block_size: int, decreasing: bool = True) -> list[list[int]]:
+    """Rows of item indices: best-fit packing of items of `lengths` (each 1..block_size) into rows of
+    block_size. decreasing: best-fit decreasing, as TRL's SFT packing does, items longest first (ties
+    by index); else the items in their own order. Each goes into the open row with the least room
+    that still fits it (ties: the row opened first), else into a new row. Rows are numbered in the
+    order they open, items within a row in the order placed.
 
     The open rows' (room, row) pairs stay sorted, so a bisect finds the best fit: O(n log n) search
     plus the list's insertions (a memmove each), fast for hundreds of thousands of items."""
@@ -134,7 +143,7 @@ def pack_best_fit(lengths, block_size: int) -> list[list[int]]:
     if len(lengths) and not (lengths.min() >= 1 and lengths.max() <= block_size):
         raise ValueError(f"lengths must be in [1, {block_size}], got {lengths.min()}..{lengths.max()}")
     rows, open_rows = [], []  # open_rows: sorted (room left, row index) of rows with room
-    for j in np.argsort(-lengths, kind="stable"):
+    for j in np.argsort(-lengths, kind="stable") if decreasing else range(len(lengths)):
         n = int(lengths[j])
         k = bisect.bisect_left(open_rows, (n, -1))
         if k < len(open_rows):

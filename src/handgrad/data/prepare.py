@@ -351,8 +351,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None, metavar="N",
                         help="chat only: cut conversations to N + 1 tokens (the model's block_size; default 1024)")
     parser.add_argument("--pack", action="store_true",
-                        help="chat only: pack several conversations into each row of --block-size positions (best-fit "
-                             "decreasing over the split, each conversation masked from the others) instead of one "
+                        help="chat only: pack several conversations into each row of --block-size positions (best "
+                             "fit over the shuffled split, each conversation masked from the others) instead of one "
                              "padded conversation per row")
 
 
