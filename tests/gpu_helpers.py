@@ -53,6 +53,19 @@ def assert_close(got, ref, name, atol, rtol):
                              f"(atol {atol:g}, rtol {rtol:g})")
 
 
+def run_gqa(qkv, dout, NH, NKV, **kw):
+    """(out, att, dqkv) of the gpu's grouped-query attention forward and backward on qkv and dout,
+    every output prefilled with NaN (an element the kernels do not write shows); kw: the ops'."""
+    from handgrad.backends.gpu import gqa_attention as GQA
+    B, T, W = qkv.shape
+    hs = W // (NH + 2 * NKV)
+    out = torch.full((B, T, NH * hs), float("nan"), dtype=qkv.dtype, device=qkv.device)
+    att = torch.full((B, NH, T), float("nan"), device=qkv.device)
+    GQA.gqa_attention_forward(out, att, qkv, NH, NKV, **kw)
+    dqkv = torch.full_like(qkv, float("nan"))
+    GQA.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out, **kw)
+    return out, att, dqkv
+
 def assert_trains_like_the_cpu_and_resumes_exactly(data_dir, tmp_path, flags, capsys):
     """`handgrad train ... --device gpu` (flags end with those two flags, 3 steps, a checkpoint at 2, a
     sample at 3): the same losses as on the cpu, and a resume from step 2 rewrites step 3's

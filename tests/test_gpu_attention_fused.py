@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, on_device
+from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, on_device, run_gqa
 
 from handgrad.backends import cpu
 from handgrad.backends.cpu import dropout as cpu_dropout
@@ -47,17 +47,6 @@ def reference(qkv, NH, NKV, cos=None, sin=None, keep=None, p=0.0):
     return (probs @ v).transpose(1, 2).reshape(B, T, NH * hs)
 
 
-def run(qkv, dout, NH, NKV, **kw):
-    B, T, W = qkv.shape
-    hs = W // (NH + 2 * NKV)
-    out = torch.full((B, T, NH * hs), float("nan"), dtype=qkv.dtype, device=qkv.device)
-    att = torch.full((B, NH, T), float("nan"), device=qkv.device)
-    GQA.gqa_attention_forward(out, att, qkv, NH, NKV, **kw)
-    dqkv = torch.full_like(qkv, float("nan"))
-    GQA.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out, **kw)
-    return out, att, dqkv
-
-
 def inputs(B, T, NH, NKV, hs, seed, dtype=F64):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(B, T, (NH + 2 * NKV) * hs, generator=g, dtype=F64).to(dtype).to(F64)
@@ -88,7 +77,7 @@ def test_rope_fused_into_attention_against_autograd_and_the_cpu_op(B, T, NH, NKV
     qkv, dout = inputs(B, T, NH, NKV, hs, seed=B * T + NH)
     cos, sin = ROPE.rope_cache(T + 3, hs, 10000.0)  # tables longer than T, as a model's block_size
     ref, dref = autograd(qkv, dout, NH, NKV, cos=cos.cpu().double(), sin=sin.cpu().double())
-    out, _, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, rope=(cos, sin))
+    out, _, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, rope=(cos, sin))
     assert_close(out, ref, "out", atol=2e-5, rtol=1e-4)
     assert_close(dqkv, dref, "dqkv (before RoPE)", atol=2e-5, rtol=1e-4)
     ccos, csin = cpu.rope_cache(T + 3, hs, 10000.0)
@@ -110,9 +99,9 @@ def test_rope_fused_across_many_blocks_equals_the_separate_pass(monkeypatch, blo
     QK = (NH + NKV) * hs
     rotated = qkv.clone()
     ROPE.rope_forward(rotated[:, :, :QK], rotated[:, :, :QK], cos, sin, NH + NKV)
-    out, att, dqkv = run(rotated, dout, NH, NKV)
+    out, att, dqkv = run_gqa(rotated, dout, NH, NKV)
     ROPE.rope_backward(dqkv[:, :, :QK], dqkv[:, :, :QK], cos, sin, NH + NKV)
-    f_out, f_att, f_dqkv = run(qkv, dout, NH, NKV, rope=(cos, sin))
+    f_out, f_att, f_dqkv = run_gqa(qkv, dout, NH, NKV, rope=(cos, sin))
     if REAL_GPU:
         assert_close(f_out, out, "fused out", atol=1e-6, rtol=1e-6)
         assert_close(f_att, att, "fused logsumexp", atol=1e-6, rtol=1e-6)
@@ -131,7 +120,7 @@ def test_rope_fused_bf16_within_pytorchs_own_error():
     xb = qkv.to(BF16).requires_grad_(True)
     t_out = reference(xb, NH, NKV, cos=cos.cpu(), sin=sin.cpu())
     (t_d,) = torch.autograd.grad(t_out, xb, dout.to(BF16))
-    out, _, dqkv = run(on_device(qkv, BF16), on_device(dout, BF16), NH, NKV, rope=(cos, sin))
+    out, _, dqkv = run_gqa(on_device(qkv, BF16), on_device(dout, BF16), NH, NKV, rope=(cos, sin))
     assert_bf16_close(out, ref, t_out, "fused rope out bf16")
     assert_bf16_close(dqkv, dref, t_d, "fused rope dqkv bf16")
 
@@ -140,10 +129,10 @@ def test_rope_tables_are_checked():
     qkv = on_device(torch.zeros(1, 9, 8 * 16))
     cos, sin = ROPE.rope_cache(8, 16, 10000.0)
     with pytest.raises(ValueError, match=r"positions \[0, 9\) are outside the tables' \[0, 8\)"):
-        run(qkv, on_device(torch.zeros(1, 9, 64)), 4, 2, rope=(cos, sin))
+        run_gqa(qkv, on_device(torch.zeros(1, 9, 64)), 4, 2, rope=(cos, sin))
     cos, sin = ROPE.rope_cache(9, 32, 10000.0)
     with pytest.raises(ValueError, match=r"float32 \(T_max, 16\)"):
-        run(qkv, on_device(torch.zeros(1, 9, 64)), 4, 2, rope=(cos, sin))
+        run_gqa(qkv, on_device(torch.zeros(1, 9, 64)), 4, 2, rope=(cos, sin))
 
 
 # ----------------------------------------------------------------- dropout on the probabilities
@@ -159,14 +148,14 @@ def test_dropout_in_the_kernels_against_autograd_with_the_cpu_mask(B, T, NH, NKV
     qkv, dout = inputs(B, T, NH, NKV, hs, seed=11 + T)
     keep = keep_mask(B, NH, T, p, seed)
     ref, dref = autograd(qkv, dout, NH, NKV, keep=keep, p=p)
-    out, att, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, dropout_p=p, seed=seed)
+    out, att, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, dropout_p=p, seed=seed)
     assert_close(out, ref, "dropped out", atol=2e-5, rtol=1e-4)
     assert_close(dqkv, dref, "dropped dqkv", atol=2e-5, rtol=1e-4)
     cout, cdq = cpu_run(qkv, dout, NH, NKV, dropout_p=p, seed=seed)
     np.testing.assert_allclose(out.cpu().numpy(), cout, rtol=1e-4, atol=2e-5)
     np.testing.assert_allclose(dqkv.cpu().numpy(), cdq, rtol=1e-4, atol=2e-5)
-    assert torch.equal(run(on_device(qkv), on_device(dout), NH, NKV, dropout_p=p, seed=seed)[2], dqkv)
-    plain = run(on_device(qkv), on_device(dout), NH, NKV)
+    assert torch.equal(run_gqa(on_device(qkv), on_device(dout), NH, NKV, dropout_p=p, seed=seed)[2], dqkv)
+    plain = run_gqa(on_device(qkv), on_device(dout), NH, NKV)
     assert torch.equal(plain[1], att)  # the logsumexp is of the undropped probabilities
 
 
@@ -178,7 +167,7 @@ def test_dropout_and_rope_together_across_many_blocks(monkeypatch, blocks):
     cos, sin = ROPE.rope_cache(T, hs, 10000.0)
     ref, dref = autograd(qkv, dout, NH, NKV, cos=cos.cpu().double(), sin=sin.cpu().double(),
                          keep=keep_mask(B, NH, T, p, seed), p=p)
-    out, _, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, dropout_p=p, seed=seed, rope=(cos, sin))
+    out, _, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, dropout_p=p, seed=seed, rope=(cos, sin))
     assert_close(out, ref, "out", atol=2e-5, rtol=1e-4)
     assert_close(dqkv, dref, "dqkv", atol=2e-5, rtol=1e-4)
 
@@ -208,7 +197,7 @@ def test_dropout_bf16_within_pytorchs_own_error():
     xb = qkv.to(BF16).requires_grad_(True)
     t_out = reference(xb, NH, NKV, keep=keep, p=p)
     (t_d,) = torch.autograd.grad(t_out, xb, dout.to(BF16))
-    out, _, dqkv = run(on_device(qkv, BF16), on_device(dout, BF16), NH, NKV, dropout_p=p, seed=seed)
+    out, _, dqkv = run_gqa(on_device(qkv, BF16), on_device(dout, BF16), NH, NKV, dropout_p=p, seed=seed)
     assert_bf16_close(out, ref, t_out, "dropped out bf16")
     assert_bf16_close(dqkv, dref, t_d, "dropped dqkv bf16")
 
@@ -216,4 +205,4 @@ def test_dropout_bf16_within_pytorchs_own_error():
 def test_dropout_p_is_checked():
     qkv = on_device(torch.zeros(1, 3, 8 * 16))
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
-        run(qkv, on_device(torch.zeros(1, 3, 64)), 4, 2, dropout_p=1.0, seed=1)
+        run_gqa(qkv, on_device(torch.zeros(1, 3, 64)), 4, 2, dropout_p=1.0, seed=1)

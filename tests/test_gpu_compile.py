@@ -22,6 +22,22 @@ def _ptxas_available():
     return bundled.is_file() or shutil.which("ptxas") is not None
 
 
+def _compiled_from(tmp_path, test_name, selection):
+    """The `ok` lines of tools/compile_sm90.py's compile of the launches recorded from the tests of
+    tests/test_name selected by `-k selection` (the interpreter records; the compile takes a GPU's
+    launch options)."""
+    kernels = tmp_path / "kernels.json"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    test_file = Path(__file__).resolve().parent / test_name
+    rec = subprocess.run([sys.executable, str(TOOL), "record", str(kernels), str(test_file), "-q", "-k", selection],
+                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
+    assert rec.returncode == 0, rec.stdout[-3000:] + rec.stderr[-3000:]
+    out = subprocess.run([sys.executable, str(TOOL), "compile", str(kernels)],
+                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [line for line in out.stdout.splitlines() if line.startswith("ok")]
+
+
 @pytest.mark.skipif(not _ptxas_available(), reason="this triton build has no NVIDIA backend with ptxas")
 def test_full_size_kernels_compile_for_sm90(tmp_path):
     kernels = tmp_path / "kernels.json"
@@ -54,17 +70,9 @@ def test_full_size_kernels_compile_for_sm90(tmp_path):
 def test_the_dropout_kernel_compiles_for_sm90(tmp_path):
     """Dropout is not in a model's step yet (issue 20 wires it in): its launches are recorded from
     its own tests instead, float32 and bf16, and compiled the same way."""
-    kernels = tmp_path / "kernels.json"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    test_file = Path(__file__).resolve().parent / "test_gpu_lora_dropout.py"
-    rec = subprocess.run([sys.executable, str(TOOL), "record", str(kernels), str(test_file), "-q", "-k", "dropout"],
-                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
-    assert rec.returncode == 0, rec.stdout[-3000:] + rec.stderr[-3000:]
-    out = subprocess.run([sys.executable, str(TOOL), "compile", str(kernels)],
-                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    compiled = [line for line in out.stdout.splitlines() if line.startswith("ok") and "_dropout_kernel" in line]
-    assert len(compiled) >= 2, out.stdout  # float32 and bf16 outputs
+    compiled = [line for line in _compiled_from(tmp_path, "test_gpu_lora_dropout.py", "dropout")
+                if "_dropout_kernel" in line]
+    assert len(compiled) >= 2, compiled  # float32 and bf16 outputs
     assert all("'BLOCK': 256" in line for line in compiled), compiled  # the GPU's, not the interpreter's
 
 
@@ -74,17 +82,8 @@ def test_the_gemma3_kernels_compile_for_sm90(tmp_path):
     float32 and bf16 at head sizes 16, 64 and 256 with the launch settings a GPU takes, with RoPE and
     dropout), windowed decoding, GeGLU, softcapping and the softcapped cross-entropy backward are
     recorded from their own tests and compiled the same way."""
-    kernels = tmp_path / "kernels.json"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    test_file = Path(__file__).resolve().parent / "test_gpu_gemma3_ops.py"
-    rec = subprocess.run([sys.executable, str(TOOL), "record", str(kernels), str(test_file), "-q", "-k",
-                          "T13 or bf16 or rope_and_dropout or decoding or geglu or softcap"],
-                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
-    assert rec.returncode == 0, rec.stdout[-3000:] + rec.stderr[-3000:]
-    out = subprocess.run([sys.executable, str(TOOL), "compile", str(kernels)],
-                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    compiled = [line for line in out.stdout.splitlines() if line.startswith("ok")]
+    compiled = _compiled_from(tmp_path, "test_gpu_gemma3_ops.py",
+                              "T13 or bf16 or rope_and_dropout or decoding or geglu or softcap")
     for kernel in ("_gqa_forward_kernel", "_gqa_backward_dq_kernel", "_gqa_backward_dkdv_kernel"):
         for variant in ("'DROPOUT': False, 'HAS_DOCS': False, 'HAS_WINDOW': True, 'HS': 16, 'ROPE': False",
                         "'DROPOUT': True, 'HAS_DOCS': False, 'HAS_WINDOW': True, 'HS': 16, 'ROPE': True",
@@ -102,17 +101,8 @@ def test_the_document_mask_kernels_compile_for_sm90(tmp_path):
     variants (float32 at head sizes 16, 32 and 64 with the window, RoPE and dropout; bf16 at 64 and
     256 with RoPE, the launch settings a GPU takes), RoPE's and the encoder's HAS_POS are recorded from
     their own tests and compiled the same way."""
-    kernels = tmp_path / "kernels.json"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    test_file = Path(__file__).resolve().parent / "test_gpu_document_mask.py"
-    rec = subprocess.run([sys.executable, str(TOOL), "record", str(kernels), str(test_file), "-q", "-k",
-                          "against_autograd or bf16 or (rope_and_dropout and default) or gpt2 or rope_with or encoder"],
-                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
-    assert rec.returncode == 0, rec.stdout[-3000:] + rec.stderr[-3000:]
-    out = subprocess.run([sys.executable, str(TOOL), "compile", str(kernels)],
-                         capture_output=True, text=True, env=env, timeout=STEP_TIMEOUT)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    compiled = [line for line in out.stdout.splitlines() if line.startswith("ok")]
+    compiled = _compiled_from(tmp_path, "test_gpu_document_mask.py", "against_autograd or bf16 or (rope_and_dropout "
+                              "and default) or gpt2 or rope_with or encoder")
     for kernel in ("_gqa_forward_kernel", "_gqa_backward_dq_kernel", "_gqa_backward_dkdv_kernel"):
         for variant in ("'DROPOUT': False, 'HAS_DOCS': True, 'HAS_WINDOW': False, 'HS': 16, 'ROPE': False",
                         "'DROPOUT': False, 'HAS_DOCS': True, 'HAS_WINDOW': True, 'HS': 64, 'ROPE': False",

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, empty, on_device, randn, reference
+from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, empty, on_device, randn, reference, run_gqa
 
 from handgrad.backends import cpu
 from handgrad.backends.cpu import dropout as cpu_dropout
@@ -89,18 +89,6 @@ def autograd(qkv, dout, NH, NKV, positions, **kw):
     return out.detach(), lse.detach(), torch.autograd.grad(out, x, dout)[0]
 
 
-def run(qkv, dout, NH, NKV, **kw):
-    """handgrad's forward and backward, outputs prefilled with NaN (an element not written shows)."""
-    B, T, W = qkv.shape
-    hs = W // (NH + 2 * NKV)
-    out = torch.full((B, T, NH * hs), float("nan"), dtype=qkv.dtype, device=qkv.device)
-    att = torch.full((B, NH, T), float("nan"), device=qkv.device)
-    GQA.gqa_attention_forward(out, att, qkv, NH, NKV, **kw)
-    dqkv = torch.full_like(qkv, float("nan"))
-    GQA.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out, **kw)
-    return out, att, dqkv
-
-
 def _takes(fn, name):
     return name in inspect.signature(fn).parameters
 
@@ -124,11 +112,11 @@ def test_documents_against_autograd(B, NH, NKV, hs, rows, window, scale):
     qkv, dout = inputs(B, T, NH, NKV, hs, seed=T + hs + window)
     ref, lse, dref = autograd(qkv, dout, NH, NKV, positions, window=window, scale=scale)
     kw = dict(window=window, scale=scale, positions=on_device(positions, torch.int32))
-    out, att, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, **kw)
+    out, att, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, **kw)
     assert_close(out, ref, "packed out", **TOL32)
     assert_close(att, lse, "packed logsumexp", **TOL32)
     assert_close(dqkv, dref, "packed dqkv", **TOL32)
-    again = run(on_device(qkv), on_device(dout), NH, NKV, **kw)[2]
+    again = run_gqa(on_device(qkv), on_device(dout), NH, NKV, **kw)[2]
     assert torch.equal(again, dqkv)  # no atomics: bitwise repeatable
 
 
@@ -143,7 +131,7 @@ def test_documents_across_many_blocks(monkeypatch, blocks, window):
     NH, NKV, hs = 6, 2, 16
     qkv, dout = inputs(B, T, NH, NKV, hs, seed=window + 3)
     ref, lse, dref = autograd(qkv, dout, NH, NKV, positions, window=window)
-    out, att, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, window=window,
+    out, att, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, window=window,
                          positions=on_device(positions, torch.int32))
     assert_close(out, ref, "packed out", **TOL32)
     assert_close(att, lse, "packed logsumexp", **TOL32)
@@ -169,13 +157,13 @@ def test_other_documents_blocks_are_never_read(monkeypatch, lengths):
     early, d_early = qkv.clone(), dout.clone()
     early[:, :16] = float("nan")
     d_early[:, :16] = float("nan")
-    out, _, dqkv = run(on_device(early), on_device(d_early), NH, NKV, positions=pos)
+    out, _, dqkv = run_gqa(on_device(early), on_device(d_early), NH, NKV, positions=pos)
     assert_close(out[:, 32:], ref[:, 32:], "out of the query blocks from 32", **TOL32)
     assert_close(dqkv[:, 32:], dref[:, 32:], "dq, dk, dv of the blocks from 32", **TOL32)
     late, d_late = qkv.clone(), dout.clone()
     late[:, 32:] = float("nan")
     d_late[:, 32:] = float("nan")
-    out, _, dqkv = run(on_device(late), on_device(d_late), NH, NKV, positions=pos)
+    out, _, dqkv = run_gqa(on_device(late), on_device(d_late), NH, NKV, positions=pos)
     assert_close(out[:, :32], ref[:, :32], "out of the first two query blocks", **TOL32)
     assert_close(dqkv[:, :16], dref[:, :16], "dq, dk, dv of key block 0", **TOL32)
     if lengths[0] == 32:  # the whole first document: nothing past its end is read
@@ -191,10 +179,10 @@ def test_positions_none_is_one_document_a_row_bit_for_bit():
     whole = on_device(packed([T], [T]), torch.int32)
     cos, sin = ROPE.rope_cache(T, hs, 10000.0)
     for kw in (dict(), dict(window=11, rope=(cos, sin)), dict(dropout_p=0.25, seed=3, scale=0.2)):
-        plain = run(qkv, dout, NH, NKV, **kw)
-        assert all(torch.equal(a, b) for a, b in zip(run(qkv, dout, NH, NKV, positions=whole, **kw), plain)), kw
+        plain = run_gqa(qkv, dout, NH, NKV, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(run_gqa(qkv, dout, NH, NKV, positions=whole, **kw), plain)), kw
     ref, lse, dref = autograd(qkv64, dout64, NH, NKV, packed([T], [T]))
-    out, att, dqkv = run(qkv, dout, NH, NKV)
+    out, att, dqkv = run_gqa(qkv, dout, NH, NKV)
     assert_close(out, ref, "causal out", **TOL32)
     assert_close(dqkv, dref, "causal dqkv", **TOL32)
 
@@ -207,11 +195,11 @@ def test_a_packed_row_equals_its_documents_one_a_row():
     T = positions.shape[1]
     qkv, dout = (on_device(x) for x in inputs(1, T, NH, NKV, hs, seed=11))
     rope = ROPE.rope_cache(T, hs, 10000.0)
-    out, att, dqkv = run(qkv, dout, NH, NKV, rope=rope, positions=on_device(positions, torch.int32))
+    out, att, dqkv = run_gqa(qkv, dout, NH, NKV, rope=rope, positions=on_device(positions, torch.int32))
     start = 0
     for n in lengths:
         doc = slice(start, start + n)
-        alone = run(qkv[:, doc].contiguous(), dout[:, doc].contiguous(), NH, NKV, rope=rope)
+        alone = run_gqa(qkv[:, doc].contiguous(), dout[:, doc].contiguous(), NH, NKV, rope=rope)
         for got, want, name in zip((out[:, doc], att[:, :, doc], dqkv[:, doc]), alone, ("out", "logsumexp", "dqkv")):
             assert_close(got, want, f"{name} of the document at {start}", atol=1e-6, rtol=1e-5)
         start += n
@@ -233,12 +221,12 @@ def test_documents_with_rope_and_dropout(monkeypatch, blocks):
     pos = on_device(positions, torch.int32)
     for window in (0, 13):
         ref, _, dref = autograd(qkv, dout, NH, NKV, positions, window=window, keep=keep, p=p, **tabs)
-        out, _, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, window=window, rope=(cos, sin), dropout_p=p,
+        out, _, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, window=window, rope=(cos, sin), dropout_p=p,
                            seed=seed, positions=pos)
         assert_close(out, ref, f"out (rope, dropout, window {window})", **TOL32)
         assert_close(dqkv, dref, f"dqkv (rope, dropout, window {window})", **TOL32)
     ref, lse, dref = autograd(qkv, dout, NH, NKV, positions, **tabs)
-    out, att, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, rope=(cos, sin), positions=pos)
+    out, att, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, rope=(cos, sin), positions=pos)
     assert_close(out, ref, "out (rope)", **TOL32)
     assert_close(att, lse, "logsumexp (rope)", **TOL32)
     assert_close(dqkv, dref, "dqkv (rope)", **TOL32)
@@ -257,7 +245,7 @@ def test_documents_bf16_with_rope_within_pytorchs_own_error(hs):
     xb = qkv.to(BF16).requires_grad_(True)
     t_out, _ = attention_ref(xb, NH, NKV, positions, window=window, cos=cos.cpu(), sin=sin.cpu())
     (t_d,) = torch.autograd.grad(t_out, xb, dout.to(BF16))
-    out, _, dqkv = run(on_device(qkv, BF16), on_device(dout, BF16), NH, NKV, window=window, rope=(cos, sin),
+    out, _, dqkv = run_gqa(on_device(qkv, BF16), on_device(dout, BF16), NH, NKV, window=window, rope=(cos, sin),
                        positions=on_device(positions, torch.int32))
     assert_bf16_close(out, ref, t_out, "packed out bf16")
     assert_bf16_close(dqkv, dref, t_d, "packed dqkv bf16")
@@ -289,7 +277,7 @@ def test_documents_equal_the_cpu_op():
     B, T = positions.shape
     NH, NKV, hs, W = 6, 2, 16, 6
     qkv, dout = inputs(B, T, NH, NKV, hs, seed=6)
-    out, att, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, window=W,
+    out, att, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, window=W,
                          positions=on_device(positions, torch.int32))
     q, d, pos = qkv.float().numpy().copy(), dout.float().numpy().copy(), positions.numpy().copy()
     cout, catt, cdq = np.empty((B, T, NH * hs), np.float32), np.empty((B, NH, T), np.float32), np.empty_like(q)
@@ -306,7 +294,7 @@ def test_bad_positions_are_refused():
         if isinstance(bad, torch.Tensor):
             bad = bad.to(DEVICE)
         with pytest.raises(ValueError, match=r"positions must be a \(1, 3\) int32 tensor"):
-            run(qkv, dout, 4, 2, positions=bad)
+            run_gqa(qkv, dout, 4, 2, positions=bad)
         with pytest.raises(ValueError, match=r"positions must be a \(1, 3\) int32 tensor"):
             GQA.gqa_attention_prepare(qkv, 4, 2, positions=bad)
 

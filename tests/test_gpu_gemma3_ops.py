@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, empty, on_device, randn, reference
+from gpu_helpers import DEVICE, REAL_GPU, assert_bf16_close, assert_close, empty, on_device, randn, reference, run_gqa
 
 from handgrad import torch_ref
 from handgrad.backends import cpu
@@ -68,17 +68,6 @@ def autograd(qkv, dout, NH, NKV, **kw):
     return out.detach(), lse.detach(), torch.autograd.grad(out, x, dout)[0]
 
 
-def run(qkv, dout, NH, NKV, **kw):
-    B, T, W = qkv.shape
-    hs = W // (NH + 2 * NKV)
-    out = torch.full((B, T, NH * hs), float("nan"), dtype=qkv.dtype, device=qkv.device)
-    att = torch.full((B, NH, T), float("nan"), device=qkv.device)
-    GQA.gqa_attention_forward(out, att, qkv, NH, NKV, **kw)
-    dqkv = torch.full_like(qkv, float("nan"))
-    GQA.gqa_attention_backward(dqkv, dout, qkv, att, NH, NKV, out=out, **kw)
-    return out, att, dqkv
-
-
 WINDOW_CASES = [  # B, T, NH, NKV, hs, window, scale
     pytest.param(2, 13, 4, 2, 16, 4, None, id="T13-W4"),
     pytest.param(1, 1, 6, 2, 16, 3, None, id="T1"),
@@ -92,11 +81,11 @@ WINDOW_CASES = [  # B, T, NH, NKV, hs, window, scale
 def test_window_against_autograd(B, T, NH, NKV, hs, window, scale):
     qkv, dout = inputs(B, T, NH, NKV, hs, seed=B * T + NH + window)
     ref, lse, dref = autograd(qkv, dout, NH, NKV, window=window, scale=scale)
-    out, att, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, window=window, scale=scale)
+    out, att, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, window=window, scale=scale)
     assert_close(out, ref, "windowed out", atol=2e-5, rtol=1e-4)
     assert_close(att, lse, "windowed logsumexp", atol=2e-5, rtol=1e-4)
     assert_close(dqkv, dref, "windowed dqkv", atol=2e-5, rtol=1e-4)
-    again = run(on_device(qkv), on_device(dout), NH, NKV, window=window, scale=scale)[2]
+    again = run_gqa(on_device(qkv), on_device(dout), NH, NKV, window=window, scale=scale)[2]
     assert torch.equal(again, dqkv)  # no atomics: bitwise repeatable
 
 
@@ -109,7 +98,7 @@ def test_window_across_many_blocks(monkeypatch, blocks, window):
     B, T, NH, NKV, hs = 1, 45, 6, 2, 16
     qkv, dout = inputs(B, T, NH, NKV, hs, seed=window)
     ref, lse, dref = autograd(qkv, dout, NH, NKV, window=window)
-    out, att, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, window=window)
+    out, att, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, window=window)
     assert_close(out, ref, "windowed out", atol=2e-5, rtol=1e-4)
     assert_close(att, lse, "windowed logsumexp", atol=2e-5, rtol=1e-4)
     assert_close(dqkv, dref, "windowed dqkv", atol=2e-5, rtol=1e-4)
@@ -128,24 +117,24 @@ def test_blocks_outside_the_window_are_never_read(monkeypatch):
     # rows 48..63 (the last query block) see keys from 44 on: their first key block starts at 32
     late = qkv.clone()
     late[:, :32, QK:] = float("nan")
-    out, _, dqkv = run(on_device(late), on_device(dout), NH, NKV, window=W)
+    out, _, dqkv = run_gqa(on_device(late), on_device(dout), NH, NKV, window=W)
     assert_close(out[:, 48:], ref[:, 48:], "out of the last query block", atol=2e-5, rtol=1e-4)
     assert_close(dqkv[:, 48:, :QK], dref[:, 48:, :QK], "dq of the last query block", atol=2e-5, rtol=1e-4)
     # keys 0..15 (the first key block) are seen by rows 0..19 only: query blocks from 32 on are skipped
     early, d_early = qkv.clone(), dout.clone()
     early[:, 32:, :QK] = float("nan")
     d_early[:, 32:] = float("nan")
-    _, _, dqkv = run(on_device(early), on_device(d_early), NH, NKV, window=W)
+    _, _, dqkv = run_gqa(on_device(early), on_device(d_early), NH, NKV, window=W)
     assert_close(dqkv[:, :16, QK:], dref[:, :16, QK:], "dk, dv of the first key block", atol=2e-5, rtol=1e-4)
 
 
 def test_window_zero_or_covering_t_is_the_causal_kernel_bit_for_bit():
     B, T, NH, NKV, hs = 1, 17, 6, 2, 16
     qkv, dout = (on_device(x) for x in inputs(B, T, NH, NKV, hs, seed=4))
-    plain = run(qkv, dout, NH, NKV)
+    plain = run_gqa(qkv, dout, NH, NKV)
     for kw in (dict(window=0), dict(window=T), dict(window=T + 100), dict(window=0, scale=None)):
-        assert all(torch.equal(a, b) for a, b in zip(run(qkv, dout, NH, NKV, **kw), plain)), kw
-    scaled = run(qkv, dout, NH, NKV, scale=1 / math.sqrt(hs))
+        assert all(torch.equal(a, b) for a, b in zip(run_gqa(qkv, dout, NH, NKV, **kw), plain)), kw
+    scaled = run_gqa(qkv, dout, NH, NKV, scale=1 / math.sqrt(hs))
     for a, b, name in zip(scaled, plain, ("out", "logsumexp", "dqkv")):
         assert_close(a, b, f"explicit 1/sqrt(hs) {name}", atol=1e-6, rtol=1e-6)
 
@@ -161,12 +150,12 @@ def test_window_with_rope_and_dropout(monkeypatch, blocks):
     keep = torch.from_numpy(cpu_dropout.keep_mask((B, NH, T, T), p, seed))
     tabs = dict(cos=cos.cpu().double(), sin=sin.cpu().double())
     ref, _, dref = autograd(qkv, dout, NH, NKV, window=W, scale=0.2, keep=keep, p=p, **tabs)
-    out, _, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, window=W, scale=0.2, rope=(cos, sin),
+    out, _, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, window=W, scale=0.2, rope=(cos, sin),
                        dropout_p=p, seed=seed)
     assert_close(out, ref, "out", atol=2e-5, rtol=1e-4)
     assert_close(dqkv, dref, "dqkv", atol=2e-5, rtol=1e-4)
     ref, _, dref = autograd(qkv, dout, NH, NKV, window=W, **tabs)
-    out, _, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, window=W, rope=(cos, sin))
+    out, _, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, window=W, rope=(cos, sin))
     assert_close(out, ref, "out (rope, no dropout)", atol=2e-5, rtol=1e-4)
     assert_close(dqkv, dref, "dqkv (rope, no dropout)", atol=2e-5, rtol=1e-4)
 
@@ -181,7 +170,7 @@ def test_window_bf16_with_rope_within_pytorchs_own_error(hs):
     xb = qkv.to(BF16).requires_grad_(True)
     t_out, _ = attention_ref(xb, NH, NKV, window=W, scale=scale, cos=cos.cpu(), sin=sin.cpu())
     (t_d,) = torch.autograd.grad(t_out, xb, dout.to(BF16))
-    out, _, dqkv = run(on_device(qkv, BF16), on_device(dout, BF16), NH, NKV, window=W, scale=scale, rope=(cos, sin))
+    out, _, dqkv = run_gqa(on_device(qkv, BF16), on_device(dout, BF16), NH, NKV, window=W, scale=scale, rope=(cos, sin))
     assert_bf16_close(out, ref, t_out, "windowed out bf16")
     assert_bf16_close(dqkv, dref, t_d, "windowed dqkv bf16")
 
@@ -203,7 +192,7 @@ def test_window_equals_the_cpu_op():
         pytest.skip("the cpu op takes no window= yet")
     B, T, NH, NKV, hs, W = 1, 21, 6, 2, 16, 6
     qkv, dout = inputs(B, T, NH, NKV, hs, seed=6)
-    out, att, dqkv = run(on_device(qkv), on_device(dout), NH, NKV, window=W, scale=0.3)
+    out, att, dqkv = run_gqa(on_device(qkv), on_device(dout), NH, NKV, window=W, scale=0.3)
     q, d = qkv.float().numpy().copy(), dout.float().numpy().copy()
     cout, catt, cdq = np.empty((B, T, NH * hs), np.float32), np.empty((B, NH, T), np.float32), np.empty_like(q)
     cpu.gqa_attention_forward(cout, catt, q, NH, NKV, window=W, scale=0.3)
@@ -216,9 +205,9 @@ def test_bad_window_and_scale_are_refused():
     qkv, dout = on_device(torch.zeros(1, 3, 8 * 16)), on_device(torch.zeros(1, 3, 64))
     for window in (-1, 2.0, True):
         with pytest.raises(ValueError, match="window must be an int >= 0"):
-            run(qkv, dout, 4, 2, window=window)
+            run_gqa(qkv, dout, 4, 2, window=window)
     with pytest.raises(ValueError, match="scale must be a finite number"):
-        run(qkv, dout, 4, 2, scale=float("inf"))
+        run_gqa(qkv, dout, 4, 2, scale=float("inf"))
 
 
 # ----------------------------------------------------------------- decoding with a window
