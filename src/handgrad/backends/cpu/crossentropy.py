@@ -166,8 +166,11 @@ def crossentropy_mean(losses, targets):
 # that read z and wrote a distinct-looking d would, when the two are the same buffer (as in the
 # model), fail LLVM's runtime overlap check and run its scalar loop: measured 58 ms against 9 ms
 # for (2048, 8192). So an out-of-place call copies the logits into dlogits first.
+# Row i's dloss is dloss[i * stride]: stride 1 gives each row its own (a (B, T) array of weights),
+# stride 0 reads dloss[0] for every row (the mean's 1/n, or any single number). It is loaded once
+# per row into a scalar, so the loop over the row's V elements is the same code either way.
 @kernel(min_parallel=HEAVY)
-def _crossentropy_backward_kernel(zd, lse, targets, dloss):
+def _crossentropy_backward_kernel(zd, lse, targets, dloss, stride):
     N, V = zd.shape
     for i in prange(N):
         tgt = targets[i]
@@ -176,17 +179,18 @@ def _crossentropy_backward_kernel(zd, lse, targets, dloss):
                 zd[i, j] = 0.0
             continue
         m = lse[i]
+        w = dloss[i * stride]
         for j in range(V):
-            zd[i, j] = np.exp(zd[i, j] - m) * dloss
-        zd[i, tgt] -= dloss
+            zd[i, j] = np.exp(zd[i, j] - m) * w
+        zd[i, tgt] -= w
 
 
 @kernel(min_parallel=HEAVY)
-def _crossentropy_backward_kernel32(zd, lse, targets, dloss, d16, narrow):
+def _crossentropy_backward_kernel32(zd, lse, targets, dloss, stride, d16, narrow):
     """float32 twin of _crossentropy_backward_kernel, all in float32 with exp32. lse must not be
     rounded to float32 (see crossentropy_forward): it is split as hi + lo, hi = float32(lse),
     lo = float32(lse - hi), and z - lse formed as (z - hi) - lo, as accurate as rounding the
-    float64 z - lse to float32 to within about an ulp. dloss is a np.float32."""
+    float64 z - lse to float32 to within about an ulp. dloss is a float32 array."""
     N, V = zd.shape
     for i in prange(N):
         tgt = targets[i]
@@ -199,9 +203,10 @@ def _crossentropy_backward_kernel32(zd, lse, targets, dloss, d16, narrow):
             continue
         hi = np.float32(lse[i])
         lo = np.float32(lse[i] - np.float64(hi))
+        w = dloss[i * stride]
         for j in range(V):
-            z[j] = exp32((z[j] - hi) - lo) * dloss
-        z[tgt] -= dloss
+            z[j] = exp32((z[j] - hi) - lo) * w
+        z[tgt] -= w
         if narrow:  # the row, still in cache, as bf16 for the lm_head's backward products
             narrow_into(d16[i], z)
 
@@ -210,7 +215,7 @@ def _crossentropy_backward_kernel32(zd, lse, targets, dloss, d16, narrow):
 # element's gradient is multiplied by d z' / d u = 1 - (z' / c)^2, written (1 - t)(1 + t) with
 # t = z' / c (no cancellation where |z'| nears c), read before it is overwritten.
 @kernel(min_parallel=HEAVY)
-def _crossentropy_backward_softcap_kernel(zd, lse, targets, dloss, cap):
+def _crossentropy_backward_softcap_kernel(zd, lse, targets, dloss, stride, cap):
     N, V = zd.shape
     for i in prange(N):
         tgt = targets[i]
@@ -219,16 +224,17 @@ def _crossentropy_backward_softcap_kernel(zd, lse, targets, dloss, cap):
                 zd[i, j] = 0.0
             continue
         m = lse[i]
+        w = dloss[i * stride]
         tt = zd[i, tgt] / cap
         for j in range(V):
             z = zd[i, j]
             t = z / cap
-            zd[i, j] = np.exp(z - m) * dloss * ((1.0 - t) * (1.0 + t))
-        zd[i, tgt] -= dloss * ((1.0 - tt) * (1.0 + tt))
+            zd[i, j] = np.exp(z - m) * w * ((1.0 - t) * (1.0 + t))
+        zd[i, tgt] -= w * ((1.0 - tt) * (1.0 + tt))
 
 
 @kernel(min_parallel=HEAVY)
-def _crossentropy_backward_softcap_kernel32(zd, lse, targets, dloss, d16, narrow, cap):
+def _crossentropy_backward_softcap_kernel32(zd, lse, targets, dloss, stride, d16, narrow, cap):
     """float32 twin, as _crossentropy_backward_kernel32 (lse split as hi + lo); cap a np.float32."""
     N, V = zd.shape
     for i in prange(N):
@@ -242,38 +248,65 @@ def _crossentropy_backward_softcap_kernel32(zd, lse, targets, dloss, d16, narrow
             continue
         hi = np.float32(lse[i])
         lo = np.float32(lse[i] - np.float64(hi))
+        w = dloss[i * stride]
         tt = z[tgt] / cap
         for j in range(V):
             zj = z[j]
             t = zj / cap
-            z[j] = exp32((zj - hi) - lo) * dloss * ((ONE32 - t) * (ONE32 + t))
-        z[tgt] -= dloss * ((ONE32 - tt) * (ONE32 + tt))
+            z[j] = exp32((zj - hi) - lo) * w * ((ONE32 - t) * (ONE32 + t))
+        z[tgt] -= w * ((ONE32 - tt) * (ONE32 + tt))
         if narrow:
             narrow_into(d16[i], z)
 
 
+def _dloss_rows(dloss, targets, dtype):
+    """(a 1-D dtype array, its row stride) that the backward kernels read row i's dloss from as
+    array[i * stride]: a single number (None: 1/n over the non-ignored rows of targets) in a
+    1-element workspace with stride 0; an array of targets.size elements, in targets' row order,
+    with stride 1 (a 1-element array: stride 0)."""
+    if dloss is None:
+        count = int(np.count_nonzero(targets.reshape(-1) != IGNORE_INDEX))
+        dloss = 1.0 / count if count else 0.0
+    if np.ndim(dloss) == 0:
+        one = workspace("crossentropy_dloss", (1,), dtype)
+        one[0] = dloss
+        return one, 0
+    per_row = np.ascontiguousarray(dloss, dtype=dtype).reshape(-1)
+    if per_row.size == targets.size:
+        return per_row, int(targets.size > 1)
+    if per_row.size == 1:
+        return per_row, 0
+    raise ValueError(f"crossentropy_backward: dloss must be a number, a 1-element array or a "
+                     f"{tuple(targets.shape)} array (targets' shape), got shape {np.shape(dloss)}")
+
+
 def crossentropy_backward(dlogits, logits, lse, targets, dloss=None, softcap=0.0):
-    """For loss = mean_i (lse_i - z_i[y_i]) over the n non-ignored rows:
-        dz_i = (softmax(z_i) - onehot(y_i)) * dloss,  dloss = 1/n (the mean);  0 on ignored rows.
+    """For loss = sum_i dloss_i (lse_i - z_i[y_i]) over the non-ignored rows i:
+        dz_i = (softmax(z_i) - onehot(y_i)) * dloss_i;  0 on ignored rows (target -1), whatever dloss_i.
+    dloss may be None (dloss_i = 1/n over the n non-ignored rows: the gradient of the mean loss),
+    a number (every row's dloss_i), or an array of targets' shape (B, T), or of as many elements
+    read in targets' row order: each row's own dloss_i (preference tuning weights each sequence's
+    token losses by the derivative of its loss in that sequence's summed log-probability). A
+    float32 path reads dloss rounded to float32.
     Overwrites dlogits, which may be the logits buffer itself (in place, the fast path).
     dlogits may be bf16 (uint16 bit patterns: the input of the lm_head's bf16 backward products)
     for float32 logits: then the logits are overwritten with the float32 dlogits too (in place),
     each row narrowed into dlogits as it is finished. bf16 logits are widened a block of rows at
     a time into float32 scratch, and their gradient narrowed into dlogits (bf16), which may be the
-    logits themselves. dloss defaults to 1/n.
+    logits themselves.
 
     softcap = c > 0: the logits read are the capped z' = c tanh(u / c) (as softcap_forward left
     them, and as crossentropy_forward took them), and dlogits is the gradient of the uncapped u:
         d z' / d u = 1 - tanh^2(u / c) = 1 - (z' / c)^2,
-        du_i = (softmax(z'_i) - onehot(y_i)) * dloss * (1 - (z'_i / c)^2)  (elementwise).
+        du_i = (softmax(z'_i) - onehot(y_i)) * dloss_i * (1 - (z'_i / c)^2)  (elementwise).
     softcap = 0.0: no capping (the kernels above, unchanged).
     """
     if softcap < 0:
         raise ValueError(f"crossentropy_backward: softcap must be >= 0 (0: none), got {softcap}")
     t = targets.reshape(-1)
-    if dloss is None:
-        count = int(np.count_nonzero(t != IGNORE_INDEX))
-        dloss = 1.0 / count if count else 0.0
+    # the kernels' working dtype: that of the rows they overwrite (backward_rows), float32 for bf16
+    work64 = (logits if dlogits.dtype == np.uint16 else dlogits).dtype == np.float64
+    w, stride = _dloss_rows(dloss, targets, np.float64 if work64 else np.float32)
     fn32, cap = (_crossentropy_backward_softcap_kernel32, (np.float32(softcap),)) if softcap else \
         (_crossentropy_backward_kernel32, ())
     if logits.dtype == np.uint16:
@@ -281,12 +314,12 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None, softcap=0.0
             raise ValueError("crossentropy_backward: the gradient of bf16 logits is bf16")
         d2, lse2 = rows(dlogits), lse.reshape(-1)
         for r0, r1, wide in _widened_blocks(rows(logits)):
-            fn32(wide, lse2[r0:r1], t[r0:r1], np.float32(dloss), d2[r0:r1], True, *cap)
+            fn32(wide, lse2[r0:r1], t[r0:r1], w[r0:r1] if stride else w, stride, d2[r0:r1], True, *cap)
         return
     zd, narrow = backward_rows(dlogits, logits)
     if zd.dtype == np.float32:
-        fn32(zd, lse.reshape(-1), t, np.float32(dloss), rows(dlogits), narrow, *cap)
+        fn32(zd, lse.reshape(-1), t, w, stride, rows(dlogits), narrow, *cap)
     elif softcap:
-        _crossentropy_backward_softcap_kernel(zd, lse.reshape(-1), t, dloss, float(softcap))
+        _crossentropy_backward_softcap_kernel(zd, lse.reshape(-1), t, w, stride, float(softcap))
     else:
-        _crossentropy_backward_kernel(zd, lse.reshape(-1), t, dloss)
+        _crossentropy_backward_kernel(zd, lse.reshape(-1), t, w, stride)
