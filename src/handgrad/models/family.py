@@ -9,6 +9,7 @@ Everything that is not a family's own math is shared: the flat buffers (`flat_la
 `flat_views` below), the optimizer (training/optim.py, over the flat buffers), checkpoints
 (interop/checkpoint.py, by param_spec names), sampling (models/decode.py) and data parallelism.
 """
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -85,7 +86,8 @@ class CausalLM(Protocol):
 
     def forward(self, idx, targets=None, positions=None, *, grad=False): ...  # mean loss (with targets) or logits
     def forward_loss(self, idx, targets, positions=None): ...  # the loss as the backend's scalar (no host sync)
-    def backward(self, grads_ready=None): ...           # gradients of the last forward's loss into flat_grad
+    def backward(self, grads_ready=None, dloss=None): ...  # gradients of the last forward's loss into flat_grad
+    def token_losses(self): ...                         # (B, T) float32 NumPy: the last forward's loss per token
     def zero_grad(self): ...
     def decay_segments(self): ...                       # (start, end, decay?) per tensor, for AdamW
     def state_dict(self): ...                           # {name: array}, under param_spec's names
@@ -220,6 +222,16 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
             ad.dropout = self.lora.dropout if self.training else 0.0
             ad.seed = self.dropout_seed(l, lora_parts.SITE_LORA + ad.index)
         return ads
+
+    @contextmanager
+    def adapters_off(self):
+        """Inside, the model computes its base alone: a LoRA model's adapters are skipped (PEFT's
+        disable_adapter; DPO's reference model, training/dpo.py). Nothing is copied."""
+        adapters, self.adapters = self.adapters, []
+        try:
+            yield self
+        finally:
+            self.adapters = adapters
 
     def plain(self):
         """A model of the same family and backend without adapters, computing what this one does
@@ -402,6 +414,13 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
                 a.positions = self.ops.empty(idx.shape, np.int32)
             self.ops.upload_tokens(a.positions, positions)
         return a
+
+    def token_losses(self):
+        """The last forward's loss of each token, (B, T) float32 NumPy: lse - z[target], 0 where the
+        target is -1 (minus the log-probability of each target token)."""
+        if self._acts is None or not self._ready_for_backward:
+            raise RuntimeError("token_losses() needs a forward(idx, targets) with targets first")
+        return self.ops.to_numpy(self._acts.losses).astype(np.float32, copy=True)
 
     def documents(self, a):
         """The attention, RoPE and position ops' keywords for the rows staged in a: {"positions": ...}

@@ -236,13 +236,14 @@ class GPT(FlatModel):
         r.drop(r.proj, l, self.SITE_MLP_OUT)
         ops.residual_forward(r.res3(l), x2, r.proj)
 
-    def backward(self, grads_ready=None):
+    def backward(self, grads_ready=None, dloss=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss.
 
         The logits buffer is overwritten by dlogits, so backward() runs once per forward.
         grads_ready(lo, hi), if given, is called as each range of `grad_buckets` is final (ln_f,
         each block from the last, then the embeddings), so a data-parallel run can start reducing
-        a block's gradients while the backward goes on to the next.
+        a block's gradients while the backward goes on to the next. dloss (B, T): the gradients of
+        sum(dloss * token losses) instead of the mean loss's (head_backward).
         """
         ready = grads_ready or (lambda lo, hi: None)
         buckets = iter(self.grad_buckets)
@@ -258,7 +259,7 @@ class GPT(FlatModel):
             a.alloc_grads(ops, self.config, self._act_dtype())
         L = self.config.n_layer
 
-        self.head_backward(a, a.dlnf, acc)
+        self.head_backward(a, a.dlnf, acc, dloss)
         a.dres[...] = 0
         ops.layernorm_backward(a.dres, g.get("ln_f.weight"), g.get("ln_f.bias"), a.dlnf, a.res3[L - 1],
                                p["ln_f.weight"], a.lnf_mean, a.lnf_rstd)

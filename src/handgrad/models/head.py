@@ -97,9 +97,12 @@ class Head:
             return self.ops.from_bf16(z)
         return z.copy() if copy else z
 
-    def head_backward(self, a, dx, acc):
+    def head_backward(self, a, dx, acc, dloss=None):
         """d loss / d x into dx (B, T, C), and d loss / d W added to head_forward's dW (written when
-        not acc; None: frozen), from the loss head_loss formed.
+        not acc; None: frozen), from the loss head_loss formed. dloss (B, T) (the backend's array):
+        the gradient of another objective in each token's loss instead of the mean's 1/n
+        (training/dpo.py's: each token of a sequence weighted by d loss / d its summed log-prob); the
+        forward must then have left the head's gradient to the backward (grad=False).
 
         Whole: dlogits = (softmax(z) - onehot(y)) / n in place of the logits, then dx = dlogits @ W^T,
         dW (+)= x^T @ dlogits. Chunked, over the row ranges R of head_chunks: the rows are
@@ -111,8 +114,11 @@ class Head:
         (Gemma's final_logit_softcapping): the cross-entropy's backward reads z' and multiplies its
         gradient by dz'/dz = 1 - (z' / cap)^2 as it writes it, so dlogits is the uncapped logits'."""
         x, W, dW = a.head
+        if dloss is not None and a.head_dx:
+            raise RuntimeError("backward(dloss=...): the forward formed the mean loss's gradient already; "
+                               "run it with grad=False")
         if not a.chunked:
-            self.ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets, **self._cap())  # in place
+            self.ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets, dloss, **self._cap())  # in place
             self.ops.linear_backward(dx, dW, None, a.logits, x, W, acc)
         elif a.head_dx:
             if dx is not a.dhead:
@@ -120,12 +126,13 @@ class Head:
         else:
             for r0, r1, logits in self.head_chunks(a):
                 self._logits(logits, row_range(x, r0, r1), W)
-                self._chunk_backward(a, r0, r1, logits, dx, dW, acc or r0 > 0)
+                self._chunk_backward(a, r0, r1, logits, dx, dW, acc or r0 > 0, dloss)
 
-    def _chunk_backward(self, a, r0, r1, logits, dx, dW, acc):
+    def _chunk_backward(self, a, r0, r1, logits, dx, dW, acc, dloss=None):
         """Rows r0:r1 of dx, and their part of dW, from the chunk's logits z_R (overwritten by
         their gradient)."""
-        self.ops.crossentropy_backward(logits, logits, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1), a.dloss,
+        scale = a.dloss if dloss is None else row_range(dloss, r0, r1)
+        self.ops.crossentropy_backward(logits, logits, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1), scale,
                                        **self._cap())
         self.ops.linear_backward(row_range(dx, r0, r1), dW, None, logits, row_range(a.head[0], r0, r1), a.head[1],
                                  acc)

@@ -382,10 +382,11 @@ class Llama(FlatModel):
                                        **self.documents(a))
         self.mlp_half(r, l)
 
-    def backward(self, grads_ready=None):
+    def backward(self, grads_ready=None, dloss=None):
         """Accumulate (+=) into the gradient buffer the gradients of the last forward's mean loss
         (the logits buffer is overwritten by dlogits, so backward() runs once per forward).
-        grads_ready(lo, hi), if given, is called as each range of `grad_buckets` is final. The frame
+        grads_ready(lo, hi), if given, is called as each range of `grad_buckets` is final. dloss (B, T):
+        the gradients of sum(dloss * token losses) instead (head_backward). The frame
         is every Llama-shaped family's: the head, the final norm, block_backward for blocks L-1 .. 0
         (dres carrying the residual stream's gradient down), the embedding."""
         ready = grads_ready or (lambda lo, hi: None)
@@ -399,7 +400,7 @@ class Llama(FlatModel):
         if a.grads is None:
             a.alloc_grads(ops, c, self._act_dtype())
         L = c.n_layer
-        self.head_backward(a, a.dnormf, acc)
+        self.head_backward(a, a.dnormf, acc, dloss)
         a.dres[...] = 0
         ops.rmsnorm_backward(a.dres, g.get("model.norm.weight"), a.dnormf, a.res3[L - 1],
                              self.norm_weight("model.norm.weight"), a.rstdf)
