@@ -86,10 +86,6 @@ def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_siz
                         f"{val_fraction}; add conversations or lower --val-fraction")
     n_train = len(convs) - n_val
     splits = {"train": [convs[k] for k in order[:n_train]], "val": [convs[k] for k in order[n_train:]]}
-    groups = {split: _shard_groups([len(ids) for ids, _ in c], shard_tokens) for split, c in splits.items()}
-    names = {split: [f"{split}_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
-    mask_names = {split: [f"{split}_mask_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
-    count = {split: sum(len(ids) for ids, _ in c) for split, c in splits.items()}
     inputs = {split: [len(ids) - 1 for ids, _ in c] for split, c in splits.items()}  # positions each fills
     # the splits are already shuffled (the seed's permutation): best fit in that order mixes lengths in each row
     packing = {split: pack_best_fit(n, block_size, decreasing=False) for split, n in inputs.items()} if pack else None
@@ -97,9 +93,15 @@ def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_siz
         {split: len(c) for split, c in splits.items()}
     padding = {split: round(1 - sum(n) / (rows[split] * block_size), 6) if rows[split] else None
                for split, n in inputs.items()}
+    index = {}
+    for split, groups_ in (packing or {}).items():
+        index[f"{split}_pack_rows"] = np.cumsum([0] + [len(g) for g in groups_]).astype(np.int64)
+        index[f"{split}_pack_order"] = np.asarray([j for g in groups_ for j in g], dtype=np.int64)
+    mask_names, write_contents = sequence_writer(splits, tok, fmt, shard_tokens, INDEX_FILE, index)
     meta = {"source": [str(source)], "kind": "chat", "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id, "documents": len(convs), "train_tokens": count["train"],
-            "val_tokens": count["val"], "val_fraction": val_fraction, "seed": seed,
+            "eot_id": tok.eot_id, "documents": len(convs),
+            "train_tokens": sum(len(ids) for ids, _ in splits["train"]),
+            "val_tokens": sum(len(ids) for ids, _ in splits["val"]), "val_fraction": val_fraction, "seed": seed,
             "chat": {"block_size": block_size, "truncated": truncated, "dropped": dropped,
                      "conversations": {s: len(c) for s, c in splits.items()},
                      "assistant_tokens": {s: int(sum(m[1:].sum() for _, m in c)) for s, c in splits.items()},
@@ -110,24 +112,33 @@ def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_siz
             "format": shard_format(tok.vocab_size), "handgrad_version": __version__}
     if pack:
         meta["chat"]["rows"] = rows
+    return meta, write_contents
+
+
+def sequence_writer(splits: dict, tok, fmt, shard_tokens: int, index_file: str, index: dict) -> tuple[dict, callable]:
+    """(the mask shards' names per split, write_contents(tmp) -> the token shards' names per split)
+    of token sequences with their masks, splits {split: [(ids (n,), mask (n,)), ...]}: the shards
+    (consecutive sequences grouped, none crossing a shard), index_file holding `index` and each
+    split's offsets, the tokenizer and chat.json (fmt's). Chat data and preference data
+    (data/preference.py) are both written so; ChatDataset reads them back."""
+    groups = {split: _shard_groups([len(ids) for ids, _ in c], shard_tokens) for split, c in splits.items()}
+    names = {split: [f"{split}_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
+    mask_names = {split: [f"{split}_mask_{i:06d}.bin" for i in range(len(g))] for split, g in groups.items()}
     dtype = token_dtype(tok.vocab_size)  # uint16, or uint32 above 65,536 ids
 
     def write_contents(tmp: Path) -> dict:
-        index = {}
-        for split, convs_ in splits.items():
+        offsets = {}
+        for split, seqs in splits.items():
             for group, name, mask_name in zip(groups[split], names[split], mask_names[split]):
-                write_shard(tmp / name, np.concatenate([convs_[j][0] for j in group]).astype(dtype))
-                write_shard(tmp / mask_name, np.concatenate([convs_[j][1] for j in group]).astype(np.uint16))
-            index[split] = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in convs_])]).astype(np.int64)
-            if pack:
-                index[f"{split}_pack_rows"] = np.cumsum([0] + [len(g) for g in packing[split]]).astype(np.int64)
-                index[f"{split}_pack_order"] = np.asarray([j for g in packing[split] for j in g], dtype=np.int64)
-        save_safetensors(index, tmp / INDEX_FILE)
+                write_shard(tmp / name, np.concatenate([seqs[j][0] for j in group]).astype(dtype))
+                write_shard(tmp / mask_name, np.concatenate([seqs[j][1] for j in group]).astype(np.uint16))
+            offsets[split] = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in seqs])]).astype(np.int64)
+        save_safetensors({**index, **offsets}, tmp / index_file)
         tok.save(tmp)  # tokenizer.json (and an hf tokenizer's tokenizer_config.json)
         (tmp / CHAT_FILE).write_text(json.dumps(fmt.to_json(), indent=1) + "\n", encoding="utf-8")
         return names
 
-    return meta, write_contents
+    return mask_names, write_contents
 
 
 def pack_best_fit(lengths, block_size: int, decreasing: bool = True) -> list[list[int]]:
@@ -185,13 +196,11 @@ def summary(meta: dict) -> str:
 
 
 # ---------------------------------------------------------------- reading it back
-def is_chat(data_dir) -> bool:
-    return load_meta(data_dir).get("kind") == "chat"
-
-
 def open_dataset(data_dir, split: str) -> Dataset:
-    """A split of any prepared data directory: ChatDataset for chat data, else Dataset."""
-    return ChatDataset(data_dir, split) if is_chat(data_dir) else Dataset(data_dir, split)
+    """A split of any prepared data directory: ChatDataset for chat data, PreferenceDataset for
+    preference pairs, else Dataset."""
+    kind = load_meta(data_dir).get("kind")
+    return {"chat": ChatDataset, "preference": PreferenceDataset}.get(kind, Dataset)(data_dir, split)
 
 
 class ChatDataset(Dataset):
@@ -206,33 +215,35 @@ class ChatDataset(Dataset):
     padded positions. Packed, get_batch also returns positions that restart at 0 for each
     conversation (and for the padding after the last one); attention takes them and masks across
     documents, so a packed conversation sees only itself and its content equals its padded row's."""
+    SECTION, INDEX_FILE, FORMAT = "chat", INDEX_FILE, "chat"  # meta.json's section, the index file, prepare's --format
 
     def __init__(self, data_dir, split: str):
         super().__init__(data_dir, split)
-        hint = "re-run handgrad prepare --format chat"
-        chat = self.meta.get("chat")
+        hint = f"re-run handgrad prepare --format {self.FORMAT}"
+        chat = self.meta.get(self.SECTION)
         names = chat.get("mask_shards", {}).get(split) if isinstance(chat, dict) else None
         if not isinstance(names, list) or len(names) != len(self.shards) or \
                 not all(isinstance(n, str) and Path(n).name == n for n in names):
-            raise DataError(f"{self.data_dir}: meta.json's chat.mask_shards does not list one mask shard per "
+            raise DataError(f"{self.data_dir}: meta.json's {self.SECTION}.mask_shards does not list one mask shard per "
                             f"{split} shard; {hint}")
         self.masks = [read_shard(self.data_dir / n) for n in names]
         for name, mask, n in zip(names, self.masks, self.lengths):
             if len(mask) != n:
                 raise DataError(f"{self.data_dir / name}: {len(mask)} positions for a shard of {n} tokens; {hint}")
         try:
-            index = load_file(str(self.data_dir / INDEX_FILE))
+            index = load_file(str(self.data_dir / self.INDEX_FILE))
             offsets = index[split]
         except (OSError, SafetensorError, KeyError) as e:
-            raise DataError(f"{self.data_dir / INDEX_FILE}: cannot read the {split} offsets ({e}); {hint}") from None
+            raise DataError(f"{self.data_dir / self.INDEX_FILE}: cannot read the {split} offsets ({e}); {hint}") from None
         bounds = np.concatenate([[0], np.cumsum(self.lengths)])  # (n_shards + 1,)
         shard = np.searchsorted(bounds, offsets[:-1], side="right") - 1  # (n,) each conversation's shard
         if (offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != self.num_tokens or np.any(np.diff(offsets) < 1)
                 or np.any(offsets[1:] > bounds[np.minimum(shard + 1, len(bounds) - 1)])):
-            raise DataError(f"{self.data_dir / INDEX_FILE}: the {split} offsets do not cut its shards into "
-                            f"conversations; {hint}")
+            raise DataError(f"{self.data_dir / self.INDEX_FILE}: the {split} offsets do not cut its shards into "
+                            f"sequences; {hint}")
         self.offsets, self.conv_shard, self.shard_start = offsets.astype(np.int64), shard, bounds[:-1]
         self.num_conversations = len(offsets) - 1
+        self.index = index
         self.pad_id = int(read_json_file(self.data_dir / CHAT_FILE).get("end_of_turn_id", 0)) \
             if (self.data_dir / CHAT_FILE).is_file() else 0
         self.packed = bool(chat.get("packed", False))
@@ -323,3 +334,45 @@ class ChatDataset(Dataset):
         n = min(int(self.offsets[j + 1] - self.offsets[j]), T + 1)
         ids, mask = self.shards[s][lo:lo + n], self.masks[s][lo:lo + n]  # (n,)
         return ids[:-1], np.where(mask[1:] == 1, ids[1:].astype(np.int32), -1)
+
+
+PAIRS_FILE = "pairs.safetensors"
+
+
+class PreferenceDataset(ChatDataset):
+    """One split of a preference data directory (`handgrad prepare --format preference`,
+    data/preference.py): pairs of sequences, the prompt followed by the chosen completion, then the
+    same prompt followed by the rejected one, stored as sequences 2j and 2j + 1 with the completion's
+    tokens masked in, as a chat data directory stores conversations and their assistant tokens.
+
+    get_batch draws B pairs and returns x, y (2B, T), the chosen sequences in rows 0 .. B-1 and the
+    rejected ones in rows B .. 2B-1 (TRL's DataCollatorForPreference's order), y the next token on
+    completion tokens and -1 elsewhere, and the pairs' indices (B,) in the split (the reference
+    log-probabilities precomputed for them are looked up by it)."""
+    SECTION, INDEX_FILE, FORMAT = "preference", PAIRS_FILE, "preference"
+
+    def __init__(self, data_dir, split: str):
+        super().__init__(data_dir, split)
+        if self.num_conversations % 2:
+            raise DataError(f"{self.data_dir / self.INDEX_FILE}: the {split} split holds {self.num_conversations} "
+                            f"sequences, not pairs; re-run handgrad prepare --format preference")
+        self.num_pairs = self.num_conversations // 2
+        self.source_rows = self.index.get(f"{split}_source_rows")  # (num_pairs,) each pair's line in the source
+
+    def get_batch(self, B: int, T: int, rng: np.random.Generator,
+                  rows: slice | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x, y (2b, T) int32 and pairs (b,) int64 of b = B pairs drawn uniformly with `rng` only, or
+        of the pairs `rows` selects from them (a data-parallel rank's)."""
+        if B < 1 or T < 1:
+            raise ValueError(f"B and T must be positive, got B={B}, T={T}")
+        if self.num_pairs == 0:
+            raise DataError(f"{self.data_dir}: the {self.split} split has no pair (prepared with --val-fraction 0?); "
+                            f"prepare the data again with a val fraction above 0")
+        picks = rng.integers(0, self.num_pairs, size=B)  # (B,)
+        picks = picks if rows is None else picks[rows]
+        return (*self.pairs_of(picks, T), picks.astype(np.int64))
+
+    def pairs_of(self, pairs, T: int) -> tuple[np.ndarray, np.ndarray]:
+        """x, y (2 len(pairs), T) int32: the chosen sequences of `pairs`, then their rejected ones."""
+        pairs = np.asarray(pairs, dtype=np.int64)
+        return self.rows_of(np.concatenate([2 * pairs, 2 * pairs + 1]), T)

@@ -8,7 +8,8 @@ split; `tokenizer.json` (and a Hugging Face tokenizer's `tokenizer_config.json`)
 the sources as given, the tokenizer, vocab_size, eot_id, token counts, the split settings, the shard
 names, the format and the handgrad version. `--format chat` adds the mask of assistant tokens,
 where each conversation starts and, with `--pack`, which conversations share each row (data/chat_data.py
-describes that directory).
+describes that directory); `--format preference` writes preference pairs for DPO the same way, each
+pair's chosen and rejected sequences side by side (data/preference.py).
 
 The same sources, options and seed give a byte-identical DATA_DIR, and it is written into a hidden
 temporary directory renamed into place only when complete, so a failure never leaves a DATA_DIR that
@@ -41,6 +42,7 @@ from .shards import (
     write_shard,
 )
 from .chat_data import build_chat_data, summary as chat_summary
+from .preference import build_preference_data, summary as preference_summary
 from .sources import DataError, Document, iter_documents, resolve_sources
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
@@ -54,7 +56,7 @@ from .tokenizer import (
 )
 
 
-FORMATS = ("text", "chat")
+FORMATS = ("text", "chat", "preference")
 ENCODE_BATCH = 64  # documents per encode_batch call (bpe and gpt2 encode a batch in parallel)
 
 
@@ -238,7 +240,8 @@ def prepare(sources: Sequence[str], out, tokenizer: str | None = None, vocab_siz
     """Tokenize `sources` into a new data directory `out` (see the module docstring); returns its meta.
     Sources that are all llm.c token shards are imported as they are (import_llmc_shards).
     format "chat": one chats.jsonl of conversations (data/chat_data.py), block_size its truncation and
-    row length, pack to pack several conversations into each row."""
+    row length, pack to pack several conversations into each row. format "preference": one JSONL of
+    preference pairs for DPO (data/preference.py), block_size their truncation."""
     out = Path(out)
     tokenizer = str(resolve_model(tokenizer)) if tokenizer is not None else None  # a published model's name
     if format != "text" or block_size is not None or pack:
@@ -299,26 +302,35 @@ def _prepare_text(sources, out, tokenizer, vocab_size, val_fraction, seed, shard
 def _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard_tokens, format, block_size,
                   pack=False):
     """prepare() of --format chat: conversations rendered with the --tokenizer model's chat
-    template, the loss on assistant tokens only (data/chat.py, data/chat_data.py)."""
+    template, the loss on assistant tokens only (data/chat.py, data/chat_data.py); and of --format
+    preference: preference pairs for DPO (data/preference.py)."""
     if format not in FORMATS:
-        raise DataError(f"--format {format}: unknown format; choose text or chat")
+        raise DataError(f"--format {format}: unknown format; choose text, chat or preference")
     if format != "chat" and pack:
-        raise DataError("--pack applies only to --format chat (text data is one token stream, with no padding "
-                        "to pack away); add --format chat or drop --pack")
-    if format != "chat":
-        raise DataError("--block-size applies only to --format chat (text windows are cut at train time); drop it")
+        what = ("preference pairs are one sequence a row, chosen and rejected side by side); drop --pack"
+                if format == "preference" else
+                "text data is one token stream, with no padding to pack away); add --format chat or drop --pack")
+        raise DataError(f"--pack applies only to --format chat ({what}")
+    if format == "text":
+        raise DataError("--block-size applies only to --format chat and preference (text windows are cut at train "
+                        "time); drop it")
+    source = "chats.jsonl" if format == "chat" else "JSONL of preference pairs"
     if len(sources) != 1:
-        raise DataError(f"--format chat: give one chats.jsonl SOURCE, got {len(sources)}")
+        raise DataError(f"--format {format}: give one {source} SOURCE, got {len(sources)}")
     if vocab_size is not None:
-        raise DataError("--vocab-size: --format chat uses the model's own tokenizer; drop it")
+        raise DataError(f"--vocab-size: --format {format} uses the model's own tokenizer; drop it")
     if tokenizer is None or tokenizer in TOKENIZER_NAMES:
-        raise DataError(f"--format chat: --tokenizer {tokenizer} is not a model's tokenizer; pass the model's "
+        raise DataError(f"--format {format}: --tokenizer {tokenizer} is not a model's tokenizer; pass the model's "
                         f"directory (its tokenizer.json and chat template)")
     _check_options(out, "byte", None, val_fraction, seed)  # the output and split options (chat_data.py checks the tokenizer)
     with _own(out):
         _check_options(out, "byte", None, val_fraction, seed)
-        meta, write_contents = build_chat_data(sources[0], tokenizer, val_fraction, seed, block_size, shard_tokens,
-                                               pack)
+        if format == "chat":
+            meta, write_contents = build_chat_data(sources[0], tokenizer, val_fraction, seed, block_size,
+                                                   shard_tokens, pack)
+        else:
+            meta, write_contents = build_preference_data(sources[0], tokenizer, val_fraction, seed, block_size,
+                                                         shard_tokens)
         return _write_data_dir(out, meta, write_contents)
 
 
@@ -347,9 +359,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="text", choices=FORMATS,
                         help="text: documents joined into one token stream (default); chat: a chats.jsonl of "
                              "{\"messages\": [...]} conversations, rendered with --tokenizer's chat template, the "
-                             "loss on assistant tokens only")
+                             "loss on assistant tokens only; preference: a JSONL of {\"prompt\", \"chosen\", "
+                             "\"rejected\"} pairs (TRL's conversational or plain layout) for train.objective dpo")
     parser.add_argument("--block-size", type=int, default=None, metavar="N",
-                        help="chat only: cut conversations to N + 1 tokens (the model's block_size; default 1024)")
+                        help="chat and preference: cut conversations (each sequence of a pair) to N + 1 tokens "
+                             "(the model's block_size; default 1024)")
     parser.add_argument("--pack", action="store_true",
                         help="chat only: pack several conversations into each row of --block-size positions (best "
                              "fit over the shuffled split, each conversation masked from the others) instead of one "
@@ -363,14 +377,17 @@ def main(args: argparse.Namespace) -> int:
                    pack=args.pack)
     if meta.get("kind") == "chat":
         print(chat_summary(meta), file=sys.stderr)
-    if meta.get("kind") != "chat" and meta["tokenizer"] == "hf" and meta["eot_id"] is None:
+    if meta.get("kind") == "preference":
+        print(preference_summary(meta), file=sys.stderr)
+    if meta.get("kind") is None and meta["tokenizer"] == "hf" and meta["eot_id"] is None:
         print(f"note: --tokenizer {args.tokenizer} has no end-of-sequence token (no eos_token, eos_token_id or "
               f"</s>-like special token); documents are joined with nothing between them", file=sys.stderr)
     if args.vocab_size is not None and meta["vocab_size"] < args.vocab_size:
         print(f"note: the corpus supports only {meta['vocab_size']} BPE tokens (asked {args.vocab_size})",
               file=sys.stderr)
     n_train, n_val = len(meta["shards"]["train"]), len(meta["shards"]["val"])
-    docs = "llm.c shards" if meta["documents"] is None else f"{meta['documents']:,} documents"
+    docs = "llm.c shards" if meta["documents"] is None else \
+        f"{meta['documents']:,} {'pairs' if meta.get('kind') == 'preference' else 'documents'}"
     print(f"{args.out}: {docs} -> {meta['train_tokens']:,} train tokens "
           f"({n_train} shard{'s' * (n_train != 1)}), {meta['val_tokens']:,} val tokens "
           f"({n_val} shard{'s' * (n_val != 1)}); tokenizer {meta['tokenizer']}, vocab_size {meta['vocab_size']:,}")
