@@ -266,6 +266,9 @@ class TrainSection:
     lora_dropout: float = 0.0
     lora_train_norms: bool = False
     lora_train_embeddings: bool = False
+    objective: str = "cross_entropy"
+    dpo_beta: float = 0.1
+    dpo_reference: str = "precompute"
 
 
 SECTIONS = {"model": ModelSection, "train": TrainSection}
@@ -282,7 +285,8 @@ ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size", "voca
 LORA_TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc", "mlp.c_proj"), "llama": ("q", "k", "v", "o", "gate", "up", "down"),
                 "gemma3": ("q", "k", "v", "o", "gate", "up", "down")}
 CHOICES = {"model.arch": ARCHS, "train.on_nan": ("stop", "skip"), "train.dtype": ("float32", "bfloat16"),
-           "train.log_to": ("none", "tensorboard", "wandb"), "train.recompute": ("none", "block")}
+           "train.log_to": ("none", "tensorboard", "wandb"), "train.recompute": ("none", "block"),
+           "train.objective": ("cross_entropy", "dpo"), "train.dpo_reference": ("precompute", "adapters_off")}
 
 
 @dataclass
@@ -458,7 +462,7 @@ def validate_run_config(config):
         config.gpt_config(1)  # the family's own checks: n_head divides n_embd, and Llama's even head size, ...
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for key in ("log_to", "recompute", "dtype"):
+    for key in ("log_to", "recompute", "dtype", "objective", "dpo_reference"):
         if getattr(t, key) not in CHOICES[f"train.{key}"]:
             raise ConfigError(f"train.{key}: must be one of {', '.join(CHOICES['train.' + key])}, got {getattr(t, key)!r}")
     for key in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "keep_checkpoints", "log_interval"):
@@ -475,6 +479,15 @@ def validate_run_config(config):
                           f"got {t.zero_stage}")
     if not t.dist_timeout > 0:
         raise ConfigError(f"train.dist_timeout: must be a positive number of seconds, got {t.dist_timeout}")
+    if not t.dpo_beta > 0:
+        raise ConfigError(f"train.dpo_beta: must be > 0, got {t.dpo_beta}")
+    if t.objective == "dpo" and t.dpo_reference == "adapters_off" and not t.lora_rank:
+        raise ConfigError("train.dpo_reference adapters_off: needs a LoRA run (train.lora_rank > 0), whose base is "
+                          "the reference; full fine-tuning takes train.dpo_reference precompute")
+    if t.objective == "dpo" and t.dpo_reference == "adapters_off" and (t.lora_train_norms or t.lora_train_embeddings):
+        which = "train.lora_train_norms" if t.lora_train_norms else "train.lora_train_embeddings"
+        raise ConfigError(f"train.dpo_reference adapters_off: {which} trains base tensors, so the model with its "
+                          f"adapters off is no longer the reference; use train.dpo_reference precompute")
     if t.on_nan not in ("skip", "stop"):
         raise ConfigError(f"train.on_nan: must be skip or stop, got {t.on_nan!r}")
     for key in ("beta1", "beta2"):

@@ -53,7 +53,7 @@ KEYS = {
         "final_logit_softcapping": ("The logits as cap x tanh(logits / cap)", "no softcapping"),
     },
     "train": {
-        "batch_size": "Sequences per micro-batch",
+        "batch_size": "Sequences per micro-batch (train.objective dpo: preference pairs, each a chosen and a rejected sequence)",
         "grad_accum_steps": "Micro-batches per optimizer step (a step's tokens: batch_size x block_size x this "
                             "x processes)",
         "max_steps": "Optimizer steps in the run",
@@ -100,6 +100,14 @@ KEYS = {
         "lora_dropout": ("Dropout on the adapters' input (PEFT's lora_dropout)", "no dropout"),
         "lora_train_norms": "LoRA runs: also train the norm gains (and GPT-2's norm biases)",
         "lora_train_embeddings": "LoRA runs: also train the embeddings (and an untied lm_head)",
+        "objective": ("What the run minimises: cross_entropy, the next token's (text, or chat data's assistant "
+                      "tokens); dpo, DPO's sigmoid loss on preference data (prepare --format preference), batch_size "
+                      "then counting pairs"),
+        "dpo_beta": "DPO's beta: the strength of the pull towards the reference model (TRL's default 0.1)",
+        "dpo_reference": ("Where DPO's reference log-probabilities come from: precompute, one pass of the starting "
+                          "model over the data before the first step, kept in RUN_DIR/reference_logps.safetensors "
+                          "(a forward per pair once); adapters_off, LoRA runs only, the model with its adapters off "
+                          "beside each step (a forward per pair per step, nothing stored)"),
     },
 }
 

@@ -19,8 +19,12 @@ def format_step(rec, gflops, peak):
         line += f" | MFU {100 * gflops / peak:4.1f}%"
     if "target_tok_per_s" in rec:  # chat data: the tokens the loss learnt from (assistant tokens)
         line += f" | {rec['target_tok_per_s']:,.0f} target tok/s"
+    if "rewards/accuracies" in rec:  # train.objective dpo
+        line += f" | reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:.3f}"
     if "val_loss" in rec:
         line += f" | val {rec['val_loss']:.4f}"
+    if "val_rewards/accuracies" in rec:
+        line += f" acc {rec['val_rewards/accuracies']:.2f} margin {rec['val_rewards/margins']:.3f}"
     for key, value in rec.items():  # train.eval_tasks: each task's accuracy
         if key.startswith("eval/") and key.endswith("/acc"):
             line += f" | {key[5:-4]} {value:.3f}"

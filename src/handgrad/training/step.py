@@ -15,8 +15,9 @@ def lr_at(step, t):
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 
-def accumulate_gradients(model, opt, batches, grad_clip, dp=None, zero_stage=0, dropout_key=None):
-    """zero_grad, then forward + backward on each (x, y) or (x, y, positions) micro-batch. The
+def accumulate_gradients(model, opt, batches, grad_clip, dp=None, zero_stage=0, dropout_key=None, objective=None):
+    """zero_grad, then forward + backward on each (x, y) or (x, y, positions) micro-batch, or with
+    objective (training/dpo.py's DPO) its step on each of its micro-batches. The
     gradient buffer then holds the sum of the micro-batches' mean-loss gradients; with dp
     (data-parallel ranks, see handgrad.training.distributed) also summed over the ranks, all of it
     or (zero_stage 1) this rank's slice. Returns (mean loss, norm of the mean gradient, the
@@ -28,11 +29,16 @@ def accumulate_gradients(model, opt, batches, grad_clip, dp=None, zero_stage=0, 
     hook = dp.grads_ready(model) if dp is not None and zero_stage == 0 else None
     loss = 0.0
     for i, batch in enumerate(batches):  # (x, y), or (x, y, positions) for packed documents
-        if dropout_key is not None:
-            model.set_training(True, step=dropout_key[1], micro_step=i, seed=dropout_key[0])
+        dropout = None if dropout_key is None else dict(step=dropout_key[1], micro_step=i, seed=dropout_key[0])
+        ready = hook if i == len(batches) - 1 else None
         try:
+            if objective is not None:
+                loss += objective.step(model, batch, ready, dropout) / len(batches)
+                continue
+            if dropout is not None:
+                model.set_training(True, **dropout)
             loss += model.forward(*batch, grad=True) / len(batches)
-            model.backward(grads_ready=hook if i == len(batches) - 1 else None)
+            model.backward(grads_ready=ready)
         finally:
             model.set_training(False)
     ranks = 1 if dp is None else dp.world_size

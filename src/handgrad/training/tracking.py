@@ -1,5 +1,5 @@
 """Experiment tracking (`train.log_to`): the scalars of metrics.jsonl (loss, val loss, lr, grad
-norm, tok/s, MFU) also to TensorBoard or Weights & Biases, with the run's config.
+norm, tok/s, MFU, DPO's rewards) also to TensorBoard or Weights & Biases, with the run's config.
 
 TensorBoard event files are written by tensorboardX's EventsWriter (RUN_DIR/tb; `tensorboard --logdir RUN_DIR/tb`);
 on resume, events past the checkpoint are purged, as metrics.jsonl's lines are. wandb runs offline
@@ -17,10 +17,18 @@ SCALARS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad
            "tok_per_s": "perf/tok_per_s", "target_tok_per_s": "perf/target_tok_per_s", "mfu": "perf/mfu"}
 
 
+DPO_PREFIXES = ("rewards/", "logps/")  # training/dpo.py's METRICS, as TRL names them
+
+
 def scalars(rec):
-    """(tag, value) of every scalar of a metrics record: SCALARS', then train.eval_tasks' eval/TASK/METRIC
-    keys under their own names."""
+    """(tag, value) of every scalar of a metrics record: SCALARS', DPO's rewards/... and logps/... under
+    train/ (their val_ twins under val/, as TRL's are under train/ and eval/), then train.eval_tasks'
+    eval/TASK/METRIC keys under their own names."""
     out = [(tag, rec[key]) for key, tag in SCALARS.items() if rec.get(key) is not None]
+    for key, value in rec.items():
+        val = key.startswith("val_")
+        if (key[4:] if val else key).startswith(DPO_PREFIXES) and value is not None:
+            out.append((f"val/{key[4:]}" if val else f"train/{key}", value))
     return out + [(key, value) for key, value in rec.items() if key.startswith("eval/") and value is not None]
 
 

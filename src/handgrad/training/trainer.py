@@ -13,7 +13,7 @@ from ..backends import get_backend
 from ..backends.cpu.compiles import compile_watch
 from ..config import ConfigError
 from ..data.chat import CHAT_FILE
-from ..data.chat_data import ChatDataset, open_dataset
+from ..data.chat_data import ChatDataset, PreferenceDataset, open_dataset
 from ..data.tokenizer import load_tokenizer
 from ..files import write_atomic
 from ..interop.load import fit_weights, model_sampling, write_generation_config
@@ -23,6 +23,7 @@ from ..models.decode import generate
 from ..models.lora import base_digest, lora_flops_per_token
 from .device_loop import DeviceLoop, check_cuda_graph
 from .distributed import DataParallel, DistributedError
+from .dpo import DPO, REFERENCE_FILE, load_reference, precompute_reference, save_reference
 from .loop import StepLog, StopFlag, model_size
 from .memory import check_memory, describe, estimate
 from .optim import AdamW
@@ -50,6 +51,7 @@ class Trainer:
         self.train_data, self.val_data = open_dataset(data_dir, "train"), open_dataset(data_dir, "val")
         self.counts_targets, self.step_targets = isinstance(self.train_data, ChatDataset), 0
         t = config.train
+        self._check_objective(t)
         check_data(config, self.data_dir, self.train_data, self.val_data)
         if resume:
             check_same_data(self.run_dir, self.data_dir, self.train_data)
@@ -73,7 +75,7 @@ class Trainer:
         # train.loss_chunk is unset, the loss forms them AUTO_LOSS_CHUNK rows at a time instead
         memory, need = None, None
         for chunk in (t.loss_chunk, AUTO_LOSS_CHUNK) if not t.loss_chunk else (t.loss_chunk,):
-            memory = estimate(self.family, self.gpt_config, t.batch_size, config.model.block_size, backend, t.dtype,
+            memory = estimate(self.family, self.gpt_config, self.rows, config.model.block_size, backend, t.dtype,
                               self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, config.lora_config(),
                               loss_chunk=chunk, recompute=t.recompute,
                               sample_tokens=t.sample_tokens if t.sample_interval else 0, eval_tasks=bool(t.eval_tasks))
@@ -85,7 +87,7 @@ class Trainer:
                 continue
             if chunk != t.loss_chunk:
                 t.loss_chunk = chunk
-                self.log(f"train.loss_chunk {chunk}: the whole batch's logits ({t.batch_size} x "
+                self.log(f"train.loss_chunk {chunk}: the whole batch's logits ({self.rows} x "
                          f"{config.model.block_size} x {self.gpt_config.vocab_size:,}) do not fit in memory; the loss "
                          f"forms them {chunk} rows at a time")
             break
@@ -105,6 +107,10 @@ class Trainer:
         lora = config.lora_config()
         if init_from is not None and "adapter" in (init_from[2:] or [{}])[0]:  # continue training a LoRA adapter
             lora = self._adapter_config(init_from[0], lora, init_from[2]["adapter"]["lora"])
+            if t.objective == "dpo" and t.dpo_reference == "adapters_off":
+                raise ConfigError(f"train.dpo_reference adapters_off: --init-from {init_from[0]} is an adapter, so the "
+                                  f"base without it is not the model the run starts from; use train.dpo_reference "
+                                  f"precompute (the reference is then the base with this adapter)")
         self.model = self.family.model(self.gpt_config, backend=backend, seed=t.seed,
                                        buffer_multiple=self.dp.world_size, dtype=t.dtype, lora=lora,
                                        dropout=config.model.dropout, loss_chunk=t.loss_chunk, recompute=t.recompute)
@@ -145,11 +151,43 @@ class Trainer:
         # every rank starts from rank 0's weights (resumed ones are equal already: checked above)
         self.dp.broadcast(self.model.flat_params)
         self.model.weights_changed()
+        self.dpo = None if t.objective != "dpo" else DPO(t.dpo_beta, t.dpo_reference, self._reference(resume))
         if self.sharded:
             full, ours = 8 * self.model.num_params, 8 * (shard[1] - shard[0])
             self.log(f"zero_stage 1: AdamW moments sharded over {self.dp.world_size} ranks: {ours / 2**20:,.1f} MiB "
                      f"per rank instead of {full / 2**20:,.1f} MiB (saves {(full - ours) / 2**20:,.1f} MiB per rank)")
 
+
+    def _check_objective(self, t):
+        """train.objective against the data: dpo takes preference pairs, and preference pairs take dpo.
+        Sets self.rows, the rows of a micro-batch's forward: a pair is two."""
+        preference = isinstance(self.train_data, PreferenceDataset)
+        if t.objective == "dpo" and not preference:
+            raise ConfigError(f"train.objective dpo: {self.data_dir} holds no preference pairs; prepare them with "
+                              f"handgrad prepare PAIRS.jsonl --format preference --tokenizer MODEL")
+        if preference and t.objective != "dpo":
+            raise ConfigError(f"{self.data_dir}: preference pairs train with train.objective dpo; pass "
+                              f"--train.objective dpo, or prepare --format chat data for supervised fine-tuning")
+        self.rows = t.batch_size * (2 if preference else 1)
+
+    def _reference(self, resume):
+        """DPO's precomputed reference log-probs ({split: (chosen, rejected)}), or None (adapters_off):
+        read back on resume, else formed by the model as it starts, before the first step, and kept
+        in RUN_DIR/reference_logps.safetensors."""
+        t = self.config.train
+        if t.dpo_reference != "precompute":
+            return None
+        path, splits = self.run_dir / REFERENCE_FILE, {"train": self.train_data, "val": self.val_data}
+        if resume:
+            if not path.is_file():
+                raise TrainError(f"{path}: missing; a DPO run keeps its reference log-probs there, and without "
+                                 f"them it cannot resume: start the run again with another --out")
+            return load_reference(path, splits, self.identity)
+        logps = precompute_reference(self.model, splits, t.batch_size, self.config.model.block_size, self.dp,
+                                     self.log)
+        if self.dp.is_main:
+            save_reference(path, logps, self.identity)
+        return logps
 
     def _adapter_config(self, path, asked, found):
         """--init-from an adapter: train it on with its own rank, alpha, targets and trained norms or
@@ -230,7 +268,7 @@ class Trainer:
         sgemm peak of all ranks together) adds MFU to the log. On the gpu the losses stay on the
         device until a step is logged or saved (settle). Returns the step reached."""
         t, T, dp = self.config.train, self.config.model.block_size, self.dp
-        tokens_per_step = t.batch_size * T * t.grad_accum_steps * dp.world_size
+        tokens_per_step = self.rows * T * t.grad_accum_steps * dp.world_size
         flops_per_step = tokens_per_step * (self.family.flops_per_token(self.gpt_config, T) if self.model.lora is None
                                             else lora_flops_per_token(self.family, self.gpt_config, self.model.lora, T))
         steps = StepLog(self.run_dir, t, dp, self.log, self.tracker, self.step, flops_per_step, peak_gflops,
@@ -239,7 +277,11 @@ class Trainer:
         watch = compile_watch()  # counts Numba's compiles, to tag the steps during which it compiled
         self.log(f"model: {model_size(self.model)}; {tokens_per_step:,} tokens per step"
                  f"{f' over {dp.world_size} ranks' if dp.world_size > 1 else ''}; steps {self.step} -> {t.max_steps}")
-        if self.counts_targets:
+        if self.dpo is not None:
+            self.log(f"data: {self.train_data.num_pairs:,} preference pairs, {t.batch_size} a micro-batch (its chosen "
+                     f"and rejected sequences one a row, padded); dpo: beta {t.dpo_beta:g}, reference "
+                     f"{'precomputed' if t.dpo_reference == 'precompute' else 'the model with its adapters off'}")
+        elif self.counts_targets:
             chat = self.train_data.meta["chat"]
             padding = (chat.get("padding") or {}).get("train")
             self.log(f"data: conversations {chat.get('batches', 'one conversation per row, padded')}"
@@ -269,6 +311,8 @@ class Trainer:
                            "tok_per_s": tokens_per_step / dt, "ms": dt * 1e3}
                     if self.counts_targets:  # chat data: the assistant tokens the loss learnt from
                         rec.update(targets=int(targets), target_tok_per_s=targets / dt)
+                    if self.dpo is not None:  # the step's rewards, over every rank's pairs
+                        rec.update(self.dpo.take_metrics(dp))
                     last = self.step == t.max_steps
                     evaluate = bool(t.eval_interval and self.val_data.num_tokens
                                     and (self.step % t.eval_interval == 0 or last))
@@ -284,6 +328,8 @@ class Trainer:
                         unread, window = [], None
                     if evaluate:
                         rec["val_loss"] = self.evaluate()
+                        if self.dpo is not None:
+                            rec.update(self.dpo.take_metrics(dp, prefix="val_"))
                         rec.update(self.evaluate_tasks())
                     steps.write(recs)
                     if sample:
@@ -325,7 +371,7 @@ class Trainer:
             self.step += 1
             return None, None, lr
         loss, norm, grad_scale = accumulate_gradients(self.model, self.opt, batches, t.grad_clip, dp, t.zero_stage,
-                                                      dropout_key=(t.seed, self.step))
+                                                      dropout_key=(t.seed, self.step), objective=self.dpo)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self._numerical_fault(self.step + 1, loss)  # raises on "stop"; on "skip" the weights stay untouched
         else:
@@ -338,7 +384,7 @@ class Trainer:
 
     def _device_loop(self):
         """The gpu's sync-free step (one process), made at the first step (after any resume)."""
-        if self.model.backend != "gpu" or self.dp.world_size > 1:
+        if self.model.backend != "gpu" or self.dp.world_size > 1 or self.dpo is not None:
             return None
         if self.device_loop is None:
             self.device_loop = DeviceLoop(self.model, self.opt, self.config.train, self.step,
@@ -413,8 +459,8 @@ class Trainer:
         rank takes its rows of every global batch, as in training)."""
         t, T, dp = self.config.train, self.config.model.block_size, self.dp
         rng = make_rng(seed=[t.seed, 3])
-        losses = [self.model.forward(*self.val_data.get_batch(t.batch_size * dp.world_size, T, rng,
-                                                              rows=dp.rows(t.batch_size)))
+        loss = self.model.forward if self.dpo is None else (lambda *batch: self.dpo.loss(self.model, batch))
+        losses = [loss(*self.val_data.get_batch(t.batch_size * dp.world_size, T, rng, rows=dp.rows(t.batch_size)))
                   for _ in range(t.eval_steps)]
         return float(dp.sum([np.mean(losses)])[0]) / dp.world_size
 
