@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import peft_name, peft_reference, tokenizer_files
+from helpers import peft_name, peft_reference, tiny_run, tokenizer_files
 
 from handgrad.cli import main as cli
 from handgrad.config import GPTConfig, LlamaConfig, LoRAConfig
@@ -313,11 +313,17 @@ def test_dpo_refusals(pref_data, tok_dir, tmp_path, capsys):
 
 
 def test_lora_dpo_with_adapters_off_trains_and_moves_the_rewards(pref_data, capsys):
+    """From a pretrained model (tests/helpers.py's tiny_run, its tokenizer the data's), at the block
+    size the pairs were prepared for."""
     root, data = pref_data
     out = root / "lora"
-    assert cli(["train", "--data", str(data), "--out", str(out), *MODEL, "--train.lora_rank", "4",
-                "--train.dpo_reference", "adapters_off", "--train.max_steps", "6", "--train.lr", "3e-2"]) == 0
-    assert "reference the model with its adapters off" in capsys.readouterr().out
+    base = tiny_run(root / "base")
+    train = [a for a in MODEL[MODEL.index("--train.batch_size"):]]
+    assert cli(["train", "--init-from", str(base), "--data", str(data), "--out", str(out), *train,
+                "--train.lora_rank", "4", "--train.dpo_reference", "adapters_off", "--train.max_steps", "6",
+                "--train.lr", "3e-2"]) == 0
+    log = capsys.readouterr().out
+    assert "reference the model with its adapters off" in log and "block_size 64," in log
     assert not (out / "reference_logps.safetensors").exists()
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert recs[0]["rewards/margins"] == 0.0  # a new adapter: the policy starts as the base

@@ -50,7 +50,7 @@ def pretrained_config(path, config, overrides, data_dir=None):
     load_pretrained's info (an adapter's tensors). model.arch and the
     architecture keys come from the model (an override that disagrees is an error); model.block_size
     may be smaller than the model's, never larger. Unless a preset, file or flag sets it, it is the
-    block size chat data was prepared for, else min(the model's, 1024), as transformers' run_clm.py
+    block size chat or preference data was prepared for, else min(the model's, 1024), as transformers' run_clm.py
     chooses (a published model's 32,768 positions would not fit a CPU's batch). A llama-family model's
     context length (its own block_size, or the one a handgrad run recorded) goes on in
     info["context_length"]: the run records it and its exports give it (convert)."""
@@ -58,7 +58,7 @@ def pretrained_config(path, config, overrides, data_dir=None):
     if "block_size" not in config.given:
         meta = Path(data_dir or "") / "meta.json"
         meta = read_json(meta) if data_dir is not None and meta.is_file() else None  # (a bad one: Trainer says so)
-        chat = meta.get("chat") if isinstance(meta, dict) else None
+        chat = (meta.get("chat") or meta.get("preference")) if isinstance(meta, dict) else None
         asked = chat.get("block_size") if isinstance(chat, dict) else None
         config.model.block_size = min(pre.block_size, asked if isinstance(asked, int) and asked > 0
                                       else DEFAULT_FINETUNE_BLOCK)
