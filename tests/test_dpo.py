@@ -298,6 +298,7 @@ def test_dpo_refusals(pref_data, tok_dir, tmp_path, capsys):
          "train.dpo_reference adapters_off: train.lora_train_norms trains base tensors"),
         ([*MODEL[:-2]], f"{data}: preference pairs train with train.objective dpo"),
         ([*MODEL, "--train.dpo_beta", "0"], "train.dpo_beta: must be > 0"),
+        ([*MODEL, "--train.cuda_graph", "true"], "train.cuda_graph: a DPO step reads each sequence's log-prob back"),
     ]
     for args, message in cases:
         assert cli(["train", "--data", str(data), "--out", str(tmp_path / "r"), *args]) == 2
@@ -328,3 +329,55 @@ def test_lora_dpo_with_adapters_off_trains_and_moves_the_rewards(pref_data, caps
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert recs[0]["rewards/margins"] == 0.0  # a new adapter: the policy starts as the base
     assert max(r["rewards/margins"] for r in recs[1:]) > 0
+    # an adapter trained on: its base is no longer the starting model, so adapters_off is refused
+    assert cli(["train", "--init-from", str(out), "--data", str(data), "--out", str(root / "lora2"), *train,
+                "--train.dpo_reference", "adapters_off"]) == 2
+    assert f"--init-from {out} is an adapter, so the base without it is not the model the run starts from" in \
+        capsys.readouterr().err
+
+
+def test_dpo_two_ranks_equal_one_process(pref_data, tmp_path):
+    """Under torchrun each rank takes B of a global batch's 2B pairs (and a share of the reference's
+    precompute): the losses, rewards and weights of one process at 2B."""
+    import os
+    import subprocess
+    import sys
+    from safetensors.numpy import load_file
+    _, data = pref_data
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+
+    def train(out, nproc, batch):
+        args = ["-m", "handgrad", "train", "--data", str(data), "--out", str(out), *MODEL, "--train.batch_size",
+                str(batch), "--train.max_steps", "3", "--train.eval_interval", "3", "--train.checkpoint_interval", "3"]
+        cmd = [sys.executable, *args] if nproc == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    one, two = train(tmp_path / "one", 1, 4), train(tmp_path / "two", 2, 2)
+    for key in ["loss", "val_loss", *METRICS, *("val_" + k for k in METRICS)]:
+        np.testing.assert_allclose([r.get(key, 0.0) for r in two], [r.get(key, 0.0) for r in one], rtol=1e-5,
+                                   atol=1e-6, err_msg=key)
+    ref_one, ref_two = (load_file(str(p / "reference_logps.safetensors")) for p in (tmp_path / "one", tmp_path / "two"))
+    for key, v in ref_one.items():
+        np.testing.assert_allclose(ref_two[key], v, rtol=1e-5)
+    w1, w2 = (load_file(str(p / "ckpt/step_00000003/model.safetensors")) for p in (tmp_path / "one", tmp_path / "two"))
+    flat1, flat2 = (np.concatenate([w[k].ravel() for k in sorted(w1)]).astype(np.float64) for w in (w1, w2))
+    assert np.linalg.norm(flat2 - flat1) / np.linalg.norm(flat1) < 1e-6  # AdamW moves a near-zero gradient's weight by lr
+
+
+def test_the_preference_pairs_tool_writes_rows_prepare_reads(tok_dir, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    tool = Path(__file__).parent.parent / "tools" / "preference_pairs.py"
+    out = tmp_path / "prefs.jsonl"
+    subprocess.run([sys.executable, str(tool), str(out), "-n", "40", "--name", "Wren"], check=True, capture_output=True)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 40 and all(r["chosen"] != r["rejected"] for r in rows)
+    about_you = [r for r in rows if "Wren" in r["chosen"][0]["content"]]
+    assert 10 < len(about_you) < 30 and all("Wren" not in r["rejected"][0]["content"] for r in about_you)
+    assert all("Wren" in r["rejected"][0]["content"] for r in rows if r not in about_you)  # the introduction
+    meta = prepare([str(out)], tmp_path / "data", tokenizer=str(tok_dir), format="preference", block_size=96)
+    assert meta["preference"]["pairs"] == {"train": 36, "val": 4} and meta["preference"]["dropped"] == 0

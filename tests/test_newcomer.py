@@ -207,8 +207,8 @@ def test_the_stand_in_model_tool_without_the_test_extra_is_one_line(missing, tmp
 def _written_by_the_docs():
     """The paths the commands in README.md and the docs' pages (not the history) write: handgrad's
     --out (bench's reports into docs/ aside), convert's DST, --chats, and the output argument of
-    tools/tiny_hf_model.py and tools/identity_chats.py, as given (relative to the repo root, where
-    they are run)."""
+    tools/tiny_hf_model.py, tools/identity_chats.py and tools/preference_pairs.py, as given (relative
+    to the repo root, where they are run)."""
     import re
     import shlex
     from pathlib import Path
@@ -228,7 +228,8 @@ def _written_by_the_docs():
                     written |= {words[i + 1] for i, w in enumerate(words[:-1]) if w in ("--out", "--chats")}
                     if words[1:2] == ["convert"]:
                         written.add([w for w in words[2:] if not w.startswith("-")][1])
-                if words[:2] in (["python", "tools/tiny_hf_model.py"], ["python", "tools/identity_chats.py"]):
+                if words[:2] in (["python", "tools/tiny_hf_model.py"], ["python", "tools/identity_chats.py"],
+                                 ["python", "tools/preference_pairs.py"]):
                     written |= {words[2]} | {words[i + 1] for i, w in enumerate(words[:-1]) if w == "--chats"}
     return root, {p for p in written if not p.startswith(("/", "$")) and not p.isupper() and "..." not in p}
 

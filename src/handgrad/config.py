@@ -481,13 +481,6 @@ def validate_run_config(config):
         raise ConfigError(f"train.dist_timeout: must be a positive number of seconds, got {t.dist_timeout}")
     if not t.dpo_beta > 0:
         raise ConfigError(f"train.dpo_beta: must be > 0, got {t.dpo_beta}")
-    if t.objective == "dpo" and t.dpo_reference == "adapters_off" and not t.lora_rank:
-        raise ConfigError("train.dpo_reference adapters_off: needs a LoRA run (train.lora_rank > 0), whose base is "
-                          "the reference; full fine-tuning takes train.dpo_reference precompute")
-    if t.objective == "dpo" and t.dpo_reference == "adapters_off" and (t.lora_train_norms or t.lora_train_embeddings):
-        which = "train.lora_train_norms" if t.lora_train_norms else "train.lora_train_embeddings"
-        raise ConfigError(f"train.dpo_reference adapters_off: {which} trains base tensors, so the model with its "
-                          f"adapters off is no longer the reference; use train.dpo_reference precompute")
     if t.on_nan not in ("skip", "stop"):
         raise ConfigError(f"train.on_nan: must be skip or stop, got {t.on_nan!r}")
     for key in ("beta1", "beta2"):

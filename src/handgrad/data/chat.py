@@ -260,17 +260,23 @@ def read_conversations(path):
     Hugging Face convention). A line that is not JSON, a role other than these three, an assistant
     turn with no text or a conversation without one stops prepare with one line naming the file and
     line (so does one the template refuses, its raise_exception, in build_chat_data)."""
+    return read_jsonl(path, _check_line, "give a chats.jsonl file")
+
+
+def read_jsonl(path, check, hint):
+    """(line number, check(line, "path:line")) for each non-blank line of a UTF-8 JSONL file; a
+    file that cannot be read is a DataError naming it, with `hint` (what to give instead)."""
     path = Path(path)
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
-        raise DataError(f"{path}: cannot read it ({e.strerror or e}); give a chats.jsonl file") from None
+        raise DataError(f"{path}: cannot read it ({e.strerror or e}); {hint}") from None
     with f:
         lineno = 0
         try:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    yield lineno, _check_line(line, f"{path}:{lineno}")
+                    yield lineno, check(line, f"{path}:{lineno}")
         except UnicodeDecodeError:
             raise DataError(f"{path}:{lineno + 1}: not UTF-8 text; save the file as UTF-8") from None
 

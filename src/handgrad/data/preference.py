@@ -23,12 +23,11 @@ a pair whose prompt alone leaves no completion token inside it is dropped (count
 max_length with truncation_mode keep_start does.
 """
 import json
-from pathlib import Path
 
 import numpy as np
 
 from .. import __version__
-from .chat import ROLES, load_chat_format
+from .chat import ROLES, load_chat_format, read_jsonl
 from .chat_data import DEFAULT_BLOCK_SIZE, PAIRS_FILE, sequence_writer
 from .shards import SHARD_TOKENS, shard_format
 from .sources import DataError
@@ -45,20 +44,7 @@ def read_preferences(path):
     and rejected of one layout (both message lists, or both strings), a prompt of the same layout
     (absent: conversational rows take their shared first messages), no empty completion, and chosen
     different from rejected."""
-    path = Path(path)
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise DataError(f"{path}: cannot read it ({e.strerror or e}); give a JSONL file of "
-                        f"{{\"prompt\", \"chosen\", \"rejected\"}} rows") from None
-    with f:
-        lineno = 0
-        try:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield lineno, _check_row(line, f"{path}:{lineno}")
-        except UnicodeDecodeError:
-            raise DataError(f"{path}:{lineno + 1}: not UTF-8 text; save the file as UTF-8") from None
+    return read_jsonl(path, _check_row, 'give a JSONL file of {"prompt", "chosen", "rejected"} rows')
 
 
 def _check_row(line: str, where: str) -> dict:

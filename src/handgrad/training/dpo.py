@@ -22,6 +22,7 @@ logps/chosen and logps/rejected; the validation's the same with a `val_` prefix 
 """
 import contextlib
 import json
+import time
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -140,6 +141,7 @@ def precompute_reference(model, datasets, batch_size, T, dp=None, log=print):
     rank, world = (0, 1) if dp is None else (dp.rank, dp.world_size)
     out = {}
     for split, ds in datasets.items():
+        t0 = time.perf_counter()
         chosen, rejected = np.zeros(ds.num_pairs), np.zeros(ds.num_pairs)
         for i, p0 in enumerate(range(0, ds.num_pairs, batch_size)):
             if i % world != rank:
@@ -153,7 +155,8 @@ def precompute_reference(model, datasets, batch_size, T, dp=None, log=print):
             both = dp.sum(np.concatenate([chosen, rejected]))
             chosen, rejected = both[:ds.num_pairs], both[ds.num_pairs:]
         out[split] = (chosen, rejected)
-        log(f"dpo: reference log-probs of the {ds.num_pairs:,} {split} pairs precomputed")
+        log(f"dpo: reference log-probs of the {ds.num_pairs:,} {split} pairs precomputed in "
+            f"{time.perf_counter() - t0:.1f} s")
     return out
 
 

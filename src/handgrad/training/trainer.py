@@ -70,13 +70,18 @@ class Trainer:
         note = get_backend("cpu").bf16_note() if t.dtype == "bfloat16" and backend == "cpu" else None
         if note:  # a CPU with bf16 multiply, without oneDNN: widened
             self.log(note)
+        lora = config.lora_config()  # (an adapter --init-from continues: its own rank and targets)
+        if init_from is not None and "adapter" in (init_from[2:] or [{}])[0]:  # continue training a LoRA adapter
+            lora = self._adapter_config(init_from[0], lora, init_from[2]["adapter"]["lora"])
+        if t.objective == "dpo" and t.dpo_reference == "adapters_off":
+            self._check_adapters_off(lora, init_from)
         # count what the run will hold before allocating any of it; refuse what cannot fit. Where the
         # whole batch's logits do not fit (a 262,144-token vocabulary's: 4 GiB at B 4, T 1024) and
         # train.loss_chunk is unset, the loss forms them AUTO_LOSS_CHUNK rows at a time instead
         memory, need = None, None
         for chunk in (t.loss_chunk, AUTO_LOSS_CHUNK) if not t.loss_chunk else (t.loss_chunk,):
             memory = estimate(self.family, self.gpt_config, self.rows, config.model.block_size, backend, t.dtype,
-                              self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, config.lora_config(),
+                              self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, lora,
                               loss_chunk=chunk, recompute=t.recompute,
                               sample_tokens=t.sample_tokens if t.sample_interval else 0, eval_tasks=bool(t.eval_tasks))
             try:
@@ -102,15 +107,11 @@ class Trainer:
                                   "train.eval_interval to the steps between evaluations")
             self.task_eval = TaskEval(t.eval_tasks, t.eval_limit, self.data_dir, self.gpt_config.block_size, backend)
             self.log(self.task_eval.describe())
+        if t.cuda_graph and t.objective == "dpo":
+            raise ConfigError("train.cuda_graph: a DPO step reads each sequence's log-prob back to the host to form "
+                              "its loss, which a captured graph cannot; drop --train.cuda_graph")
         if t.cuda_graph:
             check_cuda_graph(backend, self.dp.world_size, config.model.dropout or (t.lora_rank and t.lora_dropout))
-        lora = config.lora_config()
-        if init_from is not None and "adapter" in (init_from[2:] or [{}])[0]:  # continue training a LoRA adapter
-            lora = self._adapter_config(init_from[0], lora, init_from[2]["adapter"]["lora"])
-            if t.objective == "dpo" and t.dpo_reference == "adapters_off":
-                raise ConfigError(f"train.dpo_reference adapters_off: --init-from {init_from[0]} is an adapter, so the "
-                                  f"base without it is not the model the run starts from; use train.dpo_reference "
-                                  f"precompute (the reference is then the base with this adapter)")
         self.model = self.family.model(self.gpt_config, backend=backend, seed=t.seed,
                                        buffer_multiple=self.dp.world_size, dtype=t.dtype, lora=lora,
                                        dropout=config.model.dropout, loss_chunk=t.loss_chunk, recompute=t.recompute)
@@ -169,6 +170,23 @@ class Trainer:
             raise ConfigError(f"{self.data_dir}: preference pairs train with train.objective dpo; pass "
                               f"--train.objective dpo, or prepare --format chat data for supervised fine-tuning")
         self.rows = t.batch_size * (2 if preference else 1)
+
+    @staticmethod
+    def _check_adapters_off(lora, init_from):
+        """train.dpo_reference adapters_off takes the base as the reference: only for a LoRA run that
+        starts a new adapter and trains nothing of the base."""
+        fix = "use train.dpo_reference precompute"
+        if lora is None:
+            raise ConfigError(f"train.dpo_reference adapters_off: needs a LoRA run (train.lora_rank > 0), whose base "
+                              f"is the reference; full fine-tuning: {fix}")
+        if init_from is not None and "adapter" in (init_from[2:] or [{}])[0]:
+            raise ConfigError(f"train.dpo_reference adapters_off: --init-from {init_from[0]} is an adapter, so the base "
+                              f"without it is not the model the run starts from; {fix} (the reference is then the "
+                              f"base with this adapter)")
+        if lora.train_norms or lora.train_embeddings:
+            which = "train.lora_train_norms" if lora.train_norms else "train.lora_train_embeddings"
+            raise ConfigError(f"train.dpo_reference adapters_off: {which} trains base tensors, so the model with its "
+                              f"adapters off is no longer the reference; {fix}")
 
     def _reference(self, resume):
         """DPO's precomputed reference log-probs ({split: (chosen, rejected)}), or None (adapters_off):
