@@ -260,33 +260,35 @@ def read_conversations(path):
     Hugging Face convention). A line that is not JSON, a role other than these three, an assistant
     turn with no text or a conversation without one stops prepare with one line naming the file and
     line (so does one the template refuses, its raise_exception, in build_chat_data)."""
-    return read_jsonl(path, _check_line, "give a chats.jsonl file")
+    return read_jsonl(path, _check_line, "a chats.jsonl file", '{"messages": [...]}')
 
 
-def read_jsonl(path, check, hint):
-    """(line number, check(line, "path:line")) for each non-blank line of a UTF-8 JSONL file; a
-    file that cannot be read is a DataError naming it, with `hint` (what to give instead)."""
+def read_jsonl(path, check, what, layout):
+    """(line number, check(the line's JSON value, "path:line")) for each non-blank line of a UTF-8
+    JSONL file of `what`, each line one `layout` object; a file that cannot be read, a line that is
+    not JSON or not UTF-8 is a DataError naming the file (and line)."""
     path = Path(path)
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
-        raise DataError(f"{path}: cannot read it ({e.strerror or e}); {hint}") from None
+        raise DataError(f"{path}: cannot read it ({e.strerror or e}); give {what}") from None
     with f:
         lineno = 0
         try:
             for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield lineno, check(line, f"{path}:{lineno}")
+                if not line.strip():
+                    continue
+                try:
+                    doc = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must "
+                                    f"be one {layout} object") from None
+                yield lineno, check(doc, f"{path}:{lineno}")
         except UnicodeDecodeError:
             raise DataError(f"{path}:{lineno + 1}: not UTF-8 text; save the file as UTF-8") from None
 
 
-def _check_line(line: str, where: str) -> list:
-    try:
-        doc = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one "
-                        f"{{\"messages\": [...]}} object") from None
+def _check_line(doc, where: str) -> list:
     messages = doc.get("messages") if isinstance(doc, dict) else None
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: expected an object with a non-empty \"messages\" list")

@@ -22,8 +22,6 @@ A sequence longer than block_size + 1 tokens is cut to that length (the pair cou
 a pair whose prompt alone leaves no completion token inside it is dropped (counted), as TRL's
 max_length with truncation_mode keep_start does.
 """
-import json
-
 import numpy as np
 
 from .. import __version__
@@ -44,15 +42,10 @@ def read_preferences(path):
     and rejected of one layout (both message lists, or both strings), a prompt of the same layout
     (absent: conversational rows take their shared first messages), no empty completion, and chosen
     different from rejected."""
-    return read_jsonl(path, _check_row, 'give a JSONL file of {"prompt", "chosen", "rejected"} rows')
+    return read_jsonl(path, _check_row, "a JSONL file of preference pairs", '{"prompt", "chosen", "rejected"}')
 
 
-def _check_row(line: str, where: str) -> dict:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one "
-                        f"{{\"prompt\", \"chosen\", \"rejected\"}} object") from None
+def _check_row(row, where: str) -> dict:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a {{\"prompt\", \"chosen\", \"rejected\"}} object")
     for key in ("chosen", "rejected"):
