@@ -381,3 +381,27 @@ def test_the_preference_pairs_tool_writes_rows_prepare_reads(tok_dir, tmp_path):
     assert all("Wren" in r["rejected"][0]["content"] for r in rows if r not in about_you)  # the introduction
     meta = prepare([str(out)], tmp_path / "data", tokenizer=str(tok_dir), format="preference", block_size=96)
     assert meta["preference"]["pairs"] == {"train": 36, "val": 4} and meta["preference"]["dropped"] == 0
+
+
+@pytest.mark.parametrize("kw", [{"loss_chunk": 37}, {"recompute": "block"}, {"dtype": "bfloat16"}])
+def test_a_dpo_step_with_the_chunked_head_recompute_or_bf16_equals_the_plain_one(kw, pref_data):
+    """The head in chunks (its gradient formed in the backward, each chunk weighted by its rows'
+    dloss), blocks formed again in the backward, and bf16 products (within bf16's error)."""
+    _, data = pref_data
+    ds = PreferenceDataset(data, "train")
+    pairs = np.array([1, 4, 7])
+    x, y = ds.pairs_of(pairs, 64)
+    config = LlamaConfig(block_size=64, vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=56)
+    lora = LoRAConfig(rank=2, alpha=4.0, targets=("q", "v", "down"))
+    out = []
+    for extra in ({}, kw):
+        model = Llama(config, lora=lora, seed=None, **extra)
+        model.load_state_dict(_model(config, lora).state_dict())
+        dpo = DPO(BETA, "adapters_off")
+        model.zero_grad()
+        out.append((dpo.step(model, (x, y, pairs)), dpo.take_metrics(), model.grads()))
+    (loss, metrics, grads), (loss2, metrics2, grads2) = out
+    tol = 2e-2 if kw.get("dtype") else 1e-5
+    assert abs(loss2 - loss) <= tol * abs(loss) and abs(metrics["rewards/margins"]) > 1e-3
+    for name, g in grads.items():
+        assert np.abs(grads2[name] - g).max() <= tol * 5 * np.abs(g).max(), (kw, name)
