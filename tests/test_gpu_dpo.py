@@ -7,14 +7,24 @@ import numpy as np
 import pytest
 from gpu_helpers import assert_trains_like_the_cpu_and_resumes_exactly
 
-from test_dpo import MODEL, pref_data, tok_dir  # noqa: F401 (fixtures: a tokenizer, preference data)
+from test_dpo import MODEL, pair_rows, tok_dir, write_rows  # noqa: F401 (tok_dir: a tokenizer fixture)
 
 from handgrad.config import LlamaConfig, LoRAConfig
 from handgrad.data.chat_data import PreferenceDataset
+from handgrad.data.prepare import prepare
 from handgrad.models.llama import Llama
 from handgrad.training.dpo import DPO, METRICS, precompute_reference
 
 T = 64
+
+
+@pytest.fixture(scope="module")
+def pairs_dir(tok_dir, tmp_path_factory):  # noqa: F811
+    """10 pairs (8 train, 2 val): the interpreter runs every forward of the reference's pass."""
+    root = tmp_path_factory.mktemp("gpu_dpo")
+    src = write_rows(root / "pairs.jsonl", pair_rows(10, "conversational", seed=1))
+    prepare([str(src)], root / "data", tokenizer=str(tok_dir), format="preference", block_size=T, val_fraction=0.2)
+    return root / "data"
 CASES = {  # (model class, config, lora, reference, loss_chunk)
     "llama_full": (Llama, LlamaConfig(block_size=T, vocab_size=300, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
                                       ffn_hidden=48, tie_embeddings=False), None, "precompute", 0),
@@ -41,9 +51,8 @@ def _step(cls, config, lora, reference, loss_chunk, backend, ds, pairs):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_dpo_step_on_the_gpu_equals_the_cpu(case, pref_data):  # noqa: F811
-    _, data = pref_data
-    ds = PreferenceDataset(data, "train")
+def test_a_dpo_step_on_the_gpu_equals_the_cpu(case, pairs_dir):
+    ds = PreferenceDataset(pairs_dir, "train")
     pairs = np.array([0, 3, 5])
     loss_g, metrics_g, grads_g = _step(*CASES[case], "gpu", ds, pairs)
     loss_c, metrics_c, grads_c = _step(*CASES[case], "cpu", ds, pairs)
@@ -55,9 +64,8 @@ def test_a_dpo_step_on_the_gpu_equals_the_cpu(case, pref_data):  # noqa: F811
         assert scale > 0 and float(np.abs(grads_g[name] - g).max()) <= 1e-4 * scale, (case, name)
 
 
-def test_train_device_gpu_dpo_matches_cpu_and_resumes_exactly(pref_data, tmp_path, capsys):  # noqa: F811
-    _, data = pref_data
+def test_train_device_gpu_dpo_matches_cpu_and_resumes_exactly(pairs_dir, tmp_path, capsys):
     flags = [*MODEL, "--model.n_embd", "32", "--model.n_head", "2", "--model.n_kv_head", "1", "--train.max_steps", "3",
              "--train.eval_interval", "3", "--train.eval_steps", "1", "--train.sample_interval", "3",
              "--train.sample_tokens", "3", "--device", "gpu"]
-    assert_trains_like_the_cpu_and_resumes_exactly(data, tmp_path, flags, capsys)
+    assert_trains_like_the_cpu_and_resumes_exactly(pairs_dir, tmp_path, flags, capsys)
