@@ -288,6 +288,15 @@ def test_dpo_run_logs_trl_metrics_and_resumes_exactly(pref_data, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     tags = EventAccumulator(str(a / "tb")).Reload().Tags()["scalars"]
     assert {"train/rewards/accuracies", "train/rewards/margins", "train/logps/chosen", "val/rewards/chosen"} <= set(tags)
+    capsys.readouterr()
+    ref = b / "reference_logps.safetensors"
+    for broken, message in ((b"garbage", "cannot read the reference log-probs"), (None, "missing; a DPO run keeps")):
+        ref.unlink()
+        if broken is not None:
+            ref.write_bytes(broken)
+        assert cli(["train", "--data", str(data), "--out", str(b), "--resume", "--train.max_steps", "5"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {ref}: {message}"), err
 
 
 def test_dpo_refusals(pref_data, tok_dir, tmp_path, capsys):
