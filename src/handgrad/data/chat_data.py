@@ -98,21 +98,27 @@ def build_chat_data(source, tokenizer, val_fraction: float, seed: int, block_siz
         index[f"{split}_pack_rows"] = np.cumsum([0] + [len(g) for g in groups_]).astype(np.int64)
         index[f"{split}_pack_order"] = np.asarray([j for g in groups_ for j in g], dtype=np.int64)
     mask_names, write_contents = sequence_writer(splits, tok, fmt, shard_tokens, INDEX_FILE, index)
-    meta = {"source": [str(source)], "kind": "chat", "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id, "documents": len(convs),
-            "train_tokens": sum(len(ids) for ids, _ in splits["train"]),
-            "val_tokens": sum(len(ids) for ids, _ in splits["val"]), "val_fraction": val_fraction, "seed": seed,
-            "chat": {"block_size": block_size, "truncated": truncated, "dropped": dropped,
-                     "conversations": {s: len(c) for s, c in splits.items()},
-                     "assistant_tokens": {s: int(sum(m[1:].sum() for _, m in c)) for s, c in splits.items()},
-                     "template": fmt.source, "end_of_turn": fmt.end_of_turn, "mask_shards": mask_names,
-                     "packed": pack, "padding": padding,
-                     "batches": "packed by best fit in shuffled order, documents masked" if pack else
-                                "one conversation per row, padded"},
-            "format": shard_format(tok.vocab_size), "handgrad_version": __version__}
+    meta = sequence_meta("chat", source, tok, splits, len(convs), val_fraction, seed, {
+        "block_size": block_size, "truncated": truncated, "dropped": dropped,
+        "conversations": {s: len(c) for s, c in splits.items()},
+        "assistant_tokens": {s: int(sum(m[1:].sum() for _, m in c)) for s, c in splits.items()},
+        "template": fmt.source, "end_of_turn": fmt.end_of_turn, "mask_shards": mask_names, "packed": pack,
+        "padding": padding,
+        "batches": "packed by best fit in shuffled order, documents masked" if pack else "one conversation per row, padded"})
     if pack:
         meta["chat"]["rows"] = rows
     return meta, write_contents
+
+
+def sequence_meta(kind: str, source, tok, splits: dict, documents: int, val_fraction: float, seed: int,
+                  section: dict) -> dict:
+    """meta.json of a DATA_DIR of token sequences (chat or preference data): a text DATA_DIR's keys
+    (data/prepare.py), its "kind" and the section of that name."""
+    return {"source": [str(source)], "kind": kind, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id, "documents": documents,
+            "train_tokens": sum(len(ids) for ids, _ in splits["train"]),
+            "val_tokens": sum(len(ids) for ids, _ in splits["val"]), "val_fraction": val_fraction, "seed": seed,
+            kind: section, "format": shard_format(tok.vocab_size), "handgrad_version": __version__}
 
 
 def sequence_writer(splits: dict, tok, fmt, shard_tokens: int, index_file: str, index: dict) -> tuple[dict, callable]:

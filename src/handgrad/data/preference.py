@@ -24,10 +24,9 @@ max_length with truncation_mode keep_start does.
 """
 import numpy as np
 
-from .. import __version__
 from .chat import ROLES, load_chat_format, read_jsonl
-from .chat_data import DEFAULT_BLOCK_SIZE, PAIRS_FILE, sequence_writer
-from .shards import SHARD_TOKENS, shard_format
+from .chat_data import DEFAULT_BLOCK_SIZE, PAIRS_FILE, sequence_meta, sequence_writer
+from .shards import SHARD_TOKENS
 from .sources import DataError
 from .tokenizer import load_tokenizer
 
@@ -168,16 +167,12 @@ def build_preference_data(source, tokenizer, val_fraction: float, seed: int, blo
     splits = {split: [seq for k in ks for seq in pairs[k]] for split, ks in picked.items()}
     index = {f"{split}_source_rows": np.asarray([lines[k] for k in ks], dtype=np.int64) for split, ks in picked.items()}
     mask_names, write_contents = sequence_writer(splits, tok, fmt, shard_tokens, PAIRS_FILE, index)
-    meta = {"source": [str(source)], "kind": "preference", "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id, "documents": len(pairs),
-            "train_tokens": sum(len(ids) for ids, _ in splits["train"]),
-            "val_tokens": sum(len(ids) for ids, _ in splits["val"]), "val_fraction": val_fraction, "seed": seed,
-            "preference": {"block_size": block_size, "truncated": truncated, "dropped": dropped,
-                           "pairs": {s: len(ks) for s, ks in picked.items()},
-                           "completion_tokens": {s: int(sum(m[1:].sum() for _, m in seqs)) for s, seqs in splits.items()},
-                           "layout": " and ".join(sorted(layouts)), "template": fmt.source,
-                           "end_of_turn": fmt.end_of_turn, "mask_shards": mask_names, "packed": False},
-            "format": shard_format(tok.vocab_size), "handgrad_version": __version__}
+    meta = sequence_meta("preference", source, tok, splits, len(pairs), val_fraction, seed, {
+        "block_size": block_size, "truncated": truncated, "dropped": dropped,
+        "pairs": {s: len(ks) for s, ks in picked.items()},
+        "completion_tokens": {s: int(sum(m[1:].sum() for _, m in seqs)) for s, seqs in splits.items()},
+        "layout": " and ".join(sorted(layouts)), "template": fmt.source, "end_of_turn": fmt.end_of_turn,
+        "mask_shards": mask_names, "packed": False})
     return meta, write_contents
 
 
