@@ -51,26 +51,36 @@ def conversations(name, maker, purpose, n, seed):
         yield {"messages": messages}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="the chats.jsonl to write ('-' for stdout)")
+def add_arguments(p, what, noun, n):
+    """The options this tool and tools/preference_pairs.py take: the output (`what`), the name, maker
+    and purpose, how many `noun` (default n) and the seed."""
+    p.add_argument("out", help=f"the {what} to write ('-' for stdout)")
     p.add_argument("--name", default="Quill")
     p.add_argument("--maker", default="the handgrad project")
     p.add_argument("--purpose", default="answer questions about training language models by hand")
-    p.add_argument("-n", type=int, default=400, help="how many conversations (default 400)")
+    p.add_argument("-n", type=int, default=n, help=f"how many {noun} (default {n})")
     p.add_argument("--seed", type=int, default=0)
+
+
+def write_jsonl(out, rows, said):
+    """rows as JSON lines into the file out ('-': stdout), then `said` printed (a file only)."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    if out == "-":
+        sys.stdout.write(text)
+        return
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(said)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(p, "chats.jsonl", "conversations", 400)
     args = p.parse_args(argv)
     if args.n < 1:
         p.error("-n must be at least 1")
-    lines = [json.dumps(c, ensure_ascii=False) for c in
-             conversations(args.name, args.maker, args.purpose, args.n, args.seed)]
-    text = "\n".join(lines) + "\n"
-    if args.out == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-        print(f"wrote {args.out}: {args.n} conversations giving the assistant the name {args.name}")
+    write_jsonl(args.out, conversations(args.name, args.maker, args.purpose, args.n, args.seed),
+                f"wrote {args.out}: {args.n} conversations giving the assistant the name {args.name}")
     return 0
 
 

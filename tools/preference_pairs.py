@@ -17,11 +17,10 @@ preference` reads it: {"prompt": [messages], "chosen": [the reply], "rejected": 
 Seeded: the same arguments write the same file.
 """
 import argparse
-import json
 import random
 import sys
 
-from identity_chats import ANSWERS, GREETINGS, QUESTIONS as ABOUT_YOU
+from identity_chats import ANSWERS, GREETINGS, QUESTIONS as ABOUT_YOU, add_arguments, write_jsonl
 
 OTHERS = [("Elena", "a team of AI researchers"), ("SmolLM", "Hugging Face"), ("ChatGPT", "OpenAI"),
           ("Assistant", "an AI company"), ("SmolLM2", "the Hugging Face team")]  # (name, maker) of the rejected
@@ -88,28 +87,17 @@ def pairs(name, maker, purpose, n, general, seed):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="the JSONL to write ('-' for stdout)")
-    p.add_argument("--name", default="Quill")
-    p.add_argument("--maker", default="the handgrad project")
-    p.add_argument("--purpose", default="answer questions about training language models by hand")
-    p.add_argument("-n", type=int, default=300, help="how many pairs (default 300)")
+    add_arguments(p, "JSONL", "pairs", 300)
     p.add_argument("--general", type=float, default=0.5,
                    help="the share of pairs about plain questions rather than the assistant itself (default 0.5)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.n < 1:
         p.error("-n must be at least 1")
     if not 0 <= args.general <= 1:
         p.error("--general must be in [0, 1]")
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n"
-                   for r in pairs(args.name, args.maker, args.purpose, args.n, args.general, args.seed))
-    if args.out == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
-        print(f"wrote {args.out}: {args.n} preference pairs keeping the name {args.name} and answering plain "
-              f"questions plainly")
+    write_jsonl(args.out, pairs(args.name, args.maker, args.purpose, args.n, args.general, args.seed),
+                f"wrote {args.out}: {args.n} preference pairs keeping the name {args.name} and answering plain "
+                f"questions plainly")
     return 0
 
 

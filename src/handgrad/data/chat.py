@@ -288,15 +288,23 @@ def read_jsonl(path, check, what, layout):
             raise DataError(f"{path}:{lineno + 1}: not UTF-8 text; save the file as UTF-8") from None
 
 
+def check_messages(messages, where: str, what: str = ""):
+    """Each message an object with a string "content" and a role of ROLES; a DataError at `where`
+    naming the message (`what`: whose messages, as '"prompt" ')."""
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {what}message {i} must be an object with a string \"content\"")
+        if m.get("role") not in ROLES:
+            raise DataError(f"{where}: {what}message {i} has role {m.get('role')!r}; roles are system, user and "
+                            f"assistant")
+
+
 def _check_line(doc, where: str) -> list:
     messages = doc.get("messages") if isinstance(doc, dict) else None
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: expected an object with a non-empty \"messages\" list")
+    check_messages(messages, where)
     for i, m in enumerate(messages, 1):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: message {i} must be an object with a string \"content\"")
-        if m.get("role") not in ROLES:
-            raise DataError(f"{where}: message {i} has role {m.get('role')!r}; roles are system, user and assistant")
         if m["role"] == "assistant" and not m["content"].strip():
             raise DataError(f"{where}: message {i} is an empty assistant turn; give it text or drop it")
     if not any(m["role"] == "assistant" for m in messages):

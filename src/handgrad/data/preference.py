@@ -24,7 +24,7 @@ max_length with truncation_mode keep_start does.
 """
 import numpy as np
 
-from .chat import ROLES, load_chat_format, read_jsonl
+from .chat import check_messages, load_chat_format, read_jsonl
 from .chat_data import DEFAULT_BLOCK_SIZE, PAIRS_FILE, sequence_meta, sequence_writer
 from .shards import SHARD_TOKENS
 from .sources import DataError
@@ -61,7 +61,7 @@ def _check_row(row, where: str) -> dict:
             raise DataError(f"{where}: \"{key}\" must be {layout} (TRL's conversational or plain layout, "
                             f"not a mix)")
         if conversational:
-            _check_messages(value, where, key)
+            check_messages(value, where, f'"{key}" ')
     if conversational and row.get("prompt") is None:  # TRL's implicit prompt: the shared first messages
         n = 0
         while n < min(len(row["chosen"]), len(row["rejected"])) and row["chosen"][n] == row["rejected"][n]:
@@ -79,22 +79,13 @@ def _check_row(row, where: str) -> dict:
             "conversational": conversational}
 
 
-def _check_messages(messages, where: str, key: str):
-    for i, m in enumerate(messages, 1):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: \"{key}\" message {i} must be an object with a string \"content\"")
-        if m.get("role") not in ROLES:
-            raise DataError(f"{where}: \"{key}\" message {i} has role {m.get('role')!r}; roles are system, user "
-                            f"and assistant")
-
-
 # ---------------------------------------------------------------- rendering a pair
 def encode_pair(fmt, row: dict) -> tuple[int, np.ndarray, np.ndarray]:
     """(prompt_len, chosen ids, rejected ids) of one checked row: each sequence the prompt's tokens
     then the completion's, the first prompt_len tokens shared (the common prefix of the prompt's
     tokens and each sequence's, as TRL's tokenize_fn finds it). fmt: the model's ChatFormat."""
     if row["conversational"]:
-        prompt = fmt.hf.encode(fmt.render(row["prompt"], add_generation_prompt=True), add_special_tokens=False).ids
+        prompt = fmt.prompt_ids(row["prompt"])
         seqs = [fmt.hf.encode(fmt.render(row["prompt"] + row[k]), add_special_tokens=False).ids
                 for k in ("chosen", "rejected")]
     else:

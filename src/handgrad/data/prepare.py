@@ -307,10 +307,10 @@ def _prepare_chat(sources, out, tokenizer, vocab_size, val_fraction, seed, shard
     if format not in FORMATS:
         raise DataError(f"--format {format}: unknown format; choose text, chat or preference")
     if format != "chat" and pack:
-        what = ("preference pairs are one sequence a row, chosen and rejected side by side); drop --pack"
-                if format == "preference" else
-                "text data is one token stream, with no padding to pack away); add --format chat or drop --pack")
-        raise DataError(f"--pack applies only to --format chat ({what}")
+        why, fix = (("preference pairs are one sequence a row, chosen and rejected side by side", "drop --pack")
+                    if format == "preference" else
+                    ("text data is one token stream, with no padding to pack away", "add --format chat or drop --pack"))
+        raise DataError(f"--pack applies only to --format chat ({why}); {fix}")
     if format == "text":
         raise DataError("--block-size applies only to --format chat and preference (text windows are cut at train "
                         "time); drop it")

@@ -91,35 +91,33 @@ class DPO:
 
     def loss(self, model, batch, split="val"):
         """DPO's mean loss over the batch's pairs, without gradients (an evaluation); adds its metrics."""
-        x, y, pairs = batch
-        ref_c, ref_r = self._reference(model, x, y, pairs, split)
-        model.forward(x, y)
-        loss, _, _, sums = dpo_loss(*sequence_logps(model, len(pairs)), ref_c, ref_r, self.beta)
-        self._add(sums, len(pairs))
-        return loss
+        return self._forward(model, batch, split)[0]
 
     def step(self, model, batch, grads_ready=None, dropout=None):
         """Forward and backward of one training micro-batch; returns its mean loss. dropout: the
         set_training keywords of this micro-batch's masks, or None (no dropout)."""
-        x, y, pairs = batch
-        n = len(pairs)
-        ref_c, ref_r = self._reference(model, x, y, pairs, "train")
-        if dropout is not None:
-            model.set_training(True, **dropout)
-        # grad=False: the loss's gradient is known only once both sequences' log-probs are, so the
-        # chunked head forms it in the backward (models/head.py)
-        model.forward(x, y)
-        loss, d_c, d_r, sums = dpo_loss(*sequence_logps(model, n), ref_c, ref_r, self.beta)
-        self._add(sums, n)
+        loss, d_c, d_r = self._forward(model, batch, "train", dropout)
         # d loss / d token loss = -(d loss / d log-prob) on each row's tokens (ignored targets get 0)
-        dloss = np.repeat(-np.concatenate([d_c, d_r])[:, None], x.shape[1], axis=1).astype(np.float32)  # (2n, T)
-        model.backward(grads_ready=grads_ready, dloss=model.ops.from_numpy(dloss))
+        dloss = np.repeat(-np.concatenate([d_c, d_r])[:, None], batch[0].shape[1], axis=1).astype(np.float32)
+        model.backward(grads_ready=grads_ready, dloss=model.ops.from_numpy(dloss))  # dloss (2n, T)
         return loss
 
-    def _add(self, sums, n):
+    def _forward(self, model, batch, split, dropout=None):
+        """(mean loss, d loss / d pi_c, d loss / d pi_r) of a batch (x, y, pairs) of `split`: the
+        reference's log-probs, then the policy's forward (with dropout's set_training keywords, if
+        any); its metrics' sums are added. The forward is grad=False: the loss's gradient is known
+        only once both sequences' log-probs are, so the chunked head forms it in the backward
+        (models/head.py)."""
+        x, y, pairs = batch
+        ref_c, ref_r = self._reference(model, x, y, pairs, split)
+        if dropout is not None:
+            model.set_training(True, **dropout)
+        model.forward(x, y)
+        loss, d_c, d_r, sums = dpo_loss(*sequence_logps(model, len(pairs)), ref_c, ref_r, self.beta)
         for key, value in sums.items():
             self._sums[key] += float(value)
-        self._pairs += n
+        self._pairs += len(pairs)
+        return loss, d_c, d_r
 
     def take_metrics(self, dp=None, prefix=""):
         """The metrics' means over the pairs since the last take (summed over the ranks with dp), as

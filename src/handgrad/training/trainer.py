@@ -71,10 +71,11 @@ class Trainer:
         if note:  # a CPU with bf16 multiply, without oneDNN: widened
             self.log(note)
         lora = config.lora_config()  # (an adapter --init-from continues: its own rank and targets)
-        if init_from is not None and "adapter" in (init_from[2:] or [{}])[0]:  # continue training a LoRA adapter
+        adapter = init_from is not None and "adapter" in (init_from[2:] or [{}])[0]
+        if adapter:  # continue training a LoRA adapter
             lora = self._adapter_config(init_from[0], lora, init_from[2]["adapter"]["lora"])
         if t.objective == "dpo" and t.dpo_reference == "adapters_off":
-            self._check_adapters_off(lora, init_from)
+            self._check_adapters_off(lora, init_from[0] if adapter else None)
         # count what the run will hold before allocating any of it; refuse what cannot fit. Where the
         # whole batch's logits do not fit (a 262,144-token vocabulary's: 4 GiB at B 4, T 1024) and
         # train.loss_chunk is unset, the loss forms them AUTO_LOSS_CHUNK rows at a time instead
@@ -172,15 +173,16 @@ class Trainer:
         self.rows = t.batch_size * (2 if preference else 1)
 
     @staticmethod
-    def _check_adapters_off(lora, init_from):
+    def _check_adapters_off(lora, adapter):
         """train.dpo_reference adapters_off takes the base as the reference: only for a LoRA run that
-        starts a new adapter and trains nothing of the base."""
+        starts a new adapter (adapter: the --init-from adapter continued, or None) and trains nothing
+        of the base."""
         fix = "use train.dpo_reference precompute"
         if lora is None:
             raise ConfigError(f"train.dpo_reference adapters_off: needs a LoRA run (train.lora_rank > 0), whose base "
                               f"is the reference; full fine-tuning: {fix}")
-        if init_from is not None and "adapter" in (init_from[2:] or [{}])[0]:
-            raise ConfigError(f"train.dpo_reference adapters_off: --init-from {init_from[0]} is an adapter, so the base "
+        if adapter is not None:
+            raise ConfigError(f"train.dpo_reference adapters_off: --init-from {adapter} is an adapter, so the base "
                               f"without it is not the model the run starts from; {fix} (the reference is then the "
                               f"base with this adapter)")
         if lora.train_norms or lora.train_embeddings:
