@@ -381,7 +381,7 @@ def cli(monkeypatch):
     state = {"eot": True, "loaded": []}
     model = random_model(CLI_CONFIG, scale=0.1)
 
-    def load_model(path, backend="cpu", base=None):
+    def load_model(path, backend="cpu", base=None, quant=None):
         state["loaded"].append(("model", str(path)))
         return model
 

@@ -240,7 +240,7 @@ def main(args, inp=None, out=None):
         raise SampleError(f"--max-new-tokens must be >= 1 for a reply, got {args.max_new_tokens}")
     if args.system is not None and not args.system.strip():
         raise SampleError("--system is empty; give the system message's text or leave the flag out")
-    model, tokenizer, tok_path = load_run(args.run, args.tokenizer)
+    model, tokenizer, tok_path = load_run(args.run, args.tokenizer, args.quant)
     sampling = resolve_run_sampling(args.run, asked)
     try:
         fmt = load_chat_format(tok_path)

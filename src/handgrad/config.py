@@ -167,7 +167,9 @@ class Gemma3Config:
 class LoRAConfig:
     """LoRA fine-tuning (train.lora_*): rank-r adapters y = x W + (alpha / r) dropout(x) A B on the
     `targets` linears of every block (the family's short names: models/gpt2.py, models/llama.py),
-    their base weights frozen; norms and embeddings frozen unless train_norms / train_embeddings."""
+    their base weights frozen; norms and embeddings frozen unless train_norms / train_embeddings.
+    base_quant: how the frozen base's block linears are held (train.base_quant): none (as loaded),
+    keep (a GGUF base's blocks as stored), q8_0 or q4_0 (quantized at load)."""
 
     rank: int
     alpha: float
@@ -175,6 +177,7 @@ class LoRAConfig:
     dropout: float = 0.0
     train_norms: bool = False
     train_embeddings: bool = False
+    base_quant: str = "none"
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -185,6 +188,9 @@ class LoRAConfig:
             raise ValueError(f"train.lora_dropout must be in [0, 1), got {self.dropout!r}")
         if not self.targets:
             raise ValueError("train.lora_targets names no linear")
+        if self.base_quant not in CHOICES["train.base_quant"]:
+            raise ValueError(f"train.base_quant must be one of {', '.join(CHOICES['train.base_quant'])}, "
+                             f"got {self.base_quant!r}")
 
     @property
     def scale(self):
@@ -269,6 +275,7 @@ class TrainSection:
     objective: str = "cross_entropy"
     dpo_beta: float = 0.1
     dpo_reference: str = "precompute"
+    base_quant: str = "none"
 
 
 SECTIONS = {"model": ModelSection, "train": TrainSection}
@@ -286,7 +293,8 @@ LORA_TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc", "mlp.c_proj"), "llama": ("q
                 "gemma3": ("q", "k", "v", "o", "gate", "up", "down")}
 CHOICES = {"model.arch": ARCHS, "train.on_nan": ("stop", "skip"), "train.dtype": ("float32", "bfloat16"),
            "train.log_to": ("none", "tensorboard", "wandb"), "train.recompute": ("none", "block"),
-           "train.objective": ("cross_entropy", "dpo"), "train.dpo_reference": ("precompute", "adapters_off")}
+           "train.objective": ("cross_entropy", "dpo"), "train.dpo_reference": ("precompute", "adapters_off"),
+           "train.base_quant": ("none", "keep", "q8_0", "q4_0")}
 
 
 @dataclass
@@ -338,7 +346,7 @@ class RunConfig:
         try:
             return LoRAConfig(rank=t.lora_rank, alpha=t.lora_alpha or 2.0 * t.lora_rank, targets=targets,
                               dropout=t.lora_dropout, train_norms=t.lora_train_norms,
-                              train_embeddings=t.lora_train_embeddings)
+                              train_embeddings=t.lora_train_embeddings, base_quant=t.base_quant)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -462,7 +470,7 @@ def validate_run_config(config):
         config.gpt_config(1)  # the family's own checks: n_head divides n_embd, and Llama's even head size, ...
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for key in ("log_to", "recompute", "dtype", "objective", "dpo_reference"):
+    for key in ("log_to", "recompute", "dtype", "objective", "dpo_reference", "base_quant"):
         if getattr(t, key) not in CHOICES[f"train.{key}"]:
             raise ConfigError(f"train.{key}: must be one of {', '.join(CHOICES['train.' + key])}, got {getattr(t, key)!r}")
     for key in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "keep_checkpoints", "log_interval"):
@@ -479,6 +487,10 @@ def validate_run_config(config):
                           f"got {t.zero_stage}")
     if not t.dist_timeout > 0:
         raise ConfigError(f"train.dist_timeout: must be a positive number of seconds, got {t.dist_timeout}")
+    if t.base_quant != "none" and not t.lora_rank:
+        raise ConfigError(f"train.base_quant {t.base_quant}: a base held quantized cannot train, so it needs LoRA "
+                          f"adapters over it (set train.lora_rank, e.g. 8), or train.base_quant none for a full "
+                          f"fine-tune")
     if not t.dpo_beta > 0:
         raise ConfigError(f"train.dpo_beta: must be > 0, got {t.dpo_beta}")
     if t.on_nan not in ("skip", "stop"):

@@ -108,6 +108,9 @@ KEYS = {
                           "model over the data before the first step, kept in RUN_DIR/reference_logps.safetensors "
                           "(a forward per pair once); adapters_off, LoRA runs only, the model with its adapters off "
                           "beside each step (a forward per pair per step, nothing stored)"),
+        "base_quant": ("LoRA runs on the cpu: the frozen base's block linears held quantized, each dequantized a "
+                       "matrix at a time for its products: keep, a GGUF base's blocks as stored; q8_0 or q4_0, "
+                       "quantized at load (the embeddings and norms stay as they are)", "none (held as loaded)"),
     },
 }
 

@@ -17,6 +17,7 @@ from .data.tokenizer import load_tokenizer
 from .interop.checkpoint import CheckpointError, load_model, read_state, resolve
 from .interop.common import ConvertError
 from .interop.load import foreign_format, load_base, load_pretrained, model_sampling, model_tokenizer_path
+from .config import CHOICES
 from .models.decode import DTYPES, SampleError, check_sampling, generate
 from .models.sampling import FIELDS, resolve_sampling
 from .models import family_of
@@ -105,11 +106,23 @@ def add_sampling_arguments(parser, max_new_tokens_help):
     add_dtype_argument(parser)
 
 
+QUANT_CHOICES = CHOICES["train.base_quant"]
+
+
 def add_dtype_argument(parser):
-    """--dtype: the decoding weights' dtype (sample, chat, serve)."""
+    """--dtype: the decoding weights' dtype (sample, chat, serve), and --quant."""
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="the weights the decoding multiplies (default float32); bfloat16: bf16 copies of the "
                              "matrices, bf16 x bf16 products with float32 accumulation, half the bytes read per token")
+    add_quant_argument(parser)
+
+
+def add_quant_argument(parser):
+    """--quant: the block matrices held quantized (sample, chat, serve, eval)."""
+    parser.add_argument("--quant", default=None, choices=QUANT_CHOICES,
+                        help="hold every block's matrices quantized and decode from their blocks: keep, a GGUF "
+                             "file's as stored; q8_0 or q4_0, quantized as the model loads; none, as loaded "
+                             "(default: as loaded, or as a LoRA run's train.base_quant held its base)")
 
 
 def add_arguments(parser):
@@ -201,25 +214,31 @@ def until_stop(ids, stop_id):
     return ids[:hits[0]] if len(hits) else ids
 
 
-def load_run(run, tokenizer=None):
+def load_run(run, tokenizer=None, quant=None):
     """(model, tokenizer, tokenizer path) of what `--run` names: a handgrad run or checkpoint (a LoRA
     run: its base, then the adapters), or any format load_pretrained reads (a Hugging Face
     directory, an llm.c or llama2.c file, a GGUF file, a PEFT adapter, a published model's name).
-    `tokenizer` overrides where the tokenizer is read from. Mistakes raise SampleError naming --run."""
+    `tokenizer` overrides where the tokenizer is read from. quant (--quant): how the block matrices
+    are held (keep, q8_0, q4_0, none; None: as the run holds them). Mistakes raise SampleError
+    naming --run or --quant."""
     padded = True  # a model from elsewhere may pad its embedding past its tokenizer (Qwen2's)
     try:
         if foreign_format(run) is None:
-            model = load_model(run, base=load_base)  # a LoRA run: its base, then the adapters
+            model = load_model(run, base=load_base, quant=quant)  # a LoRA run: its base, then the adapters
             tok_path = tokenizer or _tokenizer_dir(run)
             padded = _pads_vocab(run)
         else:
             config, weights, info = load_pretrained(run)
-            model = family_of(config).model(config, seed=None)
+            model = family_of(config).model(config, seed=None, quant=quant or "none")
             model.load_state_dict(weights)
             tok_path = tokenizer or model_tokenizer_path(run, info, config)
         tok = load_tokenizer(tok_path)
     except FileNotFoundError as e:
         raise SampleError(f"--run {run}: {e}") from None
+    except ValueError as e:  # a quantized hold the weights do not allow (keep without a GGUF file, rows)
+        if quant in (None, "none"):
+            raise
+        raise SampleError(f"--quant {quant}: {e}") from None
     if tok.vocab_size > model.config.vocab_size or (tok.vocab_size < model.config.vocab_size and not padded):
         raise SampleError(f"--run {run}: its tokenizer.json has {tok.vocab_size} tokens but the model "
                           f"{model.config.vocab_size}; put back the tokenizer.json of the data it was trained on "
@@ -260,7 +279,7 @@ def main(args, file=None):
     if args.num_samples < 1:
         raise SampleError(f"--num-samples must be >= 1, got {args.num_samples}")
     announce_compiles()
-    model, tokenizer, tok_path = load_run(args.run, args.tokenizer)
+    model, tokenizer, tok_path = load_run(args.run, args.tokenizer, args.quant)
     sampling = resolve_run_sampling(args.run, asked)
     stop_id = None
     if args.chat:

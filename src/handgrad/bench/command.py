@@ -85,6 +85,9 @@ def _train_flags(p):
     p.add_argument("--recompute", default=None, choices=["none", "block"],
                    help="handgrad's train.recompute (block: each block's forward run again in the backward) "
                         "and, on the PyTorch side (Llama and Gemma 3 shapes), transformers' gradient checkpointing")
+    p.add_argument("--base-quant", default=None, choices=["q8_0", "q4_0"],
+                   help="with --lora: one more side, handgrad's LoRA over the base held quantized "
+                        "(train.base_quant), against handgrad's LoRA over the base as held without")
     p.add_argument("--loss-chunk", type=_positive_int, default=None, metavar="N",
                    help="handgrad's train.loss_chunk, the logits formed N rows at a time (PyTorch has no such "
                         "loss)")

@@ -25,7 +25,7 @@ from ..models import get_family
 from ..models.lora import lora_flops_per_token, split_spec
 from .common import SETTLE_S
 from .train_report import format_footer, format_row
-from .train_worker import BF16_SIDES, COMPILE_SIDE, LORA_SIDES, SIDES, lora_config
+from .train_worker import BF16_SIDES, COMPILE_SIDE, LORA_SIDES, QUANT_SIDE, SIDES, lora_config
 
 
 # name -> the run preset whose model and optimizer settings are used, and the benchmark's shape
@@ -98,7 +98,7 @@ class _Side:
         return memory
 
 
-def worker_spec(name, lora_rank=None, dtype="float32", recompute="none", loss_chunk=0):
+def worker_spec(name, lora_rank=None, dtype="float32", recompute="none", loss_chunk=0, base_quant=None):
     shape = SHAPES[name]
     rc = load_run_config(shape["preset"])
     t = rc.train
@@ -114,6 +114,9 @@ def worker_spec(name, lora_rank=None, dtype="float32", recompute="none", loss_ch
             raise SystemExit(f"bench train --lora: {name} is a GPT-2 shape; the LoRA rows compare against PEFT on "
                              f"transformers' classes (llama-char, llama-mid, smollm2-135m, gemma3-270m, ...)")
         spec["lora"] = {"rank": lora_rank, "alpha": 2.0 * lora_rank, "targets": list(LORA_TARGETS[rc.model.arch])}
+    if base_quant and not lora_rank:
+        raise SystemExit("bench train --base-quant: a quantized base is a LoRA run's; add --lora R")
+    spec["base_quant"] = base_quant
     return spec
 
 
@@ -197,7 +200,7 @@ def _in_turn(names, spec, steps, profile):
 
 
 def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=False, recompute="none", loss_chunk=0,
-                sequential=False):
+                sequential=False, base_quant=None):
     """Warm up, then alternate timed chunks of the sides; one result dict.
 
     The PyTorch side runs fp32 as its users do: for GPT-2 nanoGPT's torch.addmm linears,
@@ -211,20 +214,27 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
     compile time apart from its steps and its losses checked against eager's. recompute "block":
     handgrad's train.recompute block, transformers' gradient checkpointing on the PyTorch side;
     loss_chunk: handgrad's train.loss_chunk (PyTorch has none). sequential: the sides one at a time
-    (_in_turn), not side by side."""
-    spec = worker_spec(name, lora_rank, dtype, recompute, loss_chunk)
+    (_in_turn), not side by side. base_quant (q8_0, q4_0; with lora_rank): one more side, handgrad's
+    LoRA step over the base held quantized, its speed and peak against handgrad's LoRA over the base
+    as held without (float32, or bf16 with dtype bfloat16) and its losses checked against them."""
+    spec = worker_spec(name, lora_rank, dtype, recompute, loss_chunk, base_quant)
     bf16 = dtype == "bfloat16"
     family = get_family(spec["arch"])
     config = family.config(**spec["model"])
     tokens_per_step = spec["batch_size"] * spec["T"]
     # bf16 with --lora: the three bf16 sides, each with the adapters (PEFT's under autocast)
-    names = (BF16_SIDES if bf16 else LORA_SIDES if lora_rank else SIDES) + ((COMPILE_SIDE,) if compile else ())
+    names = ((BF16_SIDES if bf16 else LORA_SIDES if lora_rank else SIDES) + ((COMPILE_SIDE,) if compile else ())
+             + ((QUANT_SIDE,) if base_quant else ()))
     sides, memory, prof, cores, steps = (_in_turn if sequential else _together)(names, spec, steps, profile)
     hg, pt = sides[:2]
     err = _check_losses(name, hg.losses, pt.losses, LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
+    by_name = {s.name: s for s in sides}
     if compile:  # the compiled model must compute what eager does
-        _check_losses(f"{name} (torch.compile against eager)", sides[-1].losses, pt.losses,
+        _check_losses(f"{name} (torch.compile against eager)", by_name[COMPILE_SIDE].losses, pt.losses,
                       LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
+    if base_quant:  # over the quantized base: the quantization's difference, well inside the bf16 tolerance
+        _check_losses(f"{name} (base_quant {base_quant} against the base as held)", by_name[QUANT_SIDE].losses,
+                      hg.losses, LOSS_RTOL_BF16)
     full_flops = family.flops_per_token(config, spec["T"])
     # a LoRA step needs less: the frozen matrices' weight gradients are never formed
     flops = lora_flops_per_token(family, config, lora_config(spec), spec["T"]) if lora_rank else full_flops
@@ -244,9 +254,14 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
         }
     h, p = result["sides"]["handgrad"], result["sides"]["pytorch"]
     result["ratio_tok_s"] = h["tok_s"] / p["tok_s"]
+    if base_quant:
+        qs = result["sides"][QUANT_SIDE]
+        result["base_quant"] = {"type": base_quant, "speed_vs_base": qs["tok_s"] / h["tok_s"]}
+        if h["peak_rss_mib"] and qs["peak_rss_mib"]:
+            result["base_quant"]["peak_rss_vs_base"] = qs["peak_rss_mib"] / h["peak_rss_mib"]
     if compile:
         c = result["sides"][COMPILE_SIDE]
-        c["compile_s"] = sides[-1].compile_s
+        c["compile_s"] = by_name[COMPILE_SIDE].compile_s
         result["ratio_tok_s_compile"] = h["tok_s"] / c["tok_s"]
     if h["peak_rss_mib"] and p["peak_rss_mib"]:
         result["ratio_peak_rss"] = h["peak_rss_mib"] / p["peak_rss_mib"]
@@ -287,7 +302,8 @@ def main(args):
     for name in names:
         r = bench_shape(name, args.steps, args.profile, getattr(args, "lora", None), dtype,
                         getattr(args, "compile", False), getattr(args, "recompute", None) or "none",
-                        getattr(args, "loss_chunk", None) or 0, getattr(args, "sequential", False))
+                        getattr(args, "loss_chunk", None) or 0, getattr(args, "sequential", False),
+                        getattr(args, "base_quant", None))
         # the peaks again after each row, MFU against the largest measurement of each so far: one taken
         # while the cores were shared for a moment (half the start's peak, once) would put MFU past 100%
         for d, measured in peaks.items():

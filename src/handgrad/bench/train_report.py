@@ -31,6 +31,11 @@ def format_row(r):
         lines.append(f"  bf16: pytorch = torch.autocast('cpu', bfloat16); handgrad bf16 / handgrad float32: tok/s "
                      f"{b['speedup_vs_fp32']:.2f}x, peak RSS {b.get('peak_rss_vs_fp32', float('nan')):.2f}x; first {r['loss_check_steps']} losses off handgrad float32's by "
                      f"{off['handgrad']:.1e} (handgrad bf16), {off['pytorch']:.1e} (pytorch autocast)")
+    if "base_quant" in r:
+        q = r["base_quant"]
+        lines.append(f"  handgrad-quant = handgrad's LoRA over the base held {q['type']} (train.base_quant); against "
+                     f"handgrad's over the base as held without: tok/s {q['speed_vs_base']:.2f}x, peak RSS "
+                     f"{q.get('peak_rss_vs_base', float('nan')):.2f}x")
     how = [f"handgrad train.recompute {c['recompute']}, pytorch gradient checkpointing"
            if c.get("recompute", "none") != "none" else "",
            f"handgrad train.loss_chunk {c['loss_chunk']} (pytorch: whole logits)" if c.get("loss_chunk") else "",

@@ -25,7 +25,8 @@ SIDES = ("handgrad", "pytorch")
 LORA_SIDES = ("handgrad", "pytorch", "handgrad-full")  # --lora: LoRA, PyTorch + PEFT, handgrad's own full step
 BF16_SIDES = ("handgrad", "pytorch", "handgrad-fp32")  # --dtype bfloat16: bf16, autocast bf16, handgrad float32
 COMPILE_SIDE = "pytorch-compile"  # --compile: the PyTorch side again under torch.compile (Inductor)
-WORKERS = LORA_SIDES + BF16_SIDES[2:] + (COMPILE_SIDE,)
+QUANT_SIDE = "handgrad-quant"  # --base-quant: handgrad's LoRA again, its base held quantized
+WORKERS = LORA_SIDES + BF16_SIDES[2:] + (COMPILE_SIDE, QUANT_SIDE)
 N_BATCHES = 16  # distinct random batches, cycled
 
 
@@ -55,10 +56,11 @@ def _reset_peak():
     return True
 
 
-def lora_config(spec):
-    """The spec's LoRAConfig, or None (full fine-tuning)."""
+def lora_config(spec, base_quant="none"):
+    """The spec's LoRAConfig (its base held as base_quant says), or None (full fine-tuning)."""
     lo = spec.get("lora")
-    return None if lo is None else LoRAConfig(rank=lo["rank"], alpha=lo["alpha"], targets=tuple(lo["targets"]))
+    return None if lo is None else LoRAConfig(rank=lo["rank"], alpha=lo["alpha"], targets=tuple(lo["targets"]),
+                                              base_quant=base_quant)
 
 
 class HandgradWorker:
@@ -174,7 +176,7 @@ def worker(side, spec):
     tokens = [rng.integers(0, config.vocab_size, (B, T + 1)) for _ in range(N_BATCHES)]
     t = SimpleNamespace(**spec["train"])
     dtype = "float32" if side == "handgrad-fp32" else spec.get("dtype", "float32")
-    lora = None if side == "handgrad-full" else lora_config(spec)
+    lora = None if side == "handgrad-full" else lora_config(spec, spec["base_quant"] if side == QUANT_SIDE else "none")
     memory = {"recompute": spec.get("recompute", "none"), "loss_chunk": spec.get("loss_chunk", 0)}
     if side.startswith("pytorch"):
         w = _TorchWorker(family, config, t, flat, lora=lora, seed=spec["seed"], dtype=dtype,

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..data.sources import DataError
 from ..files import write_atomic
-from ..sample import load_run
+from ..sample import add_quant_argument, load_run
 from .score import Scorer, bos_policy, encode_task, task_results
 from .hub import NAMED
 from .tasks import read_tasks
@@ -36,6 +36,7 @@ def add_arguments(parser):
                              "model file, or a published model's name (smollm2-135m-instruct)")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="the tokenizer, where --run has none beside it (as for sample)")
+    add_quant_argument(parser)
     parser.add_argument("--tasks", required=True, metavar="TASK[,TASK...]",
                         help=f"standard tasks by name ({', '.join(NAMED)}: fetched once from the Hugging Face "
                              "datasets lm-evaluation-harness reads; needs pyarrow), or JSONL files in llm-foundry's "
@@ -103,7 +104,7 @@ def main(args, file=None):
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not out.is_dir():
         raise DataError(f"--out {out}: exists and is not a directory")
-    model, tokenizer, _ = load_run(args.run, args.tokenizer)
+    model, tokenizer, _ = load_run(args.run, args.tokenizer, args.quant)
     bos, bos_text = bos_policy(tokenizer)
     scorer = Scorer(model, args.batch_size)
     cfg = model.config

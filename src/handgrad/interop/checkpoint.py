@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -195,10 +196,11 @@ def resolve(path):
     return ckpts[-1][1]
 
 
-def load_model(path, backend="cpu", base=None):
+def load_model(path, backend="cpu", base=None, quant=None):
     """The model (of the family state.json names) with the weights of a checkpoint, or of a run
     directory's newest checkpoint. A LoRA run's comes back as a LoRA model: base(model, ref) loads
-    its frozen base weights first (load.py's load_base)."""
+    its frozen base weights first (load.py's load_base). quant: the block matrices held quantized
+    (a LoRA run's base_quant replaced; None: as the run holds them)."""
     ckpt = resolve(path)
     state = read_state(ckpt)
     try:
@@ -208,7 +210,10 @@ def load_model(path, backend="cpu", base=None):
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{ckpt / 'state.json'}: not a model this handgrad can build ({e}); "
                               f"use a checkpoint written by handgrad train") from None
-    model = family.model(config, backend=backend, lora=lora)
+    if lora is not None and quant is not None:
+        lora = replace(lora, base_quant=quant)
+    model = family.model(config, backend=backend, lora=lora,
+                         **({"quant": quant} if lora is None and quant is not None else {}))
     if lora is not None:
         if base is None:
             raise CheckpointError(f"{ckpt}: a LoRA checkpoint; its base model must be loaded with it")

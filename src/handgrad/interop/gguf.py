@@ -111,6 +111,21 @@ class GGUFTensor:
         self._raw, self._qtype, self._heads, self._shift = raw, qtype, heads, shift
         self.shape, self.ndim, self.size = tuple(shape), len(shape), int(np.prod(shape))
 
+    @property
+    def stored_bytes(self):
+        """Its bytes in the file."""
+        return int(self._raw.size)
+
+    def blocks(self):
+        """(GGML type, its bytes as (rows, bytes a row)): the matrix as stored, its rows put back in
+        Hugging Face's order where they are a q/k projection's (a quantized base: train.base_quant keep)."""
+        rows = np.asarray(self._raw).reshape(self.shape[0], -1) if self.ndim == 2 else None
+        if rows is None or self._shift:
+            raise ValueError(f"a tensor of shape {self.shape} is not a matrix held as blocks")
+        if self._heads is not None:
+            rows = unpermute_rows(rows, self._heads)
+        return self._qtype, np.ascontiguousarray(rows)
+
     def __array__(self, dtype=None, copy=None):
         w = dequantize(self._raw, self._qtype, self.shape)
         if self._heads is not None:

@@ -1,5 +1,5 @@
 """GGUF tensor data to float32, written here from the block layouts (ggml-common.h's block_* structs,
-ggml-quants.c's dequantize_row_*), and the one quantizer handgrad writes: Q8_0.
+ggml-quants.c's dequantize_row_*); the quantizers (Q8_0, Q4_0) are the ops' (backends/cpu/quant_matrix.py).
 
 A GGUF tensor is a run of blocks along its last (contiguous) dimension, ne[0]; every type has a
 fixed block of `block` elements stored in `nbytes` bytes, all little-endian, fp16 scales IEEE half.
@@ -14,18 +14,12 @@ import math
 
 import numpy as np
 
+from ..backends.cpu.quant import LAYOUT, QK, QK_K
+from ..backends.cpu.quant_matrix import quantize_q4_0, quantize_q8_0  # noqa: F401 (the quantizers, named here)
 
-QK = 32    # elements in a block of the legacy types (Q4_0 ... Q8_0)
-QK_K = 256  # elements in a K-quant super-block
 
-# type id: (name, elements per block, bytes per block), for the types read here
-_LAYOUT = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
-    2: ("Q4_0", QK, 18), 3: ("Q4_1", QK, 20), 6: ("Q5_0", QK, 22), 7: ("Q5_1", QK, 24),
-    8: ("Q8_0", QK, 34),
-    10: ("Q2_K", QK_K, 84), 11: ("Q3_K", QK_K, 110), 12: ("Q4_K", QK_K, 144),
-    13: ("Q5_K", QK_K, 176), 14: ("Q6_K", QK_K, 210),
-}
+# type id: (name, elements per block, bytes per block), for the types read here: the ops' table
+_LAYOUT = LAYOUT
 SUPPORTED = {qtype: name for qtype, (name, _, _) in _LAYOUT.items()}
 
 # the names of the ggml types not read here, for the refusal's message (ggml.h's enum ggml_type)
@@ -231,32 +225,3 @@ def dequantize(raw, qtype, shape):
     for i in range(0, nb, step):
         kernel(blocks[i:i + step], out_blocks[i:i + step])
     return out.reshape(shape)
-
-
-def _round_half_away(v):
-    """C's roundf: to nearest, halves away from zero (numpy's rint rounds halves to even).
-    v - floor(v) is exact in float32, so the half test has no rounding of its own."""
-    a = np.abs(v)
-    f = np.floor(a)
-    return np.copysign(f + (a - f >= 0.5), v)
-
-
-def quantize_q8_0(x):
-    """float32 x (last dim a multiple of 32) -> its Q8_0 bytes, uint8 of shape
-    x.shape[:-1] + (x.shape[-1] // 32 * 34,), as ggml's quantize_row_q8_0_ref writes them: per block
-    d = amax / 127 (float32, stored as fp16 rounded to nearest even), q = roundf(x * (1 / d)) with
-    1/d taken from the float32 d (not the fp16 one), and q = 0, d = 0 for an all-zero block."""
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim == 0 or x.shape[-1] % QK:
-        raise ValueError(f"Q8_0 needs a last dimension that is a multiple of {QK}, got shape {x.shape}")
-    blocks = np.ascontiguousarray(x).reshape(-1, QK)
-    out = np.empty((len(blocks), 34), dtype=np.uint8)
-    step = _CHUNK // QK
-    for i in range(0, len(blocks), step):
-        b = blocks[i:i + step]
-        d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
-        with np.errstate(divide="ignore"):
-            inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d)
-        out[i:i + step, 0:2] = d.astype(np.float16).view(np.uint8)
-        out[i:i + step, 2:] = _round_half_away(b * inv_d).astype(np.int8).view(np.uint8)
-    return out.reshape(x.shape[:-1] + (x.shape[-1] // QK * 34,))

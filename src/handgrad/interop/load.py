@@ -247,9 +247,11 @@ def read_handgrad(path):
         info["context_length"] = state["context_length"]
     if state.get("lora"):  # the adapters (and what else trained) over a base recorded by path and digest
         model = load_model(ckpt, base=load_base)
-        info["adapter"] = {"lora": model.lora, "tensors": {n: model.ops.to_numpy(model.p[n]) for n in model.layout},
-                           "base": state["base"]}
-        return config, {n: model.ops.to_numpy(model.p[n]) for n in model.base_names}, info
+        # a base held quantized (train.base_quant) comes out dequantized, what its products multiply
+        info["adapter"] = {"lora": replace(model.lora, base_quant="none"),
+                           "tensors": {n: model.ops.to_numpy(model.p[n]) for n in model.layout}, "base": state["base"]}
+        return config, {n: model.weight(n) if n in model.quant else model.ops.to_numpy(model.p[n])
+                        for n in model.base_names}, info
     weights = load_weights(ckpt)
     check_weights(config, weights, ckpt / "model.safetensors")
     return config, weights, info

@@ -75,6 +75,9 @@ class KVCache:
             raise SampleError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if dtype == "bfloat16" and model.backend != "cpu":
             raise SampleError("bfloat16 decoding weights are the cpu backend's; on the gpu decode in the model's dtype")
+        if dtype == "bfloat16" and getattr(model, "quant", None):
+            raise SampleError("bfloat16 decoding weights are copies of float32 ones; this model's matrices are held "
+                              "quantized and are read as their blocks: decode with --dtype float32")
         self.dtype = dtype
         # a LoRA model decodes from its base as it holds it (bf16 under train.dtype bfloat16 on the cpu)
         # with its adapters applied beside each product: no merged copy of the weights

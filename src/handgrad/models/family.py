@@ -22,7 +22,7 @@ from . import lora as lora_parts
 from .bf16_copies import BF16Copies
 from .dropout import Dropout
 from .head import Head
-from .lora_layout import LoRALayout
+from .lora_layout import LoRALayout, quantized_names
 from .params import flat_layout, flat_views, initialise  # noqa: F401 (initialise: the families')
 
 
@@ -115,7 +115,7 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
     """
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
-                 dropout=0.0, loss_chunk=0, recompute="none"):
+                 dropout=0.0, loss_chunk=0, recompute="none", quant="none"):
         """buffer_multiple: the flat buffers (`flat_params`, `flat_grad`) are allocated zero-padded
         to a multiple of it, so data-parallel ranks can split them into equal shards; `params` and
         `grad` are their first num_params elements.
@@ -134,7 +134,10 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         the whole (B, T, V) (head_forward); 0: all rows at once.
         recompute: "none", or "block": the forward keeps each block's output and one block's inner
         buffers, which the backward refills by running the block's forward again (bit for bit; a
-        Llama keeps its blocks' attention results too and runs only their qkv and MLP inputs again)."""
+        Llama keeps its blocks' attention results too and runs only their qkv and MLP inputs again).
+        quant: a model without adapters whose block matrices are held quantized (lora.base_quant's
+        choices; models/lora_layout.py), frozen: decoding from a quantized file or --quant. A LoRA
+        model takes lora.base_quant instead."""
         if not isinstance(config, self.CONFIG):
             raise ValueError(f"config must be a handgrad {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in ("float32", "bfloat16"):
@@ -142,9 +145,16 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         self._init_dropout(dropout)
         if loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0 rows (0: all of them), got {loss_chunk!r}")
+        if quant not in CHOICES["train.base_quant"]:
+            raise ValueError(f"quant must be one of {', '.join(CHOICES['train.base_quant'])}, got {quant!r}")
+        held = lora.base_quant if lora is not None else quant
+        if held != "none" and backend != "cpu":
+            raise ValueError(f"train.base_quant {held}: a quantized base is the cpu backend's; on the gpu train "
+                             f"over the base as loaded (train.base_quant none)")
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
         self.config, self.ops, self.backend, self.lora = config, get_backend(backend), backend, lora
+        self.base_quant = lora.base_quant if lora is not None else quant
         self.dtype, self.loss_chunk, self.recompute = dtype, int(loss_chunk), recompute
         self.bf16_products = dtype == "bfloat16" and backend == "cpu"
         padded = self._init_buffers(buffer_multiple)
@@ -155,7 +165,7 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         # matrices listed in WRITTEN_FIRST are overwritten by it instead (see zero_grad)
         self._accumulated_segments = [(o, int(np.prod(s))) for name, (o, s) in self.layout.items()
                                       if not name.endswith(self.WRITTEN_FIRST)]
-        self.grad_buckets = self._grad_buckets() if lora is None else self._block_buckets()
+        self.grad_buckets = self._grad_buckets() if lora is None and not self.quant else self._block_buckets()
         if seed is not None:  # None: the caller loads every weight next (from_pretrained); no init to overwrite
             self._init_weights(seed)
         else:
@@ -166,8 +176,11 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         """model.spec, what trains, laid out in flat_params and flat_grad (zero-padded to a multiple
         of buffer_multiple; returns that length), the frozen tensors in theirs (models/lora_layout.py);
         p and g naming the tensors."""
-        if self.lora is None:
-            self.spec, frozen, self.lora_blocks = self.param_spec(self.config), [], []
+        if self.lora is None:  # every weight trains, but for a quantized model's matrices (held apart, frozen)
+            self.spec, self.lora_blocks = self.param_spec(self.config), []
+            held = quantized_names(self.spec, head=True) if self.base_quant != "none" else set()
+            frozen = [(n, s) for n, s in self.spec if n in held]
+            self.spec = [(n, s) for n, s in self.spec if (n, s) not in frozen]
         else:
             self.spec, frozen, self.lora_blocks = lora_parts.split_spec(type(self), self.config, self.lora)
         self.layout, self.num_params = flat_layout(self.spec)
@@ -258,7 +271,11 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         return {name: self.weight(name) for name in self.p}
 
     def weight(self, name):
-        """A float32 NumPy copy of tensor `name` (a bf16 frozen base's widened, exactly)."""
+        """A float32 NumPy copy of tensor `name` (a bf16 frozen base's widened, exactly; a quantized
+        one's dequantized)."""
+        if name in self.quant:
+            w = self.quant[name].with_dtype(np.float32).dequantize()
+            return np.ascontiguousarray(w.T) if self.FAN_IN_FAN_OUT else w
         x = self.ops.to_numpy(self.p[name])
         return get_backend("cpu").from_bf16(x) if x.dtype == np.uint16 else x.copy()
 

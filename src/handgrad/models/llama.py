@@ -249,9 +249,9 @@ class Llama(FlatModel):
     is_product = staticmethod(lambda name, config: config.tie_embeddings or name != "model.embed_tokens.weight")
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
-                 dropout=0.0, loss_chunk=0, recompute="none"):
+                 dropout=0.0, loss_chunk=0, recompute="none", quant="none"):
         super().__init__(config, backend, seed, buffer_multiple=buffer_multiple, dtype=dtype, lora=lora,
-                         dropout=dropout, loss_chunk=loss_chunk, recompute=recompute)
+                         dropout=dropout, loss_chunk=loss_chunk, recompute=recompute, quant=quant)
         c = config
         self.cos, self.sin = self.ops.rope_cache(c.block_size, c.head_dim, c.rope_theta, c.rope_scaling)
         flat = lambda grads: SimpleNamespace(**{  # the fused [out, in] groups, per layer (grads: None if frozen)
@@ -568,6 +568,11 @@ class LlamaDecoding(DecodeBlock):
         return s.atty
 
 
+# a block's products, by their first and last tensor
+QUANT_GROUPS = (("self_attn.q_proj.weight", "self_attn.v_proj.weight"), ("self_attn.o_proj.weight",) * 2,
+                ("mlp.gate_proj.weight", "mlp.up_proj.weight"), ("mlp.down_proj.weight",) * 2)
+
+
 class LlamaKVCache(KVCache):
     """The keys (after RoPE at their absolute positions) and values of every layer, n_kv_head
     heads each, for decoding; the context policy is KVCache's (models/decode.py)."""
@@ -580,7 +585,10 @@ class LlamaKVCache(KVCache):
         self._layers = None  # _decode_blocks' weight views, made on its first call
         super().__init__(model, B, length, dtype=dtype, share=share)
         # op by op: adapters (each product's beside it), Qwen3's qk_norm (not in the fused kernel), the gpu
-        self.fused = self.fused and not self.adapters and not c.qk_norm and model.backend == "cpu"
+        # (a quantized model's matrices each of one type: a q|k|v of three types runs op by op)
+        self.fused = (self.fused and not self.adapters and not c.qk_norm and model.backend == "cpu"
+                      and all(len(model.fused_view(f"model.layers.{l}.{a}", f"model.layers.{l}.{b}").parts) == 1
+                              for l in range(c.n_layer) for a, b in QUANT_GROUPS if model.quant))
 
     def _bf16_params(self):
         """As KVCache's: o_proj, down_proj and the fused q/k/v and gate/up (self.fp) as bf16 copies,

@@ -72,7 +72,7 @@ def build(args):
     """(Server, Engine not yet started) for the parsed arguments; SampleError for a user's mistake."""
     if Starlette is None:
         raise SampleError(NO_HTTP_STACK)
-    model, tokenizer, tok_path = load_run(args.run, args.tokenizer)
+    model, tokenizer, tok_path = load_run(args.run, args.tokenizer, args.quant)
     sampling = run_sampling(args.run)  # the model's own; a request's fields go over them
     context, limits = _check(args, model.config.block_size)
     try:

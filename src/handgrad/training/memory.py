@@ -18,6 +18,7 @@ import numpy as np
 from ..backends import get_backend
 from ..eval.score import MAX_LOGITS, MAX_TOKENS
 from ..models.lora import group_widths, split_spec
+from ..models.lora_layout import quantized_names
 from .rundir import TrainError
 
 RUNTIME_BYTES = 270 * 2**20  # the process with nothing of the model in it (measured; see above)
@@ -42,7 +43,7 @@ class _CountingOps:
 
 
 def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float32", world_size=1, zero_stage=0,
-             lora=None, loss_chunk=0, recompute="none", sample_tokens=0, eval_tasks=False):
+             lora=None, loss_chunk=0, recompute="none", sample_tokens=0, eval_tasks=False, stored_bytes=None):
     """{part: bytes} of one process of a run; config is the family's architecture config. lora (a
     LoRAConfig): gradients and moments of what trains only, the frozen base beside the parameters,
     and in the activations each adapter's s x A per block and the lora ops' workspaces (s g B^T, and
@@ -50,7 +51,10 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     logits of that many rows, not of the whole batch (train.loss_chunk). recompute: train.recompute's
     (block: one block's inner buffers and every block's output). sample_tokens: the tokens each sample
     between steps decodes (0: no sampling); eval_tasks: whether tasks are scored between steps
-    (both add the part `decoding`: _decoding_bytes)."""
+    (both add the part `decoding`: _decoding_bytes). A LoRA run whose lora.base_quant holds the base's
+    block matrices quantized counts their blocks (q8_0: 34 bytes a block of 32, q4_0: 18; keep:
+    stored_bytes, the file's bytes of them) and the one dequantized copy of the largest product's
+    matrix (quant_bytes)."""
     n, frozen, xs = family.num_params(config), 0, 0
     act_bytes = 2 if dtype == "bfloat16" and backend != "cpu" else 4
     if lora is not None:
@@ -67,6 +71,11 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
             frozen -= 2 * sum(math.prod(s) for _, s in frozen_spec if len(s) >= 2)
             out_widths = group_widths(family.model, config)
             xs += 4 * N * (max(widths) + max(out_widths[t.group] for block in blocks for t in block))
+        if lora.base_quant != "none":
+            held, scratch = quant_bytes(family, config, lora.base_quant, stored_bytes)
+            item = 2 if dtype == "bfloat16" and backend == "cpu" else 4
+            matrices = sum(math.prod(s) for n, s in frozen_spec if n in quantized_names(frozen_spec))
+            frozen += held - item * matrices + item * scratch
     padded = -(-n // world_size) * world_size
     ops = get_backend(backend)
     act_dtype, products = np.float32, np.float32
@@ -95,6 +104,22 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     if backend == "cpu":
         parts["runtime"] = RUNTIME_BYTES
     return parts
+
+
+def quant_bytes(family, config, base_quant, stored_bytes=None):
+    """(bytes of the block matrices held quantized, elements of the largest product's matrix, the one
+    dequantized at a time: a fused q|k|v or gate|up): q8_0 and q4_0 from their blocks, keep from
+    stored_bytes (the file's)."""
+    spec = family.param_spec(config)
+    names = quantized_names(spec)
+    elements = sum(math.prod(s) for n, s in spec if n in names)
+    held = stored_bytes if base_quant == "keep" else elements // 32 * {"q8_0": 34, "q4_0": 18}[base_quant]
+    widths = group_widths(family.model, config)
+    fan_in = {g: 0 for g in widths}
+    for module, group in family.model.LORA_MODULES.values():
+        shape = dict(spec)[family.model.block_prefix(0) + module + ".weight"]
+        fan_in[group] = shape[0] if family.model.FAN_IN_FAN_OUT else shape[1]
+    return held, max(widths[g] * fan_in[g] for g in widths)
 
 
 def _decoding_bytes(family, config, lora, bf16_base, sample_tokens, eval_tasks):
@@ -189,6 +214,8 @@ def check_memory(parts, config, backend="cpu", processes=1, available=None, voca
             lower += ", or train LoRA adapters (train.lora_rank 8) instead of every weight"
         if t.lora_rank and t.dtype == "float32" and backend == "cpu" and biggest == "parameters":
             lower += ", or hold the frozen base as bf16 (train.dtype bfloat16)"
+        if t.lora_rank and t.base_quant not in ("q4_0", "keep") and backend == "cpu" and biggest == "parameters":
+            lower += ", or hold the frozen base quantized (train.base_quant q4_0: 18 bytes a block of 32 weights)"
         if parts.get("decoding", 0) > need / 8:
             lower += (f", or sample and score nothing between steps (train.sample_interval 0, no train.eval_tasks: "
                       f"{parts['decoding'] / 2**30:,.2f} GiB)")

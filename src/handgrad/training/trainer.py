@@ -16,11 +16,13 @@ from ..data.chat import CHAT_FILE
 from ..data.chat_data import ChatDataset, PreferenceDataset, open_dataset
 from ..data.tokenizer import load_tokenizer
 from ..files import write_atomic
-from ..interop.load import fit_weights, model_sampling, write_generation_config
+from ..interop.checkpoint import read_state, resolve
+from ..interop.load import fit_weights, load_pretrained, model_sampling, write_generation_config
 from ..interop.published import model_ref
 from ..models import family_of, get_family
 from ..models.decode import generate
 from ..models.lora import base_digest, lora_flops_per_token
+from ..models.lora_layout import quantized_names
 from .device_loop import DeviceLoop, check_cuda_graph
 from .distributed import DataParallel, DistributedError
 from .dpo import DPO, REFERENCE_FILE, load_reference, precompute_reference, save_reference
@@ -76,6 +78,7 @@ class Trainer:
             lora = self._adapter_config(init_from[0], lora, init_from[2]["adapter"]["lora"])
         if t.objective == "dpo" and t.dpo_reference == "adapters_off":
             self._check_adapters_off(lora, init_from[0] if adapter else None)
+        stored = self._check_base_quant(t, backend, init_from, resume)
         # count what the run will hold before allocating any of it; refuse what cannot fit. Where the
         # whole batch's logits do not fit (a 262,144-token vocabulary's: 4 GiB at B 4, T 1024) and
         # train.loss_chunk is unset, the loss forms them AUTO_LOSS_CHUNK rows at a time instead
@@ -84,7 +87,8 @@ class Trainer:
             memory = estimate(self.family, self.gpt_config, self.rows, config.model.block_size, backend, t.dtype,
                               self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, lora,
                               loss_chunk=chunk, recompute=t.recompute,
-                              sample_tokens=t.sample_tokens if t.sample_interval else 0, eval_tasks=bool(t.eval_tasks))
+                              sample_tokens=t.sample_tokens if t.sample_interval else 0, eval_tasks=bool(t.eval_tasks),
+                              stored_bytes=stored)
             try:
                 need = check_memory(memory, config, backend, processes=self.dp.local_world_size,
                                     vocab_size=self.gpt_config.vocab_size)
@@ -171,6 +175,29 @@ class Trainer:
             raise ConfigError(f"{self.data_dir}: preference pairs train with train.objective dpo; pass "
                               f"--train.objective dpo, or prepare --format chat data for supervised fine-tuning")
         self.rows = t.batch_size * (2 if preference else 1)
+
+    def _check_base_quant(self, t, backend, init_from, resume):
+        """train.base_quant against the run: the cpu's, and keep over a GGUF base only (--init-from, or
+        on resume the base the run recorded). Returns keep's stored bytes of the block matrices (the
+        memory count's), else None."""
+        if t.base_quant == "none":
+            return None
+        if backend != "cpu":
+            raise ConfigError(f"train.base_quant {t.base_quant}: a quantized base is the cpu backend's; on the gpu "
+                              f"train over the base as loaded (train.base_quant none)")
+        if t.base_quant != "keep":
+            return None
+        if init_from is None and resume:  # the recorded base: checked against its digest when restored
+            ref = read_state(resolve(self.run_dir)).get("base") or {}
+            if "path" in ref:
+                init_from = (ref["path"], *load_pretrained(ref["path"], merge=False)[1:])
+        info = (init_from[2:] or [{}])[0] if init_from is not None else {}
+        if init_from is None or info.get("format") != "gguf" or "adapter" in info:
+            what = f"--init-from {init_from[0]} is not a GGUF file" if init_from is not None else "no --init-from"
+            raise ConfigError(f"train.base_quant keep: holds a GGUF base's blocks as stored, and {what}; choose "
+                              f"train.base_quant q8_0 or q4_0")
+        spec = self.family.param_spec(self.gpt_config)
+        return sum(init_from[1][n].stored_bytes for n in quantized_names(spec))
 
     @staticmethod
     def _check_adapters_off(lora, adapter):

@@ -6,8 +6,9 @@ import numpy as np
 from numba import prange
 
 from .bf16 import load_as
-from .common import kernel
+from .common import kernel, rows
 from .documents import check_positions
+from .quant_matrix import is_quantized
 
 
 @kernel
@@ -54,7 +55,14 @@ def _checked_positions(positions, inp, wpe):
 def encoder_forward(out, inp, wte, wpe=None, positions=None):
     """out (B, T, C) = wte (V, C)[inp (B, T)] + wpe (maxT, C)[:T] (wpe None: no positions), or with
     positions (B, T) integer (packed documents) + wpe[positions[b, t]] for token (b, t).
-    Overwrites out. wte and wpe may be bf16 (uint16: a frozen bf16 base's), widened as they are read."""
+    Overwrites out. wte and wpe may be bf16 (uint16: a frozen bf16 base's), widened as they are read;
+    wte may be a QuantMatrix (a model decoding from quantized weights, Llama's embed_tokens without
+    positions): the tokens' rows of its blocks are dequantized into out."""
+    if is_quantized(wte):
+        if wpe is not None:
+            raise ValueError("encoder_forward: a quantized table takes no positions")
+        rows(out)[...] = wte.rows(np.asarray(inp).reshape(-1))
+        return
     if positions is not None:
         positions = _checked_positions(positions, inp, wpe)
     if wpe is None:

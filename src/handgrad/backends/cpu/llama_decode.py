@@ -18,12 +18,14 @@ import math
 import numba
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .common import decode_rows, workspace
 from .decode_attend import append_kv, attend_head
 from .few_rows import ROW_STREAMS, SHARE_N, nt_rows, warm, warm_streams
 from .linear import add_bias_kernel
+from .quant import quant_rows
+from .quant_matrix import is_quantized
 from .onednn import narrow_bf16, widen_bf16
 from .residual import residual_forward_kernel
 from .rmsnorm import rmsnorm_forward_kernel
@@ -32,6 +34,10 @@ from .swiglu import swiglu_forward_kernel32
 from .team import LEAVE, SYNC_SLOTS, TEAM, barrier, part, team_start
 
 LAYER_PARTS = ("norm1", "wqkv", "bqkv", "wo", "norm2", "wgu", "wdown")
+# an address table's row: LAYER_PARTS' addresses, then the four matrices' (wqkv, wo, wgu, wdown) row
+# lengths (elements, or a quantized matrix's bytes) from ROW, and their GGML types from QTYPE (-1: not quantized)
+ROW = len(LAYER_PARTS)
+QTYPE = ROW + 4
 
 # the kernels' serial copies, as globals a Numba function can call (a @kernel object is Python's)
 _rmsnorm, _rope, _add_bias = rmsnorm_forward_kernel.serial, rope_forward_kernel.serial, add_bias_kernel.serial
@@ -54,12 +60,25 @@ def _at(typingctx, address, like):
 def _layer(table, l, wlike, vlike, C, W, NHhs, H2):
     """Layer l's (norm1, wqkv, bqkv, wo, norm2, wgu, wdown), LAYER_PARTS' order, as arrays over the
     addresses in table[l] (llama_decode_forward's: its arrays, kept alive by the caller); the
-    matrices of wlike's dtype, (N, K) as _product takes them, the vectors float32 (vlike's)."""
+    matrices of wlike's dtype, (N, row) as _product takes them (row: table[l]'s ROW columns, K
+    elements, or a quantized matrix's bytes a row), the vectors float32 (vlike's)."""
     t = table[l]
-    return (numba.carray(_at(t[0], vlike), C), numba.carray(_at(t[1], wlike), (W, C)),
-            numba.carray(_at(t[2], vlike), W), numba.carray(_at(t[3], wlike), (C, NHhs)),
-            numba.carray(_at(t[4], vlike), C), numba.carray(_at(t[5], wlike), (H2, C)),
-            numba.carray(_at(t[6], wlike), (C, H2 // 2)))
+    return (numba.carray(_at(t[0], vlike), C), numba.carray(_at(t[1], wlike), (W, t[ROW])),
+            numba.carray(_at(t[2], vlike), W), numba.carray(_at(t[3], wlike), (C, t[ROW + 1])),
+            numba.carray(_at(t[4], vlike), C), numba.carray(_at(t[5], wlike), (H2, t[ROW + 2])),
+            numba.carray(_at(t[6], wlike), (C, t[ROW + 3])))
+
+
+def _rows(a, wt, qtype, c, lo, hi):
+    """c[:, lo:hi] = a @ wt[lo:hi]^T: few_rows.nt_rows over float32 or bf16 rows, quant.quant_rows over
+    a quantized matrix's (uint8) blocks of GGML type qtype; chosen by wt's type as Numba compiles."""
+
+
+@overload(_rows)
+def _rows_typed(a, wt, qtype, c, lo, hi):
+    if wt.dtype == types.uint8:
+        return lambda a, wt, qtype, c, lo, hi: quant_rows(a, wt, qtype, c, lo, hi)
+    return lambda a, wt, qtype, c, lo, hi: nt_rows(a, wt, c, lo, hi)
 
 
 @njit(cache=True)
@@ -93,14 +112,15 @@ def _narrowed(inp, narrow, wide, bf16, r0, r1):
 
 
 @njit(cache=True, error_model="numpy")
-def _product(out, inp, wt, wide, bf16, me, team, nxt):
-    """Member me's share of out (M, N) = operand (M, K) @ wt (N, K)^T (whole tiles of weight rows),
+def _product(out, inp, wt, qtype, wide, bf16, me, team, nxt):
+    """Member me's share of out (M, N) = operand (M, K) @ wt (N, K)^T (whole tiles of weight rows; wt a
+    quantized matrix's blocks of GGML type qtype where it is uint8: _rows),
     then its share of the next product's weight nxt asked for, begun while the member waits: the
     first row_ahead rows of its share, and with bf16 weights at one row those of each of the
     ROW_STREAMS streams nt_rows reads the share as (bf16's blocks kernel 1.20-1.24x on the AMD EPYC
     Zen 3; float32's 0.97-0.99x, so float32 warms the first stream alone)."""
     lo, hi = part(wt.shape[0], me, team, SHARE_N)
-    nt_rows(_operand(inp, wide, bf16), wt, out, lo, hi)
+    _rows(_operand(inp, wide, bf16), wt, qtype, out, lo, hi)
     lo, hi = part(nxt.shape[0], me, team, SHARE_N)
     warm_streams(nxt, lo, hi, ROW_STREAMS if bf16 and inp.shape[0] == 1 else 1)
 
@@ -147,13 +167,14 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
     here = _layer(table, 0, wlike, vlike, C, W, NHhs, H2)
     for l in range(L):
         norm1, wqkv, bqkv, wo, norm2, wgu, wdown = here
+        qt = table[l, QTYPE:]  # the matrices' GGML types (quantized weights)
         here = _layer(table, min(l + 1, L - 1), wlike, vlike, C, W, NHhs, H2)  # the next layer's (its wqkv warmed)
         wqkv_next = here[1]
         if mine:
             _rmsnorm(xnr, rstdr, xr, norm1, eps)
             _narrowed(xn, narrow, wide, bf16, r0, r1)
         barrier(sync, team)
-        _product(qkv, xn, wqkv, wide, bf16, me, team, wo)
+        _product(qkv, xn, wqkv, qt[0], wide, bf16, me, team, wo)
         _warm_cache(k_cache[l], v_cache[l], rows, pos, heads[0], heads[1], NH, G)
         barrier(sync, team)
         if mine:
@@ -173,20 +194,20 @@ def _blocks_member(me, team, sync, x, xn, qkv, atty, proj, gu, h, rstd, narrow, 
         _narrowed(atty, narrow, wide, bf16, r0, r1)
         if bf16:
             barrier(sync, team)
-        _product(proj, atty, wo, wide, bf16, me, team, wgu)
+        _product(proj, atty, wo, qt[1], wide, bf16, me, team, wgu)
         barrier(sync, team)
         if mine:
             _residual(xm, xm, pm)
             _rmsnorm(xnr, rstdr, xr, norm2, eps)
             _narrowed(xn, narrow, wide, bf16, r0, r1)
         barrier(sync, team)
-        _product(gu, xn, wgu, wide, bf16, me, team, wdown)
+        _product(gu, xn, wgu, qt[2], wide, bf16, me, team, wdown)
         barrier(sync, team)
         if mine:
             _swiglu(h[r0:r1], gu3[r0:r1])
             _narrowed(h, narrow, wide, bf16, r0, r1)
         barrier(sync, team)
-        _product(proj, h, wdown, wide, bf16, me, team, wqkv_next)
+        _product(proj, h, wdown, qt[3], wide, bf16, me, team, wqkv_next)
         barrier(sync, team)
         if mine:
             _residual(xm, xm, pm)
@@ -226,18 +247,29 @@ class DecodeLayers:
         (W, C), NHhs, H2 = wt[0][0].shape, wt[1][0].shape[1], wt[2][0].shape[0]  # NHhs: checked per call
         self.W, self.NHhs, self.H2 = W, NHhs, H2
         shapes = ((W, C), (C, NHhs), (H2, C), (C, H2 // 2))
+        quant = is_quantized(wt[0][0])
         for name, ws, shape in zip(("wqkv", "wo", "wgu", "wdown"), wt, shapes):
-            if len(ws) != L or any(w.shape != shape or not w.flags.c_contiguous or w.dtype != ws[0].dtype for w in ws):
+            if quant:  # QuantMatrix's, each of one type: its blocks
+                fit = all(is_quantized(w) and w.shape == shape and len(w.parts) == 1 for w in ws)
+            else:
+                fit = all(w.shape == shape and w.flags.c_contiguous and w.dtype == ws[0].dtype for w in ws)
+            if len(ws) != L or not fit:
                 raise ValueError(f"llama_decode_forward: {name} must be {L} transposed contiguous {shape} "
-                                 f"matrices of one dtype")
+                                 f"matrices of one dtype, or quantized matrices of one type each")
         for name, vs in (("norm1", norm1), ("norm2", norm2), ("bqkv", bqkv)):
             if vs is not None and len(vs) != L:
                 raise ValueError(f"llama_decode_forward: {name} must hold {L} vectors, one a layer")
-        self.C, self.bf16, self.has_bias = C, wt[0][0].dtype == np.uint16, bqkv is not None
+        self.C, self.bf16, self.has_bias = C, not quant and wt[0][0].dtype == np.uint16, bqkv is not None
+        if quant:
+            self.qtypes = [[w.parts[0][0] for w in ws] for ws in wt]
+            self.wt = wt = [tuple(w.parts[0][1] for w in ws) for ws in wt]
         bias = bqkv if self.has_bias else (np.zeros(W, np.float32),) * L
         self.vectors = [tuple(np.ascontiguousarray(v, np.float32) for v in vs) for vs in (norm1, bias, norm2)]
-        self.table = np.empty((L, len(LAYER_PARTS)), np.int64)
+        self.table = np.empty((L, QTYPE + 4), np.int64)
         _address_table(self.table, self.vectors[0], wt[0], self.vectors[1], wt[1], self.vectors[2], wt[2], wt[3])
+        for i, ws in enumerate(wt):
+            self.table[:, ROW + i] = [w.shape[1] for w in ws]
+            self.table[:, QTYPE + i] = self.qtypes[i] if quant else -1
         self.wlike, self.vlike = wt[0][0][:0], np.empty(0, np.float32)
 
 
