@@ -2,7 +2,7 @@
 
 A quantized base's products read its blocks dequantized, so LoRA over it computes what LoRA over the
 dequantized weights held in float32 computes: the loss, every adapter gradient and 10 AdamW steps
-agree to 1e-6 (Llama, Qwen2 with biases, GPT-2's Conv1D; float32 and bf16 products; recompute and
+agree to 1e-6 (Llama, Qwen2 with biases, GPT-2's Conv1D, Gemma 3; float32 and bf16 products; recompute and
 the chunked loss), for handgrad's Q8_0 and Q4_0 (byte for byte gguf-py's quantizers) and for a GGUF
 base kept as stored in every type the reader knows. Greedy decoding from quantized matrices gives
 the tokens of float32 decoding over the dequantized weights. The memory count holds the blocks and
@@ -19,11 +19,10 @@ pytest.importorskip("transformers")
 
 from handgrad.backends.cpu.quant_matrix import QuantMatrix, quantize_q4_0, quantize_q8_0  # noqa: E402
 from handgrad.cli import main as cli  # noqa: E402
-from handgrad.config import GPTConfig, LlamaConfig, LoRAConfig  # noqa: E402
+from handgrad.config import Gemma3Config, GPTConfig, LlamaConfig, LoRAConfig  # noqa: E402
 from handgrad.interop.load import load_pretrained, lora_model  # noqa: E402
-from handgrad.models import get_family  # noqa: E402
+from handgrad.models import family_of, get_family  # noqa: E402
 from handgrad.models.decode import generate  # noqa: E402
-from handgrad.models.gpt2 import GPT  # noqa: E402
 from handgrad.models.llama import Llama  # noqa: E402
 from handgrad.models.lora import base_digest  # noqa: E402
 from handgrad.training.memory import estimate  # noqa: E402
@@ -38,6 +37,9 @@ LLAMA = LlamaConfig(block_size=32, vocab_size=83, n_layer=2, n_head=4, n_kv_head
 QWEN2 = LlamaConfig(block_size=32, vocab_size=83, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=96,
                     tie_embeddings=False, qkv_bias=True)
 GPT2 = GPTConfig(block_size=32, vocab_size=83, n_layer=2, n_head=4, n_embd=64)
+GEMMA3 = Gemma3Config(block_size=32, vocab_size=83, n_layer=2, n_head=4, n_kv_head=1, n_embd=64, head_dim=16,
+                      ffn_hidden=96, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16.0,
+                      final_logit_softcapping=3.0)
 IDX = np.random.default_rng(0).integers(0, 83, (2, 24))
 TARGETS = np.roll(IDX, -1, axis=1)
 
@@ -50,7 +52,7 @@ def _lora(config, quant, **kw):
 def _pair(config, quant, dtype="float32", **kw):
     """A LoRA model over a quantized base (random weights far from their init, lora_B not zero) and
     one over that base dequantized, held in float32, with the same adapters."""
-    cls = GPT if isinstance(config, GPTConfig) else Llama
+    cls = family_of(config).model
     src = cls(config, seed=3)
     rng = np.random.default_rng(4)
     weights = {n: w + rng.standard_normal(w.shape).astype(np.float32) * 0.05 for n, w in src.state_dict().items()}
@@ -79,7 +81,7 @@ def _close(a, b, tol=1e-6):
     assert np.abs(a - b).max() <= tol * max(1.0, np.abs(b).max()), np.abs(a - b).max()
 
 
-@pytest.mark.parametrize("config", [LLAMA, QWEN2, GPT2], ids=["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("config", [LLAMA, QWEN2, GPT2, GEMMA3], ids=["llama", "qwen2", "gpt2", "gemma3"])
 @pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
 def test_lora_over_a_quantized_base_is_lora_over_its_dequantized_weights(config, quant):
     q, plain = _pair(config, quant)

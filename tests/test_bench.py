@@ -235,3 +235,19 @@ def test_numba_compilations_are_counted():
     before = compile_watch().count
     numba.njit(cache=False)(lambda x: x + 1)(2)
     assert compile_watch().count - before == 1
+
+
+def test_bench_train_base_quant_sets_handgrad_beside_handgrad():
+    """--base-quant: handgrad's LoRA over the base as held and over it quantized, no PyTorch side; the
+    losses agree within the quantization's difference, and the row gives speed and memory against
+    the first."""
+    out = _bench("--preset", "llama-char", "--lora", "4", "--base-quant", "q8_0", "--steps", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)["rows"]
+    assert set(row["sides"]) == {"handgrad", "handgrad-quant"} and "ratio_tok_s" not in row
+    q, s = row["base_quant"], row["sides"]
+    assert q["type"] == "q8_0" and q["speed_vs_base"] == pytest.approx(s["handgrad-quant"]["tok_s"] / s["handgrad"]["tok_s"])
+    assert 0 < row["loss_max_rel_diff"] <= bench_train.LOSS_RTOL_BF16
+    assert "handgrad-quant = handgrad's LoRA over the base held q8_0" in bench_train.format_row(row)
+    refused = _bench("--preset", "llama-char", "--base-quant", "q8_0", "--steps", "2")
+    assert refused.returncode != 0 and "add --lora R" in refused.stderr

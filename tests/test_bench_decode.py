@@ -115,3 +115,19 @@ def test_bench_decode_bad_run_says_one_line(capsys, tmp_path):
     assert cli(["bench", "decode", "--run", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "missing" in err
+
+
+def test_bench_decode_quant_row(capsys):
+    """--quant: the model again with its matrices held quantized, decoded from their blocks: its row,
+    its bytes a token (the blocks and the float32 vectors), its ratio over float32 and its bound."""
+    assert cli(["bench", "decode", "--preset", "tiny", "--new-tokens", "4", "--prompt-tokens", "8", "--repeat", "1",
+                "--quant", "q8_0", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    q, rows, bw = r["quant"], r["rows"], r["bandwidth"]
+    m = get_family("gpt2").model(GPTConfig(block_size=64, vocab_size=65, n_layer=2, n_head=2, n_embd=64), seed=0,
+                                 quant="q8_0")
+    assert q["type"] == "q8_0" and q["weight_bytes"] == bench_decode.quant_weight_bytes(m) < r["weight_bytes"]
+    assert q["ratio_over_float32"] == pytest.approx(rows["handgrad_quant"]["tok_s"] / rows["handgrad"]["tok_s"])
+    assert q["fraction_of_bound"] == pytest.approx(rows["handgrad_quant"]["tok_s"] * q["weight_bytes"] / (bw["gb_s"] * 1e9))
+    assert 0 <= q["greedy_agree"] <= 4 and len(q["tokens"]) == 4
+    assert "--quant q8_0" in "\n".join(bench_decode.format_report(r))

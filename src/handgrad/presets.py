@@ -53,6 +53,10 @@ RUN_PRESETS["llama3.2-1b"] = {
                   norm_eps=1e-5, tie_embeddings=True, block_size=2048, rope_factor=32.0, rope_low_freq_factor=1.0,
                   rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192),
     "train": dict(RUN_PRESETS["qwen2.5-0.5b"]["train"])}
+# meta-llama/Llama-3.2-3B's shape: the 1B's pattern, 28 layers 3072 wide, 24 heads on 8 kv heads
+RUN_PRESETS["llama3.2-3b"] = {"model": dict(RUN_PRESETS["llama3.2-1b"]["model"], n_layer=28, n_embd=3072, n_head=24,
+                                            n_kv_head=8),
+                              "train": dict(RUN_PRESETS["qwen2.5-0.5b"]["train"])}
 # Qwen/Qwen3-0.6B's shape (q/k norms, heads 128 wide where n_embd / n_head is 64, tied, theta 1e6, context
 # 40960), trained as qwen2.5-0.5b; Qwen/Qwen3-1.7B's is the same but for its widths
 RUN_PRESETS["qwen3-0.6b"] = {

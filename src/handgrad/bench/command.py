@@ -154,6 +154,9 @@ def _decode_flags(p):
                    help="threads for both sides (default this machine's cores)")
     p.add_argument("--profile", action="store_true",
                    help="one decode step's time by op, the BLAS calls' GB/s and the time per op call outside BLAS")
+    p.add_argument("--quant", default=None, choices=["keep", "q8_0", "q4_0"],
+                   help="one more row: the model with its matrices held quantized (sample's --quant), decoded "
+                        "from their blocks, against float32 and against its own bytes' bound")
 
 
 FLAGS = {"ops": _ops_flags, "train": _train_flags, "learn": _learn_flags, "products": _products_flags,
@@ -244,7 +247,7 @@ def _decode(args):
     if args.preset and args.run:
         raise SystemExit("bench decode: --preset and --run name two models; give one")
     return bench_decode(args.preset or "smollm2-135m", args.run, args.new_tokens, args.prompt_tokens,
-                        args.repeat, args.threads, args.json, args.profile)
+                        args.repeat, args.threads, args.json, args.profile, args.quant)
 
 
 RUN = {"ops": _ops, "train": _train, "learn": _learn, "products": _products, "eval": _eval, "decode": _decode}

@@ -289,18 +289,28 @@ def profile_step(model, prompt, steps):
 
 
 # ---------------------------------------------------------------- the command
-def _model(preset, run):
+def _model(preset, run, quant=None):
     """(model, its name): what --run names (any model `handgrad sample` loads), else --preset's bench
-    shape (bench/train.py's SHAPES) with random weights, built as bench train builds it."""
+    shape (bench/train.py's SHAPES) with random weights, built as bench train builds it; quant: its
+    matrices held quantized (sample's --quant)."""
     if run is not None:
-        model = load_run(run)[0]
+        model = load_run(run, quant=quant)[0]
         return (model.plain() if getattr(model, "lora", None) is not None else model), str(run)
     if preset not in SHAPES:
         raise SystemExit(f"bench decode: unknown preset {preset!r}; choose from {', '.join(SHAPES)}")
     shape = SHAPES[preset]
     rc = load_run_config(shape["preset"])
-    model = get_family(rc.model.arch).model(rc.gpt_config(shape["vocab_size"]), seed=rc.train.seed)
+    model = get_family(rc.model.arch).model(rc.gpt_config(shape["vocab_size"]), seed=rc.train.seed,
+                                            quant=quant or "none")
     return model, f"{preset} (random weights)"
+
+
+def quant_weight_bytes(model):
+    """The bytes one decode step (batch 1) of a model holding its matrices quantized reads: every
+    quantized matrix's blocks (an untied embedding's looked-up rows aside) and its float32 vectors."""
+    untied = "lm_head.weight" in model.quant
+    held = sum(m.nbytes for n, m in model.quant.items() if not (untied and n == "model.embed_tokens.weight"))
+    return held + model.params.nbytes
 
 
 def _rate(seconds, tokens):
@@ -309,7 +319,7 @@ def _rate(seconds, tokens):
 
 
 def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_tokens=PROMPT_TOKENS,
-                 repeat=REPEAT, threads=None, as_json=False, profile=False):
+                 repeat=REPEAT, threads=None, as_json=False, profile=False, quant=None):
     """Measure, check, time and report; returns 0. The rows, each against the triad's bound:
 
     * handgrad: models/decode.py's `generate`, temperature 0, after a warm-up call (no Numba compile
@@ -324,6 +334,9 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
       token), its ratio over float32 and the fraction of its own bound.
     * serving rows (bench/streams.py): serve's engine decoding 1, then BATCH sequences at once (each
       its own prompt, the prompts prefilled together, then batched steps), tokens/s over all of them.
+    * quant (keep, q8_0, q4_0: sample's --quant): the model again with its matrices held quantized,
+      `generate` at batch 1 from their blocks, its ratio over float32, the fraction of its own bound
+      (quant_weight_bytes a token) and its greedy tokens against float32's.
     """
     if new_tokens < 2:
         raise SystemExit(f"bench decode: --new-tokens {new_tokens}: give at least 2 (the steps after the first "
@@ -349,6 +362,8 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
     theirs = np.array(tf.ask(cmd="run")["tokens"])
     agree = _agree(mine, theirs)
     mine16 = _handgrad_decode(model, one, n, "bfloat16")[0]
+    model_q = _model(preset, run, quant)[0] if quant else None
+    mine_q = _handgrad_decode(model_q, one, n)[0] if quant else None
     engine = EngineRows(model, BATCH, prompt_tokens + n)
     engine.seconds(prompt, n)
     served = engine.tokens[0]
@@ -359,6 +374,8 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
              "handgrad_bf16": lambda: _handgrad_decode(model, one, n, "bfloat16")[1],
              "serve_1": lambda: engine.seconds(prompt[:1], n),
              "serve_batch": lambda: engine.seconds(prompt, n)}
+    if quant:
+        sides["handgrad_quant"] = lambda: _handgrad_decode(model_q, one, n)[1]
     seconds = {row: [] for row in sides}
     with BackgroundLoad(pids=[tf.proc.pid]) as load:  # the PyTorch side's process is ours
         for _ in range(repeat):  # the sides take turns, so a busy moment lands on each alike
@@ -390,6 +407,12 @@ def bench_decode(preset="smollm2-135m", run=None, new_tokens=NEW_TOKENS, prompt_
               "serve_greedy_same": served == mine[0].tolist(),
               "tokens": mine[0].tolist(),
               "background_cores": load.cores, "environment": environment(torch)}
+    if quant:
+        qb, q = quant_weight_bytes(model_q), rows["handgrad_quant"]["tok_s"]
+        result["quant"] = {"type": quant, "weight_bytes": qb, "ratio_over_float32": q / hg,
+                           "fraction_of_bound": q * qb / (bw["gb_s"] * 1e9),
+                           "fraction_of_median_bound": q * qb / (bw["median_gb_s"] * 1e9),
+                           "greedy_agree": _agree(mine, mine_q), "tokens": mine_q[0].tolist()}
     if profile:
         result["profile"] = profile_step(model, one, steps)
     if as_json:
@@ -431,6 +454,13 @@ def format_report(r):
              f"{rows['serve_batch']['tok_s']:8.1f} tok/s ({rows['serve_batch']['median_tok_s']:.1f}) over all: "
              f"{r['serve_ratio']:.2f}x one stream; stream 0's tokens "
              f"{'are' if r['serve_greedy_same'] else 'are NOT'} generate's"]
+    if "quant" in r:
+        q, row = r["quant"], rows["handgrad_quant"]
+        lines.append(f"  handgrad generate, --quant {q['type']:<6}             {row['tok_s']:8.1f} tok/s "
+                     f"({row['median_tok_s']:.1f}): {q['ratio_over_float32']:.2f}x float32; {q['weight_bytes'] / 1e6:.1f} "
+                     f"MB a token, {100 * q['fraction_of_bound']:.0f}% of its bound "
+                     f"({100 * q['fraction_of_median_bound']:.0f}% of the median's); greedy tokens agree "
+                     f"{q['greedy_agree']} of {r['new_tokens']}")
     if "profile" in r:
         lines += format_profile(r["profile"], bw["gb_s"])
     return lines

@@ -40,6 +40,7 @@ SHAPES = {
     "qwen2.5-0.5b": dict(preset="qwen2.5-0.5b", vocab_size=151936, batch_size=4, T=1024),
     "qwen3-0.6b": dict(preset="qwen3-0.6b", vocab_size=151936, batch_size=4, T=1024),
     "llama3.2-1b": dict(preset="llama3.2-1b", vocab_size=128256, batch_size=1, T=2048),
+    "llama3.2-3b": dict(preset="llama3.2-3b", vocab_size=128256, batch_size=1, T=2048),
     "gemma3-270m": dict(preset="gemma3-270m", vocab_size=262144, batch_size=4, T=512),
 }
 
@@ -214,27 +215,25 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
     compile time apart from its steps and its losses checked against eager's. recompute "block":
     handgrad's train.recompute block, transformers' gradient checkpointing on the PyTorch side;
     loss_chunk: handgrad's train.loss_chunk (PyTorch has none). sequential: the sides one at a time
-    (_in_turn), not side by side. base_quant (q8_0, q4_0; with lora_rank): one more side, handgrad's
-    LoRA step over the base held quantized, its speed and peak against handgrad's LoRA over the base
-    as held without (float32, or bf16 with dtype bfloat16) and its losses checked against them."""
+    (_in_turn), not side by side. base_quant (q8_0, q4_0; with lora_rank): two sides instead, handgrad's
+    LoRA step over the base as held (float32, or bf16 with dtype bfloat16) and over it held quantized
+    (train.base_quant), the second's speed and peak against the first's, their losses checked."""
     spec = worker_spec(name, lora_rank, dtype, recompute, loss_chunk, base_quant)
     bf16 = dtype == "bfloat16"
     family = get_family(spec["arch"])
     config = family.config(**spec["model"])
     tokens_per_step = spec["batch_size"] * spec["T"]
     # bf16 with --lora: the three bf16 sides, each with the adapters (PEFT's under autocast)
-    names = ((BF16_SIDES if bf16 else LORA_SIDES if lora_rank else SIDES) + ((COMPILE_SIDE,) if compile else ())
-             + ((QUANT_SIDE,) if base_quant else ()))
+    # --base-quant: handgrad's LoRA over the base as held and over it quantized, its peer; no PyTorch side
+    names = (("handgrad", QUANT_SIDE) if base_quant else
+             (BF16_SIDES if bf16 else LORA_SIDES if lora_rank else SIDES) + ((COMPILE_SIDE,) if compile else ()))
     sides, memory, prof, cores, steps = (_in_turn if sequential else _together)(names, spec, steps, profile)
     hg, pt = sides[:2]
-    err = _check_losses(name, hg.losses, pt.losses, LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
-    by_name = {s.name: s for s in sides}
+    # over a quantized base the losses differ by the quantization's error: well inside the bf16 tolerance
+    err = _check_losses(name, pt.losses, hg.losses, LOSS_RTOL_BF16 if bf16 or base_quant else LOSS_RTOL)
     if compile:  # the compiled model must compute what eager does
-        _check_losses(f"{name} (torch.compile against eager)", by_name[COMPILE_SIDE].losses, pt.losses,
+        _check_losses(f"{name} (torch.compile against eager)", sides[-1].losses, pt.losses,
                       LOSS_RTOL_BF16 if bf16 else LOSS_RTOL)
-    if base_quant:  # over the quantized base: the quantization's difference, well inside the bf16 tolerance
-        _check_losses(f"{name} (base_quant {base_quant} against the base as held)", by_name[QUANT_SIDE].losses,
-                      hg.losses, LOSS_RTOL_BF16)
     full_flops = family.flops_per_token(config, spec["T"])
     # a LoRA step needs less: the frozen matrices' weight gradients are never formed
     flops = lora_flops_per_token(family, config, lora_config(spec), spec["T"]) if lora_rank else full_flops
@@ -252,16 +251,16 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
             "build_peak_rss_mib": s.built.get("hwm_mib"), "peak_over_steps_only": s.peak_reset,
             "numba_compiles": m.get("numba_compiles"),
         }
-    h, p = result["sides"]["handgrad"], result["sides"]["pytorch"]
-    result["ratio_tok_s"] = h["tok_s"] / p["tok_s"]
+    h, p = result["sides"]["handgrad"], result["sides"][pt.name]
     if base_quant:
-        qs = result["sides"][QUANT_SIDE]
-        result["base_quant"] = {"type": base_quant, "speed_vs_base": qs["tok_s"] / h["tok_s"]}
-        if h["peak_rss_mib"] and qs["peak_rss_mib"]:
-            result["base_quant"]["peak_rss_vs_base"] = qs["peak_rss_mib"] / h["peak_rss_mib"]
+        result["base_quant"] = {"type": base_quant, "speed_vs_base": p["tok_s"] / h["tok_s"]}
+        if h["peak_rss_mib"] and p["peak_rss_mib"]:
+            result["base_quant"]["peak_rss_vs_base"] = p["peak_rss_mib"] / h["peak_rss_mib"]
+        return result
+    result["ratio_tok_s"] = h["tok_s"] / p["tok_s"]
     if compile:
         c = result["sides"][COMPILE_SIDE]
-        c["compile_s"] = by_name[COMPILE_SIDE].compile_s
+        c["compile_s"] = sides[-1].compile_s
         result["ratio_tok_s_compile"] = h["tok_s"] / c["tok_s"]
     if h["peak_rss_mib"] and p["peak_rss_mib"]:
         result["ratio_peak_rss"] = h["peak_rss_mib"] / p["peak_rss_mib"]

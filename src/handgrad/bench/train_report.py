@@ -31,14 +31,11 @@ def format_row(r):
         lines.append(f"  bf16: pytorch = torch.autocast('cpu', bfloat16); handgrad bf16 / handgrad float32: tok/s "
                      f"{b['speedup_vs_fp32']:.2f}x, peak RSS {b.get('peak_rss_vs_fp32', float('nan')):.2f}x; first {r['loss_check_steps']} losses off handgrad float32's by "
                      f"{off['handgrad']:.1e} (handgrad bf16), {off['pytorch']:.1e} (pytorch autocast)")
-    if "base_quant" in r:
-        q = r["base_quant"]
-        lines.append(f"  handgrad-quant = handgrad's LoRA over the base held {q['type']} (train.base_quant); against "
-                     f"handgrad's over the base as held without: tok/s {q['speed_vs_base']:.2f}x, peak RSS "
-                     f"{q.get('peak_rss_vs_base', float('nan')):.2f}x")
-    how = [f"handgrad train.recompute {c['recompute']}, pytorch gradient checkpointing"
+    torch_side = "base_quant" not in r  # --base-quant's sides are handgrad's two
+    how = [f"handgrad train.recompute {c['recompute']}" + (", pytorch gradient checkpointing" if torch_side else "")
            if c.get("recompute", "none") != "none" else "",
-           f"handgrad train.loss_chunk {c['loss_chunk']} (pytorch: whole logits)" if c.get("loss_chunk") else "",
+           f"handgrad train.loss_chunk {c['loss_chunk']}" + (" (pytorch: whole logits)" if torch_side else "")
+           if c.get("loss_chunk") else "",
            "sides run one after another (--sequential)" if r.get("sequential") else ""]
     if any(how):
         lines.append("  memory: " + "; ".join(h for h in how if h))
@@ -48,6 +45,13 @@ def format_row(r):
                      f"compiled in {c['compile_s']:.1f} s, not in its steps; handgrad/pytorch-compile: tok/s "
                      f"{r['ratio_tok_s_compile']:.2f}x")
     bg = "?" if r["background_cores"] is None else f"{r['background_cores']:.2f}"
+    if "base_quant" in r:
+        q = r["base_quant"]
+        lines.append(f"  handgrad-quant = handgrad's LoRA over the base held {q['type']} (train.base_quant) / handgrad's "
+                     f"over the base as held: tok/s {q['speed_vs_base']:.2f}x, peak RSS "
+                     f"{q.get('peak_rss_vs_base', float('nan')):.2f}x; losses agree to {r['loss_max_rel_diff']:.1e} over "
+                     f"{r['loss_check_steps']} steps; background load {bg} cores")
+        return "\n".join(lines)
     lines.append(f"  handgrad/pytorch: tok/s {r['ratio_tok_s']:.2f}x, peak RSS {mem}; losses agree to "
                  f"{r['loss_max_rel_diff']:.1e} over {r['loss_check_steps']} steps (first {r['first_loss'][0]:.5f} vs {r['first_loss'][1]:.5f}); "
                  f"background load {bg} cores")

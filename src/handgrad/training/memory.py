@@ -108,8 +108,8 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
 
 def quant_bytes(family, config, base_quant, stored_bytes=None):
     """(bytes of the block matrices held quantized, elements of the largest product's matrix, the one
-    dequantized at a time: a fused q|k|v or gate|up): q8_0 and q4_0 from their blocks, keep from
-    stored_bytes (the file's)."""
+    dequantized at a time: a fused q|k|v or gate|up; GPT-2's twice, its Conv1D layout a second copy):
+    q8_0 and q4_0 from their blocks, keep from stored_bytes (the file's)."""
     spec = family.param_spec(config)
     names = quantized_names(spec)
     elements = sum(math.prod(s) for n, s in spec if n in names)
@@ -119,7 +119,8 @@ def quant_bytes(family, config, base_quant, stored_bytes=None):
     for module, group in family.model.LORA_MODULES.values():
         shape = dict(spec)[family.model.block_prefix(0) + module + ".weight"]
         fan_in[group] = shape[0] if family.model.FAN_IN_FAN_OUT else shape[1]
-    return held, max(widths[g] * fan_in[g] for g in widths)
+    copies = 2 if family.model.FAN_IN_FAN_OUT else 1  # a Conv1D's dequantized copy and its transposed one
+    return held, copies * max(widths[g] * fan_in[g] for g in widths)
 
 
 def _decoding_bytes(family, config, lora, bf16_base, sample_tokens, eval_tasks):
