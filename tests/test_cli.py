@@ -192,7 +192,7 @@ def test_bench_learn_lora_lowers_the_new_corpus_loss_as_peft_does(tmp_path):
     assert s["lowered"] and s["after"]["handgrad"]["finetune_val"] < s["before"]["finetune_val"] - 0.2
     assert s["max_train_loss_diff"] < 1e-4 and s["max_val_loss_diff"] < 1e-4
     assert result["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q", "k", "v", "o", "gate", "up", "down"],
-                              "dropout": 0.0, "train_norms": False, "train_embeddings": False}
+                              "dropout": 0.0, "train_norms": False, "train_embeddings": False, "base_quant": "none"}
 
 
 def test_bench_learn_lora_refuses_gpt2_and_mismatched_tokenizers(tmp_path):
