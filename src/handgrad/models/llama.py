@@ -568,11 +568,6 @@ class LlamaDecoding(DecodeBlock):
         return s.atty
 
 
-# a block's products, by their first and last tensor
-QUANT_GROUPS = (("self_attn.q_proj.weight", "self_attn.v_proj.weight"), ("self_attn.o_proj.weight",) * 2,
-                ("mlp.gate_proj.weight", "mlp.up_proj.weight"), ("mlp.down_proj.weight",) * 2)
-
-
 class LlamaKVCache(KVCache):
     """The keys (after RoPE at their absolute positions) and values of every layer, n_kv_head
     heads each, for decoding; the context policy is KVCache's (models/decode.py)."""
@@ -587,8 +582,7 @@ class LlamaKVCache(KVCache):
         # op by op: adapters (each product's beside it), Qwen3's qk_norm (not in the fused kernel), the gpu
         # (a quantized model's matrices each of one type: a q|k|v of three types runs op by op)
         self.fused = (self.fused and not self.adapters and not c.qk_norm and model.backend == "cpu"
-                      and all(len(model.fused_view(f"model.layers.{l}.{a}", f"model.layers.{l}.{b}").parts) == 1
-                              for l in range(c.n_layer) for a, b in QUANT_GROUPS if model.quant))
+                      and (not model.quant or all(len(m.parts) == 1 for m in model.fp.qkv + model.fp.gu)))
 
     def _bf16_params(self):
         """As KVCache's: o_proj, down_proj and the fused q/k/v and gate/up (self.fp) as bf16 copies,
