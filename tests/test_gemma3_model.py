@@ -122,7 +122,7 @@ def test_decoding_through_the_cache_equals_the_forward(dtype):
     np.testing.assert_allclose(row_steps[1], steps[16][1], atol=tol * scale)  # row 1 at 21
 
 
-@pytest.mark.parametrize("how", ["recompute", "loss_chunk"])
+@pytest.mark.parametrize("how", ["recompute", "recompute full", "loss_chunk"])
 def test_recompute_gives_the_same_bits_and_the_chunked_loss_the_same_gradients(how):
     """recompute: bit for bit. The chunked loss: the same loss; the tied lm_head's gradient summed
     over the chunks' products, in another order, to float32's rounding."""
@@ -131,16 +131,17 @@ def test_recompute_gives_the_same_bits_and_the_chunked_loss_the_same_gradients(h
     targets = np.roll(idx, -1, axis=1)
     targets[0, :3] = -1
     results = []
-    for kw in ({}, {"recompute": "block"} if how == "recompute" else {"loss_chunk": 24}):
+    recompute = how.startswith("recompute")
+    for kw in ({}, {"recompute": how.split()[-1].replace("recompute", "block")} if recompute else {"loss_chunk": 24}):
         model = _far_from_init(Gemma3(config, seed=0, **kw))
         loss = model.forward(idx, targets, grad=True)
         model.zero_grad()
         model.backward()
         results.append((loss, model.grads()))
     (l0, g0), (l1, g1) = results
-    assert l0 == l1 if how == "recompute" else abs(l0 - l1) < 1e-6
+    assert l0 == l1 if recompute else abs(l0 - l1) < 1e-6
     for n in g0:
-        if how == "recompute":
+        if recompute:
             np.testing.assert_array_equal(g0[n], g1[n], err_msg=n)
         else:
             np.testing.assert_allclose(g0[n], g1[n], atol=1e-6 * np.abs(g0[n]).max(), err_msg=n)

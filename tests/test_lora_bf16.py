@@ -85,6 +85,31 @@ def test_bf16_lora_step_within_twice_pytorchs_bf16_error(case, tmp_path):
     check(hg, sides["float32"], sides["float64"], case)
 
 
+@pytest.mark.parametrize("case", ["llama_all", "qwen2_untied_norms"])
+def test_bf16_adapters_widened_a_block_of_rows_at_a_time_sum_the_whole_batch(case, monkeypatch):
+    """The lora ops widen a bf16 input and output gradient lora.WIDEN_ROWS rows at a time (26 rows
+    here, in blocks of 5): the loss and every gradient are the whole batch's at once, to float32
+    rounding (the adapters' sums over rows are formed a block at a time)."""
+    from handgrad.backends.cpu import lora as lora_ops
+    config, lora = CASES[case]
+    rng = np.random.default_rng(3)
+    idx, targets = rng.integers(0, config.vocab_size, (2, 2, 13))
+
+    def step(rows):
+        monkeypatch.setattr(lora_ops, "WIDEN_ROWS", rows)
+        _, m16 = _pair(config, lora)
+        loss = m16.forward(idx, targets)
+        m16.zero_grad()
+        m16.backward()
+        return loss, {n: g.copy() for n, g in m16.grads().items()}
+
+    (loss0, g0), (loss1, g1) = step(1024), step(5)
+    assert abs(loss1 - loss0) < 1e-6
+    for name, g in g0.items():
+        assert np.abs(g).max() > 0, name
+        np.testing.assert_allclose(g1[name], g, rtol=0, atol=1e-5 * np.abs(g).max(), err_msg=name)
+
+
 def test_the_frozen_base_is_bf16_only_counted_and_digested_as_float32():
     config, lora = CASES["qwen2_untied_norms"]
     m32, m16 = _pair(config, lora)

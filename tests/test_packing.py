@@ -75,6 +75,7 @@ def _model(arch, kind, seed=1):
     cls, config = MODELS[arch]
     kw = {"lora": lambda: dict(lora=LoRAConfig(rank=4, alpha=8.0, targets=tuple(cls.LORA_MODULES))),
           "bf16": lambda: dict(dtype="bfloat16"), "recompute": lambda: dict(recompute="block"),
+          "recompute full": lambda: dict(recompute="full"),
           "loss_chunk": lambda: dict(loss_chunk=7), "plain": dict}[kind]()
     return cls(config, seed=seed, **kw)
 
@@ -86,7 +87,7 @@ def _loss_and_grads(model, *batch):
     return loss, model.grads()
 
 
-@pytest.mark.parametrize("kind", ["plain", "lora", "bf16", "recompute", "loss_chunk"])
+@pytest.mark.parametrize("kind", ["plain", "lora", "bf16", "recompute", "recompute full", "loss_chunk"])
 @pytest.mark.parametrize("arch", MODELS)
 def test_packed_rows_give_the_loss_and_gradients_of_one_document_per_row(arch, kind):
     docs = _documents(MODELS[arch][1].vocab_size)

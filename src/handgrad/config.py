@@ -292,7 +292,7 @@ ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size", "voca
 LORA_TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc", "mlp.c_proj"), "llama": ("q", "k", "v", "o", "gate", "up", "down"),
                 "gemma3": ("q", "k", "v", "o", "gate", "up", "down")}
 CHOICES = {"model.arch": ARCHS, "train.on_nan": ("stop", "skip"), "train.dtype": ("float32", "bfloat16"),
-           "train.log_to": ("none", "tensorboard", "wandb"), "train.recompute": ("none", "block"),
+           "train.log_to": ("none", "tensorboard", "wandb"), "train.recompute": ("none", "block", "full"),
            "train.objective": ("cross_entropy", "dpo"), "train.dpo_reference": ("precompute", "adapters_off"),
            "train.base_quant": ("none", "keep", "q8_0", "q4_0")}
 

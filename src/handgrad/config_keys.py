@@ -75,7 +75,9 @@ KEYS = {
         "recompute": ("Activations kept for the backward: none keeps every block's; block keeps each block's input "
                       "(and on Llama models the attention's results) and forms the rest again in the backward (the same "
                       "gradients, bit for bit, for one more forward of the blocks: on Llama models of their qkv and "
-                      "MLP input products only)", "none"),
+                      "MLP input products only); full keeps each block's input alone, as transformers' gradient "
+                      "checkpointing does (on Llama models the attention and o_proj run again too; on GPT-2 it is "
+                      "block)", "none"),
         "sample_interval": "Steps between text samples printed during training; 0: no samples",
         "sample_tokens": "Tokens per sample",
         "checkpoint_interval": "Steps between checkpoints; the last step and a Ctrl-C always save one; 0: those alone",

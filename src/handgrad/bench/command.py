@@ -82,8 +82,8 @@ def _train_flags(p):
     p.add_argument("--lora", type=_positive_int, default=None, metavar="R",
                    help="LoRA rows at rank R on every linear (Llama and Gemma 3 presets): handgrad's LoRA step beside "
                         "PyTorch + PEFT's and handgrad's own full step")
-    p.add_argument("--recompute", default=None, choices=["none", "block"],
-                   help="handgrad's train.recompute (block: each block's forward run again in the backward) "
+    p.add_argument("--recompute", default=None, choices=["none", "block", "full"],
+                   help="handgrad's train.recompute (block, full: each block's forward run again in the backward) "
                         "and, on the PyTorch side (Llama and Gemma 3 shapes), transformers' gradient checkpointing")
     p.add_argument("--base-quant", default=None, choices=["q8_0", "q4_0"],
                    help="with --lora: one more side, handgrad's LoRA over the base held quantized "

@@ -107,8 +107,8 @@ def worker_spec(name, lora_rank=None, dtype="float32", recompute="none", loss_ch
             "batch_size": shape["batch_size"], "T": shape["T"], "seed": t.seed,
             "train": {"lr": t.lr, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
                       "grad_clip": t.grad_clip}, "dtype": dtype, "recompute": recompute, "loss_chunk": loss_chunk}
-    if recompute == "block" and rc.model.arch == "gpt2":
-        raise SystemExit(f"bench train --recompute block: {name} is a GPT-2 shape; the PyTorch side's gradient "
+    if recompute != "none" and rc.model.arch == "gpt2":
+        raise SystemExit(f"bench train --recompute {recompute}: {name} is a GPT-2 shape; the PyTorch side's gradient "
                          f"checkpointing is transformers' (llama-char, llama-mid, smollm2-135m, gemma3-270m, ...)")
     if lora_rank:  # every linear of every block, PEFT's usual alpha = 2 r
         if rc.model.arch == "gpt2":
@@ -212,8 +212,8 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
     bf16 step (train.dtype=bfloat16: bf16 products on oneDNN, float32 everything else), PyTorch's
     under torch.autocast("cpu", dtype=torch.bfloat16), handgrad's float32 step (with lora_rank: each with the
     adapters, PyTorch's through PEFT). compile: one more side, PyTorch's under torch.compile, its
-    compile time apart from its steps and its losses checked against eager's. recompute "block":
-    handgrad's train.recompute block, transformers' gradient checkpointing on the PyTorch side;
+    compile time apart from its steps and its losses checked against eager's. recompute "block" or
+    "full": handgrad's train.recompute so, transformers' gradient checkpointing on the PyTorch side;
     loss_chunk: handgrad's train.loss_chunk (PyTorch has none). sequential: the sides one at a time
     (_in_turn), not side by side. base_quant (q8_0, q4_0; with lora_rank): two sides instead, handgrad's
     LoRA step over the base as held (float32, or bf16 with dtype bfloat16) and over it held quantized

@@ -180,7 +180,7 @@ def worker(side, spec):
     memory = {"recompute": spec.get("recompute", "none"), "loss_chunk": spec.get("loss_chunk", 0)}
     if side.startswith("pytorch"):
         w = _TorchWorker(family, config, t, flat, lora=lora, seed=spec["seed"], dtype=dtype,
-                         compile=side == COMPILE_SIDE, checkpointing=memory["recompute"] == "block")
+                         compile=side == COMPILE_SIDE, checkpointing=memory["recompute"] != "none")
     else:
         w = HandgradWorker(family, config, t, flat, lora=lora, seed=spec["seed"], dtype=dtype, memory=memory)
     batches = [w.prepare(tok[:, :-1].astype(np.int32), tok[:, 1:].astype(np.int32)) for tok in tokens]

@@ -26,7 +26,7 @@ from .lora_layout import LoRALayout, quantized_names
 from .params import flat_layout, flat_views, initialise  # noqa: F401 (initialise: the families')
 
 
-RECOMPUTE = CHOICES["train.recompute"]  # none: every block's activations kept; block: see FlatModel
+RECOMPUTE = CHOICES["train.recompute"]  # none: every block's activations kept; block, full: see FlatModel
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,10 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         seed: the initialisation's; None leaves the weights zero, for a caller that loads them all.
         loss_chunk: the loss forms the logits of at most this many rows (of B*T) at a time, never
         the whole (B, T, V) (head_forward); 0: all rows at once.
-        recompute: "none", or "block": the forward keeps each block's output and one block's inner
-        buffers, which the backward refills by running the block's forward again (bit for bit; a
-        Llama keeps its blocks' attention results too and runs only their qkv and MLP inputs again).
+        recompute: "none", "block" or "full": the forward keeps each block's output and one block's
+        inner buffers, which the backward refills by running the block's forward again (bit for bit).
+        Under block a Llama keeps its blocks' attention results too and runs only their qkv and MLP
+        inputs again; under full it keeps nothing else (GPT-2 keeps nothing else under either).
         quant: a model without adapters whose block matrices are held quantized (lora.base_quant's
         choices; models/lora_layout.py), frozen: decoding from a quantized file or --quant. A LoRA
         model takes lora.base_quant instead."""
@@ -355,7 +356,7 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
             rows = min(self.loss_chunk, B * T) if self.loss_chunk else None
             a = self._acts = self.ACTIVATIONS(self.ops, self.config, B, T, self._act_dtype(),
                                               products=np.uint16 if self.bf16_products else np.float32,
-                                              logit_rows=rows, recompute=self.recompute == "block")
+                                              logit_rows=rows, recompute=recompute_mode(self.recompute))
             a.lora_xs = None if self.lora is None else self.ops.empty(  # each adapter's s x A, per block
                 (self.config.n_layer, max(map(len, self.lora_blocks)), B, T, self.lora.rank), self._act_dtype())
             a.dbranch = None  # a dropped branch's gradient (model.dropout), made at its first use
@@ -454,6 +455,11 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         self._acts = a
         self._ready_for_backward = True
         return loss
+
+
+def recompute_mode(recompute):
+    """train.recompute as a family's Activations takes it: False (none), or "block" or "full"."""
+    return False if recompute == "none" else recompute
 
 
 class TrainingBlock:

@@ -83,15 +83,17 @@ def flops_per_token(config, T):
 
 class Activations(LlamaActivations):
     """Llama's buffers, and what the norms after each half keep for the backward: their inputs
-    (o_proj's and down_proj's outputs) and statistics, every block's (the recompute pass does not
-    run the products again)."""
+    (o_proj's and down_proj's outputs) and statistics: the first half's with the attention's
+    results (one set under recompute full, formed again with the rest of that half), the second's
+    every block's own, as no recompute pass runs down_proj again."""
 
     def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32, logit_rows=None, recompute=False):
         super().__init__(ops, config, B, T, dtype, products, logit_rows, recompute)
         NL, C = config.n_layer, config.n_embd
-        self.attn_o = ops.empty((NL, B, T, C), dtype)   # o_proj's output, post_attention_layernorm's input
+        L = 1 if recompute == "full" else NL
+        self.attn_o = ops.empty((L, B, T, C), dtype)    # o_proj's output, post_attention_layernorm's input
         self.mlp_o = ops.empty((NL, B, T, C), dtype)    # down_proj's, post_feedforward_layernorm's
-        self.rstd3 = ops.empty((NL, B, T), np.float32)
+        self.rstd3 = ops.empty((L, B, T), np.float32)
         self.rstd4 = ops.empty((NL, B, T), np.float32)
 
     def alloc_grads(self, ops, config, dtype=np.float32):
@@ -169,19 +171,24 @@ class Gemma3(Llama):
         The norms after each half read their input from r.attn_o(l) and r.mlp_o(l), where the
         training forward keeps them for the backward."""
         ops, h, c, gains = self.ops, f"model.layers.{l}.", self.config, r.gains
-        self.qkv_half(r, l, x)
-        y = r.attend(l)  # o_proj's input
-        o = r.attn_o(l)
-        ops.linear_forward(o, y, r.w[h + "self_attn.o_proj.weight"].T)
-        r.lora(o, y, l, "o")
-        ops.rmsnorm_forward(r.proj, r.rstd3(l), o, gains[h + "post_attention_layernorm.weight"], c.norm_eps)
-        ops.residual_forward(r.res2(l), x, r.proj)
+        self.attention_half(r, l, x)
         hidden = self.mlp_half(r, l)
         m = r.mlp_o(l)
         ops.linear_forward(m, hidden, r.w[h + "mlp.down_proj.weight"].T)
         r.lora(m, hidden, l, "down")
         ops.rmsnorm_forward(r.proj, r.rstd4(l), m, gains[h + "post_feedforward_layernorm.weight"], c.norm_eps)
         ops.residual_forward(r.res3(l), r.res2(l), r.proj)
+
+    def attention_half(self, r, l, x):
+        """r.res2(l) = x + norm_post_attn(o_proj(attend(qkv_half(x)))), o_proj's output in r.attn_o(l)."""
+        ops, h, c = self.ops, f"model.layers.{l}.", self.config
+        self.qkv_half(r, l, x)
+        y = r.attend(l)  # o_proj's input
+        o = r.attn_o(l)
+        ops.linear_forward(o, y, r.w[h + "self_attn.o_proj.weight"].T)
+        r.lora(o, y, l, "o")
+        ops.rmsnorm_forward(r.proj, r.rstd3(l), o, r.gains[h + "post_attention_layernorm.weight"], c.norm_eps)
+        ops.residual_forward(r.res2(l), x, r.proj)
 
     def qkv_half(self, r, l, x):
         """r.qkv(l) = q|k|v of norm_in(x), q and k normalised per head (before RoPE; the
@@ -221,7 +228,7 @@ class Gemma3(Llama):
         again), a.dres holding d res3 and left holding d x. Each norm after a half is rmsnorm's
         backward into a.dpost, its input's gradient; the attention half from there is Llama's."""
         ops, g, fg, gains = self.ops, self.g, self.fg, self._gains
-        w, fw, h, s = self.p16, self.fw, f"model.layers.{l}.", a.slot(l)
+        w, fw, h, s, i = self.p16, self.fw, f"model.layers.{l}.", a.slot(l), a.attention_index(l)
         gu, hl = a.gate_up(l)[1], a.h[0]
         # MLP: res3 = res2 + norm_post_ff(down(geglu(gate|up(norm_pre_ff(res2))))); dres holds d res3
         a.dpost[...] = 0
@@ -233,31 +240,32 @@ class Gemma3(Llama):
         self.lora_linear_grad(a.dh, dm, hl, a, l, "down")
         ops.geglu_backward(a.dgu, a.dh, gu)
         ops.rmsnorm_linear_backward(a.dres, g.get(h + "pre_feedforward_layernorm.weight"), transposed(fg.gu[l]),
-                                    None, a.dgu, a.res2[l], gains[h + "pre_feedforward_layernorm.weight"], a.rstd2[s],
+                                    None, a.dgu, a.res2[i], gains[h + "pre_feedforward_layernorm.weight"], a.rstd2[s],
                                     fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
         # attention: res2 = x + norm_post_attn(o(attn(rope(qk_norm(qkv(norm_in(x))))))); dres holds d res2
         a.dpost[...] = 0
-        ops.rmsnorm_backward(a.dpost, g.get(h + "post_attention_layernorm.weight"), a.dres, a.attn_o[l],
-                             gains[h + "post_attention_layernorm.weight"], a.rstd3[l])
+        ops.rmsnorm_backward(a.dpost, g.get(h + "post_attention_layernorm.weight"), a.dres, a.attn_o[i],
+                             gains[h + "post_attention_layernorm.weight"], a.rstd3[i])
         self.attention_backward(a, l, x, self.narrowed(a.dpost, a.dres16), acc)
 
 
 class Gemma3Training(LlamaTraining):
-    """LlamaTraining's buffers, the post-norms' inputs and statistics every block's own, and the
-    norms' gains (1 + w) as this forward formed them."""
+    """LlamaTraining's buffers, the post-norms' inputs and statistics (the first half's where the
+    attention's results are, the second's every block's own), and the norms' gains (1 + w) as this
+    forward formed them."""
 
     def __init__(self, model, a):
         super().__init__(model, a)
         self.gains = model._gains
 
     def attn_o(self, l):
-        return self.a.attn_o[l]
+        return self.a.attn_o[self.a.attention_index(l)]
 
     def mlp_o(self, l):
         return self.a.mlp_o[l]
 
     def rstd3(self, l):
-        return self.a.rstd3[l]
+        return self.a.rstd3[self.a.attention_index(l)]
 
     def rstd4(self, l):
         return self.a.rstd4[l]

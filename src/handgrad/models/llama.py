@@ -128,18 +128,21 @@ class Activations:
 
     def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32, logit_rows=None, recompute=False):
         """products: np.uint16 where the matrix products take bf16 operands (the cpu's mixed
-        precision), as in models/gpt2.py's Activations. recompute: the MLP's and qkv's buffers held
-        for one block at a time (train.recompute block: family.py's slot()); every block's output
-        res3, and the attention half's results (its logsumexps, its output as o_proj's input, res2),
-        kept for all: the backward forms qkv and the MLP's buffers again (Llama._block_recompute).
-        The float32 attention output is held per block only where it is o_proj's input (float32
-        products); with bf16 products o_proj and its adapters read the narrowed copy atty16. Gate|up
+        precision), as in models/gpt2.py's Activations. recompute (False, "block" or "full"): the
+        MLP's and qkv's buffers held for one block at a time (family.py's slot()), every block's output
+        res3 kept for all; under block the attention half's results too (its logsumexps, its output as
+        o_proj's input, res2), under full those in one slot as well, so only each block's input is
+        kept, as transformers' gradient checkpointing keeps each layer's. The backward forms the
+        rest again (Llama._block_recompute). Where kept per block, the float32 attention output is
+        held only where it is o_proj's input (float32 products); with bf16 products o_proj and its
+        adapters read the narrowed copy atty16. Gate|up
         likewise: bf16 products keep it narrowed (gu16, as torch's autocast leaves it), and swiglu
         reads that copy both ways. swiglu's output h is one slot in every mode: the backward forms it again
         from the kept gate|up (the same kernel on the same input: the same bits)."""
         C, NL, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
         L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
-        self.recompute = recompute
+        A = 1 if recompute == "full" else NL  # ... whose attention results are
+        self.recompute, self.attention_slot = recompute, recompute == "full"
         QKV = (NH + 2 * config.n_kv_head) * config.head_dim
         e = lambda *shape: ops.empty(shape, dtype)
         f32 = lambda *shape: ops.empty(shape, np.float32)
@@ -159,10 +162,10 @@ class Activations:
         # Qwen3's qk_norm: the un-normalised q|k and a rstd per head, kept per block (one slot under recompute)
         self.qk_pre = e(L, B, T, NQK) if config.qk_norm else None
         self.rstd_qk = f32(L, NH + config.n_kv_head, B * T) if config.qk_norm else None
-        self.att = f32(NL, *ops.gqa_attention_state_shape(B, NH, T))  # one logsumexp per score row
-        self.atty = e(1 if bf16 else NL, B, T, NH * config.head_dim)  # attention output before o_proj
-        self.atty16 = x16(NL, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input
-        self.res2 = e(NL, B, T, C)         # residual after attention
+        self.att = f32(A, *ops.gqa_attention_state_shape(B, NH, T))  # one logsumexp per score row
+        self.atty = e(1 if bf16 else A, B, T, NH * config.head_dim)  # attention output before o_proj
+        self.atty16 = x16(A, B, T, NH * config.head_dim) if bf16 else None  # ... narrowed: o_proj's input
+        self.res2 = e(A, B, T, C)          # residual after attention
         # gate | up, as its product writes it. With bf16 products it lives only from its product to its
         # narrowing, never beside the MLP's backward buffers dh and dgu, so it takes their bytes (alloc_grads)
         self._mlp_bytes = ops.empty((B * T * 8 * H,), np.uint8) if bf16 else None
@@ -185,10 +188,15 @@ class Activations:
         bf16 products qkv's one slot and qkv16[l] (None under recompute)."""
         return (self.qkv[self.slot(l)], None) if self.qkv16 is None else (self.qkv[0], self.qkv16[l])
 
+    def attention_index(self, l):
+        """Where block l's attention results (logsumexps, output, res2) are: its own, or under
+        recompute full the one set all share."""
+        return 0 if self.attention_slot else l
+
     def o_input(self, l):
-        """(block l's attention output, its bf16 copy o_proj reads or None): atty[l], or with bf16
-        products atty's one slot (the forward's only) and atty16[l]."""
-        return kept_copy(self.atty, self.atty16, l)
+        """(block l's attention output, its bf16 copy o_proj reads or None): atty[i], or with bf16
+        products atty's one slot (the forward's only) and atty16[i] (i: attention_index)."""
+        return kept_copy(self.atty, self.atty16, self.attention_index(l))
 
     def gate_up(self, l):
         """(block l's gate|up as its product writes it, as swiglu reads it): gu[slot] twice, or with
@@ -317,17 +325,22 @@ class Llama(FlatModel):
         the adapters beside each product, dropout (training only) and the attention: RoPE and the
         causal attention over the block's own q, k, v in training, over the cache in decoding."""
         ops, h = self.ops, f"model.layers.{l}."
+        self.attention_half(r, l, x)
+        hidden = self.mlp_half(r, l)
+        ops.linear_forward(r.proj, hidden, r.w[h + "mlp.down_proj.weight"].T)
+        r.lora(r.proj, hidden, l, "down")
+        r.drop(r.proj, l, self.SITE_MLP_OUT)
+        ops.residual_forward(r.res3(l), r.res2(l), r.proj)
+
+    def attention_half(self, r, l, x):
+        """r.res2(l) = x + drop(o_proj(attend(qkv_half(x)))): the block's first half."""
+        ops, h = self.ops, f"model.layers.{l}."
         self.qkv_half(r, l, x)
         y = r.attend(l)  # o_proj's input
         ops.linear_forward(r.proj, y, r.w[h + "self_attn.o_proj.weight"].T)
         r.lora(r.proj, y, l, "o")
         r.drop(r.proj, l, self.SITE_ATTN_OUT)
         ops.residual_forward(r.res2(l), x, r.proj)
-        hidden = self.mlp_half(r, l)
-        ops.linear_forward(r.proj, hidden, r.w[h + "mlp.down_proj.weight"].T)
-        r.lora(r.proj, hidden, l, "down")
-        r.drop(r.proj, l, self.SITE_MLP_OUT)
-        ops.residual_forward(r.res3(l), r.res2(l), r.proj)
 
     def qkv_half(self, r, l, x):
         """r.qkv(l) = q|k|v of rmsnorm(x) (q and k before RoPE; with qk_norm normalised per head, the
@@ -367,19 +380,23 @@ class Llama(FlatModel):
         return qkv, None
 
     def _block_recompute(self, a, l, x):
-        """Under train.recompute block, what block l's backward reads and the forward did not keep,
-        formed again from the block's input x by the forward's own kernels (the same bits, dropout's
-        and the adapters' masks from the same seeds): qkv with q and k as the attention leaves them
-        (gqa_attention_prepare: RoPE applied in place on the cpu), rstd1, then gu, rstd2 and h from
-        the kept res2. The attention, o_proj, down_proj and the residual adds are not run again: what
-        the backward needs of them (att's logsumexps, o_proj's input, res2) is kept for every block,
-        and their outputs feed nothing the backward reads. In products, a LoRA step's second forward
-        is qkv and gate|up only: 0.65 of a block's (qwen2.5-0.5b), without attention's scores."""
+        """Under train.recompute, what block l's backward reads and the forward did not keep, formed
+        again from the block's input x by the forward's own kernels (the same bits; dropout's and the
+        adapters' masks from the same seeds). full: the first half (qkv as the attention leaves it,
+        the logsumexps, o_proj's input, res2), then gate|up and h; only down_proj and the last
+        residual add are not run again, as the backward reads nothing they form (in products, a LoRA
+        step's second forward is 0.71 of a block's at qwen2.5-0.5b, and the attention once more).
+        block: qkv with q and k as the attention leaves them (gqa_attention_prepare: RoPE applied in
+        place on the cpu), rstd1, then gate|up, rstd2 and h from the kept res2; the attention's
+        results are kept (0.65 of a block's products, without attention's scores)."""
         c, r = self.config, self.TRAINING(self, a)
-        self.qkv_half(r, l, x)
-        qkv, rope = self._attention_input(a, l)
-        self.ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope,  # (rope None: rotated already)
-                                       **self.documents(a))
+        if a.attention_slot:
+            self.attention_half(r, l, x)
+        else:
+            self.qkv_half(r, l, x)
+            qkv, rope = self._attention_input(a, l)
+            self.ops.gqa_attention_prepare(qkv, c.n_head, c.n_kv_head, rope=rope,  # (rope None: rotated already)
+                                           **self.documents(a))
         self.mlp_half(r, l)
 
     def backward(self, grads_ready=None, dloss=None):
@@ -446,7 +463,8 @@ class Llama(FlatModel):
         self.lora_linear_grad(a.dh, dproj, hl, a, l, "down")
         ops.swiglu_backward(a.dgu, a.dh, gu)
         ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), transposed(fg.gu[l]), None,
-                                    a.dgu, a.res2[l], p[h + "post_attention_layernorm.weight"], a.rstd2[s],
+                                    a.dgu, a.res2[a.attention_index(l)], p[h + "post_attention_layernorm.weight"],
+                                    a.rstd2[s],
                                     fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
         # attention: res2 = x + drop(o(attn(rope(qkv(rmsnorm(x)))))); dres now holds d res2
         dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
@@ -464,9 +482,9 @@ class Llama(FlatModel):
                             w[h + "self_attn.o_proj.weight"].T, acc)
         self.lora_linear_grad(a.datty, dproj, o_in, a, l, "o")
         # dq, dk before RoPE; out: the forward's output where it is kept (the cpu's op does not read it)
-        ops.gqa_attention_backward(a.dqkv, a.datty, qkv, a.att[l], c.n_head, c.n_kv_head, out=y if y16 is None else None,
-                                   rope=self.rope(l), **self.attention_dropout(l), **self.attention_shape(l),
-                                   **self.documents(a))
+        ops.gqa_attention_backward(a.dqkv, a.datty, qkv, a.att[a.attention_index(l)], c.n_head, c.n_kv_head,
+                                   out=y if y16 is None else None, rope=self.rope(l), **self.attention_dropout(l),
+                                   **self.attention_shape(l), **self.documents(a))
         if c.qk_norm:
             qk_norm_backward(ops, a.dqkv, g.get(h + "self_attn.q_norm.weight"), g.get(h + "self_attn.k_norm.weight"),
                              a.dqk, a.qk_pre[s], self.norm_weight(h + "self_attn.q_norm.weight"),
@@ -484,8 +502,9 @@ def transposed(x):
 
 class LlamaTraining(TrainingBlock):
     """Block l's buffers in a training forward: its inner ones in slot a.slot(l) (one set under
-    recompute), res2 and res3 every block's own (the backward reads them); the attention over the
-    block's own q, k, v, its logsumexps kept."""
+    recompute), the attention's results (its logsumexps, output, res2) at a.attention_index(l) (one
+    set under recompute full), res3 every block's own (the next block's input); the attention over
+    the block's own q, k, v."""
 
     def __init__(self, model, a):
         super().__init__(model, a)
@@ -507,7 +526,7 @@ class LlamaTraining(TrainingBlock):
         return self.a.qk_pre[self.a.slot(l)]
 
     def res2(self, l):
-        return self.a.res2[l]
+        return self.a.res2[self.a.attention_index(l)]
 
     def res3(self, l):
         return self.a.res3[l]
@@ -522,8 +541,8 @@ class LlamaTraining(TrainingBlock):
         m, a, c = self.model, self.a, self.model.config
         qkv, rope = m._attention_input(a, l)
         y, y16 = a.o_input(l)
-        m.ops.gqa_attention_forward(y, a.att[l], qkv, c.n_head, c.n_kv_head, rope=rope, **m.attention_dropout(l),
-                                    **m.attention_shape(l), **m.documents(a))
+        m.ops.gqa_attention_forward(y, a.att[a.attention_index(l)], qkv, c.n_head, c.n_kv_head, rope=rope,
+                                    **m.attention_dropout(l), **m.attention_shape(l), **m.documents(a))
         return m.narrowed(y, y16)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..backends import get_backend
 from ..eval.score import MAX_LOGITS, MAX_TOKENS
+from ..models.family import recompute_mode
 from ..models.lora import group_widths, split_spec
 from ..models.lora_layout import quantized_names
 from .rundir import TrainError
@@ -49,8 +50,9 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     and in the activations each adapter's s x A per block and the lora ops' workspaces (s g B^T, and
     with lora_dropout the dropped input and its gradient, one of each per input width). loss_chunk: the
     logits of that many rows, not of the whole batch (train.loss_chunk). recompute: train.recompute's
-    (block: one block's inner buffers and every block's output). sample_tokens: the tokens each sample
-    between steps decodes (0: no sampling); eval_tasks: whether tasks are scored between steps
+    (block, full: one block's inner buffers and every block's output; models/family.py).
+    sample_tokens: the tokens each sample between steps decodes (0: no sampling); eval_tasks:
+    whether tasks are scored between steps
     (both add the part `decoding`: _decoding_bytes). A LoRA run whose lora.base_quant holds the base's
     block matrices quantized counts their blocks (q8_0: 34 bytes a block of 32, q4_0: 18; keep:
     stored_bytes, the file's bytes of them) and the one dequantized copy of the largest product's
@@ -67,10 +69,12 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
         xs += 2 * N * sum(widths) * act_bytes if lora.dropout else 0
         if dtype == "bfloat16" and backend == "cpu":
             # the frozen matrices held as bf16 only; the lora ops widen a bf16 input and output
-            # gradient into float32 scratch (the widest input, the widest adapted product)
+            # gradient into float32 scratch (the widest input, the widest adapted product), a block
+            # of rows at a time
             frozen -= 2 * sum(math.prod(s) for _, s in frozen_spec if len(s) >= 2)
             out_widths = group_widths(family.model, config)
-            xs += 4 * N * (max(widths) + max(out_widths[t.group] for block in blocks for t in block))
+            xs += get_backend(backend).lora.bf16_scratch_bytes(
+                N, max(widths), max(out_widths[t.group] for block in blocks for t in block), lora.dropout)
         if lora.base_quant != "none":
             held, scratch = quant_bytes(family, config, lora.base_quant, stored_bytes)
             item = 2 if dtype == "bfloat16" and backend == "cpu" else 4
@@ -87,7 +91,7 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     counter = _CountingOps(ops)
     rows = min(loss_chunk, batch_size * block_size) if loss_chunk else None
     acts = family.activations(counter, config, batch_size, block_size, act_dtype, products=products, logit_rows=rows,
-                              recompute=recompute == "block")
+                              recompute=recompute_mode(recompute))
     acts.alloc_grads(counter, config, act_dtype)
     scratch = family.activations.scratch_bytes(ops, config, batch_size, block_size)  # the ops' workspaces
     if products is np.uint16:  # bf16 logits: each block of rows widened for the cross-entropy
@@ -210,7 +214,10 @@ def check_memory(parts, config, backend="cpu", processes=1, available=None, voca
         if not t.loss_chunk and biggest == "activations" and logits > parts["activations"] / 8:
             lower += f", or set train.loss_chunk (the logits, {logits / 2**30:,.2f} GiB, formed 1024 rows at a time)"
         if t.recompute == "none" and biggest == "activations":
-            lower += ", or set train.recompute block (each block's activations formed again in the backward)"
+            lower += (", or set train.recompute block or full (each block's activations formed again in the "
+                      "backward; full keeps the least)")
+        elif t.recompute == "block" and biggest == "activations" and m.arch != "gpt2":
+            lower += ", or set train.recompute full (the attention's results formed again too)"
         if not t.lora_rank and biggest != "activations":
             lower += ", or train LoRA adapters (train.lora_rank 8) instead of every weight"
         if t.lora_rank and t.dtype == "float32" and backend == "cpu" and biggest == "parameters":

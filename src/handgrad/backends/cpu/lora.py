@@ -21,6 +21,26 @@ from .dropout import dropout_forward
 from .linear import linear_forward
 from .widen import as_float32
 
+# Rows of a bf16 input (and output gradient) widened to float32 at a time for the adapters' thin
+# products: their float32 copies hold WIDEN_ROWS rows, not all N (N 2048 over llama3.2-1b's 8192-wide
+# input and 16384-wide gate|up: 25 MB against 201), and 256 rows still give each product M >= 256.
+WIDEN_ROWS = 256
+
+
+def _row_blocks(N, inputs, adapters):
+    """The row ranges the adapters run over in turn: WIDEN_ROWS at a time where one of `inputs` is
+    bf16 (widened), else all N at once; all N under adapter dropout too, whose masks are drawn
+    over the whole input's element indices."""
+    if not any(x.dtype == np.uint16 for x in inputs) or any(ad.dropout for ad in adapters):
+        return [slice(0, N)]
+    return [slice(r0, min(N, r0 + WIDEN_ROWS)) for r0 in range(0, N, WIDEN_ROWS)]
+
+
+def bf16_scratch_bytes(N, in_width, out_width, dropout):
+    """The float32 scratch lora_forward and lora_backward widen a bf16 input of in_width columns and
+    an output gradient of out_width columns into, over N rows (training/memory.py counts it)."""
+    return 4 * (N if dropout else min(N, WIDEN_ROWS)) * (in_width + out_width)
+
 
 def _gemm_into(dst, a, b, beta):
     """dst = a @ b + beta * dst for an adapter's (r, X) or (X, r) gradient, where dst may be a
@@ -155,17 +175,23 @@ def lora_forward(out, inp, adapters):
     against 3 x 0.19 ms for q, k and v)."""
     if not adapters:
         return
-    x2, out2 = as_float32(rows(inp), "lora_x32"), rows(out)
+    inp2, out2 = rows(inp), rows(out)
+    for sl in _row_blocks(inp2.shape[0], (inp2,), adapters):  # (bf16: a block of rows widened at a time)
+        _forward_rows(out2[sl], as_float32(inp2[sl], "lora_x32"), adapters, sl)
+
+
+def _forward_rows(out2, x2, adapters, sl):
+    """lora_forward over the rows `sl` of out and of each adapter's xs: out2 and x2 those rows."""
     if not _stacked(adapters):
         for ad in adapters:
-            _adapter_forward(out2[:, ad.lo:ad.hi], _adapter_input(x2, ad), ad.lora_a, ad.lora_b, rows(ad.xs),
+            _adapter_forward(out2[:, ad.lo:ad.hi], _adapter_input(x2, ad), ad.lora_a, ad.lora_b, rows(ad.xs)[sl],
                              ad.scale)
         return
     a_rows, r = _stack_a(adapters, x2.dtype)
     xs_all = workspace("lora_xs_stack", (x2.shape[0], a_rows.shape[0]), x2.dtype)
     blas.gemm(x2, a_rows.T, xs_all)
     for i, ad in enumerate(adapters):
-        xs2 = rows(ad.xs)
+        xs2 = rows(ad.xs)[sl]
         np.multiply(xs_all[:, i * r:(i + 1) * r], ad.scale, out=xs2)
         blas.gemm(xs2, ad.lora_b, out2[:, ad.lo:ad.hi], 1.0)
 
@@ -176,14 +202,21 @@ def lora_backward(dinp, dout, inp, adapters):
     mask regenerated from the seed), and dinp += M / (1 - p) * s (g B^T) A^T, the adapter input's
     gradient taken back through the dropout (M its mask; no dropout: dinp += s (g B^T) A^T).
     dinp (B, T, C) holds the frozen product's input gradient already; accumulates into it and into
-    each adapter's dlora_a, dlora_b."""
+    each adapter's dlora_a, dlora_b (the sums over rows formed a block of rows at a time where an
+    input is bf16: _row_blocks)."""
     if not adapters:
         return
-    x2, g2, dx2 = as_float32(rows(inp), "lora_x32"), as_float32(rows(dout), "lora_g32"), rows(dinp)
+    inp2, dout2, dinp2 = rows(inp), rows(dout), rows(dinp)
+    for sl in _row_blocks(inp2.shape[0], (inp2, dout2), adapters):
+        _backward_rows(dinp2[sl], as_float32(dout2[sl], "lora_g32"), as_float32(inp2[sl], "lora_x32"), adapters, sl)
+
+
+def _backward_rows(dx2, g2, x2, adapters, sl):
+    """lora_backward over the rows `sl`: dx2, g2 and x2 those rows of dinp, dout and inp."""
     if _stacked(adapters):
-        return _stacked_backward(dx2, g2, x2, adapters)
+        return _stacked_backward(dx2, g2, x2, adapters, sl)
     for ad in adapters:
-        gs = _adapter_backward(g2[:, ad.lo:ad.hi], _adapter_input(x2, ad), rows(ad.xs), ad.lora_b, ad.dlora_a,
+        gs = _adapter_backward(g2[:, ad.lo:ad.hi], _adapter_input(x2, ad), rows(ad.xs)[sl], ad.lora_b, ad.dlora_a,
                                ad.dlora_b, ad.scale, 1.0)
         if not ad.dropout:
             blas.gemm(gs, ad.lora_a.T, dx2, 1.0)
@@ -194,7 +227,7 @@ def lora_backward(dinp, dout, inp, adapters):
         dx2 += da
 
 
-def _stacked_backward(dx2, g2, x2, adapters):
+def _stacked_backward(dx2, g2, x2, adapters, sl):
     """lora_backward for adapters on one undropped input: each gs_i = s g_i B_i^T goes into its
     columns of one (N, k r) matrix, so that dA for all of them is one product, [gs_1 | ... ]^T x,
     and their part of dinp another, dinp += [gs_1 | ... ] [A_1; ...]: x is read once and dinp
@@ -203,7 +236,7 @@ def _stacked_backward(dx2, g2, x2, adapters):
     a_rows, r = _stack_a(adapters, x2.dtype)
     gs_all = workspace("lora_gs_stack", (x2.shape[0], a_rows.shape[0]), x2.dtype)
     for i, ad in enumerate(adapters):
-        _adapter_backward(g2[:, ad.lo:ad.hi], x2, rows(ad.xs), ad.lora_b, None, ad.dlora_b, ad.scale, 1.0,
+        _adapter_backward(g2[:, ad.lo:ad.hi], x2, rows(ad.xs)[sl], ad.lora_b, None, ad.dlora_b, ad.scale, 1.0,
                           gs=gs_all[:, i * r:(i + 1) * r])
     da_all = workspace("lora_da_stack", a_rows.shape, x2.dtype)
     blas.gemm(gs_all.T, x2, da_all)  # row block i: dA_i^T = gs_i^T x
