@@ -90,10 +90,10 @@ class Activations(LlamaActivations):
     def __init__(self, ops, config, B, T, dtype=np.float32, products=np.float32, logit_rows=None, recompute=False):
         super().__init__(ops, config, B, T, dtype, products, logit_rows, recompute)
         NL, C = config.n_layer, config.n_embd
-        L = 1 if recompute == "full" else NL
-        self.attn_o = ops.empty((L, B, T, C), dtype)    # o_proj's output, post_attention_layernorm's input
+        A = 1 if recompute == "full" else NL  # the blocks whose attention results are held (Llama's A)
+        self.attn_o = ops.empty((A, B, T, C), dtype)    # o_proj's output, post_attention_layernorm's input
         self.mlp_o = ops.empty((NL, B, T, C), dtype)    # down_proj's, post_feedforward_layernorm's
-        self.rstd3 = ops.empty((L, B, T), np.float32)
+        self.rstd3 = ops.empty((A, B, T), np.float32)
         self.rstd4 = ops.empty((NL, B, T), np.float32)
 
     def alloc_grads(self, ops, config, dtype=np.float32):

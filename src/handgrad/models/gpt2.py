@@ -96,11 +96,12 @@ class Activations:
         """products: np.uint16 where the matrix products take bf16 operands (the cpu's mixed
         precision): the buffers that only feed products are then bf16, and narrowed copies of the
         others are kept (`*16`; None, or the float32 buffer itself, with float32 products).
-        recompute: a block's buffers held for one block at a time (train.recompute block or full: family.py's
-        slot()); the block outputs res3 for all. With bf16 products c_proj and its adapters read the
-        narrowed attention output atty16, so the float32 one is one slot (the cpu's attention backward
-        does not read it). GELU's output fch_gelu is one slot in every mode: the backward forms it
-        again from the kept pre-activation fch (the same kernel on the same input: the same bits)."""
+        recompute: a block's buffers held for one block at a time (train.recompute block or full:
+        family.py's slot()); the block outputs res3 for all. With bf16 products c_proj and its
+        adapters read the narrowed attention output atty16, so the float32 one is one slot (the cpu's
+        attention backward does not read it). GELU's output fch_gelu is one slot in every mode: the
+        backward forms it again from the kept pre-activation fch (the same kernel on the same input:
+        the same bits)."""
         C, NL, NH, V = config.n_embd, config.n_layer, config.n_head, config.vocab_size
         L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
         self.recompute = recompute
@@ -206,9 +207,9 @@ class GPT(FlatModel):
 
     def block_forward(self, r, l, x):
         """Block l, as every caller runs it: the training forward (r a GPTTraining over the
-        activations; the backward runs it again under train.recompute (block or full): the same kernels on the
-        same inputs, dropout's masks from the same seeds, so the same bits), a prefill, an extension
-        and a decoding step (r the cache's GPTDecoding). x is the block's input (B, T, C), its
+        activations; the backward runs it again under train.recompute block or full: the same kernels
+        on the same inputs, dropout's masks from the same seeds, so the same bits), a prefill, an
+        extension and a decoding step (r the cache's GPTDecoding). x is the block's input (B, T, C), its
         output r.res3(l):
 
             res2 = x + drop(c_proj(attend(c_attn(ln_1(x)))))

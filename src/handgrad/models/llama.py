@@ -142,7 +142,7 @@ class Activations:
         C, NL, NH, V, H = config.n_embd, config.n_layer, config.n_head, config.vocab_size, config.ffn_hidden
         L = 1 if recompute else NL  # the blocks whose inner buffers are held at once
         A = 1 if recompute == "full" else NL  # ... whose attention results are
-        self.recompute, self.attention_slot = recompute, recompute == "full"
+        self.recompute = recompute
         QKV = (NH + 2 * config.n_kv_head) * config.head_dim
         e = lambda *shape: ops.empty(shape, dtype)
         f32 = lambda *shape: ops.empty(shape, np.float32)
@@ -191,7 +191,7 @@ class Activations:
     def attention_index(self, l):
         """Where block l's attention results (logsumexps, output, res2) are: its own, or under
         recompute full the one set all share."""
-        return 0 if self.attention_slot else l
+        return 0 if self.recompute == "full" else l
 
     def o_input(self, l):
         """(block l's attention output, its bf16 copy o_proj reads or None): atty[i], or with bf16
@@ -390,7 +390,7 @@ class Llama(FlatModel):
         place on the cpu), rstd1, then gate|up, rstd2 and h from the kept res2; the attention's
         results are kept (0.65 of a block's products, without attention's scores)."""
         c, r = self.config, self.TRAINING(self, a)
-        if a.attention_slot:
+        if a.recompute == "full":
             self.attention_half(r, l, x)
         else:
             self.qkv_half(r, l, x)
@@ -464,8 +464,7 @@ class Llama(FlatModel):
         ops.swiglu_backward(a.dgu, a.dh, gu)
         ops.rmsnorm_linear_backward(a.dres, g.get(h + "post_attention_layernorm.weight"), transposed(fg.gu[l]), None,
                                     a.dgu, a.res2[a.attention_index(l)], p[h + "post_attention_layernorm.weight"],
-                                    a.rstd2[s],
-                                    fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
+                                    a.rstd2[s], fw.gu[l].T, acc, adapters=self.lora_adapters(a, l, "gu"))
         # attention: res2 = x + drop(o(attn(rope(qkv(rmsnorm(x)))))); dres now holds d res2
         dproj = self.narrowed(self.drop_grad(a, a.dres, l, self.SITE_ATTN_OUT), a.dres16)
         self.attention_backward(a, l, x, dproj, acc)

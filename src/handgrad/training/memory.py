@@ -52,8 +52,7 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     logits of that many rows, not of the whole batch (train.loss_chunk). recompute: train.recompute's
     (block, full: one block's inner buffers and every block's output; models/family.py).
     sample_tokens: the tokens each sample between steps decodes (0: no sampling); eval_tasks:
-    whether tasks are scored between steps
-    (both add the part `decoding`: _decoding_bytes). A LoRA run whose lora.base_quant holds the base's
+    whether tasks are scored between steps (both add the part `decoding`: _decoding_bytes). A LoRA run whose lora.base_quant holds the base's
     block matrices quantized counts their blocks (q8_0: 34 bytes a block of 32, q4_0: 18; keep:
     stored_bytes, the file's bytes of them) and the one dequantized copy of the largest product's
     matrix (quant_bytes)."""
