@@ -55,7 +55,7 @@ def test_full_size_kernels_compile_for_sm90(tmp_path):
     for kernel in ("_adamw_kernel", "_prepare_update_kernel", "_encoder_backward_wte_kernel",
                    "_rmsnorm_forward_kernel", "_rmsnorm_backward_kernel", "_swiglu_forward_kernel",
                    "_swiglu_backward_kernel", "_rope_kernel", "_gqa_forward_kernel", "_gqa_backward_dq_kernel",
-                   "_gqa_backward_dkdv_kernel", "_gqa_decode_kernel", "_dropout_kernel"):
+                   "_gqa_backward_dkdv_kernel", "_gqa_decode_kernel", "_dropout_kernel", "_crossentropy_fused_kernel"):
         assert kernel in names, f"{kernel} was not launched by the recorded step"
     for kernel in ("_gqa_forward_kernel", "_gqa_backward_dq_kernel", "_gqa_backward_dkdv_kernel"):
         for fused in ("'DROPOUT': True, 'HAS_DOCS': False, 'HAS_WINDOW': False, 'HS': 64, 'ROPE': True",

@@ -232,6 +232,30 @@ def test_cuda_graph_config_errors(data_dir, tmp_path):
     if not REAL_GPU:
         with pytest.raises(ConfigError, match="train.cuda_graph: needs CUDA"):
             Trainer(data_dir, tmp_path / "r2", config, backend="gpu")
+    with pytest.raises(ConfigError, match="train.cuda_graph: must be one of auto, true, false, got 'maybe'"):
+        _config(cuda_graph="maybe")
+    assert _config(cuda_graph="yes").train.cuda_graph == "true" and _config(cuda_graph=False).train.cuda_graph == "false"
+
+
+@pytest.mark.parametrize("word", ["auto", "false"])
+def test_cuda_graph_auto_wherever_the_run_allows_and_the_log_says_which(data_dir, tmp_path, word):
+    """auto (the default) captures the gpu step wherever cuda_graph_refusal finds nothing against it, and
+    runs it eagerly elsewhere (here without CUDA: the interpreter), saying which in the log; false never."""
+    lines = []
+    trainer = Trainer(data_dir, tmp_path / word, _config(cuda_graph=word), backend="gpu", log=lambda m, **k: lines.append(m))
+    graphs = word == "auto" and REAL_GPU
+    assert trainer.cuda_graph is graphs
+    said = [ln for ln in lines if ln.startswith("step: ")]
+    if graphs:
+        assert said == ["step: captured as CUDA graphs after one eager step (train.cuda_graph auto)"]
+    elif word == "auto":
+        assert said == ["step: eager, launch by launch (train.cuda_graph auto: needs CUDA (TRITON_INTERPRET=1 runs "
+                        "the kernels on the CPU, where nothing can be captured))"], said
+    else:
+        assert said == ["step: eager, launch by launch (train.cuda_graph false)"]
+    cpu_lines = []
+    assert Trainer(data_dir, tmp_path / f"{word}_cpu", _config(cuda_graph=word), log=lambda m, **k: cpu_lines.append(m)).cuda_graph is False
+    assert not any(ln.startswith("step: ") for ln in cpu_lines)
 
 
 def _poison(monkeypatch, at_call):

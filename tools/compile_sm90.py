@@ -4,7 +4,8 @@ Step 1 (`record`, under TRITON_INTERPRET=1): runs the given pytest arguments wit
 launch recorded as (module, kernel, argument types, constexprs) into a JSON file. `record-sizes`
 records instead the launches of full-size training steps and decoding without running the kernels
 (their outputs are left as garbage; only the launch parameters matter), with the launch choices a
-GPU would make: one block of GPT-2 124M's widths at B 2, T 1024, float32 and bf16, head sizes 64
+GPU would make: one block of GPT-2 124M's widths at B 2, T 1024, float32 and bf16, its lm_head padded
+to 50,304 rows as train pads it on the gpu, head sizes 64
 (two micro-batches), 32 and 128, and two tokens of KV-cache decoding each; smollm2-135m's blocks at
 T 2048, plain and fine-tuned (LoRA and dropout), and decoding.
 Step 2 (`compile`, without the interpreter): compiles each recorded specialisation with
@@ -117,7 +118,7 @@ def record_sizes(out, quick=False):
         heads = ((12, 1, 2),) if quick else ((12, 1, 2), (24, 1, 1), (6, 1, 1))  # head sizes 64, 32, 128
         for n_head, n_layer, accum in heads:
             config = GPTConfig(block_size=1024, vocab_size=50257, n_layer=n_layer, n_head=n_head, n_embd=768)
-            model = GPT(config, backend="gpu", dtype=dtype)
+            model = GPT(config, backend="gpu", dtype=dtype, vocab_pad=64)  # train's default on the gpu
             t = load_run_config("gpt2-124m", overrides={"train.grad_accum_steps": accum, "train.max_steps": 3}).train
             loop = DeviceLoop(model, AdamW(model, lr=t.lr, weight_decay=t.weight_decay), t, 0)
             B = 1 if quick else 2

@@ -231,6 +231,7 @@ class ModelSection:
     query_pre_attn_scalar: float = 0.0
     rope_local_base_freq: float = 10000.0
     final_logit_softcapping: float = 0.0
+    vocab_pad: int = 0
 
 
 @dataclass
@@ -261,7 +262,7 @@ class TrainSection:
     seed: int = 1337
     on_nan: str = "stop"
     dtype: str = "float32"
-    cuda_graph: bool = False
+    cuda_graph: str = "auto"
     zero_stage: int = 0
     threads: int = 0
     dist_timeout: float = 300.0
@@ -283,10 +284,10 @@ ARCHS = ("gpt2", "llama", "gemma3")  # the model families' names, as handgrad.mo
 # model.* keys each family has (the rest is the other family's: given explicitly, an error)
 _GEMMA3_ONLY = ("sliding_window", "sliding_window_pattern", "query_pre_attn_scalar", "rope_local_base_freq",
                 "final_logit_softcapping")
-ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout"),
+ARCH_KEYS = {"gpt2": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dropout", "vocab_pad"),
              "llama": tuple(f.name for f in fields(ModelSection) if f.name not in _GEMMA3_ONLY),
              "gemma3": ("arch", "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_kv_head", "ffn_hidden",
-                        "head_dim", "rope_theta", "norm_eps") + _GEMMA3_ONLY}
+                        "head_dim", "rope_theta", "norm_eps", "vocab_pad") + _GEMMA3_ONLY}
 # the keys that take one of a few words: checked at load time, listed by `handgrad train --help`
 # train.lora_targets' names per family, in block order (models/gpt2.py and models/llama.py map them to modules)
 LORA_TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc", "mlp.c_proj"), "llama": ("q", "k", "v", "o", "gate", "up", "down"),
@@ -294,7 +295,7 @@ LORA_TARGETS = {"gpt2": ("c_attn", "c_proj", "c_fc", "mlp.c_proj"), "llama": ("q
 CHOICES = {"model.arch": ARCHS, "train.on_nan": ("stop", "skip"), "train.dtype": ("float32", "bfloat16"),
            "train.log_to": ("none", "tensorboard", "wandb"), "train.recompute": ("none", "block", "full"),
            "train.objective": ("cross_entropy", "dpo"), "train.dpo_reference": ("precompute", "adapters_off"),
-           "train.base_quant": ("none", "keep", "q8_0", "q4_0")}
+           "train.base_quant": ("none", "keep", "q8_0", "q4_0"), "train.cuda_graph": ("auto", "true", "false")}
 
 
 @dataclass
@@ -320,17 +321,31 @@ class RunConfig:
                               f"model's tokenizer, or raise model.vocab_size")
         vocab_size = m.vocab_size or vocab_size
         if m.arch == "llama":  # model.* as they are, but the three whose 0 stands for something
-            keys = {k: getattr(m, k) for k in ARCH_KEYS["llama"] if k not in ("arch", "dropout")}
+            keys = {k: getattr(m, k) for k in ARCH_KEYS["llama"] if k not in ("arch", "dropout", "vocab_pad")}
             return LlamaConfig(**dict(keys, vocab_size=vocab_size, n_kv_head=m.n_kv_head or m.n_head,
                                       ffn_hidden=m.ffn_hidden or default_ffn_hidden(m.n_embd)))
         if m.arch == "gemma3":  # n_kv_head, ffn_hidden, head_dim and query_pre_attn_scalar: 0 stands for something
-            keys = {k: getattr(m, k) for k in ARCH_KEYS["gemma3"] if k != "arch"}
+            keys = {k: getattr(m, k) for k in ARCH_KEYS["gemma3"] if k not in ("arch", "vocab_pad")}
             head_dim = m.head_dim or (m.n_embd // m.n_head)
             return Gemma3Config(**dict(keys, vocab_size=vocab_size, n_kv_head=m.n_kv_head or m.n_head,
                                        head_dim=head_dim, ffn_hidden=m.ffn_hidden or default_ffn_hidden(m.n_embd),
                                        query_pre_attn_scalar=m.query_pre_attn_scalar or float(head_dim)))
         return GPTConfig(block_size=m.block_size, vocab_size=vocab_size, n_layer=m.n_layer,
                          n_head=m.n_head, n_embd=m.n_embd)
+
+    def vocab_pad(self, backend, lora=False):
+        """model.vocab_pad as the model takes it (models/family.py): the lm_head's rows padded to a multiple
+        of it. 0, the default, is 64 where a GPT-2 trains in full on the gpu (llm.c's padding of 50,257 to
+        50,304: aligned logits rows for cuBLAS's tensor-core kernels), else 1 (none). lora: the run trains
+        adapters (train.lora_rank, or an adapter it continues)."""
+        m, t = self.model, self.train
+        lora = lora or bool(t.lora_rank)
+        if m.vocab_pad > 1 and lora:
+            raise ConfigError(f"model.vocab_pad {m.vocab_pad}: a padded vocabulary needs the lm_head to train, and a "
+                              f"LoRA run's is frozen; drop model.vocab_pad (or set it to 1)")
+        if m.vocab_pad:
+            return m.vocab_pad
+        return 64 if backend == "gpu" and m.arch == "gpt2" and not lora else 1
 
     def lora_config(self):
         """train.lora_* as a LoRAConfig, or None for full fine-tuning (lora_rank 0)."""
@@ -470,7 +485,10 @@ def validate_run_config(config):
         config.gpt_config(1)  # the family's own checks: n_head divides n_embd, and Llama's even head size, ...
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for key in ("log_to", "recompute", "dtype", "objective", "dpo_reference", "base_quant"):
+    # a yes/no word as the bool keys take it (a config file's true is read as "True")
+    t.cuda_graph = {"1": "true", "yes": "true", "0": "false", "no": "false"}.get(str(t.cuda_graph).lower(),
+                                                                            str(t.cuda_graph).lower())
+    for key in ("log_to", "recompute", "dtype", "objective", "dpo_reference", "base_quant", "cuda_graph"):
         if getattr(t, key) not in CHOICES[f"train.{key}"]:
             raise ConfigError(f"train.{key}: must be one of {', '.join(CHOICES['train.' + key])}, got {getattr(t, key)!r}")
     for key in ("batch_size", "grad_accum_steps", "max_steps", "eval_steps", "keep_checkpoints", "log_interval"):
@@ -498,6 +516,8 @@ def validate_run_config(config):
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(t, key) < 1:
             raise ConfigError(f"train.{key}: must be in [0, 1), got {getattr(t, key)}")
+    if m.vocab_pad < 0:
+        raise ConfigError(f"model.vocab_pad: must be >= 0 (0 = automatic, 1 = no padding), got {m.vocab_pad}")
     for key, value in (("model.dropout", m.dropout), ("train.lora_dropout", t.lora_dropout)):
         if not 0 <= value < 1:
             raise ConfigError(f"{key}: must be in [0, 1), got {value}")

@@ -51,6 +51,10 @@ KEYS = {
         "query_pre_attn_scalar": ("The attention scores are q.k x query_pre_attn_scalar ** -0.5", "head_dim"),
         "rope_local_base_freq": "RoPE's base in the local (sliding-window) layers",
         "final_logit_softcapping": ("The logits as cap x tanh(logits / cap)", "no softcapping"),
+        "vocab_pad": ("The lm_head's rows (GPT-2's tied wte) held padded with zero rows to a multiple of this, as "
+                      "llm.c pads 50,257 to 50,304, so each row of logits has an aligned length; the loss, "
+                      "sampling, checkpoints and exports use the real vocab_size (1: no padding)",
+                      "64 for a GPT-2 trained in full on the gpu, else no padding"),
     },
     "train": {
         "batch_size": "Sequences per micro-batch (train.objective dpo: preference pairs, each a chosen and a rejected sequence)",
@@ -87,7 +91,9 @@ KEYS = {
         "on_nan": "What a NaN or Inf loss or gradient does: stop (the last good checkpoint kept) or skip the batch",
         "dtype": "float32, or bfloat16 mixed precision (gpu: bf16 activations; cpu: bf16 products); trained "
                  "weights stay float32, a LoRA run's frozen base matrices are bf16 on the cpu",
-        "cuda_graph": "--device gpu, one process: replay each step as captured CUDA graphs",
+        "cuda_graph": ("Replay each step as captured CUDA graphs: auto where the run allows them (--device gpu on "
+                       "CUDA, one process, no dropout, not DPO), true to insist (refused where it cannot), false "
+                       "never", "auto"),
         "zero_stage": ("Under torchrun: 1 shards the AdamW moments across the ranks (ZeRO stage 1)",
                        "plain data parallel (every rank holds all the moments)"),
         "threads": ("BLAS and Numba threads per process (--device cpu)",

@@ -10,7 +10,7 @@ Everything that is not a family's own math is shared: the flat buffers (`flat_la
 (interop/checkpoint.py, by param_spec names), sampling (models/decode.py) and data parallelism.
 """
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -107,6 +107,7 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         KV_CACHE              its decoding cache class (models/decode.py)
         param_spec, init_params, count_params, flops_per_token   (staticmethods) the family's
                               functions (Family's fields of those names; count_params: num_params)
+        head_name(config)     (staticmethod) the tensor the lm_head's product reads (GPT-2's tied wte)
         WRITTEN_FIRST         name suffixes of the weight matrices whose gradient the first backward
                               after zero_grad() writes by one GEMM (see zero_grad)
         _grad_buckets()       (start, end) gradient ranges in the order backward() completes them
@@ -115,7 +116,7 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
     """
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
-                 dropout=0.0, loss_chunk=0, recompute="none", quant="none"):
+                 dropout=0.0, loss_chunk=0, recompute="none", quant="none", vocab_pad=1):
         """buffer_multiple: the flat buffers (`flat_params`, `flat_grad`) are allocated zero-padded
         to a multiple of it, so data-parallel ranks can split them into equal shards; `params` and
         `grad` are their first num_params elements.
@@ -138,7 +139,12 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         inputs again; under full it keeps nothing else (GPT-2 keeps nothing else under either).
         quant: a model without adapters whose block matrices are held quantized (lora.base_quant's
         choices; models/lora_layout.py), frozen: decoding from a quantized file or --quant. A LoRA
-        model takes lora.base_quant instead."""
+        model takes lora.base_quant instead.
+        vocab_pad: the lm_head's rows (GPT-2's tied wte) held padded to a multiple of this (model.vocab_pad;
+        1: none), as llm.c pads GPT-2's 50,257 to 50,304: the logits' rows then have an aligned length.
+        The padded rows are zeros that stay zeros (their logits are 0, the loss reads only the first
+        vocab_size, so their gradient is 0), and model.p, state_dict, checkpoints and exports hold the
+        real vocab_size rows. A model whose lm_head trains only (no LoRA, no quantized base)."""
         if not isinstance(config, self.CONFIG):
             raise ValueError(f"config must be a handgrad {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in ("float32", "bfloat16"):
@@ -152,11 +158,18 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         if held != "none" and backend != "cpu":
             raise ValueError(f"train.base_quant {held}: a quantized base is the cpu backend's; on the gpu train "
                              f"over the base as loaded (train.base_quant none)")
+        if not (isinstance(vocab_pad, (int, np.integer)) and vocab_pad >= 1):
+            raise ValueError(f"vocab_pad must be an int >= 1 (1: no padding), got {vocab_pad!r}")
+        if vocab_pad > 1 and (lora is not None or quant != "none"):
+            raise ValueError(f"vocab_pad {vocab_pad}: a padded vocabulary needs the lm_head to train (no LoRA, no "
+                             f"quantized base); use vocab_pad 1")
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
         self.config, self.ops, self.backend, self.lora = config, get_backend(backend), backend, lora
         self.base_quant = lora.base_quant if lora is not None else quant
         self.dtype, self.loss_chunk, self.recompute = dtype, int(loss_chunk), recompute
+        V = config.vocab_size
+        self.head_rows = -(-V // int(vocab_pad)) * int(vocab_pad)  # the lm_head's rows as held (vocab_pad)
         self.bf16_products = dtype == "bfloat16" and backend == "cpu"
         padded = self._init_buffers(buffer_multiple)
         self._init_bf16_copies(padded)
@@ -184,7 +197,10 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
             self.spec = [(n, s) for n, s in self.spec if (n, s) not in frozen]
         else:
             self.spec, frozen, self.lora_blocks = lora_parts.split_spec(type(self), self.config, self.lora)
-        self.layout, self.num_params = flat_layout(self.spec)
+        head = self.head_name(self.config)
+        self.layout, self.num_params = flat_layout(self.spec, {head: self.head_rows})
+        # the padded rows' elements: in num_params (the buffers' length), no parameter's
+        self.num_padding = (self.head_rows - self.config.vocab_size) * self.config.n_embd
         padded = -(-self.num_params // buffer_multiple) * buffer_multiple
         self.flat_params = self.ops.zeros((padded,))
         self.flat_grad = self.ops.zeros((padded,))
@@ -192,6 +208,19 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         self._init_frozen(frozen)
         self.g = flat_views(self.grad, self.layout)
         return padded
+
+    def head_weights(self, w):
+        """(W, dW) for the head's product (head_forward): the lm_head of the products' weights w (model.p,
+        or p16 with bf16 products) as its transposed (C, V) view, and its gradient's (None where frozen).
+        With a padded vocabulary they run over all head_rows rows of the flat buffers (the zero rows
+        past vocab_size included), so the logits come out head_rows wide."""
+        name = self.head_name(self.config)
+        if self.head_rows == self.config.vocab_size:
+            return w[name].T, self.grad_t(name)
+        o, (V, C) = self.layout[name]
+        flat = self.flat_params16 if self.bf16_products and w is not self.p else self.params
+        return (flat[o:o + self.head_rows * C].reshape(self.head_rows, C).T,
+                self.grad[o:o + self.head_rows * C].reshape(self.head_rows, C).T)
 
     # ----------------------------------------------------------------- parameters
     def _init_weights(self, seed):
@@ -354,7 +383,8 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         if a is None or (a.B, a.T) != (B, T):
             a = self._acts = None  # release the old set before allocating the new one
             rows = min(self.loss_chunk, B * T) if self.loss_chunk else None
-            a = self._acts = self.ACTIVATIONS(self.ops, self.config, B, T, self._act_dtype(),
+            config = replace(self.config, vocab_size=self.head_rows)  # the logits' width: the lm_head's rows
+            a = self._acts = self.ACTIVATIONS(self.ops, config, B, T, self._act_dtype(),
                                               products=np.uint16 if self.bf16_products else np.float32,
                                               logit_rows=rows, recompute=recompute_mode(self.recompute))
             a.lora_xs = None if self.lora is None else self.ops.empty(  # each adapter's s x A, per block

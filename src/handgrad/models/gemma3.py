@@ -116,11 +116,11 @@ class Gemma3(Llama):
     count_params, flops_per_token = staticmethod(num_params), staticmethod(flops_per_token)
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
-                 dropout=0.0, loss_chunk=0, recompute="none", quant="none"):
+                 dropout=0.0, loss_chunk=0, recompute="none", quant="none", vocab_pad=1):
         if dropout:
             raise ValueError("model.dropout: Gemma 3 has no dropout sites (transformers' has none); leave it at 0")
         super().__init__(config, backend, seed, buffer_multiple=buffer_multiple, dtype=dtype, lora=lora,
-                         dropout=0.0, loss_chunk=loss_chunk, recompute=recompute, quant=quant)
+                         dropout=0.0, loss_chunk=loss_chunk, recompute=recompute, quant=quant, vocab_pad=vocab_pad)
         c = config
         self.cos_local, self.sin_local = self.ops.rope_cache(c.block_size, c.head_dim, c.rope_local_base_freq)
         self.embed_scale = np.float32(math.sqrt(c.n_embd))

@@ -182,6 +182,7 @@ class GPT(FlatModel):
     block_prefix = staticmethod(lambda l: f"h.{l}.")
     is_norm = staticmethod(lambda name: name.split(".")[-2].startswith("ln_"))
     is_product = staticmethod(lambda name, config: name != "wpe.weight")  # wte is the tied lm_head's
+    head_name = staticmethod(lambda config: "wte.weight")  # the tensor the lm_head's product reads
 
     def _grad_buckets(self):
         """Gradient ranges in the order backward() finishes them: ln_f, blocks L-1 .. 0, embeddings."""
@@ -203,7 +204,7 @@ class GPT(FlatModel):
             self.block_forward(r, l, x)
             x = a.res3[l]
         ops.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, x, p["ln_f.weight"], p["ln_f.bias"])
-        self.head_forward(a, a.lnf, w["wte.weight"].T, self.grad_t("wte.weight"))
+        self.head_forward(a, a.lnf, *self.head_weights(w))
 
     def block_forward(self, r, l, x):
         """Block l, as every caller runs it: the training forward (r a GPTTraining over the

@@ -2,7 +2,10 @@
 a chunk of rows at a time (`loss_chunk`, train.loss_chunk).
 
 Whole, the (B, T, V) logits are formed, the loss read from them, and the backward overwrites them
-in place with dlogits. With loss_chunk the logits never exist for the whole batch: the forward forms
+in place with dlogits; in a training step's forward (grad=True), whose backward takes the mean
+loss's gradient, the loss and dlogits come from one call (crossentropy_forward_backward: on the gpu
+llm.c's fused classifier, one pass over the logits) and the backward starts at the lm_head's
+products. With loss_chunk the logits never exist for the whole batch: the forward forms
 them loss_chunk rows at a time, keeps each row's loss and log-sum-exp and drops the logits. Where the
 forward is a training step's (forward(..., grad=True)) and the lm_head is frozen (LoRA), it also
 folds each chunk's gradient into the hidden state's while the chunk's logits exist, as
@@ -10,6 +13,12 @@ Liger-Kernel's fused linear cross-entropy does: the head costs what the whole pa
 (an evaluation; a trained lm_head, whose gradient a zero_grad between forward and backward must not
 lose) the backward forms each chunk's logits again, one more product of the lm_head's forward size.
 Memory for the head is loss_chunk x V instead of B T V, and the hidden state's gradient (B, T, C).
+
+With a padded vocabulary (model.vocab_pad) the lm_head holds head_rows >= V rows, the rows past V
+zeros, and the logits buffer is head_rows wide: the products run over every row (aligned logits
+rows), the cross-entropy and every reader of the logits over the first V columns only (`real`).
+The padded columns' logits are x . 0 = 0 and stay so, and the backward, which writes dlogits over
+the first V columns in place, leaves them 0: the padded rows' gradient is exactly 0.
 """
 import numpy as np
 
@@ -44,9 +53,14 @@ class Head:
         """The logits x (B, T, C) @ W (C, V) into a.logits; with loss_chunk, nothing yet: head_loss
         and head_backward form them loss_chunk rows at a time (head_chunks). dW: W's gradient (its
         transposed view), None where W is frozen."""
-        a.head, a.head_dx = (x, W, dW), False
+        a.head, a.head_dx, a.head_dz = (x, W, dW), False, False
         if not a.chunked:
             self._logits(a.logits, x, W)
+
+    def real(self, logits):
+        """The first vocab_size columns of a logits buffer (itself where the vocabulary is not padded)."""
+        V = self.config.vocab_size
+        return logits if logits.shape[-1] == V else logits[..., :V]
 
     def _logits(self, out, x, W):
         """out = x @ W, softcapped in place where the family's config sets final_logit_softcapping
@@ -61,17 +75,22 @@ class Head:
 
     def head_loss(self, a, grad=False):
         """The mean loss over the non-ignored targets, as the backend's scalar; keeps each row's loss
-        and log-sum-exp (and with chunks, dloss = 1/n for the backward). grad (a backward follows),
-        chunked and W frozen: the hidden state's gradient too, into a.dhead (head_backward's)."""
+        and log-sum-exp (and with chunks, dloss = 1/n for the backward). grad (a backward of the mean
+        loss follows): whole, dlogits formed with the loss, over the logits (a.head_dz); chunked with W
+        frozen, the hidden state's gradient too, into a.dhead (head_backward's)."""
         if not a.chunked:
-            return self.ops.crossentropy_forward(a.losses, a.lse, a.logits, a.targets)
+            z = self.real(a.logits)
+            a.head_dz = grad
+            if grad:
+                return self.ops.crossentropy_forward_backward(a.losses, a.lse, z, a.targets, **self._cap())
+            return self.ops.crossentropy_forward(a.losses, a.lse, z, a.targets)
         x, W, dW = a.head
         a.head_dx = grad and dW is None
         if a.head_dx:  # dloss = 1/n depends on the targets alone: known before any loss
             a.dloss = self.ops.crossentropy_mean(a.losses, a.targets)[1]
         for r0, r1, logits in self.head_chunks(a):
             self._logits(logits, row_range(x, r0, r1), W)
-            self.ops.crossentropy_forward(row_range(a.losses, r0, r1), row_range(a.lse, r0, r1), logits,
+            self.ops.crossentropy_forward(row_range(a.losses, r0, r1), row_range(a.lse, r0, r1), self.real(logits),
                                           row_range(a.targets, r0, r1))
             if a.head_dx:
                 self._chunk_backward(a, r0, r1, logits, a.dhead, None, False)
@@ -81,12 +100,12 @@ class Head:
     def head_logits(self, a):
         """The logits (B, T, V) as a new float32 NumPy array (forward without targets)."""
         if not a.chunked:
-            return self._float32(a.logits, copy=True)
+            return self._float32(self.real(a.logits), copy=True)
         out = np.empty((a.B * a.T, self.config.vocab_size), np.float32)
         x, W, _ = a.head
         for r0, r1, logits in self.head_chunks(a):
             self._logits(logits, row_range(x, r0, r1), W)
-            out[r0:r1] = self._float32(logits)[0]
+            out[r0:r1] = self._float32(self.real(logits))[0]
         return out.reshape(a.B, a.T, -1)
 
     def _float32(self, logits, copy=False):
@@ -114,11 +133,13 @@ class Head:
         (Gemma's final_logit_softcapping): the cross-entropy's backward reads z' and multiplies its
         gradient by dz'/dz = 1 - (z' / cap)^2 as it writes it, so dlogits is the uncapped logits'."""
         x, W, dW = a.head
-        if dloss is not None and a.head_dx:
+        if dloss is not None and (a.head_dx or a.head_dz):
             raise RuntimeError("backward(dloss=...): the forward formed the mean loss's gradient already; "
                                "run it with grad=False")
         if not a.chunked:
-            self.ops.crossentropy_backward(a.logits, a.logits, a.lse, a.targets, dloss, **self._cap())  # in place
+            if not a.head_dz:  # else the forward's fused pass wrote dlogits already
+                z = self.real(a.logits)
+                self.ops.crossentropy_backward(z, z, a.lse, a.targets, dloss, **self._cap())  # in place
             self.ops.linear_backward(dx, dW, None, a.logits, x, W, acc)
         elif a.head_dx:
             if dx is not a.dhead:
@@ -132,7 +153,8 @@ class Head:
         """Rows r0:r1 of dx, and their part of dW, from the chunk's logits z_R (overwritten by
         their gradient)."""
         scale = a.dloss if dloss is None else row_range(dloss, r0, r1)
-        self.ops.crossentropy_backward(logits, logits, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1), scale,
+        z = self.real(logits)
+        self.ops.crossentropy_backward(z, z, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1), scale,
                                        **self._cap())
         self.ops.linear_backward(row_range(dx, r0, r1), dW, None, logits, row_range(a.head[0], r0, r1), a.head[1],
                                  acc)

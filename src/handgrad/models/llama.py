@@ -257,9 +257,9 @@ class Llama(FlatModel):
     is_product = staticmethod(lambda name, config: config.tie_embeddings or name != "model.embed_tokens.weight")
 
     def __init__(self, config, backend="cpu", seed=0, *, buffer_multiple=1, dtype="float32", lora=None,
-                 dropout=0.0, loss_chunk=0, recompute="none", quant="none"):
+                 dropout=0.0, loss_chunk=0, recompute="none", quant="none", vocab_pad=1):
         super().__init__(config, backend, seed, buffer_multiple=buffer_multiple, dtype=dtype, lora=lora,
-                         dropout=dropout, loss_chunk=loss_chunk, recompute=recompute, quant=quant)
+                         dropout=dropout, loss_chunk=loss_chunk, recompute=recompute, quant=quant, vocab_pad=vocab_pad)
         c = config
         self.cos, self.sin = self.ops.rope_cache(c.block_size, c.head_dim, c.rope_theta, c.rope_scaling)
         flat = lambda grads: SimpleNamespace(**{  # the fused [out, in] groups, per layer (grads: None if frozen)
@@ -274,7 +274,12 @@ class Llama(FlatModel):
                                                            bf16=True) for l in range(c.n_layer)]
                                      for key, first, last in (("qkv", "self_attn.q_proj.weight", "self_attn.v_proj.weight"),
                                                               ("gu", "mlp.gate_proj.weight", "mlp.up_proj.weight"))})
-        self.lm_head = "model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight"
+        self.lm_head = self.head_name(c)
+
+    @staticmethod
+    def head_name(config):
+        """The tensor the lm_head's product reads: embed_tokens where tied."""
+        return "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
 
     def rope(self, l):
         """Block l's RoPE tables (cos, sin): one pair for every block of a Llama."""
@@ -306,7 +311,7 @@ class Llama(FlatModel):
             self.block_forward(r, l, x)
             x = a.res3[l]
         ops.rmsnorm_forward(a.normf, a.rstdf, x, self.norm_weight("model.norm.weight"), c.norm_eps)
-        self.head_forward(a, a.normf, w[self.lm_head].T, self.grad_t(self.lm_head))
+        self.head_forward(a, a.normf, *self.head_weights(w))
 
     def embed_forward(self, a):
         """a.encoded, the residual stream entering block 0: embed_tokens' rows of a.idx, dropped."""

@@ -1,6 +1,7 @@
 """The flat parameter buffers every family lays its tensors out in, and the initial weights.
 
-`flat_layout(spec)` gives each (name, shape) of a param_spec its offset in one flat buffer;
+`flat_layout(spec, rows)` gives each (name, shape) of a param_spec its offset in one flat buffer (a
+tensor named in rows reserving that many rows, its padding after its own: model.vocab_pad's);
 `flat_views(flat, layout)` the tensors as views of it. `initialise(spec, seed, rule, into)` draws a
 family's initial weights tensor by tensor from one numpy Generator, a chunk at a time: a chunked
 draw gives the same numbers as one draw of the whole tensor, so a tensor held as bf16 (a frozen
@@ -15,12 +16,14 @@ from ..backends import get_backend
 CHUNK = 1 << 20  # values drawn (and narrowed or hashed) at a time: 4 MiB of float32 scratch
 
 
-def flat_layout(spec):
-    """name -> (offset, shape) in the flat buffer, and the total size."""
+def flat_layout(spec, rows=None):
+    """name -> (offset, shape) in the flat buffer, and the total size. rows: name -> the rows its
+    tensor reserves (at least shape[0]): the shape stays the tensor's own, the rows past it follow
+    it in the buffer (a padded vocabulary's zero rows, models/head.py)."""
     offsets, n = {}, 0
     for name, shape in spec:
         offsets[name] = (n, shape)
-        n += int(np.prod(shape))
+        n += (max(int(shape[0]), (rows or {}).get(name, 0)) * int(np.prod(shape[1:]))) if len(shape) else 1
     return offsets, n
 
 

@@ -171,23 +171,33 @@ class DeviceLoop:
         return out, bool(host[gpu_adamw.FAULT])
 
 
-def check_cuda_graph(backend, world_size, dropout=0.0):
-    """ConfigError unless train.cuda_graph can work: the gpu backend, one process, no dropout (a
+def cuda_graph_refusal(backend, world_size, dropout=0.0, objective="cross_entropy"):
+    """Why train.cuda_graph cannot work for a run (one line naming the fix), or None where it can: not
+    DPO (its step reads each sequence's log-prob back), the gpu backend, one process, no dropout (a
     replayed graph would draw the captured step's masks again), real CUDA."""
+    if objective == "dpo":
+        return ("train.cuda_graph: a DPO step reads each sequence's log-prob back to the host to form its loss, "
+                "which a captured graph cannot; drop --train.cuda_graph")
     if backend != "gpu":
-        raise ConfigError("train.cuda_graph: CUDA graphs replay the gpu backend's step; add --device gpu, "
-                          "or drop --train.cuda_graph")
+        return "train.cuda_graph: CUDA graphs replay the gpu backend's step; add --device gpu, or drop --train.cuda_graph"
     if world_size > 1:
-        raise ConfigError("train.cuda_graph: needs a single process (under torchrun the gradients are "
-                          "all-reduced between the kernels, from Python); drop --train.cuda_graph")
+        return ("train.cuda_graph: needs a single process (under torchrun the gradients are all-reduced between the "
+                "kernels, from Python); drop --train.cuda_graph")
     if dropout:
-        raise ConfigError("train.cuda_graph: a captured step would replay its dropout masks every step "
-                          "(model.dropout and train.lora_dropout draw new ones per step); drop --train.cuda_graph "
-                          "or set the dropout to 0")
+        return ("train.cuda_graph: a captured step would replay its dropout masks every step (model.dropout and "
+                "train.lora_dropout draw new ones per step); drop --train.cuda_graph or set the dropout to 0")
     import torch
 
     from ..backends.gpu.common import interpreting
     if interpreting() or not torch.cuda.is_available():
-        raise ConfigError("train.cuda_graph: needs CUDA (TRITON_INTERPRET=1 runs the kernels on the CPU, "
-                          "where nothing can be captured); drop --train.cuda_graph")
+        return ("train.cuda_graph: needs CUDA (TRITON_INTERPRET=1 runs the kernels on the CPU, where nothing can be "
+                "captured); drop --train.cuda_graph")
+    return None
+
+
+def check_cuda_graph(backend, world_size, dropout=0.0):
+    """ConfigError where train.cuda_graph cannot work (cuda_graph_refusal)."""
+    why = cuda_graph_refusal(backend, world_size, dropout)
+    if why:
+        raise ConfigError(why)
 

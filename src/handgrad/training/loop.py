@@ -32,8 +32,8 @@ class StopFlag:
 def model_size(model):
     """The model's parameters for the log: all of them, and of a LoRA model how many train (the
     adapters and whatever trains beside them) beside its frozen base."""
-    if model.lora is None:
-        return f"{model.num_params:,} parameters"
+    if model.lora is None:  # a padded vocabulary's zero rows are no parameters
+        return f"{model.num_params - model.num_padding:,} parameters"
     return f"{model.num_params + model.num_frozen:,} parameters, {model.num_params:,} of them trained"
 
 

@@ -12,6 +12,7 @@ whole count against measured runs).
 """
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 
@@ -44,7 +45,8 @@ class _CountingOps:
 
 
 def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float32", world_size=1, zero_stage=0,
-             lora=None, loss_chunk=0, recompute="none", sample_tokens=0, eval_tasks=False, stored_bytes=None):
+             lora=None, loss_chunk=0, recompute="none", sample_tokens=0, eval_tasks=False, stored_bytes=None,
+             vocab_pad=1):
     """{part: bytes} of one process of a run; config is the family's architecture config. lora (a
     LoRAConfig): gradients and moments of what trains only, the frozen base beside the parameters,
     and in the activations each adapter's s x A per block and the lora ops' workspaces (s g B^T, and
@@ -55,8 +57,12 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     whether tasks are scored between steps (both add the part `decoding`: _decoding_bytes). A LoRA run whose lora.base_quant holds the base's
     block matrices quantized counts their blocks (q8_0: 34 bytes a block of 32, q4_0: 18; keep:
     stored_bytes, the file's bytes of them) and the one dequantized copy of the largest product's
-    matrix (quant_bytes)."""
+    matrix (quant_bytes). vocab_pad: the lm_head's rows held padded to a multiple of it (model.vocab_pad):
+    its padding in the weights, gradients and moments, and logits that wide."""
     n, frozen, xs = family.num_params(config), 0, 0
+    head_rows = -(-config.vocab_size // vocab_pad) * vocab_pad
+    n += (head_rows - config.vocab_size) * config.n_embd
+    wide = replace(config, vocab_size=head_rows)  # the activations': logits head_rows wide
     act_bytes = 2 if dtype == "bfloat16" and backend != "cpu" else 4
     if lora is not None:
         trained, frozen_spec, blocks = split_spec(family.model, config, lora)
@@ -89,14 +95,14 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
         act_dtype = torch.bfloat16
     counter = _CountingOps(ops)
     rows = min(loss_chunk, batch_size * block_size) if loss_chunk else None
-    acts = family.activations(counter, config, batch_size, block_size, act_dtype, products=products, logit_rows=rows,
+    acts = family.activations(counter, wide, batch_size, block_size, act_dtype, products=products, logit_rows=rows,
                               recompute=recompute_mode(recompute))
-    acts.alloc_grads(counter, config, act_dtype)
-    scratch = family.activations.scratch_bytes(ops, config, batch_size, block_size)  # the ops' workspaces
+    acts.alloc_grads(counter, wide, act_dtype)
+    scratch = family.activations.scratch_bytes(ops, wide, batch_size, block_size)  # the ops' workspaces
     if products is np.uint16:  # bf16 logits: each block of rows widened for the cross-entropy
         scratch += ops.crossentropy.bf16_scratch_bytes(config.vocab_size)
     if products is np.uint16 and not ops.products_path():  # widened products: their float32 tiles
-        scratch += ops.blas.widen_scratch_bytes() + ops.blas.widen.bf16_out_scratch_bytes(config.vocab_size)
+        scratch += ops.blas.widen_scratch_bytes() + ops.blas.widen.bf16_out_scratch_bytes(head_rows)
     bf16_copy = 2 * padded if products is np.uint16 else 0  # the products' bf16 copy of the weights
     parts = {"parameters": 4 * padded + frozen + bf16_copy, "gradients": 4 * padded,
              "AdamW moments": 8 * (padded // world_size if zero_stage == 1 else padded),

@@ -23,7 +23,7 @@ from ..models import family_of, get_family
 from ..models.decode import generate
 from ..models.lora import base_digest, lora_flops_per_token
 from ..models.lora_layout import quantized_names
-from .device_loop import DeviceLoop, check_cuda_graph
+from .device_loop import DeviceLoop, cuda_graph_refusal
 from .distributed import DataParallel, DistributedError
 from .dpo import DPO, REFERENCE_FILE, load_reference, precompute_reference, save_reference
 from .loop import StepLog, StopFlag, model_size
@@ -79,6 +79,7 @@ class Trainer:
         if t.objective == "dpo" and t.dpo_reference == "adapters_off":
             self._check_adapters_off(lora, init_from[0] if adapter else None)
         stored = self._check_base_quant(t, backend, init_from, resume)
+        vocab_pad = config.vocab_pad(backend, lora is not None)
         # count what the run will hold before allocating any of it; refuse what cannot fit. Where the
         # whole batch's logits do not fit (a 262,144-token vocabulary's: 4 GiB at B 4, T 1024) and
         # train.loss_chunk is unset, the loss forms them AUTO_LOSS_CHUNK rows at a time instead
@@ -88,7 +89,7 @@ class Trainer:
                               self.dp.world_size, t.zero_stage if self.dp.world_size > 1 else 0, lora,
                               loss_chunk=chunk, recompute=t.recompute,
                               sample_tokens=t.sample_tokens if t.sample_interval else 0, eval_tasks=bool(t.eval_tasks),
-                              stored_bytes=stored)
+                              stored_bytes=stored, vocab_pad=vocab_pad)
             try:
                 need = check_memory(memory, config, backend, processes=self.dp.local_world_size,
                                     vocab_size=self.gpt_config.vocab_size)
@@ -112,14 +113,24 @@ class Trainer:
                                   "train.eval_interval to the steps between evaluations")
             self.task_eval = TaskEval(t.eval_tasks, t.eval_limit, self.data_dir, self.gpt_config.block_size, backend)
             self.log(self.task_eval.describe())
-        if t.cuda_graph and t.objective == "dpo":
-            raise ConfigError("train.cuda_graph: a DPO step reads each sequence's log-prob back to the host to form "
-                              "its loss, which a captured graph cannot; drop --train.cuda_graph")
-        if t.cuda_graph:
-            check_cuda_graph(backend, self.dp.world_size, config.model.dropout or (t.lora_rank and t.lora_dropout))
+        # train.cuda_graph: auto captures the step wherever the run allows it; true insists
+        why = cuda_graph_refusal(backend, self.dp.world_size, config.model.dropout or (t.lora_rank and t.lora_dropout),
+                                 t.objective)
+        if t.cuda_graph == "true" and why:
+            raise ConfigError(why)
+        self.cuda_graph = t.cuda_graph != "false" and why is None
+        if backend == "gpu":
+            self.log("step: captured as CUDA graphs after one eager step (train.cuda_graph " + t.cuda_graph + ")"
+                     if self.cuda_graph else "step: eager, launch by launch (train.cuda_graph " + t.cuda_graph
+                     + ("" if why is None or t.cuda_graph == "false" else ": " + why.split(": ", 1)[1].split(";")[0])
+                     + ")")
         self.model = self.family.model(self.gpt_config, backend=backend, seed=t.seed,
                                        buffer_multiple=self.dp.world_size, dtype=t.dtype, lora=lora,
-                                       dropout=config.model.dropout, loss_chunk=t.loss_chunk, recompute=t.recompute)
+                                       dropout=config.model.dropout, loss_chunk=t.loss_chunk, recompute=t.recompute,
+                                       vocab_pad=vocab_pad)
+        if self.model.head_rows != self.gpt_config.vocab_size:
+            self.log(f"vocabulary: {self.gpt_config.vocab_size:,} tokens, the lm_head held as {self.model.head_rows:,} "
+                     f"rows (model.vocab_pad {vocab_pad}; checkpoints and exports keep {self.gpt_config.vocab_size:,})")
         self.base_ref = None  # a LoRA run's base model: where it came from and its weights' SHA-256
         # a llama model's context length from --init-from (pretrained_config), which exports give: a
         # RoPE model is not cut to the block_size it trains on
@@ -435,7 +446,7 @@ class Trainer:
             return None
         if self.device_loop is None:
             self.device_loop = DeviceLoop(self.model, self.opt, self.config.train, self.step,
-                                          cuda_graph=self.config.train.cuda_graph)
+                                          cuda_graph=self.cuda_graph)
         return self.device_loop
 
 

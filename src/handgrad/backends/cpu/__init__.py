@@ -12,7 +12,8 @@ from . import blas
 from .common import aligned_empty, aligned_zeros, norm_scratch
 from .attention import attention_backward, attention_forward, attention_state_shape
 from .attention import attention_decode_forward
-from .crossentropy import crossentropy_backward, crossentropy_forward, crossentropy_mean, softcap_forward
+from .crossentropy import (crossentropy_backward, crossentropy_forward, crossentropy_forward_backward, crossentropy_mean,
+                           softcap_forward)
 from .dropout import dropout_backward, dropout_forward, dropout_seed
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward

@@ -11,7 +11,8 @@ import torch
 from .adamw import HYPER_SIZE, adamw_update, global_norm, make_chunks, prepare_update, update_state
 from .attention import attention_backward, attention_decode_forward, attention_forward, attention_state_shape
 from .common import device, norm_scratch, torch_dtype
-from .crossentropy import IGNORE_INDEX, crossentropy_backward, crossentropy_forward, crossentropy_mean, softcap_forward
+from .crossentropy import (IGNORE_INDEX, crossentropy_backward, crossentropy_forward, crossentropy_forward_backward,
+                           crossentropy_mean, softcap_forward)
 from .dropout import dropout_backward, dropout_forward, dropout_seed
 from .encoder import encoder_backward, encoder_forward
 from .gelu import gelu_backward, gelu_forward

@@ -2,7 +2,9 @@
 
 One program per row of the (B*T, V) logits, looping over V in chunks of BLOCK_V (an online max and
 sum in the forward), so any V works and no (B*T, V) temporary exists. The backward writes dlogits
-over the logits buffer in place, as on the CPU.
+over the logits buffer in place, as on the CPU. The logits may be the first V columns of a wider
+buffer (a padded vocabulary, models/head.py): rows `stride` elements apart, the columns past V never
+read or written.
 
 Nothing here syncs with the host: the mean loss comes back as a 0-dim device tensor, and the
 backward counts the non-ignored rows on the device.
@@ -29,13 +31,9 @@ REDUCE_BLOCK = 1024  # rows per step of the one-program mean / count reductions
 
 
 @triton.jit
-def _crossentropy_forward_kernel(losses_ptr, lse_ptr, logits_ptr, targets_ptr, V,
-                                 BLOCK_V: tl.constexpr, LSE64: tl.constexpr):
-    """Row i: m = max_j z_j, s = sum_j exp(z_j - m) (online over chunks: when a chunk raises the
-    max from m to m', s becomes s * exp(m - m') + sum exp(z_chunk - m')); lse = m + log s and
-    loss = (m - z_y) + log s, formed so without the rounding of lse (large when |z| is large)."""
-    row = tl.program_id(0).to(tl.int64)
-    z_row = logits_ptr + row * V
+def _row_lse(z_row, V, BLOCK_V: tl.constexpr):
+    """(m, log s) of one row z: m = max_j z_j, s = sum_j exp(z_j - m), online over chunks (when a
+    chunk raises the max from m to m', s becomes s * exp(m - m') + sum exp(z_chunk - m'))."""
     cols = tl.arange(0, BLOCK_V)
     # the first chunk outside the loop, so m and s enter it as float32 tensors (V >= 1)
     z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
@@ -46,15 +44,30 @@ def _crossentropy_forward_kernel(losses_ptr, lse_ptr, logits_ptr, targets_ptr, V
         m_new = tl.maximum(m, tl.max(z, 0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
         m = m_new
-    log_s = tl.log(s)
+    return m, tl.log(s)
+
+
+@triton.jit
+def _store_loss(losses_ptr, lse_ptr, z_row, row, tgt, m, log_s, LSE64: tl.constexpr):
+    """Row i's lse = m + log s and loss = (m - z_y) + log s (0 where y is -1), the loss formed so
+    without the rounding of lse (large when |z| is large)."""
     if LSE64:
         tl.store(lse_ptr + row, m.to(tl.float64) + log_s.to(tl.float64))
     else:
         tl.store(lse_ptr + row, m + log_s)
-    tgt = tl.load(targets_ptr + row)
     valid = tgt != -1
     z_tgt = tl.load(z_row + tl.where(valid, tgt, 0)).to(tl.float32)
     tl.store(losses_ptr + row, tl.where(valid, (m - z_tgt) + log_s, 0.0))
+
+
+@triton.jit
+def _crossentropy_forward_kernel(losses_ptr, lse_ptr, logits_ptr, targets_ptr, V, stride,
+                                 BLOCK_V: tl.constexpr, LSE64: tl.constexpr):
+    """Row i's log-sum-exp and loss (_row_lse, _store_loss)."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = logits_ptr + row * stride
+    m, log_s = _row_lse(z_row, V, BLOCK_V)
+    _store_loss(losses_ptr, lse_ptr, z_row, row, tl.load(targets_ptr + row), m, log_s, LSE64)
 
 
 @triton.jit
@@ -109,17 +122,43 @@ def _mean_loss_kernel(mean_ptr, losses_ptr, targets_ptr, N, BLOCK: tl.constexpr)
     tl.store(mean_ptr, tl.where(n > 0, tl.sum(total, 0) / tl.maximum(n, 1).to(tl.float32), 0.0))
 
 
+def _row_stride(x):
+    """The elements between rows of a (B, T, V) tensor whose rows lie evenly apart with contiguous
+    columns (contiguous, or the first V columns of a wider one), else None."""
+    if x.dim() != 3 or (x.shape[2] > 1 and x.stride(2) != 1):
+        return None
+    B, T, V = x.shape
+    stride = x.stride(1) if T > 1 else (x.stride(0) if B > 1 else V)
+    if stride < V or (B > 1 and T > 1 and x.stride(0) != T * stride):
+        return None
+    return stride
+
+
 def _check(logits, targets):
-    if logits.dim() != 3 or not logits.is_contiguous():
-        raise ValueError(f"logits must be a contiguous (B, T, V) tensor, got shape {tuple(logits.shape)}")
+    """logits' row stride, checking logits (B, T, V) and targets (B, T)."""
+    stride = _row_stride(logits)
+    if stride is None:
+        raise ValueError(f"logits must be a (B, T, V) tensor with contiguous rows (a column slice of a wider one "
+                         f"is fine), got shape {tuple(logits.shape)}, strides {tuple(logits.stride())}")
     if tuple(targets.shape) != tuple(logits.shape[:2]) or not targets.is_contiguous():
         raise ValueError(f"targets must be a contiguous {tuple(logits.shape[:2])} tensor, "
                          f"got {tuple(targets.shape)}")
+    return stride
 
 
 def _block_v(V):
     block = min(next_pow2(V), MAX_BLOCK_V)
     return block, (8 if block >= 2048 else 4)
+
+
+def _forward_args(losses, lse, logits, targets):
+    """(logits' row stride, V, the rows N, the mean loss's 0-dim device tensor, unset) of a forward's
+    arguments, checked."""
+    stride = _check(logits, targets)
+    B, T, V = logits.shape
+    if lse.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"lse must be float32 or float64, got {lse.dtype}")
+    return stride, V, B * T, torch.empty((), dtype=torch.float32, device=logits.device)
 
 
 def crossentropy_forward(losses, lse, logits, targets):
@@ -135,17 +174,11 @@ def crossentropy_forward(losses, lse, logits, targets):
     in float32 by one program in a fixed order (deterministic). It is 0.0 when every target is
     ignored, as on the CPU.
     """
-    _check(logits, targets)
-    B, T, V = logits.shape
-    N = B * T
-    if lse.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"lse must be float32 or float64, got {lse.dtype}")
-    mean = torch.empty((), dtype=torch.float32, device=logits.device)
+    stride, V, N, mean = _forward_args(losses, lse, logits, targets)
     if N == 0:
-        mean.zero_()
-        return mean
+        return mean.zero_()
     BLOCK_V, num_warps = _block_v(V)
-    _crossentropy_forward_kernel[(N,)](losses, lse, logits, targets, V, BLOCK_V=BLOCK_V,
+    _crossentropy_forward_kernel[(N,)](losses, lse, logits, targets, V, stride, BLOCK_V=BLOCK_V,
                                        LSE64=lse.dtype == torch.float64, num_warps=num_warps)
     _mean_loss_kernel[(1,)](mean, losses, targets, N, BLOCK=REDUCE_BLOCK)
     return mean
@@ -183,31 +216,18 @@ def _count_valid_kernel(count_ptr, targets_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _crossentropy_backward_kernel(dlogits_ptr, logits_ptr, lse_ptr, targets_ptr, scale_ptr, scale_stride, V, cap,
-                                  BLOCK_V: tl.constexpr, LSE64: tl.constexpr, SCALE_IS_COUNT: tl.constexpr,
-                                  SOFTCAP: tl.constexpr):
-    """dz_ij = (exp(z_ij - lse_i) - [j == y_i]) * dloss_i. dloss_i is scale_ptr[i * scale_stride],
-    or with SCALE_IS_COUNT 1 / scale_ptr[0] (the count of valid rows; 0 if there is none).
-    A float64 lse is split as hi + lo (hi = float32(lse), lo = float32(lse - hi)) and z - lse
-    formed as (z - hi) - lo, as the CPU's float32 kernel does. SOFTCAP: z is the capped z', and
-    dz_ij is further multiplied by 1 - (z'_ij / cap)^2 = (1 - t)(1 + t), t = z'_ij / cap."""
-    row = tl.program_id(0).to(tl.int64)
-    tgt = tl.load(targets_ptr + row)
-    if SCALE_IS_COUNT:
-        n = tl.load(scale_ptr)
-        dloss = tl.where(n > 0, 1.0 / tl.maximum(n, 1).to(tl.float32), 0.0)
-    else:
-        dloss = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+def _split_lse(lse):
+    """A float64 lse as hi + lo, hi = float32(lse), lo = float32(lse - hi): z - lse is formed as
+    (z - hi) - lo, as the CPU's float32 kernel does."""
+    hi = lse.to(tl.float32)
+    return hi, (lse - hi.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _row_grad(d_row, z_row, V, tgt, dloss, hi, lo, cap, BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One row's dz_j = (exp((z_j - hi) - lo) - [j == y]) * dloss (times (1 - t)(1 + t), t = z_j / cap,
+    with SOFTCAP), each chunk of z read before its gradient is written: d_row may be z_row."""
     dloss = tl.where(tgt != -1, dloss, 0.0)
-    if LSE64:
-        lse = tl.load(lse_ptr + row)
-        hi = lse.to(tl.float32)
-        lo = (lse - hi.to(tl.float64)).to(tl.float32)
-    else:
-        hi = tl.load(lse_ptr + row)
-        lo = 0.0
-    z_row = logits_ptr + row * V
-    d_row = dlogits_ptr + row * V
     cols = tl.arange(0, BLOCK_V)
     for start in range(0, V, BLOCK_V):
         mask = start + cols < V
@@ -218,7 +238,56 @@ def _crossentropy_backward_kernel(dlogits_ptr, logits_ptr, lse_ptr, targets_ptr,
             t = z / cap
             d = d * ((1.0 - t) * (1.0 + t))
         d = tl.where(dloss != 0.0, d, 0.0)  # ignored rows: exact zeros whatever z and lse hold
-        tl.store(d_row + start + cols, d.to(dlogits_ptr.dtype.element_ty), mask=mask)
+        tl.store(d_row + start + cols, d.to(d_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _count_dloss(count_ptr):
+    """dloss = 1 / n from the count of valid rows (0 if there is none)."""
+    n = tl.load(count_ptr)
+    return tl.where(n > 0, 1.0 / tl.maximum(n, 1).to(tl.float32), 0.0)
+
+
+@triton.jit
+def _crossentropy_backward_kernel(dlogits_ptr, logits_ptr, lse_ptr, targets_ptr, scale_ptr, scale_stride, V, stride,
+                                  d_stride, cap, BLOCK_V: tl.constexpr, LSE64: tl.constexpr,
+                                  SCALE_IS_COUNT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """dz_ij = (exp(z_ij - lse_i) - [j == y_i]) * dloss_i (_row_grad). dloss_i is
+    scale_ptr[i * scale_stride], or with SCALE_IS_COUNT 1 / scale_ptr[0] (the count of valid rows).
+    A float64 lse is split as hi + lo (_split_lse). SOFTCAP: z is the capped z', and dz_ij is
+    further multiplied by 1 - (z'_ij / cap)^2 = (1 - t)(1 + t), t = z'_ij / cap."""
+    row = tl.program_id(0).to(tl.int64)
+    if SCALE_IS_COUNT:
+        dloss = _count_dloss(scale_ptr)
+    else:
+        dloss = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+    if LSE64:
+        hi, lo = _split_lse(tl.load(lse_ptr + row))
+    else:
+        hi = tl.load(lse_ptr + row)
+        lo = 0.0
+    _row_grad(dlogits_ptr + row * d_stride, logits_ptr + row * stride, V, tl.load(targets_ptr + row), dloss, hi, lo,
+              cap, BLOCK_V, SOFTCAP)
+
+
+@triton.jit
+def _crossentropy_fused_kernel(losses_ptr, lse_ptr, logits_ptr, targets_ptr, count_ptr, V, stride, cap,
+                               BLOCK_V: tl.constexpr, LSE64: tl.constexpr, SOFTCAP: tl.constexpr):
+    """llm.c's fused classifier: row i's log-sum-exp and loss (_crossentropy_forward_kernel's), then at
+    once its gradient of the mean loss over its logits (_crossentropy_backward_kernel's with the
+    count's 1/n): the row read twice in one program, its second read from cache, never stored as
+    probabilities. The same operations on the same values as the two kernels: the same bits."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = logits_ptr + row * stride
+    tgt = tl.load(targets_ptr + row)
+    m, log_s = _row_lse(z_row, V, BLOCK_V)
+    _store_loss(losses_ptr, lse_ptr, z_row, row, tgt, m, log_s, LSE64)
+    if LSE64:
+        hi, lo = _split_lse(m.to(tl.float64) + log_s.to(tl.float64))
+    else:
+        hi = m + log_s
+        lo = 0.0
+    _row_grad(z_row, z_row, V, tgt, _count_dloss(count_ptr), hi, lo, cap, BLOCK_V, SOFTCAP)
 
 
 def crossentropy_backward(dlogits, logits, lse, targets, dloss=None, softcap=0.0):
@@ -239,14 +308,15 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None, softcap=0.0
     """
     if not softcap >= 0:
         raise ValueError(f"crossentropy_backward: softcap must be >= 0 (0: none), got {softcap}")
-    _check(logits, targets)
+    stride = _check(logits, targets)
     B, T, V = logits.shape
     N = B * T
-    if tuple(dlogits.shape) != (B, T, V) or not dlogits.is_contiguous():
-        raise ValueError(f"dlogits must be a contiguous {(B, T, V)} tensor, got {tuple(dlogits.shape)}")
+    d_stride = _row_stride(dlogits)
+    if tuple(dlogits.shape) != (B, T, V) or d_stride is None:
+        raise ValueError(f"dlogits must be a {(B, T, V)} tensor with contiguous rows, got {tuple(dlogits.shape)}")
     if N == 0:
         return
-    scale_is_count, stride = False, 0
+    scale_is_count, stride_dloss = False, 0
     if dloss is None:
         scale = torch.empty(1, dtype=torch.int32, device=logits.device)
         _count_valid_kernel[(1,)](scale, targets, N, BLOCK=REDUCE_BLOCK)
@@ -254,13 +324,35 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None, softcap=0.0
     elif isinstance(dloss, torch.Tensor):
         scale = dloss.to(device=logits.device, dtype=torch.float32).contiguous()
         if scale.numel() == N and N > 1:
-            stride = 1
+            stride_dloss = 1
         elif scale.numel() != 1:
             raise ValueError(f"dloss must be a number, a 1-element tensor or a {(B, T)} tensor, "
                              f"got shape {tuple(dloss.shape)}")
     else:
         scale = torch.full((1,), float(dloss), dtype=torch.float32, device=logits.device)
     BLOCK_V, num_warps = _block_v(V)
-    _crossentropy_backward_kernel[(N,)](dlogits, logits, lse, targets, scale, stride, V, float(softcap),
+    _crossentropy_backward_kernel[(N,)](dlogits, logits, lse, targets, scale, stride_dloss, V, stride, d_stride,
+                                        float(softcap),
                                         BLOCK_V=BLOCK_V, LSE64=lse.dtype == torch.float64,
                                         SCALE_IS_COUNT=scale_is_count, SOFTCAP=bool(softcap), num_warps=num_warps)
+
+
+def crossentropy_forward_backward(losses, lse, logits, targets, softcap=0.0):
+    """crossentropy_forward, then crossentropy_backward(logits, logits, lse, targets, softcap=softcap)
+    (the mean loss's gradient, in place), fused as llm.c's classifier is: one program a row computes
+    its log-sum-exp and loss and then overwrites the row with its gradient, so the logits are read
+    from memory once, not twice, and one launch replaces two (a count of the valid rows, for 1/n,
+    goes first; the mean after). The same bits as the two calls. Returns the mean loss (a 0-dim
+    device tensor, as crossentropy_forward's)."""
+    if not softcap >= 0:
+        raise ValueError(f"crossentropy_forward_backward: softcap must be >= 0 (0: none), got {softcap}")
+    stride, V, N, mean = _forward_args(losses, lse, logits, targets)
+    if N == 0:
+        return mean.zero_()
+    count = torch.empty(1, dtype=torch.int32, device=logits.device)
+    _count_valid_kernel[(1,)](count, targets, N, BLOCK=REDUCE_BLOCK)
+    BLOCK_V, num_warps = _block_v(V)
+    _crossentropy_fused_kernel[(N,)](losses, lse, logits, targets, count, V, stride, float(softcap), BLOCK_V=BLOCK_V,
+                                     LSE64=lse.dtype == torch.float64, SOFTCAP=bool(softcap), num_warps=num_warps)
+    _mean_loss_kernel[(1,)](mean, losses, targets, N, BLOCK=REDUCE_BLOCK)
+    return mean
