@@ -8,7 +8,9 @@ import pytest
 from gpu_helpers import REAL_GPU
 
 import handgrad.bench.train_gpu as train_gpu
+from handgrad.bench.gpu_profile import GROUPS
 from handgrad.cli import main as cli
+from handgrad.models import get_family
 
 
 PRESETS = ["gpt2-124m", "smollm2-135m"]
@@ -24,11 +26,11 @@ def no_inductor(monkeypatch):
     ~2 minutes on the CPU here and a minute or more on a GPU, too long for the suite. The plumbing of
     that side is tested; the compiler is exercised by the bench itself (tools/gpu_check.py runs it)."""
     import torch
-    monkeypatch.setattr(torch, "compile", lambda model: model)
+    monkeypatch.setattr(torch, "compile", lambda model, **mode: model)
 
 
 def test_bench_train_gpu_json(no_inductor, capsys):
-    assert _bench("--preset", ",".join(PRESETS), "--json", "--steps", "2") == 0
+    assert _bench("--preset", ",".join(PRESETS), "--json", "--steps", "2", "--max-autotune", "--profile") == 0
     result = json.loads(capsys.readouterr().out)
     env = result["environment"]
     assert set(env) >= {"device", "torch", "triton", "cuda", "interpreter"} and env["interpreter"] == (not REAL_GPU)
@@ -37,12 +39,23 @@ def test_bench_train_gpu_json(no_inductor, capsys):
     assert [r["name"] for r in result["rows"]] == PRESETS
     for r in result["rows"]:
         assert r["arch"] == ("gpt2" if r["name"] == "gpt2-124m" else "llama")
-        assert (r["batch_size"], r["T"]) == ((8, 1024) if REAL_GPU else (1, 16))
+        if REAL_GPU:  # GPT-2 at llm.c's B 64, or the largest that fits with every side held at once
+            assert r["T"] == 1024 and r["batch_size"] == (
+                train_gpu.LLMC_BATCHES[r["name"]][len(r["batches_out_of_memory"])] if r["name"] == "gpt2-124m" else 8)
+        else:
+            assert (r["batch_size"], r["T"]) == (1, 16)
+        # train's default: GPT-2's lm_head padded to a multiple of 64 on the gpu (the interpreter's V is 50)
+        assert r["vocab_pad"] == (64 if r["name"] == "gpt2-124m" else 1)
+        V, pad = r["model"]["vocab_size"], r["vocab_pad"]
+        family = get_family(r["arch"])
+        N = family.num_params(family.config(**r["model"])) + (-(-V // pad) * pad - V) * r["model"]["n_embd"]
+        assert r["llmc_flops_per_token"] == 6 * N + 6 * r["model"]["n_layer"] * r["model"]["n_embd"] * r["T"]
         assert r["steps"] == 2 and r["tokens_per_step"] == r["batch_size"] * r["T"] and r["flops_per_token"] > 0
         check = r["loss_check"]  # the check ran: every side's warm-up losses, within the bf16 tolerance
         assert check["steps"] == train_gpu.WARMUP_STEPS and check["rtol"] == train_gpu.LOSS_RTOL
         # graph (train.cuda_graph) only on CUDA: the interpreter cannot capture
-        sides = ["handgrad", "graph", "eager", "compile"] if REAL_GPU else ["handgrad", "eager", "compile"]
+        sides = ["handgrad", "graph", "eager", "compile", "autotune"] if REAL_GPU else \
+            ["handgrad", "eager", "compile", "autotune"]
         assert list(check["losses"]) == sides
         assert all(len(v) == train_gpu.WARMUP_STEPS for v in check["losses"].values())
         assert list(r["sides"]) == sides
@@ -52,14 +65,24 @@ def test_bench_train_gpu_json(no_inductor, capsys):
             assert s["loss_max_rel_diff"] <= train_gpu.LOSS_RTOL
             assert len(s["warmup_s"]) == train_gpu.WARMUP_STEPS and s["first_step_s"] > 0
             assert (s["peak_mem_mib"] is not None) == REAL_GPU
-            assert ("compile_s" in s) == (name == "compile")
-        for peer in ("eager", "compile"):
+            assert ("compile_s" in s) == (name in ("compile", "autotune"))
+            assert (s["mfu_llmc"] is None) == (r["dense_bf16_peak"] is None)
+        # --profile: llm.c's groups, every side's kernels on CUDA, handgrad's ops under the interpreter
+        prof = r["profile"]
+        assert list(prof) == (sides if REAL_GPU else ["handgrad"])
+        for p in prof.values():
+            assert set(p["groups"]) <= {g for g, _ in GROUPS} | {"other"} and sum(p["groups"].values()) > 0
+        if not REAL_GPU:
+            assert {"classifier", "attention", "layernorm", "matmul", "gelu", "residual", "encoder", "adamw"} \
+                <= set(prof["handgrad"]["groups"])
+        for peer in ("eager", "compile", "autotune"):
             assert r[f"ratio_vs_{peer}"] == pytest.approx(r["sides"]["handgrad"]["tok_s"] / r["sides"][peer]["tok_s"])
             assert ("graph_ratio_vs_" + peer in r) == REAL_GPU
         assert "ratio_vs_graph" not in r and "ratio_vs_handgrad" not in r
     text = "\n".join([train_gpu.format_header(result), *map(train_gpu.format_row, result["rows"]),
                       train_gpu.format_footer(result)])
     assert "bf16 peak: torch.matmul" in text and "handgrad/compile" in text and "first 3 losses agree" in text
+    assert "handgrad/autotune" in text and "llm.c MFU" in text and "profile (" in text
     assert ("graph/compile" in text) == REAL_GPU
     if not REAL_GPU:  # the graph side's line, from a row with one (a copy of handgrad's side)
         row = dict(result["rows"][0], graph_ratio_vs_eager=1.5, graph_ratio_vs_compile=0.75)
@@ -89,7 +112,7 @@ def test_a_side_that_computes_something_else_stops_the_bench(monkeypatch):
 
 @pytest.mark.parametrize("flags, words", [(["--lora", "8"], "--lora is not supported"),
                                           (["--dtype", "float32"], "times bf16 training only"),
-                                          (["--profile"], "--profile times the cpu's ops")])
+                                          (["--max-autotune", "--no-compile"], "--max-autotune is a torch.compile side")])
 def test_what_the_gpu_bench_does_not_do_is_one_line(flags, words):
     with pytest.raises(SystemExit, match=f"^bench train --device gpu: {words}[^\n]*$"):
         _bench(*flags)

@@ -40,7 +40,8 @@ def test_dry_run_passes_every_part_and_leaves_what_the_device_tool_brings_back(t
     assert parts["tests"]["collected"] > 250  # every gpu test file still collects
     assert parts["verify"]["rows"] > 0 and not parts["verify"]["failed_rows"]
     assert parts["bench-ops"]["bench_ops"]["interpreter"] is True
-    assert {r["name"] for r in parts["bench-train"]["bench_train"]["rows"]} == {"gpt2-124m", "smollm2-135m"}
+    bench = [r for doc in parts["bench-train"]["bench_train"] for r in doc["rows"]]
+    assert {r["name"] for r in bench} == {"gpt2-124m", "smollm2-135m"} and all("profile" in r for r in bench)
     train = parts["train"]["train"]["shakespeare-char"]
     assert len(train["cpu_float32"]) == parts["train"]["steps"] == len(train["gpu_bfloat16"])
     # the last lines printed are the table the device tool's output_tail carries
@@ -85,3 +86,18 @@ def test_every_test_file_it_names_exists():
     for node in gpu_check.DRY_TESTS:
         path, name = node.split("::")
         assert f"def {name}(" in (ROOT / path).read_text(), node
+
+
+def test_the_two_calls_fit_the_device_tools_limits():
+    """--call 1 within 9 minutes and --call 2 within 5, each part's limit inside its call's budget; every
+    part in one of them; --parts and --budget still win."""
+    (first, b1), (second, b2) = gpu_check.CALLS[1], gpu_check.CALLS[2]
+    assert b1 <= 540 and b2 <= 300
+    for parts, budget in gpu_check.CALLS.values():
+        assert parts[0] == "env" and sum(gpu_check.LIMITS[p] for p in parts[1:]) + 10 <= budget
+    assert set(first) | set(second) == set(gpu_check.PARTS)
+    args = gpu_check.parse_args(["--call", "2"])
+    assert args.parts == ["env", "bench-train"] and args.budget == b2
+    args = gpu_check.parse_args(["--call", "1", "--budget", "100", "--parts", "verify"])
+    assert args.parts == ["env", "verify"] and args.budget == 100
+    assert [preset for preset, _ in gpu_check.BENCH_TRAIN_RUNS] == ["gpt2-124m", "smollm2-135m", "gpt2-124m"]

@@ -61,9 +61,10 @@ def _train_flags(p):
                    help="where the steps run (default cpu); gpu: handgrad's Triton step in bf16 (as "
                         "`handgrad train --device gpu --train.dtype bfloat16`) beside PyTorch eager under "
                         "torch.autocast bf16 and torch.compile, in one process, default presets "
-                        "gpt2-124m,smollm2-135m at B 8, T 1024 (tiny shapes under TRITON_INTERPRET=1); "
-                        "reports ms/step, tok/s, TFLOP/s, MFU against the measured bf16 matmul peak and peak "
-                        "GPU memory")
+                        "gpt2-124m (llm.c's configuration: B 64, or the largest that fits, T 1024) and "
+                        "smollm2-135m (B 8, T 1024) (tiny shapes under TRITON_INTERPRET=1); reports ms/step, tok/s, "
+                        "TFLOP/s, MFU against the measured bf16 matmul peak and by llm.c's count against the card's "
+                        "dense bf16 peak, and peak GPU memory")
     p.add_argument("--preset", default=None,
                    help=f"shape(s) to time, comma-separated, from {', '.join(SHAPES)} (default tiny,mid,gpt2-124m; "
                         f"with --device gpu gpt2-124m,smollm2-135m)")
@@ -79,6 +80,10 @@ def _train_flags(p):
                         "reported apart and its losses checked against eager's")
     p.add_argument("--no-compile", action="store_true",
                    help="--device gpu: leave out the torch.compile side (its compiles take minutes)")
+    p.add_argument("--max-autotune", action="store_true",
+                   help="--device gpu: one more side, the PyTorch step under "
+                        "torch.compile(mode='max-autotune-no-cudagraphs'), whose compile benchmarks each product's "
+                        "kernels (minutes more)")
     p.add_argument("--lora", type=_positive_int, default=None, metavar="R",
                    help="LoRA rows at rank R on every linear (Llama and Gemma 3 presets): handgrad's LoRA step beside "
                         "PyTorch + PEFT's and handgrad's own full step")
@@ -95,7 +100,9 @@ def _train_flags(p):
                    help="run the sides one after another, each stopped before the next starts (shapes whose "
                         "sides do not fit in memory together), not in alternating chunks")
     p.add_argument("--profile", action="store_true",
-                   help="add handgrad's per-op time breakdown (forward, backward, optimizer)")
+                   help="add handgrad's per-op time breakdown (forward, backward, optimizer); with --device gpu "
+                        "each side's step by llm.c's groups of kernels (encoder, layernorm, matmul, attention, "
+                        "GELU, residual, classifier, AdamW)")
 
 
 def _learn_flags(p):

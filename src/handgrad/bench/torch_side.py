@@ -31,8 +31,8 @@ class TorchSide:
     (torch_ref.TorchLlama.with_peft), its initial adapters handgrad's for `seed`, AdamW over the
     adapters alone (all 2-D: decayed, as handgrad's); checkpointing: transformers' gradient
     checkpointing (the Llama family), each layer's forward run again in the backward; compile: the
-    model (its forward and, through AOTAutograd, its backward) under torch.compile, the optimizer
-    eager."""
+    model (its forward and, through AOTAutograd, its backward) under torch.compile (a string: its
+    mode, e.g. "max-autotune-no-cudagraphs"), the optimizer eager."""
 
     def __init__(self, family, config, state, t, *, fast, device="cpu", autocast=False, fused=None, lora=None,
                  seed=0, checkpointing=False, compile=False):
@@ -47,7 +47,8 @@ class TorchSide:
             self.opt = torch.optim.AdamW(model.with_peft(lora, seed), lr=t.lr, weight_decay=t.weight_decay,
                                          betas=(t.beta1, t.beta2), fused=fused)
         self.params = list(model.parameters())  # the adapters' too, once PEFT has added them
-        self.model = torch.compile(model) if compile else model
+        mode = {"mode": compile} if isinstance(compile, str) else {}
+        self.model = torch.compile(model, **mode) if compile else model
 
     def prepare(self, x, y):
         """A batch of token ids (NumPy) as the model takes it: int64 tensors on the device."""

@@ -287,6 +287,8 @@ def bench_shape(name, steps, profile, lora_rank=None, dtype="float32", compile=F
 
 def main(args):
     """`handgrad bench train`; returns the exit status."""
+    if getattr(args, "max_autotune", False):
+        raise SystemExit("bench train: --max-autotune is a --device gpu side; on the cpu use --compile")
     from ..torch_ref import require_torch
     torch = require_torch()
     names = [n.strip() for n in args.preset.split(",")] if args.preset else list(DEFAULT_SHAPES)
