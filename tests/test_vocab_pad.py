@@ -210,3 +210,21 @@ def test_train_pads_and_checkpoints_the_real_vocabulary(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "model.vocab_pad 64: a padded vocabulary" in err[0], err
     assert not (tmp_path / "lora").exists()
+
+
+def test_restore_fills_moments_longer_than_the_parameters(tmp_path):
+    """ZeRO-1's stand-in optimizer (training/resume.py) holds moments as long as the flat buffers, which
+    data parallelism pads to a multiple of the ranks: restore fills the tensors' places, zeros past them."""
+    from types import SimpleNamespace
+    cls, config = MODELS["gpt2"]
+    a = cls(config, seed=3, vocab_pad=64)
+    opt = AdamW(a, lr=1e-2)
+    _steps(a, opt, _batches(1))
+    save_checkpoint(tmp_path, 1, a, opt, {})
+    b = cls(config, seed=None, vocab_pad=64, buffer_multiple=7)
+    n = len(b.flat_params)
+    assert n > b.num_params
+    stand_in = SimpleNamespace(m=np.zeros(n, np.float32), v=np.zeros(n, np.float32), load_state=opt.load_state)
+    restore(checkpoint_dir(tmp_path, 1), b, stand_in)
+    np.testing.assert_array_equal(stand_in.m[:a.num_params], a.ops.to_numpy(opt.m))
+    assert not stand_in.m[a.num_params:].any() and not stand_in.v[a.num_params:].any()

@@ -57,6 +57,8 @@ def head_kernel_flop(forward, B, T, C, block):
 def _family(op):
     if op in ("adamw_update", "global_norm"):
         return "optimizer", "step"
+    if op.endswith("_forward_backward"):  # a training forward's loss and its gradient in one call
+        return op[:-len("_forward_backward")], "fwd+bwd"
     for phase in ("forward", "backward"):
         if op.endswith("_" + phase):
             return op[: -len(phase) - 1], phase

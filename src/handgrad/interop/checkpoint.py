@@ -253,7 +253,9 @@ def restore(ckpt_dir, model, optimizer, base=None):
     _load_weights(ckpt_dir, model)
     moments = _load_tensors(ckpt_dir / "optim.safetensors")
     for key, flat in (("exp_avg", optimizer.m), ("exp_avg_sq", optimizer.v)):
-        host = np.zeros(model.num_params, dtype=np.float32)  # a padded vocabulary's rows: no moments (zeros)
+        # the flat moments' length (ZeRO-1's stand-in: the buffers' padded length); a padded
+        # vocabulary's rows and that padding hold no moments (zeros)
+        host = np.zeros(flat.shape[0], dtype=np.float32)
         for name, (o, shape) in model.layout.items():
             arr = moments.get(f"{key}.{name}")
             if arr is None or tuple(arr.shape) != tuple(shape):

@@ -90,7 +90,7 @@ def check_model_adamw(config, B, T, steps=10, seed=0, backend="cpu", lr=1e-3, we
     idx, targets = _batch(config, B, T, seed)
     ours, theirs = [], []
     for _ in range(steps):
-        ours.append(model.forward(idx, targets))
+        ours.append(model.forward(idx, targets, grad=True))  # as train steps: the loss and dlogits in one call
         model.zero_grad()
         model.backward()
         opt.step(grad_scale=clip_scale(grad_norm(model, opt.chunks), max_norm))
