@@ -1,5 +1,5 @@
-"""crossentropy_forward_backward, llm.c's fused classifier, on both backends: the loss, the
-log-sum-exps and the mean loss's dlogits written over the logits in one pass, the same bits as
+"""crossentropy_forward_backward, on the gpu llm.c's fused classifier (on the cpu the two calls): the
+loss, the log-sum-exps and the mean loss's dlogits written over the logits in one pass, the same bits as
 crossentropy_forward then crossentropy_backward (awkward V, ignored rows, softcap, the first V
 columns of a wider buffer), and a training step's forward (grad=True) that uses it gives the
 gradients of the unfused step. Without CUDA the gpu rows run in Triton's interpreter."""
@@ -53,6 +53,31 @@ def test_fused_equals_forward_then_backward(backend, V, width, softcap):
     ref.backward()
     np.testing.assert_allclose(d[..., :V], x.grad.numpy(), rtol=0, atol=2e-6)
     assert abs(out[1][0] - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_a_given_dloss_for_every_row(backend):
+    """A chunk's call (models/head.py): dloss one number for every row (the whole batch's 1/n), the same
+    bits as the two calls with that dloss; anything but one number is refused."""
+    ops = get_backend(backend)
+    z, tgt = _inputs(300, 320, seed=3)
+    dloss = np.float32(1 / 37)
+    w = ops.from_numpy(np.array([dloss])) if backend == "gpu" else float(dloss)
+    out = []
+    for fused in (False, True):
+        buf, t = ops.from_numpy(z.copy()), ops.from_numpy(tgt.copy())
+        view = buf[..., :300]
+        losses, lse = ops.empty((2, 5), np.float32), ops.empty((2, 5), ops.LSE_DTYPE)
+        if fused:
+            ops.crossentropy_forward_backward(losses, lse, view, t, w)
+        else:
+            ops.crossentropy_forward(losses, lse, view, t)
+            ops.crossentropy_backward(view, view, lse, t, w)
+        out.append(ops.to_numpy(buf).copy())
+    np.testing.assert_array_equal(out[0], out[1])
+    if backend == "gpu":
+        with pytest.raises(ValueError, match="dloss must be None or a 1-element tensor"):
+            ops.crossentropy_forward_backward(losses, lse, view, t, ops.from_numpy(np.ones((2, 5), np.float32)))
 
 
 def test_cpu_float64_logits_fall_back_to_the_two_kernels():

@@ -8,7 +8,8 @@ llm.c's fused classifier, one pass over the logits) and the backward starts at t
 products. With loss_chunk the logits never exist for the whole batch: the forward forms
 them loss_chunk rows at a time, keeps each row's loss and log-sum-exp and drops the logits. Where the
 forward is a training step's (forward(..., grad=True)) and the lm_head is frozen (LoRA), it also
-folds each chunk's gradient into the hidden state's while the chunk's logits exist, as
+folds each chunk's gradient into the hidden state's while the chunk's logits exist (the chunk's loss and
+dlogits from one crossentropy_forward_backward call, dloss the whole batch's 1/n), as
 Liger-Kernel's fused linear cross-entropy does: the head costs what the whole path costs. Otherwise
 (an evaluation; a trained lm_head, whose gradient a zero_grad between forward and backward must not
 lose) the backward forms each chunk's logits again, one more product of the lm_head's forward size.
@@ -90,10 +91,13 @@ class Head:
             a.dloss = self.ops.crossentropy_mean(a.losses, a.targets)[1]
         for r0, r1, logits in self.head_chunks(a):
             self._logits(logits, row_range(x, r0, r1), W)
-            self.ops.crossentropy_forward(row_range(a.losses, r0, r1), row_range(a.lse, r0, r1), self.real(logits),
-                                          row_range(a.targets, r0, r1))
-            if a.head_dx:
-                self._chunk_backward(a, r0, r1, logits, a.dhead, None, False)
+            rows = (row_range(a.losses, r0, r1), row_range(a.lse, r0, r1), self.real(logits),
+                    row_range(a.targets, r0, r1))
+            if a.head_dx:  # the chunk's loss and its dlogits (the whole batch's 1/n) in one call, then its dx
+                self.ops.crossentropy_forward_backward(*rows, a.dloss, **self._cap())
+                self._chunk_products(a, r0, r1, logits, a.dhead, None, False)
+            else:
+                self.ops.crossentropy_forward(*rows)
         loss, a.dloss = self.ops.crossentropy_mean(a.losses, a.targets)
         return loss
 
@@ -156,7 +160,11 @@ class Head:
         z = self.real(logits)
         self.ops.crossentropy_backward(z, z, row_range(a.lse, r0, r1), row_range(a.targets, r0, r1), scale,
                                        **self._cap())
-        self.ops.linear_backward(row_range(dx, r0, r1), dW, None, logits, row_range(a.head[0], r0, r1), a.head[1],
+        self._chunk_products(a, r0, r1, logits, dx, dW, acc)
+
+    def _chunk_products(self, a, r0, r1, dlogits, dx, dW, acc):
+        """Rows r0:r1 of dx, and their part of dW (None: frozen), from the chunk's dlogits."""
+        self.ops.linear_backward(row_range(dx, r0, r1), dW, None, dlogits, row_range(a.head[0], r0, r1), a.head[1],
                                  acc)
 
     def _cap(self):

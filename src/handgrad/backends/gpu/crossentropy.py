@@ -271,12 +271,14 @@ def _crossentropy_backward_kernel(dlogits_ptr, logits_ptr, lse_ptr, targets_ptr,
 
 
 @triton.jit
-def _crossentropy_fused_kernel(losses_ptr, lse_ptr, logits_ptr, targets_ptr, count_ptr, V, stride, cap,
-                               BLOCK_V: tl.constexpr, LSE64: tl.constexpr, SOFTCAP: tl.constexpr):
+def _crossentropy_fused_kernel(losses_ptr, lse_ptr, logits_ptr, targets_ptr, scale_ptr, V, stride, cap,
+                               BLOCK_V: tl.constexpr, LSE64: tl.constexpr, SOFTCAP: tl.constexpr,
+                               SCALE_IS_COUNT: tl.constexpr):
     """llm.c's fused classifier: row i's log-sum-exp and loss (_crossentropy_forward_kernel's), then at
-    once its gradient of the mean loss over its logits (_crossentropy_backward_kernel's with the
-    count's 1/n): the row read twice in one program, its second read from cache, never stored as
-    probabilities. The same operations on the same values as the two kernels: the same bits."""
+    once its gradient over its logits (_crossentropy_backward_kernel's, dloss = scale_ptr[0], or with
+    SCALE_IS_COUNT 1 / scale_ptr[0], the count of valid rows): the row read twice in one program, its
+    second read from cache, never stored as probabilities. The same operations on the same values as
+    the two kernels: the same bits."""
     row = tl.program_id(0).to(tl.int64)
     z_row = logits_ptr + row * stride
     tgt = tl.load(targets_ptr + row)
@@ -287,7 +289,11 @@ def _crossentropy_fused_kernel(losses_ptr, lse_ptr, logits_ptr, targets_ptr, cou
     else:
         hi = m + log_s
         lo = 0.0
-    _row_grad(z_row, z_row, V, tgt, _count_dloss(count_ptr), hi, lo, cap, BLOCK_V, SOFTCAP)
+    if SCALE_IS_COUNT:
+        dloss = _count_dloss(scale_ptr)
+    else:
+        dloss = tl.load(scale_ptr).to(tl.float32)
+    _row_grad(z_row, z_row, V, tgt, dloss, hi, lo, cap, BLOCK_V, SOFTCAP)
 
 
 def crossentropy_backward(dlogits, logits, lse, targets, dloss=None, softcap=0.0):
@@ -337,22 +343,30 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None, softcap=0.0
                                         SCALE_IS_COUNT=scale_is_count, SOFTCAP=bool(softcap), num_warps=num_warps)
 
 
-def crossentropy_forward_backward(losses, lse, logits, targets, softcap=0.0):
-    """crossentropy_forward, then crossentropy_backward(logits, logits, lse, targets, softcap=softcap)
-    (the mean loss's gradient, in place), fused as llm.c's classifier is: one program a row computes
-    its log-sum-exp and loss and then overwrites the row with its gradient, so the logits are read
-    from memory once, not twice, and one launch replaces two (a count of the valid rows, for 1/n,
-    goes first; the mean after). The same bits as the two calls. Returns the mean loss (a 0-dim
-    device tensor, as crossentropy_forward's)."""
+def crossentropy_forward_backward(losses, lse, logits, targets, dloss=None, softcap=0.0):
+    """crossentropy_forward, then crossentropy_backward(logits, logits, lse, targets, dloss, softcap=softcap)
+    (in place), fused as llm.c's classifier is: one program a row computes its log-sum-exp and loss and
+    then overwrites the row with its gradient, so the logits are read from memory once, not twice,
+    and one launch replaces two (without dloss a count of the valid rows, for 1/n, goes first; the
+    mean after). dloss: None (the mean loss's 1/n over these rows) or a 1-element device tensor (one
+    number for every row: a chunk's share of the whole batch's 1/n, models/head.py). The same bits as
+    the two calls. Returns the mean loss over these rows (a 0-dim device tensor, as crossentropy_forward's)."""
     if not softcap >= 0:
         raise ValueError(f"crossentropy_forward_backward: softcap must be >= 0 (0: none), got {softcap}")
     stride, V, N, mean = _forward_args(losses, lse, logits, targets)
     if N == 0:
         return mean.zero_()
-    count = torch.empty(1, dtype=torch.int32, device=logits.device)
-    _count_valid_kernel[(1,)](count, targets, N, BLOCK=REDUCE_BLOCK)
+    if dloss is None:
+        scale = torch.empty(1, dtype=torch.int32, device=logits.device)
+        _count_valid_kernel[(1,)](scale, targets, N, BLOCK=REDUCE_BLOCK)
+    elif isinstance(dloss, torch.Tensor) and dloss.numel() == 1:
+        scale = dloss.to(device=logits.device, dtype=torch.float32).reshape(1)
+    else:
+        raise ValueError(f"crossentropy_forward_backward: dloss must be None or a 1-element tensor, got "
+                         f"{type(dloss).__name__} {tuple(getattr(dloss, 'shape', ()))}")
     BLOCK_V, num_warps = _block_v(V)
-    _crossentropy_fused_kernel[(N,)](losses, lse, logits, targets, count, V, stride, float(softcap), BLOCK_V=BLOCK_V,
-                                     LSE64=lse.dtype == torch.float64, SOFTCAP=bool(softcap), num_warps=num_warps)
+    _crossentropy_fused_kernel[(N,)](losses, lse, logits, targets, scale, V, stride, float(softcap), BLOCK_V=BLOCK_V,
+                                     LSE64=lse.dtype == torch.float64, SOFTCAP=bool(softcap),
+                                     SCALE_IS_COUNT=dloss is None, num_warps=num_warps)
     _mean_loss_kernel[(1,)](mean, losses, targets, N, BLOCK=REDUCE_BLOCK)
     return mean
