@@ -438,8 +438,8 @@ def parse_args(argv):
                    help="where summary.json and the logs go (default ./gpu-check; on the device: $OUT)")
     p.add_argument("--dry", action="store_true",
                    help="on this CPU: TRITON_INTERPRET=1, tiny sizes, a handful of tests (what the test suite runs)")
-    p.add_argument("--budget", type=float, default=BUDGET_S, metavar="S",
-                   help=f"wall-clock seconds for all parts together (default {BUDGET_S:g}); parts stop early to fit")
+    p.add_argument("--budget", type=float, default=None, metavar="S",
+                   help=f"wall-clock seconds for all parts together (default {BUDGET_S:g}, or --call's); parts stop early to fit")
     p.add_argument("--parts", default=None, metavar="P[,P...]",
                    help=f"which parts, in their fixed order (default all: {','.join(PARTS)}; env always runs)")
     p.add_argument("--call", type=int, choices=sorted(CALLS), default=None,
@@ -447,11 +447,9 @@ def parse_args(argv):
                        f"{n}: {','.join(parts)} in {budget:g} s" for n, (parts, budget) in CALLS.items())
                    + " (--parts and --budget, when given, win)")
     args = p.parse_args(argv)
-    if args.call is not None:
-        parts, budget = CALLS[args.call]
-        args.parts = args.parts or ",".join(parts)
-        args.budget = args.budget if any(a.startswith("--budget") for a in argv) else budget
-    args.parts = args.parts or ",".join(PARTS)
+    parts, budget = CALLS[args.call] if args.call is not None else (PARTS, BUDGET_S)
+    args.parts = args.parts or ",".join(parts)
+    args.budget = budget if args.budget is None else args.budget
     chosen = [s.strip() for s in args.parts.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in PARTS]
     if unknown:

@@ -485,9 +485,14 @@ def validate_run_config(config):
         config.gpt_config(1)  # the family's own checks: n_head divides n_embd, and Llama's even head size, ...
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    # a yes/no word as the bool keys take it (a config file's true is read as "True")
-    t.cuda_graph = {"1": "true", "yes": "true", "0": "false", "no": "false"}.get(str(t.cuda_graph).lower(),
-                                                                            str(t.cuda_graph).lower())
+    # a yes/no word as the bool keys take it (a config file's true is read as "True"); any other word
+    # is left for the choices' check below, which names them
+    t.cuda_graph = str(t.cuda_graph).lower()
+    if t.cuda_graph != "auto":
+        try:
+            t.cuda_graph = "true" if _coerce("train.cuda_graph", t.cuda_graph, bool) else "false"
+        except ConfigError:
+            pass
     for key in ("log_to", "recompute", "dtype", "objective", "dpo_reference", "base_quant", "cuda_graph"):
         if getattr(t, key) not in CHOICES[f"train.{key}"]:
             raise ConfigError(f"train.{key}: must be one of {', '.join(CHOICES['train.' + key])}, got {getattr(t, key)!r}")

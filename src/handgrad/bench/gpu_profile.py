@@ -15,7 +15,8 @@ from .profile import Profiler
 
 # llm.c's groups, tried in this order against a kernel's (or op's) lower-cased name: the first group
 # one of whose words it contains. Order matters: a fused "add + layer_norm" kernel is a layernorm's,
-# a log_softmax the classifier's, the global norm before the optimizer's words catch "norm".
+# a log_softmax the classifier's, and the norms' words come before the optimizer's "norm" (the global
+# gradient norm's kernels).
 GROUPS = (
     ("classifier", ("crossentropy", "cross_entropy", "softcap", "nll_loss", "log_softmax", "mean_loss",
                     "count_valid")),
@@ -47,15 +48,13 @@ def profile_cuda(side, batches, torch, steps=STEPS):
             side.step(batches[i % len(batches)])
         torch.cuda.synchronize()
     side.losses()
-    groups, kernels = defaultdict(float), defaultdict(float)
+    kernels = defaultdict(float)
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None)
         us = getattr(e, "self_cuda_time_total", 0.0) if us is None else us
         if us > 0:
             kernels[e.key] += us / 1e3 / steps
-            groups[group_of(e.key)] += us / 1e3 / steps
-    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:10])
-    return {"how": "kernels (torch.profiler)", "groups": dict(groups), "top": top}
+    return _grouped("kernels (torch.profiler)", kernels)
 
 
 def profile_ops(side, batches, clock, steps=STEPS):
@@ -71,11 +70,15 @@ def profile_ops(side, batches, clock, steps=STEPS):
         side.losses()
     finally:
         model.ops = loop.ops = ops
+    return _grouped("ops timed on the host (the interpreter)", {op: s * 1e3 / steps for op, s in prof.seconds.items()})
+
+
+def _grouped(how, ms):
+    """The profile of {kernel or op name: ms per step}: its groups' sums and the ten costliest names."""
     groups = defaultdict(float)
-    for op, s in prof.seconds.items():
-        groups[group_of(op)] += s * 1e3 / steps
-    return {"how": "ops timed on the host (the interpreter)", "groups": dict(groups),
-            "top": dict(sorted(((op, s * 1e3 / steps) for op, s in prof.seconds.items()), key=lambda kv: -kv[1])[:10])}
+    for name, t in ms.items():
+        groups[group_of(name)] += t
+    return {"how": how, "groups": dict(groups), "top": dict(sorted(ms.items(), key=lambda kv: -kv[1])[:10])}
 
 
 def format_profiles(profiles):

@@ -32,6 +32,7 @@ import numpy as np
 from ..config import load_run_config
 from ..models import get_family
 from ..models.family import flat_layout, flat_views
+from ..models.params import padded_rows
 from ..training.device_loop import DeviceLoop
 from ..training.optim import AdamW
 from .common import Clock
@@ -256,8 +257,7 @@ def _bench_at(name, steps, compile_torch, torch, dev, peak, autotune, batch, pro
 def llmc_flops_per_token(family, config, T, vocab_pad=1):
     """llm.c's count of a training token's FLOPs: 6 N + 6 L C T, N the parameters with the vocabulary
     padded as its model holds it (its num_parameters), L the layers, C the width, T the context."""
-    rows = -(-config.vocab_size // vocab_pad) * vocab_pad
-    N = family.num_params(config) + (rows - config.vocab_size) * config.n_embd
+    N = family.num_params(config) + (padded_rows(config.vocab_size, vocab_pad) - config.vocab_size) * config.n_embd
     return 6 * N + 6 * config.n_layer * config.n_embd * T
 
 
@@ -371,7 +371,7 @@ def format_row(r):
     m = r["model"]
     heads = f"{m['n_head']} on {m['n_kv_head']} kv heads" if "n_kv_head" in m else str(m["n_head"])
     pad = r.get("vocab_pad", 1)
-    vocab = f"{m['vocab_size']}" + (f" (handgrad's lm_head padded to {-(-m['vocab_size'] // pad) * pad})"
+    vocab = f"{m['vocab_size']}" + (f" (handgrad's lm_head padded to {padded_rows(m['vocab_size'], pad)})"
                                     if m["vocab_size"] % pad else "")
     lines = [f"\n{r['name']}: n_layer {m['n_layer']}, n_head {heads}, n_embd {m['n_embd']}, vocab {vocab}, "
              f"B {r['batch_size']}, T {r['T']}; {r['flops_per_token'] / 1e6:,.1f} MFLOP/token; {r['steps']} timed "

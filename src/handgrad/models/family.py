@@ -23,7 +23,7 @@ from .bf16_copies import BF16Copies
 from .dropout import Dropout
 from .head import Head
 from .lora_layout import LoRALayout, quantized_names
-from .params import flat_layout, flat_views, initialise  # noqa: F401 (initialise: the families')
+from .params import flat_layout, flat_views, initialise, padded_rows  # noqa: F401 (initialise: the families')
 
 
 RECOMPUTE = CHOICES["train.recompute"]  # none: every block's activations kept; block, full: see FlatModel
@@ -168,8 +168,7 @@ class FlatModel(Head, LoRALayout, BF16Copies, Dropout):
         self.config, self.ops, self.backend, self.lora = config, get_backend(backend), backend, lora
         self.base_quant = lora.base_quant if lora is not None else quant
         self.dtype, self.loss_chunk, self.recompute = dtype, int(loss_chunk), recompute
-        V = config.vocab_size
-        self.head_rows = -(-V // int(vocab_pad)) * int(vocab_pad)  # the lm_head's rows as held (vocab_pad)
+        self.head_rows = padded_rows(config.vocab_size, int(vocab_pad))  # the lm_head's rows as held
         self.bf16_products = dtype == "bfloat16" and backend == "cpu"
         padded = self._init_buffers(buffer_multiple)
         self._init_bf16_copies(padded)

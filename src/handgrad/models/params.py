@@ -16,6 +16,11 @@ from ..backends import get_backend
 CHUNK = 1 << 20  # values drawn (and narrowed or hashed) at a time: 4 MiB of float32 scratch
 
 
+def padded_rows(rows, multiple):
+    """rows rounded up to a multiple of `multiple` (model.vocab_pad's lm_head rows; 1: rows itself)."""
+    return -(-rows // multiple) * multiple
+
+
 def flat_layout(spec, rows=None):
     """name -> (offset, shape) in the flat buffer, and the total size. rows: name -> the rows its
     tensor reserves (at least shape[0]): the shape stays the tensor's own, the rows past it follow

@@ -21,6 +21,7 @@ from ..eval.score import MAX_LOGITS, MAX_TOKENS
 from ..models.family import recompute_mode
 from ..models.lora import group_widths, split_spec
 from ..models.lora_layout import quantized_names
+from ..models.params import padded_rows
 from .rundir import TrainError
 
 RUNTIME_BYTES = 270 * 2**20  # the process with nothing of the model in it (measured; see above)
@@ -60,7 +61,7 @@ def estimate(family, config, batch_size, block_size, backend="cpu", dtype="float
     matrix (quant_bytes). vocab_pad: the lm_head's rows held padded to a multiple of it (model.vocab_pad):
     its padding in the weights, gradients and moments, and logits that wide."""
     n, frozen, xs = family.num_params(config), 0, 0
-    head_rows = -(-config.vocab_size // vocab_pad) * vocab_pad
+    head_rows = padded_rows(config.vocab_size, vocab_pad)
     n += (head_rows - config.vocab_size) * config.n_embd
     wide = replace(config, vocab_size=head_rows)  # the activations': logits head_rows wide
     act_bytes = 2 if dtype == "bfloat16" and backend != "cpu" else 4

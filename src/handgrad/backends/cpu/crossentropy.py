@@ -326,12 +326,13 @@ def crossentropy_backward(dlogits, logits, lse, targets, dloss=None, softcap=0.0
 
 
 def crossentropy_forward_backward(losses, lse, logits, targets, dloss=None, softcap=0.0):
-    """crossentropy_forward, then crossentropy_backward(logits, logits, lse, targets, dloss, softcap=softcap):
-    the loss and its dlogits over the logits in place (the gpu's fused classifier's contract; a
-    training forward's head calls it; dloss None, the mean's 1/n, or one number for every row). Here the two passes stay two: each is bound by
-    its exp per element, not by memory (N 1024 x V 50,257 float32 on the 2-core AMD EPYC Zen 3: 64 ms
-    for both, 9.6 GB/s of logits moved against the machine's ~20-40), and one row-at-a-time pass
-    doing both measured 0.91-1.01x. Returns the mean loss (as crossentropy_forward)."""
+    """crossentropy_forward, then crossentropy_backward(logits, logits, lse, targets, dloss,
+    softcap=softcap): the loss and its dlogits over the logits in place (the gpu's fused classifier's
+    contract; a training forward's head calls it; dloss None, the mean's 1/n, or one number for every
+    row). Here the two passes stay two: each is bound by its exp per element, not by memory (N 1024 x
+    V 50,257 float32 on the 2-core AMD EPYC Zen 3: 64 ms for both, 9.6 GB/s of logits moved against
+    the machine's ~20-40), and one row-at-a-time pass doing both measured 0.91-1.01x. Returns the
+    mean loss (as crossentropy_forward)."""
     mean = crossentropy_forward(losses, lse, logits, targets)
     crossentropy_backward(logits, logits, lse, targets, dloss, softcap=softcap)
     return mean
