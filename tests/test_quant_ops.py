@@ -5,7 +5,9 @@
   K, row slices (r0 > 0), the non-temporal path, every fp16 bit pattern; bf16 out: to_bf16 of that.
 - quant_matvec / quant_rows: against float64 a @ dequant(w)^T within float32 rounding, every type,
   M = 1, 3, 5, 16; quant_rows on sub-ranges leaves the other columns alone and runs from Numba; a row's
-  result is the same bits whatever the batch and however the weight rows are split.
+  result is the same bits whatever the batch and however the weight rows are split. Q8_0, Q4_0 and Q4_1
+  in both of their forms (dequantized, AVX-512's; factored, elsewhere) on any CPU: each within that
+  rounding, each a row's same bits in any batch, and the two apart by rounding only.
 """
 import numpy as np
 import pytest
@@ -207,3 +209,34 @@ def test_refusals():
         quant_matvec(np.ones((1, 32), np.float32), w, 2, np.empty((1, 3), np.float32))
     with pytest.raises(ValueError, match="a must be float32"):
         quant_matvec(np.ones((1, 32), np.float64), w, 2, np.empty((1, 4), np.float32))
+
+
+@njit(cache=True)
+def _form(a, w, qtype, c, wide):
+    """Q8_0, Q4_0 or Q4_1 rows in the form `wide` (1: dequantized, 0: factored), whichever this CPU runs."""
+    quant._fast_rows(a, w, qtype, c, 0, w.shape[0], wide)
+    return c
+
+
+@pytest.mark.parametrize("qtype", [8, 2, 3])
+def test_both_forms_of_the_fast_types_on_any_cpu(qtype):
+    """The dequantized form (the weights as the reference makes them, summed in 16 lanes) and the factored
+    one (d times a block's sum of q a, in 8) each within TOL of float64 a @ dequant(w)^T, on gguf-py's
+    blocks and random ones, M = 1 (one row's streams), 3, 5 and 16 (tiles of 4 and their remainders);
+    each gives row 0 the same bits in every batch; and the host's own form is what quant_matvec runs."""
+    name = NAMES[qtype]
+    rng = np.random.default_rng(70 + qtype)
+    for K in (32, 96, 768):
+        for blocks in (_gguf_blocks, _random_blocks):
+            w = blocks(name, 21, K, rng)
+            a = rng.standard_normal((16, K)).astype(np.float32)
+            for wide in (1, 0):
+                what = f"{name} K={K} {blocks.__name__} {'dequantized' if wide else 'factored'}"
+                alone = _form(a[:1], w, qtype, np.empty((1, 21), np.float32), wide)
+                for M in (1, 3, 5, 16):
+                    c = _form(a[:M], w, qtype, np.full((M, 21), np.nan, np.float32), wide)
+                    _check_products(c, a[:M], w, qtype, f"{what} M={M}")
+                    _assert_bits(c[:1], alone, f"{what}: row 0 in a batch of {M}")
+                    if wide == quant.WIDE:
+                        _assert_bits(c, quant_matvec(a[:M], w, qtype, np.empty((M, 21), np.float32)),
+                                     f"{what}: quant_matvec runs this CPU's form")

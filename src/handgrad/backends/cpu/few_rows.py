@@ -80,7 +80,7 @@ def _scalar_at(builder, ptr, k, bf16):
     return builder.bitcast(builder.shl(builder.zext(v, i32), ir.Constant(i32, 16)), _F32)
 
 
-def _prefetch(builder, ptr):
+def ir_prefetch(builder, ptr):
     """Ask for the cache line holding ptr, to be read soon (llvm.prefetch: a read, kept in every
     cache level, data)."""
     i32, p8 = ir.IntType(32), ir.IntType(8).as_pointer()
@@ -155,10 +155,10 @@ def _tiles(rows_a, rows_w, chains, prefetch=True, far=False):
                 wv = [_vector_at(builder, p, k, wbf) for p in pw]
                 for j in range(ahead_rows):
                     if far:  # `ahead` elements on in stream j
-                        _prefetch(builder, builder.gep(pw[j], [builder.add(k, ahead)]))
+                        ir_prefetch(builder, builder.gep(pw[j], [builder.add(k, ahead)]))
                     else:
                         at = builder.add(builder.mul(k, ir.Constant(_I64, rows_w)), ir.Constant(_I64, j * LANES))
-                        _prefetch(builder, builder.gep(soon, [at]))
+                        ir_prefetch(builder, builder.gep(soon, [at]))
                 for p, row in zip(pa, grid):
                     av = _vector_at(builder, p, k, abf)
                     for w, slot in zip(wv, row):
@@ -214,7 +214,7 @@ def warm(typingctx, arr, first, count):
             size = ir.Constant(_I64, context.get_abi_sizeof(context.get_data_type(aty.dtype)))
             nbytes = builder.mul(builder.mul(builder.sub(hi, lo), cols), size)
             with cgutils.for_range_slice(builder, ir.Constant(_I64, 0), nbytes, ir.Constant(_I64, 64)) as (i, _):
-                _prefetch(builder, builder.gep(start, [i]))
+                ir_prefetch(builder, builder.gep(start, [i]))
         return context.get_dummy_value()
 
     return types.void(arr, first, count), codegen

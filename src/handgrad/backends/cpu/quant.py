@@ -14,25 +14,36 @@ block's elements and bytes; each dequantizer's docstring its format). qtype is t
   c[:, n] = a (M, K) float32 @ dequant(w[n]), a never quantized.
 
 The products read every weight once. For Q8_0, Q4_0 and Q4_1 (_FAST) they are LLVM IR, as few_rows.py's
-float32 tiles are: a 32-element block's quants q become four 8-lane float vectors, and each row of a
-times them is summed in a fresh chain p = a0 q0 + a1 q1 + a2 q2 + a3 q3 that the block's scale then
-adds to the row's accumulator, t += d p: one scaling per block and row of a, not one per weight. The
-offsets go in through S, the sum of a's block (_block_sums, once per call, shared by every weight row):
-Q4_0's weights d (q - 8) start the chain at -8 S (in lane 0), Q4_1's d q + m add m S after it.
-Every element's sum is one chain of the same operations whichever tile, thread or batch computes it,
-fixed by K alone: a row of a gets the same bits in any batch. It is a @ dequant(w)^T associated
-differently, d (sum q a) for sum (d q) a, so it differs from float32 dequantize-then-dot by float32
-rounding only (tests/test_quant_ops.py: within 1.5 eps of |a| @ |dequant(w)|^T). The other types
-dequantize CHUNK elements of a weight row at a time into a buffer on the stack and take the dot
-products from it (_dot_lanes).
+float32 tiles are, in one of two forms, chosen by the CPU (WIDE):
+- **dequantized** (AVX-512): a block's 32 weights are made exactly as the reference makes them
+  (_ir_dequantized: a nibble looked up by vpermps in the block's table of its 16 values) as two
+  16-lane vectors, and each row of a adds them in with two FMAs to its accumulator: a . dequant(w),
+  summed in 16 lanes. Each block read asks for the bytes AHEAD_BYTES past it.
+- **factored** (elsewhere): a block's quants q become four 8-lane float vectors, and each row of a
+  times them is summed in a fresh chain p = a0 q0 + a1 q1 + a2 q2 + a3 q3 that the block's scale then
+  adds to the row's accumulator, t += d p: one scaling per block and row of a, not one per weight. The
+  offsets go in through S, the sum of a's block (_block_sums, once per call, shared by every weight
+  row): Q4_0's weights d (q - 8) start the chain at -8 S (in lane 0), Q4_1's d q + m add m S after it.
+  It is a @ dequant(w)^T associated differently, d (sum q a) for sum (d q) a.
+Either way every element's sum is one chain of the same operations whichever tile, thread or batch
+computes it, fixed by K and the form: a row of a gets the same bits in any batch (an AVX-512 CPU and
+an AVX2 one sum in different orders, as few_rows' float32 products do). Both differ from float32
+dequantize-then-dot by float32 rounding only (tests/test_quant_ops.py: within 1.5 eps of |a| @
+|dequant(w)|^T, both forms on any CPU). The other types dequantize CHUNK elements of a weight row at a
+time into a buffer on the stack and take the dot products from it (_dot_lanes).
 
-Speed (the 2-core AMD EPYC Zen 3, both threads, weights from memory, SmolLM2-135M's products and a
-16384 x 2048 one): at one row of a, Q8_0 reads its bytes at 0.72-0.87x the rate few_rows reads
+Speed, factored (the 2-core AMD EPYC Zen 3, both threads, weights from memory, SmolLM2-135M's products
+and a 16384 x 2048 one): at one row of a, Q8_0 reads its bytes at 0.72-0.87x the rate few_rows reads
 float32's, Q4_0 and Q4_1 at 0.36-0.50x (10-15 GB/s), both about 3x float32's weights per second; at 4
 rows 0.4-0.55x and 0.2-0.3x. They are bound by the vector instructions per block and row of a, not by
 memory: Q4_0 17 (two widening loads, two masks, two shifts, four int-to-float conversions, four FMAs
 for p, one for d p, two to broadcast and convert d), Q4_1 20 (m's two and m S besides), Q8_0 15; at 4
 rows of a by the FMAs (five per block and row of a, on two FMA pipes).
+Dequantized (the 2-core Intel Xeon, AVX-512): a Q4_1 block and row is 9 vector instructions (a
+widening load, d's and m's broadcast conversions, the table's multiply and add, a shift, two
+lookups, two FMAs); SmolLM2-135M's 120 Q4_1 block products inside the decode step took 6.8 ms without
+the prefetch (8 GB/s: waiting on memory, not on those instructions; 7.2 in the factored form) and
+4.1 with it (16 GB/s); the factored form with the same prefetch 4.8.
 """
 import platform
 
@@ -45,6 +56,7 @@ from numba.extending import intrinsic
 
 from .bf16 import bits_to_float32, float32_to_bits, store_as
 from .common import MIN_PARALLEL, kernel, threshold_divisor
+from .few_rows import ir_prefetch
 from .team import part
 
 QK = 32    # elements in a block of the 32-element types (Q4_0 ... Q8_0)
@@ -268,10 +280,19 @@ def _dequantize_span(src, qtype, out, k0, n):
 
 
 # ---------------------------------------------------------------- Q8_0, Q4_0, Q4_1 in LLVM IR
-LANES = 8  # floats in a vector (AVX2's; a block is four); fixed, so a sum's order is the same on any CPU
+LANES = 8  # floats in a vector of the factored form (AVX2's; a block is four)
+WIDE_LANES = 16  # ... and of the dequantized form (AVX-512's; a block is two)
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VEC = ir.VectorType(_F32, LANES)
-_F16C = "+f16c" in (config.CPU_FEATURES or get_host_cpu_features().flatten())  # the hardware converts fp16
+_FEATURES = config.CPU_FEATURES or get_host_cpu_features().flatten()
+_F16C = "+f16c" in _FEATURES  # the hardware converts fp16
+_AVX512 = "+avx512f" in _FEATURES  # ... and looks a nibble up in a 16-float table (vpermps)
+WIDE = _AVX512  # the products' form on this CPU (the module docstring): dequantized on AVX-512
+# The dequantized form asks for the weight bytes this far past each block it reads (a prefetch a block
+# and weight row). SmolLM2-135M's Q4_1 decode step on the 2-core Intel Xeon (AVX-512): 8.5 ms with
+# none, 5.5-6.0 at 1024-1536 bytes, 5.6 at 2048, 5.9-6.0 at 4096; one every other block no better.
+# Not measured on AVX2, whose factored form asks for nothing (few_rows' one row does the same there).
+AHEAD_BYTES = 1536
 
 
 def _c(ty, v):
@@ -285,15 +306,16 @@ def _load(builder, p, ty, at):
     return builder.load(builder.bitcast(builder.gep(p, [at]), ty.as_pointer()), align=1)
 
 
-def _ir_half(builder, blk, at):
-    """The fp16 at byte `at` of the block as float32 in every lane, exactly: with F16C one broadcast and
-    one vcvtph2ps, without it _half's integer steps."""
+def _ir_half(builder, blk, at, lanes=LANES):
+    """The fp16 at byte `at` of the block as float32 in every one of `lanes` lanes, exactly: with F16C one
+    broadcast and one vcvtph2ps, without it _half's integer steps."""
     h = _load(builder, blk, _I16, at)
-    lanes0 = ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES)
+    lanes0 = ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
+    vec = ir.VectorType(_F32, lanes)
     if _F16C:
-        halves = builder.insert_element(ir.Constant(ir.VectorType(ir.HalfType(), LANES), ir.Undefined),
+        halves = builder.insert_element(ir.Constant(ir.VectorType(ir.HalfType(), lanes), ir.Undefined),
                                         builder.bitcast(h, ir.HalfType()), _c(_I32, 0))
-        return builder.fpext(builder.shuffle_vector(halves, halves, lanes0), _VEC)
+        return builder.fpext(builder.shuffle_vector(halves, halves, lanes0), vec)
     h = builder.zext(h, _I32)
     em = builder.and_(h, _c(_I32, 0x7FFF))
     o = builder.shl(em, _c(_I32, 13))
@@ -301,7 +323,7 @@ def _ir_half(builder, blk, at):
     bits = builder.select(builder.icmp_unsigned(">=", em, _c(_I32, 0x7C00)), builder.or_(o, _c(_I32, 0x7F800000)),
                           scaled)
     x = builder.bitcast(builder.or_(bits, builder.shl(builder.and_(h, _c(_I32, 0x8000)), _c(_I32, 16))), _F32)
-    v = builder.insert_element(ir.Constant(_VEC, ir.Undefined), x, _c(_I32, 0))
+    v = builder.insert_element(ir.Constant(vec, ir.Undefined), x, _c(_I32, 0))
     return builder.shuffle_vector(v, v, lanes0)
 
 
@@ -323,6 +345,35 @@ def _ir_block(builder, qtype, blk):
     return vecs, _ir_half(builder, blk, 0), (_ir_half(builder, blk, 2) if qtype == 3 else None)
 
 
+def _ir_dequantized(builder, qtype, blk):
+    """One block of a _FAST type at the byte pointer blk as its 32 weights, each the reference's value
+    (interop/gguf_quants.py: Q8_0's q * d, Q4_0's (q - 8) * d, Q4_1's q * d + m, two roundings), in two
+    vectors of WIDE_LANES: elements 0-15, 16-31. A nibble block's 16 bytes are widened to int32 once (one
+    vpmovzxbd); on AVX-512 the nibble is looked up (vpermps reads an index's low four bits, so the low
+    nibbles need no mask and the high ones one shift) in the block's table of its 16 values, computed as
+    the reference computes each weight; elsewhere each weight is converted and scaled, the same
+    operations lane by lane, so the same bits."""
+    iv, vec = ir.VectorType(_I32, WIDE_LANES), ir.VectorType(_F32, WIDE_LANES)
+    d = _ir_half(builder, blk, 0, WIDE_LANES)
+    if qtype == 8:  # Q8_0, 34 bytes: d fp16 | qs[32] int8
+        return [builder.fmul(builder.sitofp(builder.sext(_load(builder, blk, ir.VectorType(_I8, WIDE_LANES),
+                                                               2 + WIDE_LANES * h), iv), vec), d) for h in range(2)]
+    bytes16 = _load(builder, blk, ir.VectorType(_I8, WIDE_LANES), 2 if qtype == 2 else 4)
+    ints = builder.zext(bytes16, iv)
+    nibbles = [ints, builder.lshr(ints, _c(iv, 4))]  # element j < 16: qs[j]'s low nibble, j + 16 its high one
+
+    def weights(q):  # the floats q (0..15) as the reference's weights
+        y = builder.fmul(builder.fsub(q, _c(vec, 8.0)) if qtype == 2 else q, d)
+        return builder.fadd(y, _ir_half(builder, blk, 2, WIDE_LANES)) if qtype == 3 else y
+
+    if _AVX512:
+        table = weights(ir.Constant(vec, [float(j) for j in range(WIDE_LANES)]))
+        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec, iv]),
+                                                 "llvm.x86.avx512.permvar.sf.512")
+        return [builder.call(permute, [table, q]) for q in nibbles]
+    return [weights(builder.sitofp(builder.and_(q, _c(iv, 15)), vec)) for q in nibbles]
+
+
 def _ir_narrow(builder, y):
     """bf16.narrow32 over a vector: float32 lanes to bf16 bit patterns (i16), to nearest even, NaN quiet."""
     iv = ir.VectorType(_I32, y.type.count)
@@ -336,7 +387,7 @@ def _ir_narrow(builder, y):
 
 def _lane_sum(builder, v):
     """The sum of v's lanes as a tree of halves (a fixed order)."""
-    n = LANES
+    n = v.type.count
     while n > 1:
         n //= 2
         lo, hi = (builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(o, o + n))))
@@ -345,8 +396,9 @@ def _lane_sum(builder, v):
     return builder.extract_element(v, _c(_I32, 0))
 
 
-def _fma(builder):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), f"llvm.fma.v{LANES}f32")
+def _fma(builder, lanes=LANES):
+    vec = ir.VectorType(_F32, lanes)
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{lanes}f32")
 
 
 def _arrays(context, builder, sig, args, which):
@@ -409,22 +461,23 @@ def _dequantize_fast(typingctx, w, qtype, out, r, i, stream):
 
 
 def _tiles(rows_a, rows_w, far=False):
-    """An intrinsic tile(a, w, qtype, c, sums, m0, n0, hi, gap): c[m, n] = a[m] . dequant(w[n]) for rows_a
-    rows of a from m0 by rows_w weight rows from n0 (far: n0, n0 + gap, n0 + 2 gap, ...), an index past
-    the last (a's M - 1, the weights' hi - 1) repeating it (the same value stored twice); qtype one of
-    _FAST, chosen at run time. a float32 with contiguous rows, w uint8 (N, row bytes), c float32, sums
-    a's block sums (_block_sums; Q4_0, Q4_1). Per block each weight row's quants are made once
-    (_ir_block) for every row of a, and each pair (m, n) runs the module docstring's chain in its own
+    """An intrinsic tile(a, w, qtype, c, sums, m0, n0, hi, gap, wide): c[m, n] = a[m] . dequant(w[n]) for
+    rows_a rows of a from m0 by rows_w weight rows from n0 (far: n0, n0 + gap, n0 + 2 gap, ...), an index
+    past the last (a's M - 1, the weights' hi - 1) repeating it (the same value stored twice); qtype one
+    of _FAST and the form (wide: dequantized, else factored) chosen at run time. a float32 with
+    contiguous rows, w uint8 (N, row bytes), c float32, sums a's block sums (_block_sums; the factored
+    Q4_0, Q4_1). Per block each weight row's quants (_ir_block) or weights (_ir_dequantized) are made
+    once for every row of a, and each pair (m, n) runs the module docstring's chain in its own
     accumulator, so its sum is the same bits in any tile."""
     @intrinsic
-    def tile(typingctx, a, w, qtype, c, sums, m0, n0, hi, gap):
+    def tile(typingctx, a, w, qtype, c, sums, m0, n0, hi, gap, wide):
         if not (all(isinstance(x, types.Array) and x.ndim == 2 for x in (a, w, c)) and isinstance(sums, types.Array)
                 and a.dtype == c.dtype == sums.dtype == types.float32 and w.dtype == types.uint8):
             return None
 
         def codegen(context, builder, sig, args):
             aarr, warr, carr, sarr = _arrays(context, builder, sig, args, (0, 1, 3, 4))
-            qt, m0, n0, hi, gap = _ints(context, builder, sig, args, (2, 5, 6, 7, 8))
+            qt, m0, n0, hi, gap, form = _ints(context, builder, sig, args, (2, 5, 6, 7, 8, 9))
             M, K = cgutils.unpack_tuple(builder, aarr.shape, 2)
             zero, one = _c(_I64, 0), _c(_I64, 1)
             nb = builder.lshr(K, _c(_I64, 5))
@@ -438,18 +491,46 @@ def _tiles(rows_a, rows_w, far=False):
             pa = [cgutils.get_item_pointer(context, builder, sig.args[0], aarr, [m, zero]) for m in ms]
             pw = [cgutils.get_item_pointer(context, builder, sig.args[1], warr, [n, zero]) for n in ns]
             ps = [cgutils.get_item_pointer(context, builder, sig.args[4], sarr, [builder.mul(m, nb)]) for m in ms]
-            fma = _fma(builder)
+            fma, fma16 = _fma(builder), _fma(builder, WIDE_LANES)
+            vec16 = ir.VectorType(_F32, WIDE_LANES)
+
+            def when(qtype, dequantized):  # the code for this type in this form, taken at run time
+                return builder.if_then(builder.and_(builder.icmp_signed("==", qt, _c(_I64, qtype)),
+                                                    builder.icmp_signed("!=" if dequantized else "==", form, zero)))
+
+            def a_block(p_a, k, vec):  # a row's block from element k, as vectors of vec
+                return [builder.load(builder.bitcast(builder.gep(p_a, [builder.add(k, _c(_I64, vec.count * v))]),
+                                                     vec.as_pointer()), align=4) for v in range(QK // vec.count)]
+
+            def store(acc):  # each accumulator's lanes summed into its element of c
+                for m, row in zip(ms, acc):
+                    for n, slot in zip(ns, row):
+                        builder.store(_lane_sum(builder, builder.load(slot)),
+                                      cgutils.get_item_pointer(context, builder, sig.args[3], carr, [m, n]))
+
             for qtype in _FAST:
-                with builder.if_then(builder.icmp_signed("==", qt, _c(_I64, qtype))):
+                size = _c(_I64, LAYOUT[qtype][2])
+                with when(qtype, dequantized=True):
+                    acc = [[cgutils.alloca_once_value(builder, ir.Constant(vec16, None)) for _ in pw] for _ in pa]
+                    with cgutils.for_range(builder, nb) as loop:
+                        b = loop.index
+                        blks = [builder.gep(p, [builder.mul(b, size)]) for p in pw]
+                        for blk in blks:
+                            ir_prefetch(builder, builder.gep(blk, [_c(_I64, AHEAD_BYTES)]))
+                        ys = [_ir_dequantized(builder, qtype, blk) for blk in blks]
+                        for p_a, row in zip(pa, acc):
+                            av = a_block(p_a, builder.shl(b, _c(_I64, 5)), vec16)
+                            for y, slot in zip(ys, row):
+                                t = builder.call(fma16, [av[0], y[0], builder.load(slot)])
+                                builder.store(builder.call(fma16, [av[1], y[1], t]), slot)
+                    store(acc)
+                with when(qtype, dequantized=False):
                     acc = [[cgutils.alloca_once_value(builder, ir.Constant(_VEC, None)) for _ in pw] for _ in pa]
-                    size = _c(_I64, LAYOUT[qtype][2])
                     with cgutils.for_range(builder, nb) as loop:
                         b = loop.index
                         blocks = [_ir_block(builder, qtype, builder.gep(p, [builder.mul(b, size)])) for p in pw]
-                        k = builder.shl(b, _c(_I64, 5))
                         for p_a, p_s, row in zip(pa, ps, acc):
-                            av = [builder.load(builder.bitcast(builder.gep(p_a, [builder.add(k, _c(_I64, 8 * v))]),
-                                                               _VEC.as_pointer()), align=4) for v in range(4)]
+                            av = a_block(p_a, builder.shl(b, _c(_I64, 5)), _VEC)
                             # Q4_0's -8 S or Q4_1's S, in lane 0 (one vmovss)
                             lane0 = None if qtype == 8 else builder.insert_element(
                                 ir.Constant(_VEC, None), builder.load(builder.gep(p_s, [b])), _c(_I32, 0))
@@ -461,13 +542,10 @@ def _tiles(rows_a, rows_w, far=False):
                                 if m is not None:
                                     t = builder.call(fma, [m, lane0, t])
                                 builder.store(t, slot)
-                    for m, row in zip(ms, acc):
-                        for n, slot in zip(ns, row):
-                            builder.store(_lane_sum(builder, builder.load(slot)),
-                                          cgutils.get_item_pointer(context, builder, sig.args[3], carr, [m, n]))
+                    store(acc)
             return context.get_dummy_value()
 
-        return types.void(a, w, qtype, c, sums, m0, n0, hi, gap), codegen
+        return types.void(a, w, qtype, c, sums, m0, n0, hi, gap, wide), codegen
 
     return tile
 
@@ -612,11 +690,12 @@ def _block_sums(a, qtype, sums):
 
 
 @_serial
-def _fast_rows(a, w, qtype, c, lo, hi):
-    """quant_rows for the _FAST types, the rows of a in groups whose block sums fit SUMS. One row of a:
-    ROW_STREAMS weight rows far apart (rows n, n + gap, ..., as few_rows reads one row's: independent
-    chains for the core, separate streams for memory), the rows left over one at a time; more rows
-    TILE_M to a tile by TILE_N weight rows, the last M % TILE_M on a tile of their height."""
+def _fast_rows(a, w, qtype, c, lo, hi, wide):
+    """quant_rows for the _FAST types in the form `wide` (dequantized, else factored), the rows of a in
+    groups whose block sums fit SUMS. One row of a: ROW_STREAMS weight rows far apart (rows n, n + gap,
+    ..., as few_rows reads one row's: independent chains for the core, separate streams for memory), the
+    rows left over one at a time; more rows TILE_M to a tile by TILE_N weight rows, the last M % TILE_M
+    on a tile of their height."""
     M, K = a.shape
     nb = K // QK
     if nb > SUMS:
@@ -625,26 +704,26 @@ def _fast_rows(a, w, qtype, c, lo, hi):
     group = SUMS // max(nb, 1)
     for g0 in range(0, M, group):
         ag, cg = a[g0:min(M, g0 + group)], c[g0:min(M, g0 + group)]
-        if qtype != 8:
+        if qtype != 8 and not wide:
             _block_sums(ag, qtype, sums)
         G = ag.shape[0]
         if G == 1:
             gap = (hi - lo) // ROW_STREAMS
             for n in range(lo, lo + gap):
-                _row_far(ag, w, qtype, cg, sums, 0, n, hi, gap)
+                _row_far(ag, w, qtype, cg, sums, 0, n, hi, gap, wide)
             for n in range(lo + ROW_STREAMS * gap, hi):
-                _row(ag, w, qtype, cg, sums, 0, n, hi, 1)
+                _row(ag, w, qtype, cg, sums, 0, n, hi, 1, wide)
             continue
         left = G % TILE_M
         for n in range(lo, hi, TILE_N):
             for m in range(0, G - left, TILE_M):
-                _tile(ag, w, qtype, cg, sums, m, n, hi, 1)
+                _tile(ag, w, qtype, cg, sums, m, n, hi, 1, wide)
             if left == 1:
-                _tile1(ag, w, qtype, cg, sums, G - 1, n, hi, 1)
+                _tile1(ag, w, qtype, cg, sums, G - 1, n, hi, 1, wide)
             elif left == 2:
-                _tile2(ag, w, qtype, cg, sums, G - 2, n, hi, 1)
+                _tile2(ag, w, qtype, cg, sums, G - 2, n, hi, 1, wide)
             elif left == 3:
-                _tile3(ag, w, qtype, cg, sums, G - 3, n, hi, 1)
+                _tile3(ag, w, qtype, cg, sums, G - 3, n, hi, 1, wide)
 
 
 @_serial
@@ -675,9 +754,10 @@ def quant_rows(a, w, qtype, c, lo, hi):
     (N, row_bytes(qtype, K)) of GGML type qtype) into the same columns of c (M, N) float32; a float32, a
     and c with contiguous rows. Nothing is checked (quant_matvec checks). Allocates nothing (its buffers
     are on the stack), so a decode step's team member can run its share; each element's sum in an order
-    fixed by K alone, whatever M, lo and hi. Columns outside [lo, hi) are not touched."""
+    fixed by K (and this CPU's form, WIDE), whatever M, lo and hi. Columns outside [lo, hi) are not
+    touched."""
     if qtype == 8 or qtype == 2 or qtype == 3:  # a[:, :], c[:, :]: layout 'A', so the kernels compile once
-        _fast_rows(a[:, :], w, qtype, c[:, :], lo, hi)
+        _fast_rows(a[:, :], w, qtype, c[:, :], lo, hi, WIDE)
     else:
         _other_rows(a[:, :], w, qtype, c[:, :], lo, hi)
 
