@@ -39,7 +39,7 @@ rows 0.4-0.55x and 0.2-0.3x. They are bound by the vector instructions per block
 memory: Q4_0 17 (two widening loads, two masks, two shifts, four int-to-float conversions, four FMAs
 for p, one for d p, two to broadcast and convert d), Q4_1 20 (m's two and m S besides), Q8_0 15; at 4
 rows of a by the FMAs (five per block and row of a, on two FMA pipes).
-Dequantized (the 2-core Intel Xeon, AVX-512): a Q4_1 block and row is 9 vector instructions (a
+Dequantized (the 2-core Intel Xeon, AVX-512): a Q4_1 block and row is 10 vector instructions (a
 widening load, d's and m's broadcast conversions, the table's multiply and add, a shift, two
 lookups, two FMAs); SmolLM2-135M's 120 Q4_1 block products inside the decode step took 6.8 ms without
 the prefetch (8 GB/s: waiting on memory, not on those instructions; 7.2 in the factored form) and
