@@ -16,15 +16,15 @@ from math import gcd
 
 import numpy as np
 from llvmlite import ir
-from llvmlite.binding import get_host_cpu_features
 from numba import get_num_threads, njit, prange, types
-from numba.core import cgutils, config
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .common import kernel
+from .target import has_feature
 from .team import part
 
-_AVX512 = "+avx512f" in (config.CPU_FEATURES or get_host_cpu_features().flatten())
+_AVX512 = has_feature("avx512f")
 SMALL_M = 16  # rows the few-rows kernel below takes at any width
 # ... and up to SHORT_M rows (a short prompt's prefill, serve's prompts prefilled together) while a, as
 # float32, fits in SHORT_BYTES, where the tiles keep a in cache beside the weight rows read once: against

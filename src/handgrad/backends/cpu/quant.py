@@ -49,14 +49,14 @@ import platform
 
 import numpy as np
 from llvmlite import ir
-from llvmlite.binding import get_host_cpu_features
 from numba import carray, get_num_threads, njit, prange, types
-from numba.core import cgutils, config
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .bf16 import bits_to_float32, float32_to_bits, store_as
 from .common import MIN_PARALLEL, kernel, threshold_divisor
 from .few_rows import ir_prefetch
+from .target import has_feature
 from .team import part
 
 QK = 32    # elements in a block of the 32-element types (Q4_0 ... Q8_0)
@@ -284,9 +284,8 @@ LANES = 8  # floats in a vector of the factored form (AVX2's; a block is four)
 WIDE_LANES = 16  # ... and of the dequantized form (AVX-512's; a block is two)
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VEC = ir.VectorType(_F32, LANES)
-_FEATURES = config.CPU_FEATURES or get_host_cpu_features().flatten()
-_F16C = "+f16c" in _FEATURES  # the hardware converts fp16
-_AVX512 = "+avx512f" in _FEATURES  # ... and looks a nibble up in a 16-float table (vpermps)
+_F16C = has_feature("f16c")  # the hardware converts fp16
+_AVX512 = has_feature("avx512f")  # ... and looks a nibble up in a 16-float table (vpermps)
 WIDE = _AVX512  # the products' form on this CPU (the module docstring): dequantized on AVX-512
 # The dequantized form asks for the weight bytes this far past each block it reads (a prefetch a block
 # and weight row). SmolLM2-135M's Q4_1 decode step on the 2-core Intel Xeon (AVX-512): 8.5 ms with
@@ -502,6 +501,9 @@ def _tiles(rows_a, rows_w, far=False):
                 return [builder.load(builder.bitcast(builder.gep(p_a, [builder.add(k, _c(_I64, vec.count * v))]),
                                                      vec.as_pointer()), align=4) for v in range(QK // vec.count)]
 
+            def accumulators(vec):  # one vec for each pair (row of a, weight row)
+                return [[cgutils.alloca_once_value(builder, ir.Constant(vec, None)) for _ in pw] for _ in pa]
+
             def store(acc):  # each accumulator's lanes summed into its element of c
                 for m, row in zip(ms, acc):
                     for n, slot in zip(ns, row):
@@ -511,26 +513,28 @@ def _tiles(rows_a, rows_w, far=False):
             for qtype in _FAST:
                 size = _c(_I64, LAYOUT[qtype][2])
                 with when(qtype, dequantized=True):
-                    acc = [[cgutils.alloca_once_value(builder, ir.Constant(vec16, None)) for _ in pw] for _ in pa]
+                    acc = accumulators(vec16)
                     with cgutils.for_range(builder, nb) as loop:
                         b = loop.index
+                        k = builder.shl(b, _c(_I64, 5))
                         blks = [builder.gep(p, [builder.mul(b, size)]) for p in pw]
                         for blk in blks:
                             ir_prefetch(builder, builder.gep(blk, [_c(_I64, AHEAD_BYTES)]))
                         ys = [_ir_dequantized(builder, qtype, blk) for blk in blks]
                         for p_a, row in zip(pa, acc):
-                            av = a_block(p_a, builder.shl(b, _c(_I64, 5)), vec16)
+                            av = a_block(p_a, k, vec16)
                             for y, slot in zip(ys, row):
                                 t = builder.call(fma16, [av[0], y[0], builder.load(slot)])
                                 builder.store(builder.call(fma16, [av[1], y[1], t]), slot)
                     store(acc)
                 with when(qtype, dequantized=False):
-                    acc = [[cgutils.alloca_once_value(builder, ir.Constant(_VEC, None)) for _ in pw] for _ in pa]
+                    acc = accumulators(_VEC)
                     with cgutils.for_range(builder, nb) as loop:
                         b = loop.index
+                        k = builder.shl(b, _c(_I64, 5))
                         blocks = [_ir_block(builder, qtype, builder.gep(p, [builder.mul(b, size)])) for p in pw]
                         for p_a, p_s, row in zip(pa, ps, acc):
-                            av = a_block(p_a, builder.shl(b, _c(_I64, 5)), _VEC)
+                            av = a_block(p_a, k, _VEC)
                             # Q4_0's -8 S or Q4_1's S, in lane 0 (one vmovss)
                             lane0 = None if qtype == 8 else builder.insert_element(
                                 ir.Constant(_VEC, None), builder.load(builder.gep(p_s, [b])), _c(_I32, 0))

@@ -39,6 +39,12 @@ def _widen():
 _WIDE = _widen()
 
 
+def has_feature(name):
+    """Whether the code Numba generates may use the CPU feature `name` (LLVM's spelling: "avx512f",
+    "f16c"): in the features it compiles for (a user's NUMBA_CPU_FEATURES, _widen's, else the host's)."""
+    return f"+{name}" in (numba.config.CPU_FEATURES or codegen.get_host_cpu_features()).split(",")
+
+
 def vector_bits():
     """512 where handgrad gave Numba 512-bit vectors, None where LLVM's own choice for this CPU
     (or the user's NUMBA_CPU_* setting) stands."""
